@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarm.records import MemberRecord
-from swarm.runconfig import RunConfig
+from swarm.runconfig import EDGE_MODES, RunConfig
 from swarm.stage import StageWorker
 from swarm.stage_rpc import Traffic, make_servicer, stage_namespace
 
@@ -72,6 +72,8 @@ class SwarmPeer:
         self._params_servicer: Any = None
         self.averaging: Any = None  # swarm.averaging.agent.SwarmAveraging
         self.allreduce: Any = None  # swarm.averaging.allreduce.GroupAverager (mode allreduce)
+        self.edges: Any = None  # swarm.averaging.edges.EdgeAveraging (modes dsgd, pdmm_isvr, admm_isvr)
+        self._edge_servicer: Any = None
         self._synced = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"rpc-{swarm}", daemon=True)
@@ -125,9 +127,14 @@ class SwarmPeer:
 
             self.allreduce = GroupAverager(self.averaging)
             await self.allreduce.start()
-        elif mode not in ("dpwa", "none"):
-            self.notify("warning", "averaging", f"averaging.mode {mode} runs in the simulator only (swarm/ecl); "
-                                                "this swarm's copies are kept together by best-model exchange alone")
+        elif mode in EDGE_MODES:
+            from swarm.averaging.edges import EdgeAveraging
+
+            self.edges = EdgeAveraging(self.run, self.swarm, me, self.worker, self._loop, self.notify, p2p=self.p2p,
+                                       traffic=self.traffic)
+            self._edge_servicer = self.edges.servicer()
+            await self._edge_servicer.add_p2p_handlers(self.p2p, namespace=stage_namespace(self.run.run_id, self.swarm))
+            self.edges.start()
 
     async def _start_driver(self) -> None:
         from swarm.data import load_dataset, make_shards
@@ -199,15 +206,15 @@ class SwarmPeer:
             for task in self._tasks:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
-            for part in (self.allreduce, self.averaging):
+            for part in (self.allreduce, self.edges, self.averaging):
                 if part is not None:
                     await part.close()
-            if self._params_servicer is not None and self.p2p is not None:
-                try:
-                    await self._params_servicer.remove_p2p_handlers(
-                        self.p2p, namespace=stage_namespace(self.run.run_id, self.swarm))
-                except Exception as exc:
-                    logger.debug("removing the parameter service: %s", exc)
+            for servicer in (self._edge_servicer, self._params_servicer):
+                if servicer is not None and self.p2p is not None:
+                    try:
+                        await servicer.remove_p2p_handlers(self.p2p, namespace=stage_namespace(self.run.run_id, self.swarm))
+                    except Exception as exc:
+                        logger.debug("removing %s: %s", servicer.__class__.__name__, exc)
             if self._servicer is not None and self.p2p is not None:
                 try:
                     await self._servicer.remove_p2p_handlers(self.p2p, namespace=stage_namespace(self.run.run_id, self.swarm))
@@ -263,8 +270,9 @@ class SwarmPeer:
     def update_views(self, views: dict[str, list[MemberRecord]]) -> None:
         # Run-wide samples trained: what the drivers completed (clocks merge when copies average).
         self._run_samples = sum(r.trained for r in views.get("layer0", []))
-        if self.averaging is not None:
-            self._loop.call_soon_threadsafe(self.averaging.set_records, list(views.get(self.swarm, [])))
+        for part in (self.averaging, self.edges):
+            if part is not None:
+                self._loop.call_soon_threadsafe(part.set_records, list(views.get(self.swarm, [])))
         if self.driver is None:
             return
         online = {name: [r.peer_id for r in records if r.state == "online"] for name, records in views.items()}

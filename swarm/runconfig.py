@@ -86,6 +86,22 @@ class ExchangeConfig(_Strict):
     distrust_s: float = Field(300.0, ge=0.0)
 
 
+EDGE_MODES = frozenset({"dsgd", "pdmm_isvr", "admm_isvr"})  # averaging over a peer graph (swarm/averaging/edges.py)
+
+
+class GraphConfig(_Strict):
+    """The peer graph of the edge modes (dsgd, pdmm_isvr, admm_isvr): built by every peer from the
+    swarm's online records, so the peers of a swarm agree on it without talking."""
+
+    kind: Literal["ring", "double_ring", "random"] = Field("ring", description="who exchanges with whom")
+    period_steps: int = Field(8, ge=1, le=100_000, description="K: each edge exchanges once every K local steps, "
+                                                                "at its own offset")
+    seed: int = Field(0, description="seeds the random graph")
+    eta_scale: float = Field(1.0, gt=0.0, le=1000.0, description="pdmm/admm: the constraint strength is "
+                                                                  "common_eta(mu, graph) times this")
+    mixing: Literal["metropolis", "uniform"] = Field("metropolis", description="dsgd: mixing weights")
+
+
 class AveragingConfig(_Strict):
     mode: Literal["none", "dpwa", "allreduce", "dsgd", "pdmm_isvr", "admm_isvr"] = "dpwa"
     fetch_probability: float = Field(0.1, ge=0.0, le=1.0, description="chance of starting a pull per step")
@@ -100,6 +116,7 @@ class AveragingConfig(_Strict):
     sync_timeout_s: float = Field(60.0, gt=0.0, description="a newcomer's whole download of its layer")
     max_state_mb: float = Field(4096.0, gt=0.0, description="largest layer (with optimizer state) a pull accepts")
     allreduce_every_s: float = Field(30.0, gt=0.0, description="mode allreduce: period of the group rounds")
+    graph: GraphConfig = GraphConfig()
     exchange: ExchangeConfig = ExchangeConfig()
 
 
@@ -139,6 +156,16 @@ class RunConfig(_Strict):
             raise ValueError(
                 f"data.classes_per_shard ({self.data.classes_per_shard}) exceeds model.num_classes "
                 f"({self.model.num_classes})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _edge_modes_are_the_optimizer(self) -> "RunConfig":
+        mode, opt = self.averaging.mode, self.optimizer
+        if mode in EDGE_MODES and (opt.name != "sgd" or opt.momentum != 0.0):
+            raise ValueError(
+                f"averaging.mode {mode} is the optimizer itself (its local step uses optimizer.lr as the step "
+                f"size): set optimizer.name: sgd and optimizer.momentum: 0 (now {opt.name}, momentum {opt.momentum})"
             )
         return self
 

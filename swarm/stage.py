@@ -11,6 +11,8 @@ single compute thread. Design choices:
   weights for the input gradient, as a recompute would, while the parameter gradient uses the
   activations of the forward. A backward at another peer (or after the cache dropped the entry)
   recomputes the forward from the input the driver re-sends.
+- The update is ``optimizer.step()`` unless averaging replaces it (``set_update_rule``: the edge
+  modes DSGD, PDMM-ISVR and ADMM-ISVR are optimizers of their own).
 - Averaging (swarm/averaging) changes the copy only between two steps: it runs its changes on the
   compute thread or under ``lock`` (``mix_in``, ``restore``), and it hears of every step through
   ``add_step_hook`` (called on the compute thread, under the lock, right after the update).
@@ -167,6 +169,7 @@ class StageWorker:
         self.lock = threading.RLock()  # held while computing or updating: snapshots are never half-updated
         self.simulated_step_s = simulated_step_s()
         self._step_hooks: list[Callable[[StepInfo], None]] = []
+        self._update: Callable[[], None] = self.optimizer.step
 
     # ----- checks
     def check_input(self, x: torch.Tensor) -> torch.Tensor:
@@ -252,7 +255,7 @@ class StageWorker:
         for name, param in self.module.named_parameters():
             grad = saved.params[name].grad
             param.grad = grad if grad is not None else torch.zeros_like(param)
-        self.optimizer.step()
+        self._update()
         self.stats.record_update(batch_size, loss, time.monotonic())
         info = StepInfo(batch_size=batch_size, loss=loss, forward_at=saved.created)
         for hook in self._step_hooks:
@@ -282,6 +285,14 @@ class StageWorker:
 
     def add_step_hook(self, hook: Callable[[StepInfo], None]) -> None:
         self._step_hooks.append(hook)
+
+    def set_update_rule(self, rule: Callable[[], None] | None) -> None:
+        """Replace ``optimizer.step()`` by ``rule`` (None restores it). The rule runs on the compute
+        thread under the lock, with every parameter's ``.grad`` set, and must update the parameters in
+        place (cached forward graphs alias them). The edge modes of averaging use this: their update
+        *is* the optimizer (swarm/averaging/edges.py)."""
+        with self.lock:
+            self._update = rule if rule is not None else self.optimizer.step
 
     @torch.no_grad()
     def mix_in(self, received: Mapping[str, torch.Tensor], factor: float, peer_clock: float) -> None:

@@ -61,10 +61,24 @@ def test_per_node_eta_is_biased_where_degrees_differ_and_common_eta_is_not():
 
 def test_messages_carry_opposite_signs_at_the_two_ends_of_an_edge():
     graph = ring(["a", "b", "c"])
-    config = EclConfig(mu=0.1, eta=1.0)
+    config = EclConfig(mu=0.1, eta=1.0, dual_init="zero")
     w = torch.tensor([1.0, 2.0])
     a, b = EclNode("a", w, graph, config), EclNode("b", w, graph, config)
     assert torch.equal(a.make_message("b"), 2 * w) and torch.equal(b.make_message("a"), -2 * w)
+    neutral = EclConfig(mu=0.1, eta=1.0)
+    a, b = EclNode("a", w, graph, neutral), EclNode("b", w, graph, neutral)
+    assert torch.equal(a.make_message("b"), w) and torch.equal(b.make_message("a"), -w)
+
+
+def test_a_new_edge_pulls_nothing_with_a_neutral_dual_and_toward_zero_with_a_zero_dual():
+    graph = ring(["a", "b", "c"])
+    w = torch.tensor([1.0, -2.0])
+    neutral = EclNode("b", w, graph, EclConfig(mu=0.1, eta=2.0))
+    zero = EclNode("b", w, graph, EclConfig(mu=0.1, eta=2.0, dual_init="zero"))
+    for node in (neutral, zero):
+        node.step(torch.zeros(2))
+    assert torch.allclose(neutral.params, w)
+    assert torch.allclose(zero.params, w / (1 + 0.1 * 2.0 * 2))
 
 
 def test_surviving_edges_keep_their_duals_when_the_graph_is_rebuilt():
@@ -73,7 +87,8 @@ def test_surviving_edges_keep_their_duals_when_the_graph_is_rebuilt():
     node.on_messages({"a": torch.full((2,), 3.0), "c": torch.full((2,), 5.0)})
     node.set_graph(ring(["a", "b", "d"]))
     assert set(node.duals) == {"a", "d"}
-    assert torch.equal(node.duals["a"], torch.full((2,), 3.0)) and torch.equal(node.duals["d"], torch.zeros(2))
+    assert torch.equal(node.duals["a"], torch.full((2,), 3.0))
+    assert torch.equal(node.duals["d"], -torch.ones(2))  # new edge, neutral: -A_bd w_b with b < d
 
 
 def test_bad_messages_are_rejected_before_anything_is_applied():

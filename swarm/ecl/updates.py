@@ -34,6 +34,7 @@ from swarm.ecl.graph import PeerGraph, edge_sign
 PDMM_THETA = 1.0
 ADMM_THETA = 0.5
 MixingWeights = Literal["metropolis", "uniform"]
+DualInit = Literal["neutral", "zero"]
 
 
 class BadMessageError(ValueError):
@@ -74,6 +75,7 @@ class EclConfig:
     mu: float  # step size of the linearised proximal primal update (the paper's mu, the code's lr)
     eta: float  # constraint strength; give every node of a graph the same value (see common_eta)
     theta: float = PDMM_THETA  # dual averaging: 1 = PDMM-ISVR, 1/2 = ADMM-ISVR
+    dual_init: DualInit = "neutral"  # a new edge's dual: "neutral" (-A_ij w_i) or "zero" (the paper's)
 
     def __post_init__(self) -> None:
         if not self.mu > 0:
@@ -82,6 +84,8 @@ class EclConfig:
             raise ValueError(f"EclConfig.eta must be positive, got {self.eta}")
         if not 0 < self.theta <= 1:
             raise ValueError(f"EclConfig.theta must be within (0, 1] (1 = PDMM, 0.5 = ADMM), got {self.theta}")
+        if self.dual_init not in ("neutral", "zero"):
+            raise ValueError(f"EclConfig.dual_init must be 'neutral' or 'zero', got {self.dual_init!r}")
 
 
 def reference_eta(mu: float, period_steps: int, degree: float, piw: float = 1.0) -> float:
@@ -118,10 +122,20 @@ class EclNode:
         self.set_graph(graph)
 
     def set_graph(self, graph: PeerGraph) -> None:
-        """Adopt a rebuilt graph: edges that survive keep their dual, new edges start from zero."""
+        """Adopt a rebuilt graph: edges that survive keep their dual, new edges start from ``new_dual``."""
         neighbours = graph.neighbours(self.peer_id)
-        self.duals = {j: self.duals.get(j, torch.zeros_like(self.params)) for j in neighbours}
         self._signs = {j: edge_sign(self.peer_id, j) for j in neighbours}
+        self.duals = {j: self.duals[j] if j in self.duals else self.new_dual(j) for j in neighbours}
+
+    def new_dual(self, peer: str) -> torch.Tensor:
+        """A new edge's (scaled) dual. ``zero`` is the paper's start: until the neighbour's first message
+        arrives, the constraint term then pulls our copy toward 0 by a factor 1 / (1 + mu eta E) per
+        step. ``neutral`` starts at ``-A_ij w_i``, the dual that pulls nothing (as if the neighbour held
+        our copy), which is also what the neighbour's first message sets when the copies agree; a
+        networked edge whose first message takes tens of steps needs it (docs/ECL.md measures both)."""
+        if self.config.dual_init == "zero":
+            return torch.zeros_like(self.params)
+        return -self._signs[peer] * self.params
 
     def step(self, grad: torch.Tensor) -> None:
         """The primal update: one linearised proximal step pulled towards the edge constraints."""

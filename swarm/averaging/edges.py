@@ -1,0 +1,321 @@
+"""The edge modes in a real swarm: DSGD, PDMM-ISVR and ADMM-ISVR over a graph of the swarm's peers.
+
+``EdgeAveraging`` runs the nodes of swarm/ecl/updates.py (``EclNode``, ``DsgdNode``: the same classes
+the simulation runs) inside a peer, in place of the optimizer:
+
+- **Graph.** Every peer builds ``build_graph(kind, ids, K, seed)`` from the online records of its
+  swarm (plus itself), so peers with the same view agree on the edges, their signs ``A_ij = -A_ji``
+  and their offsets without talking. A new view (a peer joined, left, paused, or we stopped listening
+  to it after a bad message) rebuilds the graph: surviving edges keep their dual, new ones start at
+  zero, and ECL's common eta follows the new mean degree.
+- **Update.** ``StageWorker.set_update_rule``: after each backward, on the compute thread and under
+  the stage's lock, the node applies the messages that arrived since the last step, then its local
+  step (ECL's proximal primal update, or DSGD's SGD step) on the flattened parameters, written back
+  in place. The module stays the source of truth: a best-model adoption or a newcomer's download
+  changes it, and the next step starts from there.
+- **Exchange.** Edge (i, j) is due at our local step ``s`` when ``s % K == offset(i, j)``; the message
+  is pushed to j (edge_rpc.py) from the event loop, fire-and-forget, at most one in flight per edge.
+  Nothing ever waits for a neighbour: a slow or departed neighbour only leaves its edge's dual stale
+  until the records drop it from the graph (``timeouts.record_ttl_s``).
+- **Arrivals.** The event loop checks a message (a neighbour in our graph, flat, finite, our size)
+  and queues it; the compute thread applies it at the next step, after a norm check against our own
+  copy. A message that fails a check is rejected, logged and never applied, and the sender is left
+  out of our graph for ``averaging.ban_s``.
+
+Threads: ``set_records`` and ``receive`` run on the event loop; ``_update`` on the compute thread; they
+share only the inbox (under ``_inbox_lock``), the pending graph (a reference swap) and the stats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from swarm.averaging.edge_rpc import EdgeRefused, EdgeServicer, send_edge_message
+from swarm.averaging.rules import BanList
+from swarm.ecl.graph import PeerGraph, build_graph
+from swarm.ecl.updates import ADMM_THETA, PDMM_THETA, BadMessageError, DsgdNode, EclConfig, EclNode, common_eta
+from swarm.records import MemberRecord
+from swarm.runconfig import EDGE_MODES, RunConfig
+from swarm.stage import StageWorker
+from swarm.stage_rpc import Traffic
+
+logger = logging.getLogger(__name__)
+
+GRAPH_STATES = frozenset({"online"})  # peers that train, hence step and send
+INBOX_PER_SENDER = 8  # messages queued per neighbour while we do not step; the oldest go first
+NOTICE_S = 30.0
+FIRST_NOTICE_S = 5.0  # the first notice comes early: the user sees at once that the edges work
+LAG_WINDOW = 64  # deliveries over which the lag (our steps from sending to the reply) is measured
+PDMM_MAX_LAG_PERIODS = 2.0  # warn when PDMM's messages lag more than this many periods (docs/ECL.md)
+NORM_FLOOR = 1e-6
+Notify = Callable[[str, str, str], None]  # (level, kind, text)
+Send = Callable[[str, torch.Tensor, int], Any]  # async (peer, message, step) -> None; raises on failure
+
+
+@dataclass(slots=True)
+class EdgeStats:
+    steps: int = 0  # local steps taken by the node
+    sent: int = 0  # messages a neighbour took
+    send_failed: int = 0  # timed out, unreachable, broken
+    skipped: int = 0  # not sent: the previous message on that edge was still on the wire
+    refused: int = 0  # the neighbour answered no (its graph has no edge to us yet, or any more)
+    received: int = 0  # messages queued for the next step
+    applied: int = 0  # messages applied to the node
+    rejected: int = 0  # messages refused by our checks
+    graphs: int = 0  # graphs built
+
+
+def node_theta(mode: str) -> float:
+    return ADMM_THETA if mode == "admm_isvr" else PDMM_THETA
+
+
+class EdgeAveraging:
+    """One peer's edge-mode runtime (see the module doc)."""
+
+    def __init__(self, run: RunConfig, swarm: str, me: str, worker: StageWorker, loop: asyncio.AbstractEventLoop,
+                 notify: Notify, *, p2p: Any = None, traffic: Traffic | None = None, send: Send | None = None):
+        if run.averaging.mode not in EDGE_MODES:
+            raise ValueError(f"EdgeAveraging runs {sorted(EDGE_MODES)}, not {run.averaging.mode!r}")
+        self.run = run
+        self.cfg = run.averaging
+        self.mode = run.averaging.mode
+        self.swarm = swarm
+        self.me = me
+        self.worker = worker
+        self.loop = loop
+        self.notify = notify
+        self.p2p = p2p
+        self.traffic = traffic
+        self._send = send or self._send_rpc
+        self.stats = EdgeStats()
+        self.banned = BanList()  # loop thread only
+        self._params = [p for p in worker.module.parameters()]
+        self.numel = sum(p.numel() for p in self._params)
+        self.graph = self._build([me])  # the newest graph (loop thread writes, both read)
+        self._current_graph = self.graph  # the graph the node runs on (compute thread)
+        self._pending: PeerGraph | None = None  # a newer graph for the compute thread to adopt
+        self.node = self._make_node(self.graph)
+        self._inbox: dict[str, deque[torch.Tensor]] = {}
+        self._inbox_lock = threading.Lock()
+        self._sending: dict[str, asyncio.Task] = {}  # loop thread only
+        self._view: tuple[str, ...] = (me,)
+        self._closed = False
+        self._notice_at = time.monotonic() - (NOTICE_S - FIRST_NOTICE_S)
+        self._noticed = EdgeStats()
+        self.lags: deque[int] = deque(maxlen=LAG_WINDOW)  # loop thread only
+        self._lag_warned = False
+
+    # ----- lifecycle (loop thread)
+    def start(self) -> None:
+        self.worker.set_update_rule(self._update)
+
+    async def close(self) -> None:
+        self._closed = True
+        self.worker.set_update_rule(None)
+        tasks = list(self._sending.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def servicer(self) -> EdgeServicer:
+        return EdgeServicer(self.receive, run_id=self.run.run_id, swarm=self.swarm, mode=self.mode, numel=self.numel,
+                            traffic=self.traffic)
+
+    # ----- the graph (loop thread)
+    def set_records(self, records: Sequence[MemberRecord]) -> None:
+        """A new view of our swarm: rebuild the graph if the set of graph peers changed."""
+        now = time.monotonic()
+        banned = self.banned.active(now)
+        ids = {r.peer_id for r in records if r.state in GRAPH_STATES and r.peer_id not in banned} | {self.me}
+        view = tuple(sorted(ids))
+        if view == self._view:
+            return
+        self._view = view
+        graph = self._build(view)
+        self._pending = graph
+        self.graph = graph
+        self.stats.graphs += 1
+        neighbours = graph.neighbours(self.me)
+        shown = ", ".join(peer[-8:] for peer in neighbours) or "none"
+        why = "" if len(view) > 1 else "; training alone until another peer of the swarm is online"
+        self.notify("info", "graph", f"{self.mode} graph: {len(view)} peer(s), {self.cfg.graph.kind}; our "
+                                     f"neighbours: {shown}; each edge exchanges every {graph.period_steps} "
+                                     f"step(s){why}")
+
+    def _build(self, ids: Sequence[str]) -> PeerGraph:
+        g = self.cfg.graph
+        return build_graph(g.kind, ids, g.period_steps, g.seed)
+
+    def _make_node(self, graph: PeerGraph) -> EclNode | DsgdNode:
+        flat = self._flat_params()
+        lr = self.run.optimizer.lr
+        if self.mode == "dsgd":
+            return DsgdNode(self.me, flat, graph, lr=lr, weights=self.cfg.graph.mixing)
+        return EclNode(self.me, flat, graph, EclConfig(mu=lr, eta=self._eta(graph), theta=node_theta(self.mode)))
+
+    def _eta(self, graph: PeerGraph) -> float:
+        if not graph.edges:  # no edge: eta multiplies nothing; any positive value will do
+            return 1.0
+        return common_eta(self.run.optimizer.lr, graph, self.cfg.graph.eta_scale)
+
+    # ----- arrivals (loop thread)
+    def receive(self, sender: str, message: torch.Tensor, step: int) -> None:
+        """An edge message arrived (edge_rpc.py already checked its size and dtype): queue or refuse it."""
+        if sender in self.banned.active(time.monotonic()):
+            raise EdgeRefused("not_neighbour", "this peer is not listening to you after a bad message")
+        if sender not in self.graph.neighbours(self.me):
+            raise EdgeRefused("not_neighbour", "no edge to you in this peer's graph (views may differ for a "
+                                               "heartbeat after a join or leave)")
+        if not bool(torch.isfinite(message).all()):
+            self._reject(sender, "the message holds NaN or infinite values")
+            raise EdgeRefused("rejected", "the message holds NaN or infinite values")
+        with self._inbox_lock:
+            self._inbox.setdefault(sender, deque(maxlen=INBOX_PER_SENDER)).append(message)
+        self.stats.received += 1
+
+    def _reject(self, sender: str, reason: str) -> None:
+        """Loop thread: stop listening to ``sender`` for ``ban_s`` and leave it out of our graph."""
+        self.banned.ban(sender, time.monotonic(), self.cfg.ban_s)
+        self.stats.rejected += 1
+        self.notify("warning", "rejected", f"rejected an edge message from {sender[-8:]}: {reason}; ignoring it "
+                                           f"for {self.cfg.ban_s:.0f} s")
+        self._view = ()  # the next view rebuilds the graph without it
+
+    # ----- the update (compute thread, under the stage's lock)
+    def _flat_params(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self._params])
+
+    def _update(self) -> None:
+        node = self.node
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            node.set_graph(pending)
+            if isinstance(node, EclNode):
+                node.config = replace(node.config, eta=self._eta(pending))
+        graph = self._current_graph = pending if pending is not None else self._current_graph
+        node.params = self._flat_params()
+        self._apply_inbox(node)
+        grad = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device)
+                          for p in self._params])
+        decay = self.run.optimizer.weight_decay
+        if decay:
+            grad = grad + decay * node.params
+        node.step(grad)
+        self._write_back(node.params)
+        step = self.stats.steps
+        self.stats.steps += 1
+        for peer in graph.neighbours(self.me):
+            if graph.exchanges_at(self.me, peer, step):
+                message = node.make_message(peer).detach().to("cpu", copy=True)
+                self._post(peer, message, step)
+
+    def _apply_inbox(self, node: EclNode | DsgdNode) -> None:
+        with self._inbox_lock:
+            inbox, self._inbox = self._inbox, {}
+        neighbours = set(node.duals if isinstance(node, EclNode) else node.weights)
+        device = node.params.device
+        own_norm = max(float(node.params.norm()), NORM_FLOOR)
+        for sender, messages in inbox.items():
+            if sender not in neighbours:  # the graph changed since it arrived: that edge is gone
+                continue
+            bound = self.cfg.max_norm_ratio * max(own_norm, float(node.make_message(sender).norm()))
+            for message in messages:
+                norm = float(message.norm())
+                if norm > bound:
+                    self._post_reject(sender, f"its norm {norm:.3g} is over {self.cfg.max_norm_ratio:g} times ours")
+                    break
+                try:
+                    node.on_messages({sender: message.to(device)})
+                except BadMessageError as exc:
+                    self._post_reject(sender, str(exc))
+                    break
+                self.stats.applied += 1
+
+    @torch.no_grad()
+    def _write_back(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for param in self._params:
+            n = param.numel()
+            param.copy_(flat[offset: offset + n].view_as(param))
+            offset += n
+
+    def _post_reject(self, sender: str, reason: str) -> None:
+        self._call_soon(self._reject, sender, reason)
+
+    def _post(self, peer: str, message: torch.Tensor, step: int) -> None:
+        self._call_soon(self._start_send, peer, message, step)
+
+    def _call_soon(self, callback: Callable[..., None], *args: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the loop is closing: nothing more to send
+            pass
+
+    # ----- sending (loop thread)
+    def _start_send(self, peer: str, message: torch.Tensor, step: int) -> None:
+        if self._closed:
+            return
+        running = self._sending.get(peer)
+        if running is not None and not running.done():
+            self.stats.skipped += 1
+            return
+        self._sending[peer] = asyncio.ensure_future(self._deliver(peer, message, step))
+        self._maybe_notice()
+
+    async def _deliver(self, peer: str, message: torch.Tensor, step: int) -> None:
+        try:
+            await self._send(peer, message, step)
+            self.stats.sent += 1
+            self.lags.append(self.stats.steps - 1 - step)
+        except EdgeRefused as exc:
+            self.stats.refused += 1
+            level = logging.WARNING if exc.code in ("rejected", "wrong_run") else logging.DEBUG
+            logger.log(level, "%s did not take our edge message: %s", peer[-8:], exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # timeouts, departed peers, broken streams: the edge's dual waits
+            self.stats.send_failed += 1
+            logger.info("edge message to %s failed: %s %s", peer[-8:], exc.__class__.__name__, exc)
+
+    async def _send_rpc(self, peer: str, message: torch.Tensor, step: int) -> None:
+        await send_edge_message(self.p2p, peer, self.run, self.swarm, message, step, timeout_s=self.cfg.timeout_s,
+                                wire_dtype=self.cfg.wire_dtype, traffic=self.traffic)
+
+    def lag_steps(self) -> float | None:
+        """Median of our local steps between sending a message and its delivery (recent messages)."""
+        if not self.lags:
+            return None
+        ordered = sorted(self.lags)
+        return float(ordered[len(ordered) // 2])
+
+    def _maybe_notice(self) -> None:
+        now = time.monotonic()
+        if now - self._notice_at < NOTICE_S:
+            return
+        s, before = self.stats, self._noticed
+        sent, received = s.sent - before.sent, s.applied - before.applied
+        lost = (s.send_failed - before.send_failed) + (s.refused - before.refused)
+        degree = self.graph.degree(self.me)
+        lag = self.lag_steps()
+        self.notify("info", "averaged", f"{self.mode}: sent {sent} and applied {received} edge message(s) with "
+                                        f"{degree} neighbour(s) in the last {now - self._notice_at:.0f} s"
+                                        + (f"; delivered within {lag:.0f} step(s)" if lag is not None else "")
+                                        + (f"; {lost} not delivered" if lost else ""))
+        self._notice_at, self._noticed = now, replace(s)
+        period = self.cfg.graph.period_steps
+        if self.mode == "pdmm_isvr" and lag is not None and lag > PDMM_MAX_LAG_PERIODS * period \
+                and not self._lag_warned:
+            self._lag_warned = True
+            self.notify("warning", "averaging",
+                        f"edge messages take {lag:.0f} local steps to arrive, more than the exchange period "
+                        f"({period}): PDMM-ISVR can diverge with stale messages (docs/ECL.md); raise "
+                        f"averaging.graph.period_steps or use averaging.mode admm_isvr")

@@ -1,0 +1,210 @@
+"""The edge modes' runtime inside a stage worker, without a network (swarm/averaging/edges.py).
+
+The worker's update is the node's (same numbers as a bare EclNode fed the same gradients and
+messages); messages go out exactly at the edges' offsets; the graph follows the records; bad
+messages are refused or rejected before anything is applied; a malformed request never reaches the
+node (edge_rpc.py's checks).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from swarm.averaging.edge_rpc import EdgeRefused, EdgeServicer
+from swarm.averaging.edges import EdgeAveraging
+from swarm.ecl.graph import build_graph
+from swarm.ecl.updates import EclConfig, EclNode, common_eta
+from swarm.records import MemberRecord
+from swarm.runconfig import RunConfig
+from swarm.stage import StageWorker
+from swarm.wire import encode_tensors, pack_metadata
+
+ME = "peer-b"
+OTHERS = ("peer-a", "peer-c", "peer-d")
+
+
+def _run(mode: str = "pdmm_isvr", **graph) -> RunConfig:
+    return RunConfig.model_validate({
+        "name": "edges",
+        "model": {"stages": 1, "hidden_dim": 16},
+        "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.0},
+        "averaging": {"mode": mode, "graph": {"kind": "ring", "period_steps": 3, **graph}},
+    })
+
+
+class FakeLoop:
+    """Runs what the runtime posts to the event loop at once, and records the sends."""
+
+    def __init__(self) -> None:
+        self.sends: list[tuple[str, int, torch.Tensor]] = []
+        self.calls: list[tuple] = []
+
+    def call_soon_threadsafe(self, callback, *args) -> None:
+        if callback.__name__ == "_start_send":
+            peer, message, step = args
+            self.sends.append((peer, step, message))
+        else:
+            callback(*args)
+
+
+def _record(peer_id: str, state: str = "online") -> MemberRecord:
+    now = time.time()
+    return MemberRecord(peer_id=peer_id, state=state, version="t", started_at=now, updated_at=now)
+
+
+def _setup(mode: str = "pdmm_isvr", **graph) -> tuple[StageWorker, EdgeAveraging, FakeLoop, list[tuple]]:
+    run = _run(mode, **graph)
+    worker = StageWorker(run, 0)
+    loop = FakeLoop()
+    events: list[tuple] = []
+    edges = EdgeAveraging(run, "layer0", ME, worker, loop, lambda *e: events.append(e))
+    edges.start()
+    edges.set_records([_record(p) for p in OTHERS] + [_record(ME)])
+    return worker, edges, loop, events
+
+
+def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(8, 64, generator=g), torch.randint(0, 10, (8,), generator=g)
+
+
+def _flat(worker: StageWorker) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in worker.module.parameters()])
+
+
+def test_worker_update_is_the_ecl_node_update_with_messages_applied_in_order():
+    worker, edges, loop, _ = _setup()
+    graph = build_graph("ring", (ME, *OTHERS), 3)
+    reference = EclNode(ME, _flat(worker), graph,
+                        EclConfig(mu=0.1, eta=common_eta(0.1, graph), theta=1.0))
+    grads: list[torch.Tensor] = []
+    real_step = edges.node.step
+    edges.node.step = lambda grad: (grads.append(grad.clone()), real_step(grad))[1]
+    neighbours = graph.neighbours(ME)
+    for i in range(10):
+        if i in (2, 5):  # a neighbour's message arrives between two steps
+            message = torch.randn(edges.numel) * 0.1
+            edges.receive(neighbours[i % 2], message, step=i)
+            reference.on_messages({neighbours[i % 2]: message})
+        worker.forward_backward(f"mb{i}", *_batch(i))
+        reference.step(grads[-1])
+    assert torch.allclose(_flat(worker), reference.params, atol=1e-6)
+    assert edges.stats.steps == 10 and edges.stats.applied == 2 and edges.stats.rejected == 0
+    for peer, step, message in loop.sends:  # what was sent is what the reference node would send then
+        assert message.shape == (edges.numel,) and message.device.type == "cpu"
+
+
+def test_messages_go_out_exactly_at_the_edge_offsets():
+    worker, edges, loop, _ = _setup(period_steps=4)
+    graph = build_graph("ring", (ME, *OTHERS), 4)
+    for i in range(12):
+        worker.forward_backward(f"mb{i}", *_batch(i))
+    expected = {(peer, s) for s in range(12) for peer in graph.neighbours(ME) if s % 4 == graph.offset(ME, peer)}
+    assert {(peer, step) for peer, step, _ in loop.sends} == expected
+    assert len(loop.sends) == len(expected) == 2 * 3  # two neighbours, three periods
+
+
+def test_dsgd_mixes_with_a_neighbour_copy_by_metropolis_weight():
+    worker, edges, _, _ = _setup("dsgd")
+    neighbour = build_graph("ring", (ME, *OTHERS), 3).neighbours(ME)[0]
+    before = _flat(worker)
+    edges.receive(neighbour, before + 0.03, step=0)
+    # a zero gradient isolates the mixing: w <- w + W_ij (w_j - w), W_ij = 1/(1 + max(2, 2))
+    for p in worker.module.parameters():
+        p.grad = torch.zeros_like(p)
+    with worker.lock:
+        edges._update()
+    assert torch.allclose(_flat(worker), before + 0.01, atol=1e-6)
+    assert edges.stats.applied == 1 and edges.stats.rejected == 0
+
+
+def test_the_graph_follows_the_online_records_and_says_so():
+    _, edges, _, events = _setup()
+    assert edges.graph.peers == tuple(sorted((ME, *OTHERS)))
+    assert any(kind == "graph" and "4 peer(s)" in text for _, kind, text in events)
+    edges.set_records([_record("peer-a"), _record("peer-c", state="paused"), _record("peer-d", state="syncing")])
+    assert edges.graph.peers == ("peer-a", ME)
+    edges.set_records([])
+    assert edges.graph.peers == (ME,) and edges.graph.neighbours(ME) == ()
+    assert "training alone" in events[-1][2]
+
+
+def test_a_step_with_a_new_graph_keeps_surviving_duals_and_rescales_eta():
+    worker, edges, _, _ = _setup()
+    worker.forward_backward("mb0", *_batch(0))
+    edges.receive("peer-a", torch.ones(edges.numel), step=1)
+    worker.forward_backward("mb1", *_batch(1))
+    dual_a = edges.node.duals["peer-a"].clone()
+    edges.set_records([_record("peer-a"), _record(ME)])  # c and d left: a ring of two, one edge
+    worker.forward_backward("mb2", *_batch(2))
+    assert set(edges.node.duals) == {"peer-a"}
+    assert torch.equal(edges.node.duals["peer-a"], dual_a)
+    assert edges.node.config.eta == pytest.approx(common_eta(0.1, build_graph("ring", ("peer-a", ME), 3)))
+
+
+def test_bad_messages_are_refused_or_rejected_and_never_applied():
+    worker, edges, _, events = _setup()
+    before = _flat(worker)
+    with pytest.raises(EdgeRefused) as refused:
+        edges.receive("stranger", torch.zeros(edges.numel), step=0)
+    assert refused.value.code == "not_neighbour"
+    bad = torch.zeros(edges.numel)
+    bad[3] = float("nan")
+    with pytest.raises(EdgeRefused) as rejected:
+        edges.receive("peer-a", bad, step=0)
+    assert rejected.value.code == "rejected"
+    assert any(kind == "rejected" and "peer-a"[-8:] in text for _, kind, text in events)
+    # the rejected sender is left out of the next graph, and not listened to meanwhile
+    edges.set_records([_record(p) for p in OTHERS])
+    assert "peer-a" not in edges.graph.peers
+    with pytest.raises(EdgeRefused):
+        edges.receive("peer-a", torch.zeros(edges.numel), step=1)
+    # a finite message far larger than our copy is rejected at the step, before it touches the dual
+    edges.receive("peer-c", torch.full((edges.numel,), 1e6), step=1)
+    with worker.lock:
+        for p in worker.module.parameters():
+            p.grad = torch.zeros_like(p)
+        edges._update()
+    # zero gradient and the new edges' neutral duals: nothing moved
+    assert torch.allclose(_flat(worker), before, atol=1e-6)
+    assert edges.stats.rejected == 2 and edges.stats.applied == 0
+    for peer, dual in edges.node.duals.items():
+        assert torch.allclose(dual, -edges.node._signs[peer] * before)
+
+
+def test_edge_service_rejects_malformed_requests_before_the_node_sees_them():
+    seen = []
+    servicer = EdgeServicer(lambda *args: seen.append(args), run_id="r-1", swarm="layer0", mode="pdmm_isvr", numel=10)
+    good = {"op": "edge", "run_id": "r-1", "swarm": "layer0", "mode": "pdmm_isvr", "step": 3}
+
+    def handle(tensors, meta, raw=None):
+        return servicer._handle(encode_tensors(tensors), raw if raw is not None else pack_metadata(meta), "sender")
+
+    cases = [
+        (handle([torch.zeros(10)], {**good, "run_id": "other"}), "wrong_run"),
+        (handle([torch.zeros(10)], {**good, "mode": "dsgd"}), "wrong_run"),
+        (handle([torch.zeros(10)], {**good, "op": "params"}), "rejected"),
+        (handle([torch.zeros(10)], {**good, "step": -1}), "rejected"),
+        (handle([torch.zeros(10)], {**good, "step": "3"}), "rejected"),
+        (handle([torch.zeros(11)], good), "rejected"),
+        (handle([torch.zeros(2, 5)], good), "rejected"),
+        (handle([torch.zeros(10, dtype=torch.int64)], good), "rejected"),
+        (handle([torch.zeros(10), torch.zeros(10)], good), "rejected"),
+        (handle([torch.zeros(10_000)], good), "rejected"),
+        (handle([torch.zeros(10)], good, raw=b"\xc1garbage"), "rejected"),
+    ]
+    for reply, code in cases:
+        assert reply["ok"] is False and reply["code"] == code, reply
+    assert seen == []
+    assert handle([torch.zeros(10)], good) == {"ok": True}
+    assert len(seen) == 1 and seen[0][0] == "sender" and seen[0][2] == 3
+
+
+def test_edge_modes_refuse_an_optimizer_they_would_silently_replace():
+    with pytest.raises(ValueError, match="optimizer.name: sgd and optimizer.momentum: 0"):
+        RunConfig.model_validate({"name": "x", "averaging": {"mode": "pdmm_isvr"}})
+    RunConfig.model_validate({"name": "x", "optimizer": {"name": "sgd", "momentum": 0},
+                              "averaging": {"mode": "admm_isvr", "graph": {"kind": "random", "period_steps": 1}}})
