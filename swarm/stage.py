@@ -134,6 +134,7 @@ class StageStats:
         self.served = 0  # micro-batches whose update we applied
         self.loss_ema: float | None = None
         self._window: deque[tuple[float, int]] = deque()
+        self._window_lock = threading.Lock()  # the compute thread appends, the node's thread reads
 
     def record_update(self, batch_size: int, loss: float | None, now: float) -> None:
         self.clock += batch_size
@@ -141,15 +142,17 @@ class StageStats:
         self.served += 1
         if loss is not None and math.isfinite(loss):
             self.loss_ema = loss if self.loss_ema is None else (1 - LOSS_EMA_ALPHA) * self.loss_ema + LOSS_EMA_ALPHA * loss
-        self._window.append((now, batch_size))
+        with self._window_lock:
+            self._window.append((now, batch_size))
 
     def samples_per_s(self, now: float) -> float:
-        while self._window and now - self._window[0][0] > THROUGHPUT_WINDOW_S:
-            self._window.popleft()
-        if not self._window:
-            return 0.0
-        span = max(now - self._window[0][0], 1.0)
-        return sum(n for _, n in self._window) / span
+        with self._window_lock:
+            while self._window and now - self._window[0][0] > THROUGHPUT_WINDOW_S:
+                self._window.popleft()
+            if not self._window:
+                return 0.0
+            span = max(now - self._window[0][0], 1.0)
+            return sum(n for _, n in self._window) / span
 
 
 class StageWorker:

@@ -89,3 +89,32 @@ def test_lm_loss_is_per_token_and_bits_per_char_converts_nats():
     targets = torch.zeros(2, 16, dtype=torch.int64)
     assert loss_fn(LM, logits, targets).item() == pytest.approx(math.log(LM.vocab_size))
     assert bits_per_char(math.log(256)) == pytest.approx(8.0)
+
+
+def test_throughput_can_be_read_while_the_compute_thread_records_steps():
+    """The node's thread reads samples/s while the compute thread appends (a race that crashed a node)."""
+    import threading
+    import time
+
+    from swarm.stage import StageStats
+
+    stats, stop, errors = StageStats(), threading.Event(), []
+
+    def record() -> None:
+        while not stop.is_set():
+            stats.record_update(8, 0.5, time.monotonic())
+
+    writer = threading.Thread(target=record)
+    writer.start()
+    try:
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            try:
+                stats.samples_per_s(time.monotonic())
+            except RuntimeError as exc:
+                errors.append(exc)
+                break
+    finally:
+        stop.set()
+        writer.join(5)
+    assert not errors
