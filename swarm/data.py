@@ -13,6 +13,8 @@ Sources:
 
 from __future__ import annotations
 
+import hashlib
+
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -221,9 +223,12 @@ def _label_skewed_shards(
     return [np.sort(np.concatenate(chunks)) for chunks in parts]
 
 
-def choose_shard(num_shards: int, held: list[int]) -> int:
-    """Rarest first: the shard held by the fewest online layer0 peers; ties go to the lowest index.
+def choose_shard(num_shards: int, held: list[int], tiebreak: str = "") -> int:
+    """Rarest first: a shard held by the fewest online layer0 peers.
 
+    Ties go to the lowest index when ``tiebreak`` is empty; otherwise to the candidate a hash of
+    ``tiebreak`` (the peer id) picks, so peers that join at the same moment, each seeing no holder
+    yet, spread over the shards instead of all taking shard 0.
     ``held`` comes from DHT records of other peers, so ids that are not ints in range are ignored.
     """
     if num_shards < 1:
@@ -232,7 +237,11 @@ def choose_shard(num_shards: int, held: list[int]) -> int:
     for shard in held:
         if isinstance(shard, int) and not isinstance(shard, bool) and 0 <= shard < num_shards:
             counts[shard] += 1
-    return counts.index(min(counts))
+    rarest = [i for i, count in enumerate(counts) if count == min(counts)]
+    if not tiebreak:
+        return rarest[0]
+    digest = hashlib.sha256(tiebreak.encode()).digest()
+    return rarest[int.from_bytes(digest[:8], "big") % len(rarest)]
 
 
 # ----- micro-batches

@@ -57,6 +57,13 @@ def test_choose_shard_takes_the_rarest_with_ties_to_the_lowest_and_ignores_junk(
     assert choose_shard(3, [0, 1, -1, 7, 99, "2", None]) == 2
 
 
+def test_simultaneous_joiners_spread_over_the_rarest_shards_by_peer_id():
+    picks = [choose_shard(8, [], tiebreak=f"peer{i}") for i in range(40)]
+    assert len(set(picks)) >= 6  # not all on shard 0
+    assert picks == [choose_shard(8, [], tiebreak=f"peer{i}") for i in range(40)]  # deterministic per peer
+    assert all(choose_shard(4, [0, 1, 3], tiebreak=f"peer{i}") == 2 for i in range(10))  # rarest still wins
+
+
 def test_npz_errors_name_the_file_and_what_is_missing(tmp_path):
     missing = tmp_path / "nope.npz"
     with pytest.raises(ValueError, match="nope.npz.*does not exist"):

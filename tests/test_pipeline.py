@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 
 from procs import wait_until
@@ -82,10 +83,12 @@ def test_two_layer0_peers_take_different_shards(swarm, tmp_path):
     run = _run(tmp_path)
     _, maddr = swarm.bootstrap()
     first = swarm.join(run, "layer0", maddr, name="first")
-    first.wait_for_output("holding data shard 0", timeout_s=60)
+    first.wait_for_output("holding data shard", timeout_s=60)
     wait_until(lambda: _rows(swarm.status(run, maddr), "layer0", "online"), 30, interval_s=1.0, what="first online")
     second = swarm.join(run, "layer0", maddr, name="second")
-    second.wait_for_output("holding data shard 1", timeout_s=60)
+    second.wait_for_output("holding data shard", timeout_s=60)
+    shards = [int(re.search(r"holding data shard (\d+)", p.stdout()).group(1)) for p in (first, second)]
+    assert shards[0] != shards[1], shards
 
 
 def test_demo_trains_to_the_accuracy_bar_and_cleans_up(swarm):

@@ -298,7 +298,7 @@ class Node:
         self._apply_gpu_memory_fraction(device)
         if self._swarm == "layer0":
             held = [r.shard for r in self._views.get("layer0", []) if r.state == "online" and r.shard >= 0]
-            self._shard = choose_shard(self.run.data.shards, held)
+            self._shard = choose_shard(self.run.data.shards, held, tiebreak=str(self.dht.peer_id))
             self._emit(f"holding data shard {self._shard} of {self.run.data.shards} (rarest first)", kind="shard")
         self._emit(f"building {self._swarm} on {describe_device(device)}", kind="joining")
         self.peer = SwarmPeer(self.run, self.dht, self._swarm, device=device, shard=self._shard,
