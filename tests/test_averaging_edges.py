@@ -127,6 +127,9 @@ def test_the_graph_follows_the_online_records_and_says_so():
     assert any(kind == "graph" and "4 peer(s)" in text for _, kind, text in events)
     edges.set_records([_record("peer-a"), _record("peer-c", state="paused"), _record("peer-d", state="syncing")])
     assert edges.graph.peers == ("peer-a", ME)
+    edges.set_records([])  # a missing record (a late heartbeat) keeps its peer for a record lifetime
+    assert edges.graph.peers == ("peer-a", ME)
+    edges.grace_s = 0.0
     edges.set_records([])
     assert edges.graph.peers == (ME,) and edges.graph.neighbours(ME) == ()
     assert "training alone" in events[-1][2]
@@ -138,7 +141,8 @@ def test_a_step_with_a_new_graph_keeps_surviving_duals_and_rescales_eta():
     edges.receive("peer-a", torch.ones(edges.numel), step=1)
     worker.forward_backward("mb1", *_batch(1))
     dual_a = edges.node.duals["peer-a"].clone()
-    edges.set_records([_record("peer-a"), _record(ME)])  # c and d left: a ring of two, one edge
+    # c and d left (their records say so): a ring of two, one edge
+    edges.set_records([_record("peer-a"), _record(ME), _record("peer-c", "offline"), _record("peer-d", "paused")])
     worker.forward_backward("mb2", *_batch(2))
     assert set(edges.node.duals) == {"peer-a"}
     assert torch.equal(edges.node.duals["peer-a"], dual_a)

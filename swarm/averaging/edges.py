@@ -7,7 +7,9 @@ the simulation runs) inside a peer, in place of the optimizer:
   swarm (plus itself), so peers with the same view agree on the edges, their signs ``A_ij = -A_ji``
   and their offsets without talking. A new view (a peer joined, left, paused, or we stopped listening
   to it after a bad message) rebuilds the graph: surviving edges keep their dual, new ones start at
-  zero, and ECL's common eta follows the new mean degree.
+  the neutral dual, and ECL's common eta follows the new mean degree. A peer whose record says it
+  stopped training (paused, offline) leaves the graph at once; one whose record is missing stays one
+  more record lifetime (``timeouts.record_ttl_s``), so a late heartbeat does not reset its edges.
 - **Update.** ``StageWorker.set_update_rule``: after each backward, on the compute thread and under
   the stage's lock, the node applies the messages that arrived since the last step, then its local
   step (ECL's proximal primal update, or DSGD's SGD step) on the flattened parameters, written back
@@ -108,6 +110,8 @@ class EdgeAveraging:
         self._inbox_lock = threading.Lock()
         self._sending: dict[str, asyncio.Task] = {}  # loop thread only
         self._view: tuple[str, ...] = (me,)
+        self._last_seen: dict[str, float] = {}  # graph peers: when their record last said online (loop thread)
+        self.grace_s = run.timeouts.record_ttl_s  # how long a peer whose record vanished stays in the graph
         self._closed = False
         self._notice_at = time.monotonic() - (NOTICE_S - FIRST_NOTICE_S)
         self._noticed = EdgeStats()
@@ -135,7 +139,18 @@ class EdgeAveraging:
         """A new view of our swarm: rebuild the graph if the set of graph peers changed."""
         now = time.monotonic()
         banned = self.banned.active(now)
-        ids = {r.peer_id for r in records if r.state in GRAPH_STATES and r.peer_id not in banned} | {self.me}
+        listed = {r.peer_id: r.state for r in records}
+        for peer, state in listed.items():
+            if state in GRAPH_STATES:
+                self._last_seen[peer] = now
+        # A peer whose record says it stopped training leaves at once; one whose record is missing (a
+        # late heartbeat on a loaded machine, or a crash) stays for a grace period, so that a slow
+        # heartbeat does not reset edges.
+        for peer in list(self._last_seen):
+            gone = peer in listed and listed[peer] not in GRAPH_STATES
+            if gone or now - self._last_seen[peer] > self.grace_s:
+                del self._last_seen[peer]
+        ids = {peer for peer in self._last_seen if peer not in banned} | {self.me}
         view = tuple(sorted(ids))
         if view == self._view:
             return
