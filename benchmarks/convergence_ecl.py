@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     from swarm.ecl import study
 
     config = study.StudyConfig(epochs=args.epochs, graph=args.graph, seed=args.seed,
-                               classes_per_shard=args.classes_per_shard)
+                               classes_per_shard=args.classes_per_shard, dual_init=args.dual_init,
+                               delay_ticks=args.delay_ticks)
     started = time.perf_counter()
     if args.tune:
         report = _tune(study, config)
@@ -52,6 +53,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--graph", choices=["ring", "double_ring", "random"], default="random")
     parser.add_argument("--seed", type=int, default=0, help="seeds data split, shards, graph, speeds, init")
     parser.add_argument("--classes-per-shard", type=int, default=8, help="classes each node holds (default 8 of 10)")
+    parser.add_argument("--dual-init", choices=["neutral", "zero"], default="neutral",
+                        help="ECL: a new edge's dual (default neutral; zero is the paper's)")
+    parser.add_argument("--delay-ticks", type=int, default=0,
+                        help="messages arrive this many ticks after they were made (default 0)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--tune", action="store_true", help="choose step sizes on a validation split instead")
     mode.add_argument("--eta-study", action="store_true", help="common vs per-node eta instead")

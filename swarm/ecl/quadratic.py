@@ -29,6 +29,8 @@ class QuadraticRun:
     per_node_eta: bool = False
     speed_range: tuple[float, float] | None = None
     departures: Mapping[str, int] = field(default_factory=dict)
+    delay_ticks: int = 0
+    dual_init: str = "neutral"
     seed: int = 0
 
 
@@ -56,7 +58,8 @@ def run_quadratic(run: QuadraticRun, eval_every_ticks: int | None = None) -> tup
     oracles = {peer: (lambda w, target=b[peer]: (0.5 * float((w - target).square().sum()), w - target))
                for peer in peers}
     config = SimConfig(ticks=run.ticks, eval_every_ticks=eval_every_ticks or max(run.ticks, 1), seed=run.seed,
-                       speed_range=run.speed_range, departures=run.departures, record_exchanges=True)
+                       speed_range=run.speed_range, departures=run.departures, record_exchanges=True,
+                       delay_ticks=run.delay_ticks)
     result = simulate(nodes, oracles, rebuild, lambda params: optimum_distances(params, b)[0], config)
     return result, b
 
@@ -70,4 +73,4 @@ def _node(run: QuadraticRun, peer: str, params: torch.Tensor, graph: PeerGraph):
         eta = reference_eta(run.step_size, run.period_steps, graph.degree(peer))
     else:
         eta = common_eta(run.step_size, graph)
-    return EclNode(peer, params, graph, EclConfig(mu=run.step_size, eta=eta, theta=run.theta))
+    return EclNode(peer, params, graph, EclConfig(mu=run.step_size, eta=eta, theta=run.theta, dual_init=run.dual_init))

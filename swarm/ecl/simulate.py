@@ -7,7 +7,8 @@ Time runs in ticks; a full-speed node does one local step per tick. Every tick:
    computes its gradient through its oracle and takes a local step;
 3. every edge due at this tick (``graph.edges_at(tick)``: every K ticks at the edge's offset) swaps
    messages: both ends' messages are made first, then each node receives all of its messages of the
-   tick at once;
+   tick at once; with ``delay_ticks`` > 0 they arrive that many ticks later instead (a network whose
+   latency spans several local steps), and a message whose edge is gone by then is dropped;
 4. the swarm-level hook runs (best-model exchange uses it), then evaluation when due.
 
 Everything random comes from generators seeded by ``SimConfig.seed``, so a run is reproducible.
@@ -40,8 +41,11 @@ class SimConfig:
     speed_range: tuple[float, float] | None = None  # per-node chance of stepping in a tick; None: always
     departures: Mapping[str, int] = field(default_factory=dict)  # peer -> tick at which it leaves
     record_exchanges: bool = False
+    delay_ticks: int = 0  # messages arrive this many ticks after they were made
 
     def __post_init__(self) -> None:
+        if self.delay_ticks < 0:
+            raise ValueError(f"SimConfig.delay_ticks must be >= 0, got {self.delay_ticks}")
         if self.ticks < 0 or self.eval_every_ticks < 1:
             raise ValueError(f"SimConfig needs ticks >= 0 and eval_every_ticks >= 1, got {self.ticks}, "
                              f"{self.eval_every_ticks}")
@@ -83,6 +87,7 @@ def simulate(
     wake_rng = np.random.default_rng([config.seed, 2])
     loss_emas: dict[str, float] = {}
     result = SimResult(local_steps={peer: 0 for peer in live})
+    in_transit: dict[int, list[tuple[str, str, object]]] = {}  # arrival tick -> (receiver, sender, message)
     _record(result, 0, live, evaluate)
     for tick in range(config.ticks):
         gone = [peer for peer in live if config.departures.get(peer) == tick]
@@ -96,7 +101,11 @@ def simulate(
                 result.local_steps[peer] += 1
                 previous = loss_emas.get(peer, loss)
                 loss_emas[peer] = LOSS_EMA_DECAY * previous + (1 - LOSS_EMA_DECAY) * loss
-        _exchange(live, graph.edges_at(tick), tick, result if config.record_exchanges else None)
+        sent = _exchange(live, graph.edges_at(tick), tick, result if config.record_exchanges else None,
+                         deliver=config.delay_ticks == 0)
+        if sent:
+            in_transit.setdefault(tick + config.delay_ticks, []).extend(sent)
+        _deliver(live, graph, in_transit.pop(tick, []))
         if swarm_hook is not None:
             swarm_hook(tick, live, loss_emas)
         if (tick + 1) % config.eval_every_ticks == 0:
@@ -117,15 +126,30 @@ def _leave(
 
 
 def _exchange(live: Mapping[str, DecentralizedNode], edges: list[tuple[str, str]], tick: int,
-              result: SimResult | None) -> None:
-    inbox: dict[str, dict[str, object]] = {}
+              result: SimResult | None, deliver: bool = True) -> list[tuple[str, str, object]]:
+    """Make the messages of the due edges; deliver them now, or return them to deliver later."""
+    made: list[tuple[str, str, object]] = []
     for a, b in edges:
-        inbox.setdefault(b, {})[a] = live[a].make_message(b)
-        inbox.setdefault(a, {})[b] = live[b].make_message(a)
+        made.append((b, a, live[a].make_message(b)))
+        made.append((a, b, live[b].make_message(a)))
         if result is not None:
             result.exchanges.append((tick, a, b))
+    if not deliver:
+        return made
+    inbox: dict[str, dict[str, object]] = {}
+    for receiver, sender, message in made:
+        inbox.setdefault(receiver, {})[sender] = message
     for peer, messages in inbox.items():
         live[peer].on_messages(messages)
+    return []
+
+
+def _deliver(live: Mapping[str, DecentralizedNode], graph: PeerGraph,
+             arriving: list[tuple[str, str, object]]) -> None:
+    """Late messages, in the order they were made; those whose edge has gone meanwhile are dropped."""
+    for receiver, sender, message in arriving:
+        if receiver in live and sender in graph.neighbours(receiver):
+            live[receiver].on_messages({sender: message})
 
 
 def _record(result: SimResult, tick: int, live: Mapping[str, DecentralizedNode], evaluate: Evaluate) -> None:

@@ -45,6 +45,8 @@ class StudyConfig:
     speed_range: tuple[float, float] | None = (0.5, 1.0)
     eta_scale: float = 1.0  # ECL: common_eta times this
     per_node_eta: bool = False  # ECL: the authors' per-node eta_i instead of one common eta
+    dual_init: str = "neutral"  # ECL: a new edge's dual, "neutral" or "zero" (the paper's)
+    delay_ticks: int = 0  # messages arrive this many ticks after they were made
     l2: float = 1e-4
     seed: int = 0
 
@@ -113,7 +115,7 @@ def make_node(method: str, peer: str, params: torch.Tensor, graph: PeerGraph, st
             eta = reference_eta(step_size, graph.period_steps, graph.degree(peer))
         else:
             eta = common_eta(step_size, graph, config.eta_scale)
-        return EclNode(peer, params, graph, EclConfig(mu=step_size, eta=eta, theta=theta))
+        return EclNode(peer, params, graph, EclConfig(mu=step_size, eta=eta, theta=theta, dual_init=config.dual_init))
     if method == "dsgd":
         return DsgdNode(peer, params, graph, lr=step_size)
     if method in ("gossip_constant", "gossip_clock"):
@@ -145,7 +147,7 @@ def run_method(method: str, model_name: str, step_size: float, problem: Problem,
         every_samples = BEST_MODEL_EVERY_EPOCHS * ticks_per_epoch * config.batch_size
         hook = BestModelExchange(every_samples, config.batch_size, margin=BEST_MODEL_MARGIN)
     sim = SimConfig(ticks=config.epochs * ticks_per_epoch, eval_every_ticks=ticks_per_epoch, seed=config.seed,
-                    speed_range=config.speed_range)
+                    speed_range=config.speed_range, delay_ticks=config.delay_ticks)
     return simulate(nodes, oracles, rebuild, evaluate, sim, hook).metrics
 
 
