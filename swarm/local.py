@@ -85,7 +85,8 @@ def train_local(
     """
     data = dataset if dataset is not None else load_dataset(run.data, run.model)
     indices = np.arange(len(data.x_train)) if shard_indices is None else shard_indices
-    with torch.random.fork_rng(devices=[]):
+    gpus = [torch.device(device)] if str(device).startswith("cuda") else []
+    with torch.random.fork_rng(devices=gpus):  # restores the GPU's generator too when training there
         torch.manual_seed(seed)  # dropout masks
         model = assemble(build_stages(run.model)).to(device)
         _, initial_loss = evaluate(model, data, run.model)

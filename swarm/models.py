@@ -191,7 +191,7 @@ def build_stage(model: ModelConfig, index: int) -> nn.Module:
     """Stage ``index`` with its deterministic initial weights, built on CPU in float32."""
     _check_index(model, index)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(stage_seed(model, index))
+        torch.default_generator.manual_seed(stage_seed(model, index))  # the CPU's only: manual_seed would reseed CUDA
         return _mlp_stage(model, index) if model.kind == "mlp" else _transformer_stage(model, index)
 
 

@@ -118,3 +118,18 @@ def test_throughput_can_be_read_while_the_compute_thread_records_steps():
         stop.set()
         writer.join(5)
     assert not errors
+
+
+def test_building_a_stage_seeds_no_gpu_generator(monkeypatch):
+    """torch.manual_seed also reseeds every CUDA generator (fork_rng(devices=[]) would not restore it):
+    every peer of a swarm would then draw the same dropout masks on a GPU."""
+    import torch
+
+    from swarm.models import build_stage
+    from swarm.runconfig import ModelConfig
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: calls.append(seed))
+    monkeypatch.setattr(torch.cuda, "manual_seed", lambda seed: calls.append(seed))
+    build_stage(ModelConfig(stages=2), 1)
+    assert calls == []

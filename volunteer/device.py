@@ -11,6 +11,11 @@ def resolve_device(requested: str) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if requested.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {requested!r} was asked for but torch sees no CUDA GPU; use --device cpu or auto")
+    if requested.startswith("cuda:"):
+        count = torch.cuda.device_count()
+        number = requested.split(":", 1)[1]
+        if not number.isdigit() or int(number) >= count:
+            raise ValueError(f"device {requested!r}: torch sees {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}")
     return requested
 
 
