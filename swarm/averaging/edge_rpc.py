@@ -86,6 +86,14 @@ class EdgeServicer(ServicerBase):
         return self.numel * 4 + 4096  # float32 at most, plus serialization headers
 
     def _handle(self, serialized: list[Any], metadata: bytes, sender: str) -> dict:
+        reply = self._check_and_receive(serialized, metadata, sender)
+        if reply.get("code") == "rejected":
+            logger.warning("rejected an edge message from %s: %s", sender[-8:], reply["error"])
+        elif reply.get("code") == "wrong_run":
+            logger.info("refused an edge message from %s: %s", sender[-8:], reply["error"])
+        return reply
+
+    def _check_and_receive(self, serialized: list[Any], metadata: bytes, sender: str) -> dict:
         try:
             meta = unpack_metadata(metadata)
             if meta.get("op") != EDGE_OP:
@@ -108,7 +116,6 @@ class EdgeServicer(ServicerBase):
         except EdgeRefused as exc:
             return _refusal(exc.code, str(exc).split(": ", 1)[-1])
         except WireError as exc:
-            logger.warning("rejected an edge message from %s: %s", sender[-8:], exc)
             return _refusal("rejected", str(exc))
 
 

@@ -25,7 +25,7 @@ the simulation runs) inside a peer, in place of the optimizer:
   out of our graph for ``averaging.ban_s``.
 
 Threads: ``set_records`` and ``receive`` run on the event loop; ``_update`` on the compute thread; they
-share only the inbox (under ``_inbox_lock``), the pending graph (a reference swap) and the stats.
+share only the inbox (under ``_inbox_lock``), the newest graph (a reference swap) and the stats.
 """
 
 from __future__ import annotations
@@ -104,7 +104,6 @@ class EdgeAveraging:
         self.numel = sum(p.numel() for p in self._params)
         self.graph = self._build([me])  # the newest graph (loop thread writes, both read)
         self._current_graph = self.graph  # the graph the node runs on (compute thread)
-        self._pending: PeerGraph | None = None  # a newer graph for the compute thread to adopt
         self.node = self._make_node(self.graph)
         self._inbox: dict[str, deque[torch.Tensor]] = {}
         self._inbox_lock = threading.Lock()
@@ -156,8 +155,7 @@ class EdgeAveraging:
             return
         self._view = view
         graph = self._build(view)
-        self._pending = graph
-        self.graph = graph
+        self.graph = graph  # the compute thread adopts it at the next step
         self.stats.graphs += 1
         neighbours = graph.neighbours(self.me)
         shown = ", ".join(peer[-8:] for peer in neighbours) or "none"
@@ -211,13 +209,13 @@ class EdgeAveraging:
 
     def _update(self) -> None:
         node = self.node
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            node.set_graph(pending)
-            if isinstance(node, EclNode):
-                node.config = replace(node.config, eta=self._eta(pending))
-        graph = self._current_graph = pending if pending is not None else self._current_graph
         node.params = self._flat_params()
+        graph = self.graph  # one read of the reference the loop thread swaps
+        if graph is not self._current_graph:
+            node.set_graph(graph)  # new ECL edges start from the neutral dual of the current copy
+            if isinstance(node, EclNode):
+                node.config = replace(node.config, eta=self._eta(graph))
+            self._current_graph = graph
         self._apply_inbox(node)
         grad = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device)
                           for p in self._params])
