@@ -4,7 +4,8 @@
 
 prints one JSON object (progress goes to stderr). For each skew and each mode, ``volunteer demo --run
 digits-ecl --per-swarm 2`` (2 swarms x 2 peers, real processes on 127.0.0.1; the run with only
-``averaging.mode`` and ``data.classes_per_shard`` changed) trains for a fixed time, then its final test
+``averaging.mode`` and ``data.classes_per_shard`` changed, and ``data.shards`` set to 2 so that each
+layer0 peer trains on its own classes only) trains for a fixed time, then its final test
 accuracy is divided by the accuracy of ``swarm.local.train_local`` (one process, all the data, the same
 model, optimizer and batch size) after the same number of samples: ``ratio`` 1.0 means the swarm
 learned as well per sample as one machine with all the data. ``none`` (no averaging: every copy
@@ -22,6 +23,7 @@ from typing import Any
 from benchmarks.common import Fleet, emit, machine_notes, ratio, say, wait_until, write_run
 
 MODES = ("none", "dpwa", "dsgd", "pdmm_isvr", "admm_isvr")
+DRIVERS = 2  # layer0 peers of a demo with --per-swarm 2
 FULL = {"demo_s": 45.0}
 QUICK = {"demo_s": 20.0}
 GRACE_S = 120.0  # a demo's start-up and shutdown beyond its time limit
@@ -31,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     settings = QUICK if args.quick else FULL
     modes = tuple(args.modes or (("none", "pdmm_isvr") if args.quick else MODES))
-    skews = tuple(args.classes_per_shard or ((8,) if args.quick else (8, 4)))
+    skews = tuple(args.classes_per_shard or ((8,) if args.quick else (8, 5)))
     started = time.monotonic()
     report: dict[str, Any] = {"machine": machine_notes(), "demo_s": settings["demo_s"]}
     with Fleet(prefix="volunteer-bench-edges-") as fleet:
@@ -52,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print the result as one line of JSON")
     parser.add_argument("--quick", action="store_true", help="two modes, one skew, short demos: a smoke test")
     parser.add_argument("--modes", nargs="+", choices=MODES, help=f"default: all ({', '.join(MODES)})")
-    parser.add_argument("--classes-per-shard", nargs="+", type=int, help="skews to run (default: 8 and 4)")
+    parser.add_argument("--classes-per-shard", nargs="+", type=int,
+                        help="skews to run (default: 8, and 5: the two peers hold disjoint halves of the classes)")
     return parser
 
 
@@ -68,6 +71,7 @@ def _demo(fleet: Fleet, mode: str, classes: int, demo_s: float) -> dict[str, Any
     config["name"] = f"edges-{mode.replace('_', '-')}-{classes}"
     config["averaging"]["mode"] = mode
     config["data"]["classes_per_shard"] = classes
+    config["data"]["shards"] = DRIVERS  # one shard per layer0 peer: nobody covers another's classes
     path = write_run(fleet.workdir / f"{config['name']}.yaml", config)
     say(f"{mode}, {classes} classes per shard: demo of 2 swarms x 2 peers for {demo_s:.0f} s")
     demo = fleet.volunteer(f"demo-{config['name']}", "demo", "--run", str(path), "--per-swarm", "2", "--json",

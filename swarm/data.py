@@ -244,6 +244,21 @@ def choose_shard(num_shards: int, held: list[int], tiebreak: str = "") -> int:
     return rarest[int.from_bytes(digest[:8], "big") % len(rarest)]
 
 
+def rebalance_shard(num_shards: int, mine: int, me: str, others: dict[str, int]) -> int | None:
+    """A new shard for us, or None to keep ours. ``others``: the shard of every other online layer0 peer.
+
+    When a peer with a smaller id holds our shard while some shard is held by nobody, we move to one of
+    those (the same hash tie-break as ``choose_shard``); the smallest id keeps its shard, so peers that
+    picked the same shard at the same moment spread out within a heartbeat or two.
+    """
+    if not any(shard == mine and peer < me for peer, shard in others.items()):
+        return None
+    held = [shard for shard in others.values()]
+    if all(any(shard == k for shard in held) for k in range(num_shards)):
+        return None  # every shard is held: sharing ours is the best there is
+    return choose_shard(num_shards, held, tiebreak=me)
+
+
 # ----- micro-batches
 class MicroBatches(Iterator[tuple[torch.Tensor, torch.Tensor]]):
     """Endless (x, y) micro-batches over ``indices``, reshuffled every epoch from a seeded generator.

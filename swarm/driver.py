@@ -95,6 +95,10 @@ class PipelineDriver:
         else:
             self.notify("info", f"training on shard {self.own_shard} only: other layer0 peers hold the rest")
 
+    def set_own_shard(self, shard: int) -> None:
+        self.own_shard = shard
+        self.covered = ()  # the next cover_shards rebuilds the batches
+
     def set_peers(self, swarm: str, peer_ids: list[str]) -> None:
         self.routers[swarm].set_peers(peer_ids)
 

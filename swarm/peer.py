@@ -288,6 +288,12 @@ class SwarmPeer:
 
         self._loop.call_soon_threadsafe(apply)
 
+    def set_shard(self, shard: int) -> None:
+        """layer0: drive our micro-batches from another shard (the next views recompute the coverage)."""
+        self.shard = shard
+        if self.driver is not None:
+            self._loop.call_soon_threadsafe(self.driver.set_own_shard, shard % len(self.driver.shards))
+
     def metrics(self) -> PeerMetrics:
         worker = self.worker
         assert worker is not None

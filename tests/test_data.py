@@ -115,3 +115,18 @@ def test_micro_batches_have_a_fixed_size_cover_each_epoch_and_follow_the_seed():
     assert sorted(torch.cat([by for _, by in epoch]).tolist()) == list(range(10))
     replay = MicroBatches(x, y, np.arange(10), batch_size=5, seed=3)
     assert all(torch.equal(next(replay)[1], by) for _, by in epoch)
+
+
+def test_a_shared_shard_is_left_for_an_unheld_one_by_the_larger_peer_id():
+    from swarm.data import rebalance_shard
+
+    # b shares shard 2 with a (smaller id) while shards 0, 1 and 3 are free: b moves to one of them
+    moved = rebalance_shard(4, 2, "b", {"a": 2})
+    assert moved in (0, 1, 3)
+    assert rebalance_shard(4, 2, "a", {"b": 2}) is None  # the smallest id keeps its shard
+    assert rebalance_shard(2, 1, "b", {"a": 1, "c": 0}) is None  # every shard is held: keep sharing
+    assert rebalance_shard(4, 2, "b", {"a": 1}) is None  # nobody else holds ours
+    # two peers on one shard of two spread out in one step, whatever their ids
+    for i in range(20):
+        me, other = f"peer{i}b", f"peer{i}a"
+        assert rebalance_shard(2, 0, me, {other: 0}) == 1

@@ -539,6 +539,23 @@ class Node:
             lost=int(self._metrics.lost) if self._metrics else 0,
         )
 
+    def _rebalance_shard(self) -> None:
+        """layer0: leave a shard another peer also holds for one nobody holds (peers that joined together)."""
+        from swarm.data import rebalance_shard
+
+        if self._swarm != "layer0" or self._shard is None or self.peer is None:
+            return
+        me = str(self.dht.peer_id)
+        others = {r.peer_id: r.shard for r in self._views.get("layer0", [])
+                  if r.state == "online" and r.peer_id != me and r.shard >= 0}
+        moved = rebalance_shard(self.run.data.shards, self._shard, me, others)
+        if moved is None:
+            return
+        self._emit(f"moving to data shard {moved}: shard {self._shard} is also held by another peer and "
+                   f"{moved} by nobody", kind="shard")
+        self._shard = moved
+        self.peer.set_shard(moved)
+
     def _announce(self, ttl_s: float | None = None) -> None:
         if self.membership is None or not self._swarm:
             return
@@ -557,6 +574,7 @@ class Node:
         except Exception as exc:
             logger.warning("reading the swarms failed: %s", exc)
         if self.peer is not None:
+            self._rebalance_shard()
             self.peer.update_views(self._views)
         self._history_speed.append(self.snapshot().samples_per_s)
         if self.snapshot().loss is not None:
