@@ -3,7 +3,8 @@
 Three peers of a one-stage run (each drives its own label-skewed shard through its own copy) form a
 PDMM-ISVR ring: each builds the same graph from the records, messages flow on every edge, and the
 three copies, pulled from outside, agree closely although their data differ (peers that join together
-spread over the shards, and cover the shards nobody holds). One peer is then
+spread over the shards: the hash of their ids breaks ties, and a peer that still shares a shard while
+another is unheld moves). One peer is then
 SIGKILLed: its neighbours keep training while it is still in their graph (nothing waits for a
 message), rebuild the graph without it once its record is gone, and keep exchanging.
 """
@@ -72,6 +73,9 @@ def test_pdmm_ring_keeps_skewed_copies_together_and_survives_a_peer_leaving(swar
         wait_until(lambda: all(any(sent and applied for sent, applied in _exchanged(p)) for p in peers), 60,
                    interval_s=0.5, what="every peer to send and apply edge messages")
         online = wait_until(lambda: len(r := client.online("layer0")) == PEERS and r, 30, what="three online records")
+        # Peers that joined together and hashed onto one shard spread out: each trains on its own classes.
+        wait_until(lambda: len({r.shard for r in client.online("layer0").values()}) == PEERS, 30, interval_s=0.5,
+                   what="the three peers to hold three different shards")
         ids = sorted(online)
         copies = client.copies("layer0", ids)
         init = StageWorker(load_run(str(run))[0], 0).state_snapshot()
