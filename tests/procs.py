@@ -150,9 +150,10 @@ class Swarm:
         info = proc.first_json_line()
         return proc, info["maddrs"][0]
 
-    def join(self, run: Path, swarm: str, maddr: str, *extra: str, name: str | None = None) -> Proc:
+    def join(self, run: Path, swarm: str, maddr: str, *extra: str, name: str | None = None,
+             env: dict[str, str] | None = None) -> Proc:
         return self.start("join", "--run", str(run), "--swarm", swarm, "--initial-peers", maddr,
-                          "--listen", LOOPBACK, "--headless", *extra, name=name)
+                          "--listen", LOOPBACK, "--headless", *extra, name=name, env=env)
 
     def status(self, run: Path, maddr: str, timeout_s: float = 60.0) -> dict:
         proc = subprocess.run(

@@ -129,7 +129,7 @@ def test_the_graph_follows_the_online_records_and_says_so():
     assert edges.graph.peers == ("peer-a", ME)
     edges.set_records([])  # a missing record (a late heartbeat) keeps its peer for a record lifetime
     assert edges.graph.peers == ("peer-a", ME)
-    edges.grace_s = 0.0
+    edges._unreachable.add("peer-a")  # ... unless our messages to it fail too: a crash, it leaves at once
     edges.set_records([])
     assert edges.graph.peers == (ME,) and edges.graph.neighbours(ME) == ()
     assert "training alone" in events[-1][2]

@@ -8,8 +8,9 @@ the simulation runs) inside a peer, in place of the optimizer:
   and their offsets without talking. A new view (a peer joined, left, paused, or we stopped listening
   to it after a bad message) rebuilds the graph: surviving edges keep their dual, new ones start at
   the neutral dual, and ECL's common eta follows the new mean degree. A peer whose record says it
-  stopped training (paused, offline) leaves the graph at once; one whose record is missing stays one
-  more record lifetime (``timeouts.record_ttl_s``), so a late heartbeat does not reset its edges.
+  stopped training (paused, offline) leaves the graph at once, and so does one whose record is missing
+  while our messages to it fail (a crash); one whose record is only missing stays one more record
+  lifetime (``timeouts.record_ttl_s``), so a late heartbeat does not reset its edges.
 - **Update.** ``StageWorker.set_update_rule``: after each backward, on the compute thread and under
   the stage's lock, the node applies the messages that arrived since the last step, then its local
   step (ECL's proximal primal update, or DSGD's SGD step) on the flattened parameters, written back
@@ -111,6 +112,7 @@ class EdgeAveraging:
         self._view: tuple[str, ...] = (me,)
         self._last_seen: dict[str, float] = {}  # graph peers: when their record last said online (loop thread)
         self.grace_s = run.timeouts.record_ttl_s  # how long a peer whose record vanished stays in the graph
+        self._unreachable: set[str] = set()  # neighbours whose last message failed (loop thread)
         self._closed = False
         self._notice_at = time.monotonic() - (NOTICE_S - FIRST_NOTICE_S)
         self._noticed = EdgeStats()
@@ -142,12 +144,14 @@ class EdgeAveraging:
         for peer, state in listed.items():
             if state in GRAPH_STATES:
                 self._last_seen[peer] = now
-        # A peer whose record says it stopped training leaves at once; one whose record is missing (a
-        # late heartbeat on a loaded machine, or a crash) stays for a grace period, so that a slow
-        # heartbeat does not reset edges.
+        # A peer whose record says it stopped training leaves at once, and so does one whose record is
+        # missing while our last message to it failed (a crash); one whose record is only missing (a
+        # late heartbeat on a loaded machine) stays for a grace period, so a slow heartbeat does not
+        # reset edges.
         for peer in list(self._last_seen):
-            gone = peer in listed and listed[peer] not in GRAPH_STATES
-            if gone or now - self._last_seen[peer] > self.grace_s:
+            said_so = peer in listed and listed[peer] not in GRAPH_STATES
+            unreachable = peer not in listed and peer in self._unreachable  # its record and our messages fail
+            if said_so or unreachable or now - self._last_seen[peer] > self.grace_s:
                 del self._last_seen[peer]
         ids = {peer for peer in self._last_seen if peer not in banned} | {self.me}
         view = tuple(sorted(ids))
@@ -287,6 +291,7 @@ class EdgeAveraging:
     async def _deliver(self, peer: str, message: torch.Tensor, step: int) -> None:
         try:
             await self._send(peer, message, step)
+            self._unreachable.discard(peer)
             self.stats.sent += 1
             self.lags.append(self.stats.steps - 1 - step)
         except EdgeRefused as exc:
@@ -296,6 +301,7 @@ class EdgeAveraging:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # timeouts, departed peers, broken streams: the edge's dual waits
+            self._unreachable.add(peer)
             self.stats.send_failed += 1
             logger.info("edge message to %s failed: %s %s", peer[-8:], exc.__class__.__name__, exc)
 
