@@ -31,12 +31,14 @@ class Membership:
         self.owner_subkey = owner_subkey
         self.ttl_s = run.timeouts.record_ttl_s
 
-    def announce(self, swarm: str, record: MemberRecord, ttl_s: float | None = None) -> bool:
-        """Store our record; False if no DHT node took it (or the DHT did not answer in time)."""
+    def announce(self, swarm: str, record: MemberRecord, ttl_s: float | None = None,
+                 timeout_s: float | None = None) -> bool:
+        """Store our record; False if no DHT node took it (or the DHT did not answer within ``timeout_s``,
+        by default ``timeouts.rpc_s``)."""
         expiration = dht_time() + (ttl_s if ttl_s is not None else self.ttl_s)
         future = self.dht.store(swarm_key(self.run.run_id, swarm), subkey=self.owner_subkey,
                                 value=record.to_wire(), expiration_time=expiration, return_future=True)
-        return bool(_result(future, self.run.timeouts.rpc_s, default=False))
+        return bool(_result(future, timeout_s if timeout_s is not None else self.run.timeouts.rpc_s, default=False))
 
     def read(self, swarm: str) -> list[MemberRecord]:
         future = self.dht.get(swarm_key(self.run.run_id, swarm), latest=True, return_future=True)

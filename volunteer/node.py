@@ -45,6 +45,7 @@ SPARKLINE_POINTS = 120
 TICK_S = 1.0  # snapshot refresh; the DHT heartbeat is slower (timeouts.heartbeat_s)
 OFFLINE_TTL_S = 60.0  # a clean leave stays visible as "offline" this long
 LEAVE_DRAIN_S = 5.0  # on quit, in-flight backward passes get this long to finish
+LEAVE_ANNOUNCE_TIMEOUT_S = 10.0 # on quit, the last record waits this long for a DHT peer (none may be left)
 FINAL_EVAL_TIMEOUT_S = 15.0  # layer0's evaluation when it finishes (drain, evaluate, pause)
 PAUSED_BY_USER = "user"
 PAUSED_BY_POLICY = "policy"
@@ -556,15 +557,17 @@ class Node:
         self._shard = moved
         self.peer.set_shard(moved)
 
-    def _announce(self, ttl_s: float | None = None) -> None:
+    def _announce(self, ttl_s: float | None = None, timeout_s: float | None = None) -> bool:
         if self.membership is None or not self._swarm:
-            return
+            return False
         state = self.snapshot().state.value
         try:
-            if not self.membership.announce(self._swarm, self._record(state), ttl_s=ttl_s):
-                logger.info("announce of %s was not stored by any DHT node", self._swarm)
+            if self.membership.announce(self._swarm, self._record(state), ttl_s=ttl_s, timeout_s=timeout_s):
+                return True
+            logger.info("announce of %s was not stored by any DHT node", self._swarm)
         except Exception as exc:
             logger.warning("announce failed: %s", exc)
+        return False
 
     def _heartbeat(self) -> None:
         self._publish(**self._work_fields())
@@ -661,8 +664,12 @@ class Node:
             self._publish(**self._work_fields())
         if self.membership is not None and self._swarm:
             self._publish(state=NodeState.OFFLINE, reason="left the swarm")
-            self._announce(ttl_s=max(OFFLINE_TTL_S, self.run.timeouts.record_ttl_s))
-            self._emit("announced offline", kind="offline")
+            if self._announce(ttl_s=max(OFFLINE_TTL_S, self.run.timeouts.record_ttl_s),
+                              timeout_s=min(LEAVE_ANNOUNCE_TIMEOUT_S, self.run.timeouts.rpc_s)):
+                self._emit("announced offline", kind="offline")
+            else:
+                self._emit(f"could not announce offline (no DHT peer answered in {LEAVE_ANNOUNCE_TIMEOUT_S:.0f} s); "
+                           f"our record expires within {self.run.timeouts.record_ttl_s:.0f} s", kind="offline")
         if self.peer is not None:
             self._save_checkpoint("exit")
             self.peer.stop()

@@ -114,7 +114,8 @@ class EdgeAveraging:
         self.grace_s = run.timeouts.record_ttl_s  # how long a peer whose record vanished stays in the graph
         self._unreachable: set[str] = set()  # neighbours whose last message failed (loop thread)
         self._closed = False
-        self._notice_at = time.monotonic() - (NOTICE_S - FIRST_NOTICE_S)
+        self._counted_since = time.monotonic()  # start of the period the next notice reports
+        self._notice_at = self._counted_since - (NOTICE_S - FIRST_NOTICE_S)  # the first comes sooner
         self._noticed = EdgeStats()
         self.lags: deque[int] = deque(maxlen=LAG_WINDOW)  # loop thread only
         self._lag_warned = False
@@ -326,10 +327,11 @@ class EdgeAveraging:
         degree = self.graph.degree(self.me)
         lag = self.lag_steps()
         self.notify("info", "averaged", f"{self.mode}: sent {sent} and applied {received} edge message(s) with "
-                                        f"{degree} neighbour(s) in the last {now - self._notice_at:.0f} s"
+                                        f"{degree} neighbour(s) in the last {now - self._counted_since:.0f} s"
                                         + (f"; delivered within {lag:.0f} step(s)" if lag is not None else "")
                                         + (f"; {lost} not delivered" if lost else ""))
-        self._notice_at, self._noticed = now, replace(s)
+        self._notice_at = self._counted_since = now
+        self._noticed = replace(s)
         period = self.cfg.graph.period_steps
         if self.mode == "pdmm_isvr" and lag is not None and lag > PDMM_MAX_LAG_PERIODS * period \
                 and not self._lag_warned:
