@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from volunteer.hygiene import die_with_parent_hook
+from volunteer.hygiene import die_with_parent_hook, tagged_pids as pids_with_env
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 TAG_ENV = "VOLUNTEER_BENCH_TAG"
@@ -145,22 +145,8 @@ def load_run_config(path: Path) -> Any:
 
 
 def tagged_pids(tag: str) -> list[int]:
-    """Live (non-zombie) processes other than this one whose environment carries ``tag``."""
-    needle = f"{TAG_ENV}={tag}".encode()
-    me = os.getpid()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == me:
-            continue
-        try:
-            if needle not in (entry / "environ").read_bytes():
-                continue
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        if stat[stat.rfind(")") + 2] != "Z":
-            found.append(int(entry.name))
-    return found
+    """Live processes (not this one) that carry our tag: see volunteer.hygiene.tagged_pids."""
+    return pids_with_env(TAG_ENV, tag)
 
 
 def process_cpu_seconds(pid: int) -> float:

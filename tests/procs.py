@@ -17,6 +17,8 @@ import time
 import uuid
 from pathlib import Path
 
+from volunteer.hygiene import tagged_pids as pids_with_env
+
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 TAG_ENV = "VOLUNTEER_TEST_TAG"
 
@@ -27,21 +29,8 @@ def volunteer_exe() -> str:
 
 
 def tagged_pids(tag: str) -> list[int]:
-    """Live (non-zombie) processes whose environment carries ``tag``."""
-    needle = f"{TAG_ENV}={tag}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if needle not in (entry / "environ").read_bytes():
-                continue
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        if stat[stat.rfind(")") + 2] != "Z":
-            found.append(int(entry.name))
-    return found
+    """Live processes (not this one) that carry our tag: see volunteer.hygiene.tagged_pids."""
+    return pids_with_env(TAG_ENV, tag)
 
 
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.2, what: str = "condition"):

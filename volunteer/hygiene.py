@@ -94,6 +94,32 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
+def tagged_pids(env_name: str, tag: str) -> list[int]:
+    """Live (non-zombie) processes other than this one whose environment has ``env_name=tag``.
+
+    The test harness and the benchmark fleets tag every process they start this way, so that a
+    leftover (a DHT child, p2pd) is found whatever its parent or process group (Linux /proc).
+    """
+    needle = f"{env_name}={tag}".encode()
+    me = os.getpid()
+    found: list[int] = []
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return found
+    for entry in proc.iterdir():
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            if needle not in (entry / "environ").read_bytes():
+                continue
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if stat[stat.rfind(")") + 2] != "Z":
+            found.append(int(entry.name))
+    return found
+
+
 def _reap_group(pgid: int) -> None:  # pragma: no cover - runs in the forked child
     members = group_members(pgid)
     if not members:
