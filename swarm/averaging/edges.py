@@ -71,10 +71,8 @@ class EdgeStats:
     send_failed: int = 0  # timed out, unreachable, broken
     skipped: int = 0  # not sent: the previous message on that edge was still on the wire
     refused: int = 0  # the neighbour answered no (its graph has no edge to us yet, or any more)
-    received: int = 0  # messages queued for the next step
     applied: int = 0  # messages applied to the node
     rejected: int = 0  # messages refused by our checks
-    graphs: int = 0  # graphs built
 
 
 def node_theta(mode: str) -> float:
@@ -109,7 +107,7 @@ class EdgeAveraging:
         self._inbox: dict[str, deque[torch.Tensor]] = {}
         self._inbox_lock = threading.Lock()
         self._sending: dict[str, asyncio.Task] = {}  # loop thread only
-        self._view: tuple[str, ...] = (me,)
+        self._records: list[MemberRecord] = []  # the last view, to rebuild from after a rejection (loop thread)
         self._last_seen: dict[str, float] = {}  # graph peers: when their record last said online (loop thread)
         self.grace_s = run.timeouts.record_ttl_s  # how long a peer whose record vanished stays in the graph
         self._unreachable: set[str] = set()  # neighbours whose last message failed (loop thread)
@@ -139,6 +137,7 @@ class EdgeAveraging:
     # ----- the graph (loop thread)
     def set_records(self, records: Sequence[MemberRecord]) -> None:
         """A new view of our swarm: rebuild the graph if the set of graph peers changed."""
+        self._records = list(records)
         now = time.monotonic()
         banned = self.banned.active(now)
         listed = {r.peer_id: r.state for r in records}
@@ -156,12 +155,10 @@ class EdgeAveraging:
                 del self._last_seen[peer]
         ids = {peer for peer in self._last_seen if peer not in banned} | {self.me}
         view = tuple(sorted(ids))
-        if view == self._view:
+        if view == self.graph.peers:
             return
-        self._view = view
         graph = self._build(view)
         self.graph = graph  # the compute thread adopts it at the next step
-        self.stats.graphs += 1
         neighbours = graph.neighbours(self.me)
         shown = ", ".join(peer[-8:] for peer in neighbours) or "none"
         why = "" if len(view) > 1 else "; training alone until another peer of the swarm is online"
@@ -198,7 +195,6 @@ class EdgeAveraging:
             raise EdgeRefused("rejected", "the message holds NaN or infinite values")
         with self._inbox_lock:
             self._inbox.setdefault(sender, deque(maxlen=INBOX_PER_SENDER)).append(message)
-        self.stats.received += 1
 
     def _reject(self, sender: str, reason: str) -> None:
         """Loop thread: stop listening to ``sender`` for ``ban_s`` and leave it out of our graph."""
@@ -206,7 +202,7 @@ class EdgeAveraging:
         self.stats.rejected += 1
         self.notify("warning", "rejected", f"rejected an edge message from {sender[-8:]}: {reason}; ignoring it "
                                            f"for {self.cfg.ban_s:.0f} s")
-        self._view = ()  # the next view rebuilds the graph without it
+        self.set_records(self._records)  # the graph without it, now
 
     # ----- the update (compute thread, under the stage's lock)
     def _flat_params(self) -> torch.Tensor:
@@ -221,7 +217,7 @@ class EdgeAveraging:
             if isinstance(node, EclNode):
                 node.config = replace(node.config, eta=self._eta(graph))
             self._current_graph = graph
-        self._apply_inbox(node)
+        self._apply_inbox(node, graph)
         grad = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device)
                           for p in self._params])
         decay = self.run.optimizer.weight_decay
@@ -236,10 +232,12 @@ class EdgeAveraging:
                 message = node.make_message(peer).detach().to("cpu", copy=True)
                 self._post(peer, message, step)
 
-    def _apply_inbox(self, node: EclNode | DsgdNode) -> None:
+    def _apply_inbox(self, node: EclNode | DsgdNode, graph: PeerGraph) -> None:
         with self._inbox_lock:
+            if not self._inbox:  # most steps: nothing arrived
+                return
             inbox, self._inbox = self._inbox, {}
-        neighbours = set(node.duals if isinstance(node, EclNode) else node.weights)
+        neighbours = set(graph.neighbours(self.me))
         device = node.params.device
         own_norm = max(float(node.params.norm()), NORM_FLOOR)
         for sender, messages in inbox.items():
@@ -324,12 +322,14 @@ class EdgeAveraging:
         s, before = self.stats, self._noticed
         sent, received = s.sent - before.sent, s.applied - before.applied
         lost = (s.send_failed - before.send_failed) + (s.refused - before.refused)
+        skipped = s.skipped - before.skipped
         degree = self.graph.degree(self.me)
         lag = self.lag_steps()
         self.notify("info", "averaged", f"{self.mode}: sent {sent} and applied {received} edge message(s) with "
                                         f"{degree} neighbour(s) in the last {now - self._counted_since:.0f} s"
                                         + (f"; delivered within {lag:.0f} step(s)" if lag is not None else "")
-                                        + (f"; {lost} not delivered" if lost else ""))
+                                        + (f"; {lost} not delivered" if lost else "")
+                                        + (f"; {skipped} skipped while the previous one travelled" if skipped else ""))
         self._notice_at = self._counted_since = now
         self._noticed = replace(s)
         period = self.cfg.graph.period_steps
