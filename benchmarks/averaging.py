@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
 import socket
 import sys
@@ -32,7 +31,17 @@ import threading
 import time
 from typing import Any
 
-from benchmarks.common import Fleet, emit, machine_notes, median, ratio, say, wait_until, write_run
+from benchmarks.common import (
+    Fleet,
+    finish,
+    machine_notes,
+    median,
+    parser as common_parser,
+    ratio,
+    say,
+    wait_until,
+    write_run,
+)
 
 LAYER_TENSORS = 10
 TENSOR_NUMEL = 1_000_000  # 10 x 1M float32 = 40 MB
@@ -59,19 +68,12 @@ def main(argv: list[str] | None = None) -> int:
             report.update(_overhead(fleet, settings["warmup_s"], settings["window_s"]))
         if "accuracy" in parts:
             report.update(_accuracy(fleet, settings["demo_s"], together=args.quick))
-    report["machine"]["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
-    report["benchmark_s"] = time.monotonic() - started
-    report["quick"] = args.quick
-    emit(report, args.json)
-    return 0
+    return finish(report, "averaging", started, args)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.averaging", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", action="store_true", help="print the result as one line of JSON")
-    parser.add_argument("--quick", action="store_true",
-                        help="both demos at once, one transfer each, short windows: a smoke test, not a measurement")
+    parser = common_parser("averaging", __doc__,
+                           "both demos at once, one transfer each, short windows: a smoke test, not a measurement")
     parser.add_argument("--only", choices=("accuracy", "pull", "overhead"), action="append",
                         help="run only these parts (repeatable); default: all")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the pull benchmark's server

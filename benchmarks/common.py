@@ -12,6 +12,7 @@ it aborts the process that uses it). Every wait is bounded.
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import json
 import os
@@ -106,6 +107,28 @@ def _cpu_model() -> str:
 def emit(report: dict[str, Any], as_json: bool) -> None:
     """The benchmark's result on stdout: one JSON line with --json, indented JSON otherwise."""
     print(json.dumps(rounded(report), indent=None if as_json else 2), flush=True)
+
+
+def parser(module: str, doc: str | None, quick_help: str | None = None) -> argparse.ArgumentParser:
+    """The flags every benchmark takes: --json, and --quick (a smoke test) where it has one."""
+    out = argparse.ArgumentParser(prog=f"python -m benchmarks.{module}", description=doc,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    out.add_argument("--json", action="store_true", help="print the result as one line of JSON")
+    if quick_help is not None:
+        out.add_argument("--quick", action="store_true", help=quick_help)
+    return out
+
+
+def finish(report: dict[str, Any], module: str, started: float, args: argparse.Namespace) -> int:
+    """Stamp the end of a run (load, duration, quick or not) on ``report``, print it, return 0."""
+    if "machine" in report:
+        report["machine"]["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
+    report["benchmark_s"] = time.monotonic() - started
+    if hasattr(args, "quick"):
+        report["quick"] = args.quick
+    say(f"benchmarks.{module}: {report['benchmark_s']:.0f} s")
+    emit(report, args.json)
+    return 0
 
 
 def say(text: str) -> None:

@@ -16,11 +16,10 @@ uses the same plain SGD (the edge modes require it), so only the averaging diffe
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from typing import Any
 
-from benchmarks.common import Fleet, emit, machine_notes, ratio, say, wait_until, write_run
+from benchmarks.common import Fleet, finish, machine_notes, parser as common_parser, ratio, say, wait_until, write_run
 
 MODES = ("none", "dpwa", "dsgd", "pdmm_isvr", "admm_isvr")
 DRIVERS = 2  # layer0 peers of a demo with --per-swarm 2
@@ -41,18 +40,11 @@ def main(argv: list[str] | None = None) -> int:
             rows = {mode: _demo(fleet, mode, classes, settings["demo_s"]) for mode in modes}
             report[f"classes_per_shard_{classes}"] = rows
             report[f"ratio_classes_{classes}"] = {mode: row.get("ratio") for mode, row in rows.items()}
-    report["machine"]["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
-    report["benchmark_s"] = round(time.monotonic() - started, 1)
-    report["quick"] = args.quick
-    emit(report, args.json)
-    return 0
+    return finish(report, "edges", started, args)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.edges", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", action="store_true", help="print the result as one line of JSON")
-    parser.add_argument("--quick", action="store_true", help="two modes, one skew, short demos: a smoke test")
+    parser = common_parser("edges", __doc__, "two modes, one skew, short demos: a smoke test")
     parser.add_argument("--modes", nargs="+", choices=MODES, help=f"default: all ({', '.join(MODES)})")
     parser.add_argument("--classes-per-shard", nargs="+", type=int,
                         help="skews to run (default: 8, and 5: the two peers hold disjoint halves of the classes)")

@@ -37,11 +37,12 @@ from benchmarks.common import (
     LOOPBACK,
     BenchmarkError,
     Fleet,
-    emit,
+    finish,
     load_run_config,
     machine_notes,
     median,
     new_identity,
+    parser as common_parser,
     percentile,
     ratio,
     say,
@@ -98,16 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     with Fleet(prefix="volunteer-bench-join-") as fleet:
         report = _benchmark(fleet, args)
-    report["benchmark_s"] = time.monotonic() - started
-    say(f"benchmarks.join: {report['benchmark_s']:.0f} s")
-    emit(report, args.json)
-    return 0
+    return finish(report, "join", started, args)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.join", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", action="store_true", help="print the result as one line of JSON")
+    parser = common_parser("join", __doc__)
     parser.add_argument("--runs", type=int, default=5, help="joins (and baselines) to take the median of")
     parser.add_argument("--peers", type=int, default=16, help="announcing peers in the many-records swarm")
     parser.add_argument("--reads", type=int, default=40, help="reads of each swarm for the get latency")

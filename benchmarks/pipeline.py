@@ -50,9 +50,10 @@ from benchmarks.common import (
     Fleet,
     Proc,
     cpu_used,
-    emit,
+    finish,
     machine_notes,
     median,
+    parser as common_parser,
     ratio,
     say,
     wait_until,
@@ -109,19 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     with Fleet(prefix="volunteer-bench-pipeline-") as fleet:
         report = _benchmark(fleet, settings, args)
-    report["benchmark_s"] = time.monotonic() - started
-    report["quick"] = args.quick
-    say(f"benchmarks.pipeline: {report['benchmark_s']:.0f} s")
-    emit(report, args.json)
-    return 0
+    return finish(report, "pipeline", started, args)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.pipeline", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", action="store_true", help="print the result as one line of JSON")
-    parser.add_argument("--quick", action="store_true",
-                        help="tiny sizes and windows, 1-stage scaling: a smoke test, not a measurement")
+    parser = common_parser("pipeline", __doc__,
+                           "tiny sizes and windows, 1-stage scaling: a smoke test, not a measurement")
     parser.add_argument("--step-s", type=float, default=0.05, help="simulated accelerator step for the scaling runs")
     parser.add_argument("--scaling-stages", type=int, default=None, help="stages of the scaling runs (default 2)")
     parser.add_argument("--only", choices=("hop", "heavy", "scaling"), action="append",
