@@ -218,8 +218,7 @@ class EdgeAveraging:
                 node.config = replace(node.config, eta=self._eta(graph))
             self._current_graph = graph
         self._apply_inbox(node, graph)
-        grad = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device)
-                          for p in self._params])
+        grad = torch.cat([p.grad.reshape(-1) for p in self._params])  # StageWorker zero-fills missing grads
         decay = self.run.optimizer.weight_decay
         if decay:
             grad = grad + decay * node.params
