@@ -120,6 +120,24 @@ class AveragingConfig(_Strict):
     exchange: ExchangeConfig = ExchangeConfig()
 
 
+class IntegrityConfig(_Strict):
+    """The run's immune system (swarm/integrity/): how far one peer can move a copy, and when a copy is
+    sick. Every bound is a pure function of these numbers, unit-tested in tests/test_integrity_*.py."""
+
+    # bounded influence: what one update may do to a copy
+    clip_multiplier: float = Field(3.0, gt=1.0, le=1000.0, description="an update's gradient norm is clipped "
+                                   "to this many times the median norm of the recently accepted updates")
+    clip_history: int = Field(64, ge=8, le=100_000, description="accepted update norms the clip bound is taken from")
+    max_step_ratio: float = Field(0.05, gt=0.0, le=1.0, description="one update moves each parameter tensor by at "
+                                  "most this fraction of its norm")
+    # health and healing: when a copy is sick, and how it recovers
+    snapshot_every_steps: int = Field(200, ge=1, description="a healthy copy keeps a last-good snapshot this often")
+    loss_explode_ratio: float = Field(4.0, gt=1.0, description="sick when the loss EMA exceeds this many times "
+                                      "its healthy baseline")
+    heal_lr_scale: float = Field(0.3, gt=0.0, le=1.0, description="after healing, the step size is scaled by this")
+    heal_steps: int = Field(200, ge=0, description="for this many updates after healing")
+
+
 class TimeoutsConfig(_Strict):
     heartbeat_s: float = Field(5.0, gt=0.0, le=600.0)
     record_ttl_heartbeats: float = Field(3.0, ge=1.5, le=20.0)
@@ -139,6 +157,7 @@ class RunConfig(_Strict):
     optimizer: OptimizerConfig = OptimizerConfig()
     training: TrainingConfig = TrainingConfig()
     averaging: AveragingConfig = AveragingConfig()
+    integrity: IntegrityConfig = IntegrityConfig()
     timeouts: TimeoutsConfig = TimeoutsConfig()
     bootstrap_peers: list[str] = Field(default_factory=list)
 
