@@ -34,10 +34,11 @@ from torch import nn
 from torch.func import functional_call
 
 from swarm.averaging.state import load_optimizer_tensors, optimizer_tensors
+from swarm.integrity.health import HealthMonitor, SickCopy
 from swarm.local import make_optimizer
 from swarm.models import build_stage, loss_fn, stage_input_spec, target_spec
 from swarm.runconfig import RunConfig
-from swarm.wire import check_tensor
+from swarm.wire import WireError, check_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +174,7 @@ class StageWorker:
         self.simulated_step_s = simulated_step_s()
         self._step_hooks: list[Callable[[StepInfo], None]] = []
         self._update: Callable[[], None] = self.optimizer.step
+        self.health = HealthMonitor(run.integrity)  # a sick copy serves nothing (SickCopy) until it heals
 
     # ----- checks
     def check_input(self, x: torch.Tensor) -> torch.Tensor:
@@ -207,7 +209,9 @@ class StageWorker:
     def forward(self, mb_id: str, x: torch.Tensor) -> torch.Tensor:
         """Training forward; keeps the graph for a backward that comes back here."""
         with self.lock:
+            self._refuse_if_sick()
             saved = self._graph(x)
+            self._check_emitted(saved.outputs, "outputs")
             self.cache.put(mb_id, saved)
             self._simulate()
             return saved.outputs.detach().cpu()
@@ -215,12 +219,15 @@ class StageWorker:
     @torch.no_grad()
     def infer(self, x: torch.Tensor) -> torch.Tensor:
         with self.lock:
+            self._refuse_if_sick()
             was_training = self.module.training
             self.module.eval()
             try:
-                return self.module(x.to(self.device)).cpu()
+                outputs = self.module(x.to(self.device))
             finally:
                 self.module.train(was_training)
+            self._check_emitted(outputs, "outputs")
+            return outputs.cpu()
 
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int, int]:
@@ -233,12 +240,14 @@ class StageWorker:
     def backward(self, mb_id: str, grad_out: torch.Tensor, x: torch.Tensor | None, loss: float | None) -> torch.Tensor | None:
         """Apply this micro-batch's update; return the gradient of the input (None for stage 0)."""
         with self.lock:
+            self._refuse_if_sick()
             saved = self.cache.pop(mb_id, time.monotonic())
             if saved is None:
                 if x is None:
                     raise NeedInput(mb_id)
                 saved = self._graph(x)
             saved.outputs.backward(grad_out.to(self.device, saved.outputs.dtype))
+            self._check_emitted(saved.inputs.grad, "input gradients")
             self._apply(saved, batch_size=grad_out.shape[0], loss=loss)
             self._simulate()
             return None if saved.inputs.grad is None else saved.inputs.grad.cpu()
@@ -246,10 +255,14 @@ class StageWorker:
     def forward_backward(self, mb_id: str, x: torch.Tensor, y: torch.Tensor) -> tuple[float, torch.Tensor | None]:
         """Last stage: loss and input gradient of one micro-batch, with the update applied."""
         with self.lock:
+            self._refuse_if_sick()
             saved = self._graph(x)
             loss = loss_fn(self.run.model, saved.outputs, y.to(self.device))
-            loss.backward()
             value = float(loss.item())
+            self.health.observe_local_loss(value)
+            self._refuse_if_sick()
+            loss.backward()
+            self._check_emitted(saved.inputs.grad, "input gradients")
             self._apply(saved, batch_size=x.shape[0], loss=value)
             self._simulate(2)
             return value, None if saved.inputs.grad is None else saved.inputs.grad.cpu()
@@ -266,6 +279,20 @@ class StageWorker:
                 hook(info)
             except Exception:  # averaging must never break training
                 logger.exception("a step hook failed")
+
+    def _check_emitted(self, tensor: torch.Tensor | None, what: str) -> None:
+        """Nothing non-finite leaves this stage. Whose fault: with finite parameters the request's
+        values were out of range (rejected, nothing applied); otherwise this copy is sick."""
+        if tensor is None or not tensor.is_floating_point() or bool(torch.isfinite(tensor).all()):
+            return
+        if all(bool(torch.isfinite(p).all()) for p in self.module.parameters()):
+            raise WireError(f"layer{self.index} {what} would be non-finite: the request's values are out of range")
+        self.health.check_tensor(tensor, f"layer{self.index} {what}")
+
+    def _refuse_if_sick(self) -> None:
+        reason = self.health.sick_reason
+        if reason is not None:
+            raise SickCopy(reason)
 
     def _simulate(self, steps: int = 1) -> None:
         if self.simulated_step_s:

@@ -12,6 +12,7 @@ Two handlers per stage, in the namespace ``{run_id}.layer{k}``: ``rpc_call`` (un
 
 Replies carry ``{"ok": true}`` or ``{"ok": false, "code": ..., "error": ...}`` with code
 ``rejected`` (the request is malformed: never applied), ``paused`` (this peer takes no new work),
+``healing`` (this copy is sick and restoring itself: swarm/integrity/health.py),
 or ``need_input`` (backward without the input at a peer that has no saved activations).
 """
 
@@ -29,6 +30,7 @@ import torch
 from hivemind.p2p import P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
+from swarm.integrity.health import SickCopy
 from swarm.stage import NeedInput, StageWorker
 from swarm.wire import (
     UNARY_LIMIT_BYTES,
@@ -116,6 +118,8 @@ class StageServicer(ServicerBase):
             return await loop.run_in_executor(self.executor, dispatch, self.worker, op, tensors, meta)
         except NeedInput:
             return [], _refusal("need_input", "no saved activations here: send the input")
+        except SickCopy as exc:
+            return [], _refusal("healing", f"this copy is sick and healing ({exc}): ask another peer")
         except (WireError, ValueError, TypeError) as exc:
             logger.warning("rejected a request from %s: %s", str(context.remote_id)[-8:], exc)
             return [], _refusal("rejected", str(exc))

@@ -4,5 +4,5 @@ Decisions are pure functions over plain numbers (a clip bound, sick or not, ban 
 without a network; the stage, the RPC servicer and the peer call them.
 
 Map:
-(filled in as the parts land)
+- health.py   sick or healthy: the signals, the verdict, and SickCopy (nothing non-finite leaves a stage)
 """

@@ -1,0 +1,124 @@
+"""Is this copy of the layer healthy? Signals, the verdict, and the exception a sick copy raises.
+
+A copy is sick when it produces non-finite values (outputs, input gradients, a loss), when its
+parameter norm has grown far beyond the norm of its last good snapshot (a diverging copy grows
+fast: SGD with momentum on a busy machine reached a loss of ~1e35), or, at the last stage, where the
+loss is computed here and not read from the wire, when its loss EMA has exploded relative to the EMA
+at the last good snapshot. A loss reported by a driver is never a health signal: a stranger could
+make a healthy copy heal forever.
+
+Everything here is plain arithmetic over numbers the stage hands in; ``HealthMonitor`` keeps the
+state and is called on the compute thread (under the stage's lock). The healing itself
+(stop serving, restore, a lower step size for a while) is in heal.py.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+
+from swarm.runconfig import IntegrityConfig
+
+NORM_EXPLODE_RATIO = 10.0  # sick when ||params|| exceeds this many times the last good snapshot's
+LOSS_EMA_ALPHA = 0.1
+LOSS_WARMUP_UPDATES = 20  # a loss EMA over fewer updates is not yet a signal
+
+
+class SickCopy(Exception):
+    """This copy produced something it must not send onward; it stops serving and heals.
+
+    The stage servicer answers ``healing``; a driver whose own stage-0 copy raises it pauses its
+    lanes until the copy has healed (no micro-batch is lost to a sick copy)."""
+
+
+@dataclass(slots=True, frozen=True)
+class Baseline:
+    """What the copy looked like at its last good snapshot."""
+
+    param_norm: float
+    loss_ema: float | None
+
+
+def all_finite(*values: float) -> bool:
+    return all(math.isfinite(v) for v in values)
+
+
+def norm_exploded(norm: float, baseline_norm: float, ratio: float = NORM_EXPLODE_RATIO) -> bool:
+    """A parameter norm far beyond the last good one (or not finite)."""
+    if not math.isfinite(norm):
+        return True
+    return baseline_norm > 0 and norm > ratio * baseline_norm
+
+
+def loss_exploded(loss_ema: float | None, baseline_loss: float | None, ratio: float) -> bool:
+    """A locally computed loss EMA that grew ``ratio`` times past the one of the last good snapshot."""
+    if loss_ema is None:
+        return False
+    if not math.isfinite(loss_ema):
+        return True
+    return baseline_loss is not None and baseline_loss > 0 and loss_ema > ratio * baseline_loss
+
+
+class HealthMonitor:
+    """The sick-or-healthy state of one copy, fed by the stage (compute thread) and read by the peer."""
+
+    def __init__(self, cfg: IntegrityConfig):
+        self.cfg = cfg
+        self._lock = threading.Lock()
+        self._reason: str | None = None
+        self.baseline: Baseline | None = None
+        self.loss_ema: float | None = None  # of the losses computed here (last stage only)
+        self._losses_seen = 0
+        self.times_sick = 0
+
+    @property
+    def sick_reason(self) -> str | None:
+        with self._lock:
+            return self._reason
+
+    @property
+    def sick(self) -> bool:
+        return self.sick_reason is not None
+
+    def mark_sick(self, reason: str) -> None:
+        with self._lock:
+            if self._reason is None:
+                self._reason = reason
+                self.times_sick += 1
+
+    def check_tensor(self, tensor, what: str) -> None:
+        """Raise SickCopy (and mark the copy sick) if ``tensor`` holds a non-finite value."""
+        import torch
+
+        if tensor is not None and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            reason = f"{what} contain non-finite values"
+            self.mark_sick(reason)
+            raise SickCopy(reason)
+
+    def observe_local_loss(self, loss: float) -> None:
+        """A loss this stage computed itself (last stage): non-finite or exploding means sick."""
+        if not math.isfinite(loss):
+            self.mark_sick("the loss is not finite")
+            return
+        self.loss_ema = loss if self.loss_ema is None else (1 - LOSS_EMA_ALPHA) * self.loss_ema + LOSS_EMA_ALPHA * loss
+        self._losses_seen += 1
+        baseline = self.baseline.loss_ema if self.baseline is not None else None
+        if self._losses_seen >= LOSS_WARMUP_UPDATES and loss_exploded(self.loss_ema, baseline, self.cfg.loss_explode_ratio):
+            self.mark_sick(f"the loss EMA {self.loss_ema:.3g} exploded (was {baseline:.3g} at the last good snapshot)")
+
+    def observe_param_norm(self, norm: float) -> None:
+        baseline = self.baseline.param_norm if self.baseline is not None else 0.0
+        if norm_exploded(norm, baseline):
+            what = "not finite" if not math.isfinite(norm) else f"{norm:.3g}, {norm / baseline:.0f}x the last good one"
+            self.mark_sick(f"the parameter norm is {what}")
+
+    def set_baseline(self, param_norm: float) -> None:
+        """A good snapshot was taken: the signals compare against it from now on."""
+        self.baseline = Baseline(param_norm=param_norm, loss_ema=self.loss_ema if self._losses_seen else None)
+
+    def healed(self) -> None:
+        with self._lock:
+            self._reason = None
+        self.loss_ema = self.baseline.loss_ema if self.baseline is not None else None
+        self._losses_seen = 0
