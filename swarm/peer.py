@@ -50,6 +50,12 @@ class PeerMetrics:
     test_accuracy: float | None = None
     test_loss: float | None = None
     eval_samples: int = 0
+    eval_at: float = -1.0  # wall time of that evaluation
+    eval_version: int = -1  # our copy's param_version when it ran
+    # integrity (every peer)
+    healing: str = ""  # why this copy is sick and healing; "" when healthy
+    heals: int = 0
+    last_heal_at: float = 0.0
 
 
 class SwarmPeer:
@@ -80,6 +86,11 @@ class SwarmPeer:
         self._tasks: list[asyncio.Task] = []
         self._accepting = True
         self._run_samples = 0
+        self.healer: Any = None  # swarm.integrity.heal.Healer
+        self._eval_at = -1.0
+        self._eval_version = -1
+        self._heals_seen = 0  # heals announced anywhere in the run when we last evaluated
+        self._run_heals = 0
 
     # ----- lifecycle
     def start(self, sync_from: list[MemberRecord] | None = None) -> None:
@@ -88,7 +99,11 @@ class SwarmPeer:
         ``sync_from``: our swarm's records; a newcomer first downloads its layer from one of them
         (``None`` keeps the seeded initial weights without asking).
         """
+        from swarm.integrity.heal import Healer
+
         self.worker = StageWorker(self.run, self.index, self.device)
+        self.healer = Healer(self.worker, self.notify)
+        self.worker.add_step_hook(self.healer.on_step)
         self._thread.start()
         sync_s = self.run.averaging.sync_timeout_s if sync_from is not None else 0.0
         asyncio.run_coroutine_threadsafe(self._setup(sync_from), self._loop).result(SETUP_TIMEOUT_S + sync_s)
@@ -103,6 +118,8 @@ class SwarmPeer:
         )
         await self._servicer.add_p2p_handlers(self.p2p, namespace=stage_namespace(self.run.run_id, self.swarm))
         await self._start_averaging(sync_from)
+        self.healer.take_snapshot()  # the starting copy (seeded or downloaded) is the first good one
+        self._tasks.append(asyncio.create_task(self._guard(self.healer.watch(self.executor), "healer")))
         if self.index == 0:
             await self._start_driver()
 
@@ -163,17 +180,26 @@ class SwarmPeer:
             self.notify("error", "error", f"the {name} failed: {exc.__class__.__name__}: {exc}")
 
     async def _evaluate_forever(self) -> None:
+        """Every ``eval_every_s``; sooner (after half a period) when a copy of the run healed since the last one."""
         period_s = self.run.training.eval_every_s
+        last = time.monotonic()
         while True:
-            await asyncio.sleep(period_s)
+            await asyncio.sleep(min(1.0, period_s))
+            since_s = time.monotonic() - last
+            healed = self._run_heals > self._heals_seen
+            if since_s < period_s and not (healed and since_s >= period_s / 2):
+                continue
             if not self._accepting or self.driver.stats.trained == 0:
                 continue
+            last = time.monotonic()
             try:
                 accuracy, loss = await asyncio.wait_for(self.driver.evaluate(), timeout=max(60.0, period_s * 3))
             except Exception as exc:
                 logger.info("evaluation failed: %s", exc)
+                self.notify("warning", "evaluated", f"could not evaluate the pipeline ({exc.__class__.__name__}: "
+                            f"{exc}); the last published figure keeps its age")
                 continue
-            self.driver.stats.eval_at_samples = self._run_samples
+            self._stamp_evaluation()
             text = f"test loss {loss:.3f}" + (f", accuracy {accuracy:.1%}" if accuracy is not None else "")
             self.notify("info", "evaluated", f"evaluated the pipeline: {text}")
 
@@ -189,10 +215,22 @@ class SwarmPeer:
         except Exception as exc:
             logger.info("final evaluation failed: %s", exc)
             return False
-        self.driver.stats.eval_at_samples = self._run_samples
+        self._stamp_evaluation()
         text = f"test loss {loss:.3f}" + (f", accuracy {accuracy:.1%}" if accuracy is not None else "")
         self.notify("info", "evaluated", f"final evaluation of the pipeline: {text}")
         return True
+
+    def _stamp_evaluation(self) -> None:
+        """An evaluation carries when it ran, on which version of our copy, and what the run had healed."""
+        self.driver.stats.eval_at_samples = self._run_samples
+        self._eval_at = time.time()
+        self._eval_version = self.worker.stats.param_version
+        self._heals_seen = self._run_heals
+
+    def reset_good_snapshot(self) -> None:
+        """The copy was replaced from outside (a checkpoint restored): make it the last good one."""
+        if self.healer is not None:
+            self.healer.take_snapshot()
 
     def stop(self) -> None:
         """Stop the driver, unregister the RPCs, stop the loop. Idempotent; bounded in time."""
@@ -270,6 +308,7 @@ class SwarmPeer:
     def update_views(self, views: dict[str, list[MemberRecord]]) -> None:
         # Run-wide samples trained: what the drivers completed (clocks merge when copies average).
         self._run_samples = sum(r.trained for r in views.get("layer0", []))
+        self._run_heals = sum(r.heals for records in views.values() for r in records)
         for part in (self.averaging, self.edges):
             if part is not None:
                 self._loop.call_soon_threadsafe(part.set_records, list(views.get(self.swarm, [])))
@@ -303,8 +342,12 @@ class SwarmPeer:
             param_version=stats.param_version, served=stats.served, bytes_in=self.traffic.bytes_in,
             bytes_out=self.traffic.bytes_out, in_flight=self.in_flight(),
         )
+        heal = self.healer.status() if self.healer is not None else None
+        if heal is not None:
+            common.update(healing=heal.healing, heals=heal.heals, last_heal_at=heal.last_heal_at)
         if self.driver is None:
             return PeerMetrics(**common)
         d = self.driver.stats
         return PeerMetrics(**common, sent=d.sent, trained=d.trained, lost=d.lost, waiting_for=d.waiting_for,
-                           test_accuracy=d.eval_accuracy, test_loss=d.eval_loss, eval_samples=d.eval_at_samples)
+                           test_accuracy=d.eval_accuracy, test_loss=d.eval_loss, eval_samples=d.eval_at_samples,
+                           eval_at=self._eval_at, eval_version=self._eval_version)

@@ -22,7 +22,7 @@ import pydantic.v1 as pydantic_v1
 
 logger = logging.getLogger(__name__)
 
-STATES = ("joining", "syncing", "online", "paused", "finishing", "offline")
+STATES = ("joining", "syncing", "online", "paused", "finishing", "healing", "offline")
 ROUTABLE_STATES = frozenset({"online"})
 OWNER_PREFIX = b"[owner:"
 MAX_VERSION_CHARS = 64
@@ -48,6 +48,9 @@ class MemberRecord:
     eval_samples: int = 0  # run-wide samples trained when that evaluation ran
     trained: int = 0  # layer0: samples of this driver's micro-batches that completed everywhere
     lost: int = 0  # layer0: micro-batches this driver gave up
+    eval_at: float = -1.0  # wall time of that evaluation; -1 = none (a reader shows its age)
+    eval_version: int = -1  # param_version of this peer's copy when it evaluated; -1 = none
+    heals: int = 0  # times this copy was found sick and restored itself (swarm/integrity/heal.py)
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -80,6 +83,9 @@ class _MemberValueSchema(pydantic_v1.BaseModel):
     eval_samples: pydantic_v1.StrictInt
     trained: pydantic_v1.StrictInt
     lost: pydantic_v1.StrictInt
+    eval_at: pydantic_v1.StrictFloat
+    eval_version: pydantic_v1.StrictInt
+    heals: pydantic_v1.StrictInt
 
     class Config:
         extra = pydantic_v1.Extra.forbid

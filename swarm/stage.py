@@ -122,6 +122,9 @@ class ActivationCache:
                 return
             del self._items[key]
 
+    def clear(self) -> None:
+        self._items.clear()
+
     def __len__(self) -> int:
         return len(self._items)
 

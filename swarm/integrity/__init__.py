@@ -5,4 +5,5 @@ without a network; the stage, the RPC servicer and the peer call them.
 
 Map:
 - health.py   sick or healthy: the signals, the verdict, and SickCopy (nothing non-finite leaves a stage)
+- heal.py     self-healing: the last good snapshot, the health check every few steps, the restore
 """

@@ -1,0 +1,145 @@
+"""Self-healing copies: a last-good snapshot, a health check every few steps, and the restore.
+
+How it works:
+- ``on_step`` (a stage step hook: compute thread, under the stage's lock) measures the parameter
+  norm every ``CHECK_EVERY_STEPS`` updates and, every ``integrity.snapshot_every_steps`` updates of
+  a healthy copy, keeps a CPU snapshot of the copy (weights, optimizer state, clock) as the last
+  good one. The seeded (or downloaded) starting copy is the first snapshot, so one always exists.
+- ``watch`` (a task on the peer's event loop) notices a sick copy (swarm/integrity/health.py),
+  tells the node (state ``healing``: drivers route around it, its own lanes wait), restores the
+  last good snapshot on the compute thread, scales the step size down by ``heal_lr_scale`` (once
+  more for every heal that follows within ``heal_steps`` updates of the last one: a copy that
+  keeps diverging gets ever smaller steps) for ``heal_steps`` updates, and resumes.
+
+Why the snapshot and not a peer's copy: the snapshot is ours and was healthy; a copy served by a
+peer is a stranger's (it could be the reason we are sick). Averaging pulls bring the restored copy
+back toward the swarm afterwards, through the usual checks and bounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from swarm.integrity.health import HealthMonitor
+
+logger = logging.getLogger(__name__)
+
+CHECK_EVERY_STEPS = 10  # parameter-norm check period (a pass over the parameters)
+WATCH_PERIOD_S = 0.25  # how often the loop looks for a sick copy
+
+Notify = Callable[[str, str, str], None]  # (level, kind, text)
+
+
+@dataclass(slots=True, frozen=True)
+class HealStatus:
+    """What the node shows: whether the copy heals now, why, and how often it did."""
+
+    healing: str = ""  # the reason while sick or healing, "" when healthy
+    heals: int = 0
+    last_heal_at: float = 0.0  # wall time of the last restore; 0 = never
+    lr_scale: float = 1.0  # current step-size scale (below 1 for a while after a heal)
+
+
+def param_norm(module: torch.nn.Module) -> float:
+    params = [p.detach() for p in module.parameters()]
+    if not params:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(params)])))
+
+
+def heal_lr_scale(base_scale: float, consecutive_heals: int) -> float:
+    """The step-size scale after the ``consecutive_heals``-th heal in a row (1 = the first)."""
+    return base_scale ** max(1, consecutive_heals)
+
+
+class Healer:
+    def __init__(self, worker: Any, notify: Notify, on_change: Callable[[], None] | None = None):
+        self.worker = worker
+        self.cfg = worker.run.integrity
+        self.health: HealthMonitor = worker.health
+        self.notify = notify
+        self.on_change = on_change or (lambda: None)
+        self._snapshot = None  # swarm.stage.WorkerState
+        self._steps = 0
+        self._steps_left_scaled = 0
+        self._consecutive = 0
+        self._base_lrs = [group["lr"] for group in worker.optimizer.param_groups]
+        self._status = HealStatus()
+        self._healing = False
+
+    # ----- compute thread
+    def take_snapshot(self) -> None:
+        """Keep the current copy as the last good one (call with a healthy copy)."""
+        with self.worker.lock:
+            norm = param_norm(self.worker.module)
+            self._snapshot = self.worker.capture(include_optimizer=True)
+            self.health.set_baseline(norm)
+
+    def on_step(self, info: Any) -> None:
+        self._steps += 1
+        if self._steps_left_scaled > 0:
+            self._steps_left_scaled -= 1
+            if self._steps_left_scaled == 0:
+                self._set_lr_scale(1.0)
+                self._consecutive = 0
+        if self._steps % CHECK_EVERY_STEPS == 0:
+            self.health.observe_param_norm(param_norm(self.worker.module))
+        if self._steps % self.cfg.snapshot_every_steps == 0 and not self.health.sick:
+            self.take_snapshot()
+
+    def heal(self) -> str:
+        """Restore the last good snapshot and lower the step size; returns what was done."""
+        reason = self.health.sick_reason or "unknown"
+        with self.worker.lock:
+            self.worker.cache.clear()
+            self.worker.restore(self._snapshot)
+            self._consecutive += 1
+            scale = heal_lr_scale(self.cfg.heal_lr_scale, self._consecutive)
+            self._set_lr_scale(scale)
+            self._steps_left_scaled = max(1, self.cfg.heal_steps)
+            self.health.healed()
+        self._status = HealStatus(healing="", heals=self._status.heals + 1, last_heal_at=time.time(), lr_scale=scale)
+        return (f"healed: {reason}; restored the last good copy (clock {self._snapshot.clock:.0f}) and scaled "
+                f"the step size by {scale:.2g} for {self.cfg.heal_steps} updates")
+
+    def _set_lr_scale(self, scale: float) -> None:
+        for group, base in zip(self.worker.optimizer.param_groups, self._base_lrs):
+            group["lr"] = base * scale
+        self._status = HealStatus(healing=self._status.healing, heals=self._status.heals,
+                                  last_heal_at=self._status.last_heal_at, lr_scale=scale)
+
+    # ----- any thread
+    def status(self) -> HealStatus:
+        reason = self.health.sick_reason
+        if reason and not self._status.healing:
+            return HealStatus(healing=reason, heals=self._status.heals, last_heal_at=self._status.last_heal_at,
+                              lr_scale=self._status.lr_scale)
+        return self._status
+
+    # ----- event loop
+    async def watch(self, executor: Any, stop: asyncio.Event | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        while stop is None or not stop.is_set():
+            await asyncio.sleep(WATCH_PERIOD_S)
+            reason = self.health.sick_reason
+            if reason is None or self._healing:
+                continue
+            self._healing = True
+            try:
+                self.notify("warning", "healing", f"this copy is sick ({reason}): it stops serving and heals")
+                self.on_change()
+                text = await loop.run_in_executor(executor, self.heal)
+                self.notify("warning", "healed", text)
+            except Exception as exc:  # healing must not die silently: say it, try again next period
+                logger.exception("healing failed")
+                self.notify("error", "healing", f"healing failed ({exc.__class__.__name__}: {exc}); retrying")
+            finally:
+                self._healing = False
+                self.on_change()

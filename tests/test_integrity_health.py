@@ -1,0 +1,135 @@
+"""A sick copy is noticed, never emits non-finite values, and heals from its last good snapshot."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from swarm.integrity.heal import Healer, heal_lr_scale, param_norm
+from swarm.integrity.health import HealthMonitor, SickCopy, loss_exploded, norm_exploded
+from swarm.runconfig import IntegrityConfig, RunConfig
+from swarm.stage import StageWorker
+from swarm.wire import WireError
+
+
+def _run(**integrity) -> RunConfig:
+    return RunConfig(name="health", model={"stages": 3}, optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.9},
+                     integrity=integrity)
+
+
+def test_norm_and_loss_explosion_rules():
+    assert not norm_exploded(5.0, 1.0)
+    assert norm_exploded(11.0, 1.0)
+    assert norm_exploded(math.nan, 1.0) and norm_exploded(math.inf, 0.0)
+    assert not norm_exploded(1e6, 0.0)  # no baseline yet: only non-finite counts
+    assert not loss_exploded(None, 1.0, 4.0)
+    assert not loss_exploded(3.9, 1.0, 4.0) and loss_exploded(4.1, 1.0, 4.0)
+    assert loss_exploded(math.inf, None, 4.0)
+    assert heal_lr_scale(0.3, 1) == pytest.approx(0.3) and heal_lr_scale(0.3, 3) == pytest.approx(0.027)
+
+
+def test_local_loss_explosion_needs_a_warm_ema_and_a_baseline():
+    monitor = HealthMonitor(IntegrityConfig(loss_explode_ratio=4.0))
+    for _ in range(30):
+        monitor.observe_local_loss(0.5)
+    monitor.set_baseline(param_norm=1.0)
+    for _ in range(50):
+        monitor.observe_local_loss(1.5)  # a loss that triples is noisy training, not a sick copy
+    assert not monitor.sick
+    monitor.observe_local_loss(100.0)
+    assert monitor.sick and "exploded" in monitor.sick_reason
+    monitor.healed()
+    assert not monitor.sick
+    monitor.observe_local_loss(math.nan)
+    assert monitor.sick_reason == "the loss is not finite"
+
+
+def _poison(worker: StageWorker) -> None:
+    with torch.no_grad():
+        next(worker.module.parameters()).fill_(math.nan)
+
+
+def test_a_copy_with_non_finite_weights_refuses_work_and_heals_from_its_snapshot():
+    worker = StageWorker(_run(), 1)
+    healer = Healer(worker, notify=lambda *a: None)
+    healer.take_snapshot()
+    good = {k: v.clone() for k, v in worker.module.state_dict().items()}
+    x = torch.randn(4, 128)
+    _poison(worker)
+    with pytest.raises(SickCopy):
+        worker.forward("mb-1", x)
+    with pytest.raises(SickCopy):  # sick: every later request is refused before any compute
+        worker.infer(x)
+    assert healer.status().healing
+    healer.heal()
+    assert not worker.health.sick
+    for name, tensor in worker.module.state_dict().items():
+        assert torch.equal(tensor, good[name])
+    assert worker.optimizer.param_groups[0]["lr"] == pytest.approx(0.05 * 0.3)
+    assert torch.isfinite(worker.forward("mb-2", x)).all()
+    assert healer.status().heals == 1
+
+
+def test_step_size_returns_after_heal_steps_and_shrinks_on_repeated_heals():
+    worker = StageWorker(_run(heal_steps=3, heal_lr_scale=0.5), 1)
+    healer = Healer(worker, notify=lambda *a: None)
+    healer.take_snapshot()
+    for expected in (0.5, 0.25):
+        worker.health.mark_sick("test")
+        healer.heal()
+        assert worker.optimizer.param_groups[0]["lr"] == pytest.approx(0.05 * expected)
+    for _ in range(3):
+        healer.on_step(None)
+    assert worker.optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+
+
+def test_huge_finite_input_is_the_request_fault_not_the_copy():
+    worker = StageWorker(_run(), 1)
+    with pytest.raises(WireError, match="out of range"):
+        worker.forward("mb-1", torch.full((2, 128), 3e38))
+    assert not worker.health.sick  # a stranger cannot make a healthy copy heal by sending big numbers
+
+
+def test_diverging_parameters_are_noticed_within_the_check_period():
+    worker = StageWorker(_run(), 1)
+    healer = Healer(worker, notify=lambda *a: None)
+    healer.take_snapshot()
+    baseline = param_norm(worker.module)
+    with torch.no_grad():
+        for p in worker.module.parameters():
+            p.mul_(50.0)
+    for _ in range(10):
+        healer.on_step(None)
+    assert worker.health.sick and "parameter norm" in worker.health.sick_reason
+    healer.heal()
+    assert param_norm(worker.module) == pytest.approx(baseline)
+
+
+def test_the_watch_task_heals_and_reports():
+    worker = StageWorker(_run(), 1)
+    notices: list[tuple[str, str]] = []
+    healer = Healer(worker, notify=lambda level, kind, text: notices.append((kind, text)))
+    healer.take_snapshot()
+    _poison(worker)
+    worker.health.mark_sick("test poison")
+
+    async def main() -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        stop = asyncio.Event()
+        with ThreadPoolExecutor(1) as executor:
+            task = asyncio.create_task(healer.watch(executor, stop))
+            for _ in range(40):
+                await asyncio.sleep(0.05)
+                if healer.status().heals:
+                    break
+            stop.set()
+            await asyncio.wait_for(task, 2.0)
+
+    asyncio.run(main())
+    assert [kind for kind, _ in notices] == ["healing", "healed"]
+    assert "test poison" in notices[0][1]
+    assert all(torch.isfinite(p).all() for p in worker.module.parameters())
