@@ -29,6 +29,7 @@ _STATE_DEFAULT_REASONS: dict[NodeState, str] = {
     NodeState.SYNCING: "downloading the current weights of this layer",
     NodeState.PAUSED: "paused",
     NodeState.FINISHING: "completing the work already taken, then pausing",
+    NodeState.HEALING: "this copy was found sick and is restoring its last good state",
     NodeState.OFFLINE: "not connected to the run",
 }
 _STATE_HINTS: dict[NodeState, str] = {
@@ -36,6 +37,7 @@ _STATE_HINTS: dict[NodeState, str] = {
     NodeState.SYNCING: "training starts by itself",
     NodeState.PAUSED: "press r to resume",
     NodeState.FINISHING: "press r to keep training",
+    NodeState.HEALING: "training resumes by itself",
     NodeState.OFFLINE: "press q to leave",
 }
 _LEVEL_PREFIXES: dict[EventLevel, str] = {

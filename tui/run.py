@@ -10,8 +10,8 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import DataTable
 
-from tui.format import format_age, format_count, format_loss, format_percent, format_rate, swarm_note
-from volunteer.snapshot import NodeSnapshot, NodeState, PeerRow, SwarmRow, short_id
+from tui.format import format_age, format_count, format_loss, format_rate, swarm_note
+from volunteer.snapshot import NodeSnapshot, NodeState, PeerRow, SwarmRow, describe_evaluation, short_id
 
 Cells = tuple[str | Text, ...]
 
@@ -127,8 +127,9 @@ class SwarmsPanel(Vertical):
         rows = [(swarm.name, swarm_cells(swarm, snapshot.swarm, no_color=no_color)) for swarm in snapshot.swarms]
         set_rows(self.query_one("#swarms", ReadOnlyTable), rows)
         title = f"The run: {len(snapshot.swarms)} layer swarms" if snapshot.swarms else "The run: no swarm seen yet"
-        if snapshot.test_accuracy is not None:
-            title += f" · test accuracy {format_percent(snapshot.test_accuracy)}"
+        if snapshot.test_accuracy is not None or snapshot.test_loss is not None:
+            title += " · " + describe_evaluation(snapshot.test_accuracy, snapshot.test_loss,
+                                                 snapshot.evaluation_age_s, snapshot.eval_every_s)
         self.border_title = title
 
 

@@ -21,7 +21,31 @@ class NodeState(str, enum.Enum):
     ONLINE = "online"
     PAUSED = "paused"
     FINISHING = "finishing"
+    HEALING = "healing"  # the copy was found sick: it serves nothing while it restores itself
     OFFLINE = "offline"
+
+
+STALE_EVAL_PERIODS = 2.0  # an evaluation older than this many eval periods is called stale
+
+
+def evaluation_is_stale(age_s: float | None, eval_every_s: float) -> bool:
+    """Whether a published evaluation is too old to stand for the copies as they are now."""
+    return age_s is not None and age_s > STALE_EVAL_PERIODS * eval_every_s
+
+
+def describe_evaluation(accuracy: float | None, loss: float | None, age_s: float | None, eval_every_s: float) -> str:
+    """'test accuracy 97.5% (12s ago)'; older than two eval periods: '... STALE, 3m 10s ago: no newer one'."""
+    from volunteer.policy import format_duration
+
+    figure = f"test accuracy {accuracy * 100:.1f}%" if accuracy is not None else (
+        f"test loss {loss:.3f}" if loss is not None else "")
+    if not figure:
+        return "no evaluation yet"
+    if age_s is None:
+        return f"{figure} (age unknown)"
+    if evaluation_is_stale(age_s, eval_every_s):
+        return f"{figure} (STALE: measured {format_duration(age_s)} ago, no newer evaluation)"
+    return f"{figure} ({format_duration(age_s)} ago)"
 
 
 class Command(str, enum.Enum):
@@ -94,6 +118,9 @@ class NodeSnapshot:
     # run-wide figures published by layer0 evaluators
     test_accuracy: float | None = None
     test_loss: float | None = None
+    test_at: float | None = None  # wall time of that evaluation (None: its time is unknown)
+    eval_every_s: float = 10.0  # the run's evaluation period: a figure older than 2 periods is stale
+    heals: int = 0  # times this copy was found sick and restored itself
     # resources
     cpu_percent: float = 0.0
     memory_bytes: int = 0
@@ -107,6 +134,10 @@ class NodeSnapshot:
     maddrs: tuple[str, ...] = ()
 
     @property
+    def evaluation_age_s(self) -> float | None:
+        return None if self.test_at is None else max(0.0, time.time() - self.test_at)
+
+    @property
     def uptime_s(self) -> float:
         return max(0.0, time.time() - self.started_at)
 
@@ -118,6 +149,9 @@ class NodeSnapshot:
         data = dataclasses.asdict(self)
         data["state"] = self.state.value
         data["uptime_s"] = round(self.uptime_s, 1)
+        age = self.evaluation_age_s
+        data["evaluation_age_s"] = None if age is None else round(age, 1)
+        data["evaluation_stale"] = evaluation_is_stale(age, self.eval_every_s)
         for event in data["events"]:
             event["level"] = event["level"].value if isinstance(event["level"], EventLevel) else event["level"]
         return data

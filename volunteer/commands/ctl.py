@@ -109,8 +109,11 @@ def render_status(snap: dict) -> str:
             f"{snap.get('microbatches_served', 0)} micro-batches served"]
     if snap.get("loss") is not None:
         work.append(f"loss {snap['loss']:.3f}")
-    if snap.get("test_accuracy") is not None:
-        work.append(f"run test accuracy {snap['test_accuracy']:.1%}")
+    if snap.get("test_accuracy") is not None or snap.get("test_loss") is not None:
+        from volunteer.snapshot import describe_evaluation
+
+        work.append("run " + describe_evaluation(snap.get("test_accuracy"), snap.get("test_loss"),
+                                                 snap.get("evaluation_age_s"), snap.get("eval_every_s", 10.0)))
     lines.append(", ".join(work))
     swarms = snap.get("swarms") or []
     if swarms:

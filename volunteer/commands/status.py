@@ -68,21 +68,35 @@ def build_report(run, views: dict, now: float) -> dict:
     report = {"run_id": run.run_id, "swarms": swarms, "summary": summary}
     if evaluations:
         *_, latest = max(evaluations, key=lambda item: item[:2])
+        from volunteer.snapshot import evaluation_is_stale
+
+        # The evaluation's own time (records before it carried one: the heartbeat that published it)
+        measured_at = latest.eval_at if latest.eval_at >= 0 else None
+        age_s = round(max(0.0, now - measured_at), 1) if measured_at is not None else None
         report["evaluation"] = {"test_accuracy": latest.test_accuracy if latest.test_accuracy >= 0 else None,
-                                "test_loss": latest.test_loss,
-                                "samples": latest.eval_samples, "by": latest.peer_id}
+                                "test_loss": latest.test_loss, "samples": latest.eval_samples, "by": latest.peer_id,
+                                "measured_at": measured_at, "age_s": age_s, "copy_version": latest.eval_version,
+                                "stale": evaluation_is_stale(age_s, run.training.eval_every_s),
+                                "eval_every_s": run.training.eval_every_s}
+    heals = {name: sum(r.heals for r in views.get(name, [])) for name in run.swarm_names}
+    report["heals"] = heals
     return report
 
 
 def render_report(report: dict) -> str:
     lines = [f"run {report['run_id']}"]
     if "evaluation" in report:
+        from volunteer.snapshot import describe_evaluation
+
         ev = report["evaluation"]
-        acc = f"test accuracy {ev['test_accuracy']:.1%}, " if ev["test_accuracy"] is not None else ""
-        lines.append(f"  {acc}test loss {ev['test_loss']:.3f} after {ev['samples']} samples (by {short_id(ev['by'])})")
+        figure = describe_evaluation(ev["test_accuracy"], ev["test_loss"], ev["age_s"], ev["eval_every_s"])
+        lines.append(f"  {figure}, test loss {ev['test_loss']:.3f} after {ev['samples']} samples "
+                     f"(by {short_id(ev['by'])})")
     for name, rows in report["swarms"].items():
         s = report["summary"][name]
         flag = "  <-- NO ONLINE PEER: the pipeline cannot pass this layer" if s["empty"] else ""
+        healed = report.get("heals", {}).get(name, 0)
+        flag += f"  ({healed} heal{'s' if healed != 1 else ''} of sick copies)" if healed else ""
         lines.append(f"{name}: {s['online']} online / {s['total']} peers, {s['throughput']:.1f} samples/s{flag}")
         for row in rows:
             loss = f"{row['loss']:.3f}" if row["loss"] is not None else "-"
