@@ -98,6 +98,7 @@ def sample_snapshot(**changes: object) -> NodeSnapshot:
         samples_per_s_history=tuple(150.0 + 10 * (i % 6) + i for i in range(40)),
         loss_history=tuple(0.9 * 0.97**i + 0.3 for i in range(40)),
         test_accuracy=0.9123,
+        test_at=NOW - 12.0,
         test_loss=0.2810,
         cpu_percent=34.0,
         memory_bytes=2_100_000_000,

@@ -89,3 +89,16 @@ def test_problems_carry_a_word_not_only_a_colour() -> None:
 def test_event_times_are_local_wall_clock() -> None:
     with utc_timezone():
         assert format_clock_time(3723) == "01:02:03"
+
+
+def test_an_evaluation_always_says_how_old_it_is():
+    from tui.format import format_evaluation
+    from volunteer.snapshot import describe_evaluation, evaluation_is_stale
+
+    assert format_evaluation(0.9123, 0.3, 12.0, stale=False) == "acc 91.2% · 12s ago"
+    assert format_evaluation(0.9123, 0.3, 190.0, stale=True) == "acc 91.2% · STALE 3m 10s"
+    assert format_evaluation(None, 2.5, None, stale=False) == "test loss 2.5000 · age ?"
+    assert not evaluation_is_stale(20.0, 10.0) and evaluation_is_stale(20.1, 10.0)
+    assert not evaluation_is_stale(None, 10.0)
+    assert "STALE" in describe_evaluation(0.97, 0.1, 25.0, 10.0)
+    assert describe_evaluation(0.97, 0.1, 5.0, 10.0) == "test accuracy 97.0% (5 s ago)"

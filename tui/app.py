@@ -93,7 +93,7 @@ class VolunteerApp(App[int]):
         state_changed = self._snapshot is None or self._snapshot.state is not snapshot.state
         self._snapshot = snapshot
         self._snapshot_received_at = self._now()
-        self.dashboard.show(snapshot)
+        self.dashboard.show(snapshot, self._now())
         self._refresh_status()
         if state_changed:
             self.refresh_bindings()

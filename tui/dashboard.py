@@ -72,9 +72,9 @@ class DashboardScreen(Screen[None]):
         yield EventsLog(id="events")
         yield Footer(show_command_palette=False)
 
-    def show(self, snapshot: NodeSnapshot) -> None:
+    def show(self, snapshot: NodeSnapshot, now: float) -> None:
         self.query_one(WorkPanel).show(snapshot)
-        self.query_one(SwarmsPanel).show(snapshot)
+        self.query_one(SwarmsPanel).show(snapshot, now)
         self.query_one(PeersPanel).show(snapshot)
         self.query_one(EventsLog).add_all(snapshot.events)
 

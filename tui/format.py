@@ -109,6 +109,14 @@ def format_clock_time(timestamp: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(timestamp))
 
 
+def format_evaluation(accuracy: float | None, loss: float | None, age_s: float | None, stale: bool) -> str:
+    """The run's last evaluation for a title: 'acc 91.2% · 12s ago', 'acc 91.2% · STALE 3m 10s'."""
+    figure = f"acc {format_percent(accuracy)}" if accuracy is not None else f"test loss {format_loss(loss)}"
+    if age_s is None:
+        return f"{figure} · age ?"
+    return f"{figure} · {'STALE ' + format_duration(age_s) if stale else format_age(age_s)}"
+
+
 def state_label(state: NodeState, *, leaving: bool = False) -> str:
     return "LEAVING" if leaving else STATE_LABELS[state]
 

@@ -10,8 +10,8 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import DataTable
 
-from tui.format import format_age, format_count, format_loss, format_rate, swarm_note
-from volunteer.snapshot import NodeSnapshot, NodeState, PeerRow, SwarmRow, describe_evaluation, short_id
+from tui.format import format_age, format_count, format_evaluation, format_loss, format_rate, swarm_note
+from volunteer.snapshot import NodeSnapshot, NodeState, PeerRow, SwarmRow, evaluation_is_stale, short_id
 
 Cells = tuple[str | Text, ...]
 
@@ -122,14 +122,15 @@ class SwarmsPanel(Vertical):
     def on_mount(self) -> None:
         self.border_title = "The run"
 
-    def show(self, snapshot: NodeSnapshot) -> None:
+    def show(self, snapshot: NodeSnapshot, now: float) -> None:
         no_color = self.app.no_color
         rows = [(swarm.name, swarm_cells(swarm, snapshot.swarm, no_color=no_color)) for swarm in snapshot.swarms]
         set_rows(self.query_one("#swarms", ReadOnlyTable), rows)
         title = f"The run: {len(snapshot.swarms)} layer swarms" if snapshot.swarms else "The run: no swarm seen yet"
         if snapshot.test_accuracy is not None or snapshot.test_loss is not None:
-            title += " · " + describe_evaluation(snapshot.test_accuracy, snapshot.test_loss,
-                                                 snapshot.evaluation_age_s, snapshot.eval_every_s)
+            age_s = None if snapshot.test_at is None else max(0.0, now - snapshot.test_at)
+            title += " · " + format_evaluation(snapshot.test_accuracy, snapshot.test_loss, age_s,
+                                               evaluation_is_stale(age_s, snapshot.eval_every_s))
         self.border_title = title
 
 
