@@ -136,7 +136,7 @@ def test_swarms_table_marks_the_bottleneck_and_my_swarm() -> None:
         assert str(table.get_row("layer4")[-1]) == "◀ bottleneck"
         assert str(table.get_row("layer3")[-1]) == "you"
         assert str(table.get_row("layer0")[-1]) == ""
-        assert "test accuracy 91.2%" in screen_text(app)
+        assert "acc 91.2% · 12s ago" in screen_text(app)
 
     run_scenario(FakeEngine(), scenario)
 
