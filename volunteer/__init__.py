@@ -7,7 +7,8 @@ Map:
 - paths.py      per-user data and config dirs
 - snapshot.py   the status snapshot, events and commands shared by the engine, TUI and control socket
 - hygiene.py    signal handling and the watchdog that reaps the DHT and p2pd if we crash
-- node.py       the node engine: join, announce, heartbeat, leave
+- node/         the node engine: a lifecycle (join, serve, leave) over named parts (commands,
+                governors, checkpoints, announcer); see its map
 - bootstrap.py  `volunteer bootstrap`
 - status.py     `volunteer status`
 """
