@@ -128,7 +128,7 @@ def test_example_preferences_document_the_defaults():
 
 
 def test_help_imports_neither_torch_nor_hivemind():
-    code = ("import sys; from volunteer.cli import build_parser; build_parser().format_help(); "
+    code = ("import sys; from volunteer_cli.main import build_parser; build_parser().format_help(); "
             "heavy = [m for m in ('torch', 'hivemind') if m in sys.modules]; print(heavy); sys.exit(bool(heavy))")
     import sys as _sys
 
