@@ -158,3 +158,36 @@ def test_the_view_marks_the_bottleneck_and_me_and_shows_the_newest_evaluation():
 def test_a_single_swarm_is_never_called_the_bottleneck(names):
     fields = view_fields({}, names, "layer0", "me", NOW_S)
     assert not fields["swarms"][0].bottleneck and fields["peers"] == ()
+
+
+class HealthGuard:
+    """A part as the lead's integrity guard will be: it ticks, publishes a state, and can stop the node."""
+
+    def __init__(self, node, log: list[str]):
+        self.node, self.log = node, log
+
+    def tick(self, now_s: float) -> None:
+        self.log.append("guard")
+        self.node.set_state(PAUSED, "healing: loss exploded")
+        self.node.request_stop()
+
+    def close(self) -> None:
+        self.log.append("guard closed")
+
+
+def test_a_new_part_is_ticked_in_order_and_its_state_reaches_the_snapshot(tmp_path):
+    from swarm.runconfig import RunConfig
+    from volunteer.node import Node, NodeOptions
+
+    node = Node(NodeOptions(run=RunConfig(name="parts", model={"stages": 2}), swarm="layer1", initial_peers=[],
+                            data_dir=tmp_path, control_socket=False))
+    log: list[str] = []
+    for part in node.parts:
+        part.tick = (lambda name, tick: lambda now_s: (log.append(name), tick(now_s)))(type(part).__name__, part.tick)
+    node.parts.insert(node.parts.index(node.announcer), HealthGuard(node, log))
+    node._serve()  # no DHT: announces are no-ops; the guard stops the loop after one round
+    assert log == ["Commands", "Governors", "Checkpoints", "guard", "Announcer"]
+    snap = node.snapshot()
+    assert snap.state == PAUSED and snap.reason == "healing: loss exploded"
+    node._leave()
+    assert "guard closed" in log and node.snapshot().state == NodeState.OFFLINE

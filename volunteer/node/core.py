@@ -242,7 +242,7 @@ class Node:
     def _leave(self) -> None:
         """Take no new work (drivers get "paused" and route around us), let in-flight work finish, announce
         offline with final figures, checkpoint, then stop the stage and the DHT."""
-        self.governors.close()
+        self.governors.close()  # first: no policy verdict may resume a leaving node
         board, run = self.board, self.run
         if self.peer is not None:
             self.peer.pause()
@@ -262,8 +262,7 @@ class Node:
             self.peer.stop()
             self.peer = None
         for part in self.parts:
-            if part is not self.governors:  # closed first: no policy verdict may resume a leaving node
-                part.close()
+            part.close()
         if self.dht is not None:
             from swarm.dht import shutdown_dht
 

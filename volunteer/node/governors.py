@@ -41,8 +41,10 @@ class Governors:
         self.follow_bandwidth_cap()
 
     def close(self) -> None:
+        """Stop observing the machine (idempotent: the node closes it first on leave, then with all parts)."""
         if self.idle is not None:
             self.idle.close()
+            self.idle = None
 
     def verdict(self) -> Verdict | None:
         """The idle policy's last verdict (None without idle mode or before its first poll)."""
