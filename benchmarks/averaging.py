@@ -32,7 +32,6 @@ import time
 from typing import Any
 
 from benchmarks.common import (
-    Fleet,
     finish,
     machine_notes,
     median,
@@ -42,6 +41,7 @@ from benchmarks.common import (
     wait_until,
     write_run,
 )
+from benchmarks.fleet import Fleet
 
 LAYER_TENSORS = 10
 TENSOR_NUMEL = 1_000_000  # 10 x 1M float32 = 40 MB

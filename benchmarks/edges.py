@@ -19,7 +19,8 @@ import argparse
 import time
 from typing import Any
 
-from benchmarks.common import Fleet, finish, machine_notes, parser as common_parser, ratio, say, wait_until, write_run
+from benchmarks.common import finish, machine_notes, parser as common_parser, ratio, say, wait_until, write_run
+from benchmarks.fleet import Fleet
 
 MODES = ("none", "dpwa", "dsgd", "pdmm_isvr", "admm_isvr")
 DRIVERS = 2  # layer0 peers of a demo with --per-swarm 2

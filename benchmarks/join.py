@@ -34,20 +34,27 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (
-    LOOPBACK,
     BenchmarkError,
-    Fleet,
     finish,
     load_run_config,
     machine_notes,
     median,
-    new_identity,
     parser as common_parser,
     percentile,
     ratio,
     say,
     wait_until,
     write_run,
+)
+from benchmarks.fleet import LOOPBACK, Fleet, new_identity
+from benchmarks.join_children import (
+    BARE_FLAG,
+    JOIN_STEPS,
+    PROBE_FLAG,
+    STATUS_STEPS,
+    bare_child,
+    phases as step_phases,
+    probe,
 )
 
 JOIN_SWARM = "layer1"
@@ -57,42 +64,16 @@ RECORD_HEARTBEAT_S = 60.0  # records outlive the whole benchmark without re-anno
 JOIN_TIMEOUT_S = 180.0
 VISIBLE_POLL_S = 0.005
 STDOUT_POLL_S = 0.01
-BARE_WAIT_S = 120.0
-PROBE_FLAG = "--probe"
-BARE_FLAG = "--bare-child"
 EVENT_MARKERS = {"starting": "starting the DHT", "joined": "joined the DHT as", "online": "online in "}
 
-# (module or class, attribute, step name): the steps timed by the instrumented runs (first call of each)
-JOIN_STEPS = [
-    ("volunteer.commands.common", "setup_process", "watchdog_and_signals"),
-    ("swarm.dht", "claim_identity", "import_hivemind_torch_and_identity"),
-    ("swarm.dht", "make_validators", "validators"),
-    ("swarm.dht", "start_dht", "dht_start"),
-    ("swarm.dht", "visible_maddrs", "visible_maddrs"),
-    ("swarm.membership", "conflicting_runs", "run_directory_check"),
-    ("swarm.membership", "publish_run", "run_directory_publish"),
-    ("swarm.membership.Membership", "read_all", "read_swarms"),
-    ("volunteer.node.Node", "_start_training", "start_training"),
-    ("swarm.membership.Membership", "announce", "announce"),
-]
-STATUS_STEPS = [
-    ("volunteer.commands.status", "load_run", "load_run"),
-    ("volunteer.commands.common", "setup_process", "watchdog_and_signals"),
-    ("swarm.dht", "make_validators", "import_hivemind_torch_and_validators"),
-    ("swarm.dht", "start_dht", "dht_start"),
-    ("swarm.membership.Membership", "read_all", "read_all"),
-    ("swarm.dht", "shutdown_dht", "dht_shutdown"),
-    ("volunteer.commands.status", "run_status", "run_status_all_of_the_above"),  # may end in os._exit
-]
-PROBES = {"join": JOIN_STEPS, "status": STATUS_STEPS}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == [PROBE_FLAG]:
-        return _probe(argv[1], Path(argv[2]), argv[3:])
+        return probe(argv[1], Path(argv[2]), argv[3:])
     if argv[:1] == [BARE_FLAG]:
-        return _bare_child(argv[1], argv[2])
+        return bare_child(argv[1], argv[2])
     args = _parser().parse_args(argv)
     if args.quick:
         args.runs, args.peers, args.reads, args.status_runs, args.warmup = 1, 2, 5, 1, False
@@ -194,7 +175,7 @@ def _join_once(fleet: Fleet, maddr: str, reader_dht: Any, name: str, probe: bool
                  "--headless", "--log-format", "json", "--identity", str(identity)]
     marks_path = fleet.workdir / f"{name}.marks.json"
     argv = ([sys.executable, "-m", "benchmarks.join", PROBE_FLAG, "join", str(marks_path)] if probe
-            else [sys.executable, "-m", "volunteer.cli"]) + join_args
+            else [sys.executable, "-m", "volunteer_cli"]) + join_args
     proc = fleet.start(name, argv)
     spawned = proc.started_at
 
@@ -217,7 +198,7 @@ def _join_once(fleet: Fleet, maddr: str, reader_dht: Any, name: str, probe: bool
     phases = {}
     if probe:
         marks = json.loads(marks_path.read_text())
-        phases = _phases(marks, JOIN_STEPS, spawned, end=("reader_sees_record", visible))
+        phases = step_phases(marks, JOIN_STEPS, spawned, end=("reader_sees_record", visible))
     return {
         "total_s": visible - spawned,
         "import_s": times["starting"] - spawned,
@@ -260,39 +241,6 @@ def _bare_join(fleet: Fleet, reader_dht: Any, maddr: str, name: str) -> dict[str
     return {"total_s": seen - spawned, "import_s": times["imported"] - spawned,
             "dht_start_s": times["dht_started"] - times["imported"], "store_s": times["stored"] - times["dht_started"],
             "store_to_visible_s": seen - times["stored"]}
-
-
-def _bare_child(maddr: str, key: str) -> int:
-    """A plain hivemind DHT: start, store one value, say when, stay until stdin closes."""
-    started = time.time()
-    import signal
-
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # leave through `finally`: stop the DHT and p2pd
-    import hivemind
-    from hivemind.utils import get_dht_time
-
-    imported = time.time()
-    dht = hivemind.DHT(initial_peers=[maddr], host_maddrs=[LOOPBACK], start=True)
-    try:
-        dht_started = time.time()
-        dht.store(key, "here", expiration_time=get_dht_time() + 300)
-        stored = time.time()
-        print(json.dumps({"started": started, "imported": imported, "dht_started": dht_started, "stored": stored}),
-              flush=True)
-        _wait_for_stdin_eof(BARE_WAIT_S)
-    finally:
-        dht.shutdown()
-    return 0
-
-
-def _wait_for_stdin_eof(timeout_s: float) -> None:
-    import select
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([sys.stdin], [], [], max(0.0, deadline - time.monotonic()))
-        if ready and not sys.stdin.buffer.read1(4096):
-            return
 
 
 # ----- get latency with many records
@@ -381,84 +329,19 @@ def _status(fleet: Fleet, run_path: Path, maddr: str, runs: int, plain_too: bool
     for i in range(runs):
         if plain_too:
             started = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "volunteer.cli", *args], env=fleet.env, check=True, timeout=120,
+            subprocess.run([sys.executable, "-m", "volunteer_cli", *args], env=fleet.env, check=True, timeout=120,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             plain.append(time.perf_counter() - started)
         out = fleet.workdir / f"status-probe{i}.json"
         spawned = time.time()
         subprocess.run([sys.executable, "-m", "benchmarks.join", PROBE_FLAG, "status", str(out), *args], env=fleet.env,
                        check=True, timeout=120, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        phases.append(_phases(json.loads(out.read_text()), STATUS_STEPS, spawned, end=("print_and_exit", time.time())))
+        phases.append(step_phases(json.loads(out.read_text()), STATUS_STEPS, spawned, end=("print_and_exit", time.time())))
     breakdown = {name: median([p[name] for p in phases if name in p]) for name in phases[0]}
     status_s = median(plain) if plain else breakdown["total"]
     shares = {k: ratio(v, breakdown["total"]) for k, v in breakdown.items() if k != "total"}
     return {"status_s": status_s,
             "status": {"runs": runs, "plain_s": plain, "phases_s": breakdown, "phase_shares": shares}}
-
-
-# ----- instrumented commands
-
-
-def _phases(marks: dict[str, Any], steps: list[tuple[str, str, str]], spawned: float,
-            end: tuple[str, float]) -> dict[str, float]:
-    """Seconds per instrumented step (its first call; a step may contain another, e.g. an announce
-    while the stage starts), ``between_steps`` (time in no step) and the time after the last one."""
-    entered = marks["entered"]
-    spans = {mark: marks[mark] for _, _, mark in steps if mark in marks}
-    out = {"python_and_cli_import": entered - spawned}
-    out.update({mark: stop - start for mark, (start, stop) in spans.items()})
-    covered, reach = 0.0, entered
-    for start, stop in sorted(spans.values()):  # length of the union of the steps' intervals
-        covered += max(0.0, stop - max(start, reach))
-        reach = max(reach, stop)
-    out["between_steps"] = reach - entered - covered
-    out[end[0]] = end[1] - reach
-    out["total"] = end[1] - spawned
-    return out
-
-
-def _probe(kind: str, out: Path, cli_args: list[str]) -> int:
-    """Run the real CLI with timestamps at the end of each step of ``PROBES[kind]`` (written to ``out`` at exit)."""
-    import atexit
-    import importlib
-
-    from volunteer import cli
-
-    def resolve(dotted: str) -> Any:
-        try:
-            return importlib.import_module(dotted)
-        except ModuleNotFoundError:  # "package.module.Class"
-            module_name, class_name = dotted.rsplit(".", 1)
-            return getattr(importlib.import_module(module_name), class_name)
-
-    targets = [(resolve(dotted), attribute, mark) for dotted, attribute, mark in PROBES[kind]]
-    marks: dict[str, Any] = {"entered": time.time()}
-    me = os.getpid()
-    real_exit = os._exit
-
-    def save() -> None:
-        if os.getpid() == me:  # not from a forked child (the watchdog, the DHT process)
-            out.write_text(json.dumps(marks))
-
-    def exit_saving(code: int) -> None:  # commands may skip interpreter teardown with os._exit
-        save()
-        real_exit(code)
-
-    atexit.register(save)
-    os._exit = exit_saving  # type: ignore[assignment]
-
-    def timed(function: Any, mark: str) -> Any:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            started = time.time()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                marks.setdefault(mark, (started, time.time()))  # the first call only (announce, read_all repeat)
-        return wrapper
-
-    for owner, attribute, mark in targets:
-        setattr(owner, attribute, timed(getattr(owner, attribute), mark))
-    return int(cli.main(cli_args) or 0)
 
 
 if __name__ == "__main__":

@@ -36,9 +36,7 @@ one record per heartbeat), summed over layer0 peers, after a warm-up.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
-import random
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -47,10 +45,8 @@ from typing import Any
 
 from benchmarks.common import (
     BenchmarkError,
-    Fleet,
-    Proc,
-    cpu_used,
     finish,
+    load_run_config,
     machine_notes,
     median,
     parser as common_parser,
@@ -59,20 +55,10 @@ from benchmarks.common import (
     wait_until,
     write_run,
 )
+from benchmarks.fleet import Fleet, Proc, cpu_used
+from benchmarks.pipeline_hop import hops
 
-KIB = 1024
-MIB = 1024 * 1024
 START_TIMEOUT_S = 300.0  # many processes importing torch at once on 2 cores
-HOP_WIDTH = 64  # a narrow layer: the 4 MiB hop costs little compute, so the overhead is most of it
-# name -> (activation bytes, transport): "default" lets call_stage choose (it streams from
-# wire.UNARY_LIMIT_BYTES up); "unary" / "stream" force one, to compare the two at equal sizes.
-HOP_CASES = {"empty": (4 * HOP_WIDTH, "default"), "64k": (64 * KIB, "default"), "4m": (4 * MIB, "default")}
-HOP_COMPARED = ("64k", "256k", "1m", "2m")
-HOP_COMPARED_BYTES = {"64k": 64 * KIB, "256k": 256 * KIB, "1m": MIB, "2m": 2 * MIB}
-HOP_CASES.update({f"{name}_{transport}": (HOP_COMPARED_BYTES[name], transport)
-                  for name in HOP_COMPARED for transport in ("unary", "stream")})
-P2PD_UNARY_CAP_BYTES = 4 * MIB  # p2pd's persistent-connection message limit
-HOP_TIMEOUT_S = 60.0
 
 
 @dataclass(slots=True, kw_only=True)
@@ -132,7 +118,7 @@ def _benchmark(fleet: Fleet, settings: Settings, args: argparse.Namespace) -> di
     reader = fleet.dht([maddr], [RSASignatureValidator()], client_mode=True)
     report: dict[str, Any] = {"machine": machine_notes()}
     if "hop" in parts:
-        report.update(_hops(fleet, maddr, settings))
+        report.update(hops(fleet, maddr, settings.hop_reps))
     if "heavy" in parts:
         report.update(_heavy(fleet, maddr, reader, settings))
     if "scaling" in parts:
@@ -228,8 +214,6 @@ def _measure(fleet: Fleet, membership: Any, procs: list[Proc], warmup_s: float, 
 def _heavy_run(fleet: Fleet, s: Settings) -> tuple[Path, Any]:
     """The heavy run's config and its data: random features in an npz file (what is learned does not matter)."""
     import numpy as np
-
-    from benchmarks.common import load_run_config
 
     data_path = fleet.workdir / "heavy.npz"
     rng = np.random.default_rng(0)
@@ -343,7 +327,6 @@ class _LocalLoop:
 
 
 def _scaling(fleet: Fleet, maddr: str, reader: Any, s: Settings) -> dict[str, Any]:
-    from benchmarks.common import load_run_config
     from swarm.membership import Membership
 
     most = max(s.scaling_peers)
@@ -379,132 +362,6 @@ def _scaling(fleet: Fleet, maddr: str, reader: Any, s: Settings) -> dict[str, An
         "utilization_1": ratio(base, ideal_1),
     }
     return report
-
-
-# ----- one hop
-
-
-def _hops(fleet: Fleet, maddr: str, s: Settings) -> dict[str, Any]:
-    from swarm.peer import SwarmPeer
-    from swarm.runconfig import RunConfig
-
-    biggest = max(size for size, _ in HOP_CASES.values()) // (4 * HOP_WIDTH)
-    run = RunConfig.model_validate({
-        "name": "hopbench", "model": {"stages": 3, "hidden_dim": HOP_WIDTH},
-        "training": {"batch_size": biggest, "in_flight": 1}, "timeouts": {"rpc_s": HOP_TIMEOUT_S},
-    })
-    say("hop: a stage server and a client, two P2P peers in this process")
-    server_dht = fleet.dht([maddr], [])
-    client_dht = fleet.dht([maddr], [])
-    peer = SwarmPeer(run, server_dht, "layer1", evaluate=False)
-    try:
-        peer.start()
-        timings = asyncio.run(_hop_timings(run, client_dht, peer, s, [os.getpid(), *fleet.in_process_helpers()]))
-    finally:
-        peer.stop()
-        fleet.close_dht(client_dht)
-        fleet.close_dht(server_dht)
-    failures = timings.pop("failures")
-    report: dict[str, Any] = {}
-    detail: dict[str, Any] = {}
-    empty = timings["empty"]["hop_ms"] - timings["empty"]["local_ms"]
-    for name, t in timings.items():
-        overhead = t["hop_ms"] - t["local_ms"]
-        size, transport = HOP_CASES[name]
-        moved = 2 * size  # activations out and back
-        detail[name] = {**t, "overhead_ms": overhead, "bytes_each_way": size, "transport": transport,
-                        "mb_per_s": ratio(moved / MIB, overhead / 1000), "vs_empty_hop": ratio(overhead, empty)}
-        if name != "empty":
-            report[f"hop_overhead_ms_{name}"] = overhead
-    report["hop_overhead_4m_vs_64k"] = ratio(report["hop_overhead_ms_4m"], report["hop_overhead_ms_64k"])
-    for name in HOP_COMPARED:
-        report[f"hop_overhead_{name}_unary_vs_streamed"] = ratio(report[f"hop_overhead_ms_{name}_unary"],
-                                                                 report[f"hop_overhead_ms_{name}_stream"])
-        report[f"hop_cpu_{name}_unary_vs_streamed"] = ratio(timings[f"{name}_unary"]["cpu_ms"],
-                                                             timings[f"{name}_stream"]["cpu_ms"])
-    from swarm.wire import UNARY_LIMIT_BYTES
-
-    report["hop_unary_limit_bytes"] = UNARY_LIMIT_BYTES
-    report["hop"] = {"width": HOP_WIDTH, "op": "forward", "sizes": detail, "failures": failures}
-    return report
-
-
-async def _hop_timings(run: Any, client_dht: Any, peer: Any, s: Settings,
-                       cpu_pids: list[int]) -> dict[str, dict[str, float]]:
-    """Every case once per round in a shuffled order, ``hop_reps`` rounds after a warm-up round: a
-    load spike on a shared machine hits all cases alike instead of one. ``cpu_ms`` is the CPU the
-    hop cost this process and both p2pd daemons (mean: /proc counts in clock ticks)."""
-    import torch
-    from hivemind import DHT
-    from hivemind.p2p import P2P
-
-    from swarm.stage import StageWorker
-
-    p2p = await P2P.replicate(await client_dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr, return_future=True))
-    local = StageWorker(run, 1)
-    inputs = {name: torch.randn(size // (4 * HOP_WIDTH), HOP_WIDTH) for name, (size, _) in HOP_CASES.items()}
-    samples: dict[str, dict[str, list[float]]] = {name: {"hop": [], "rpc": [], "local": [], "cpu": []}
-                                                  for name in HOP_CASES}
-    failures: list[str] = []
-    try:
-        order = list(HOP_CASES)
-        for round_ in range(s.hop_reps + 1):
-            random.Random(round_).shuffle(order)  # whatever follows a 4 MiB hop pays a little: spread it
-            for name in order:
-                size, transport = HOP_CASES[name]
-                try:
-                    timing = await _one_hop(p2p, peer, local, run, inputs[name], f"hop-{name}-{round_}", size,
-                                            transport, cpu_pids)
-                except BenchmarkError as exc:  # reported, and retried once under a new id: one hiccup must
-                    failures.append(str(exc))  # not end the whole benchmark
-                    say(str(exc))
-                    timing = await _one_hop(p2p, peer, local, run, inputs[name], f"hop-{name}-{round_}-retry", size,
-                                            transport, cpu_pids)
-                if round_:  # round 0 warms up
-                    for key, value in timing.items():
-                        samples[name][key].append(value)
-    finally:
-        await p2p.shutdown()
-    out = {name: {"hop_ms": 1000 * median(t["hop"]), "rpc_ms": 1000 * median(t["rpc"]),
-                  "local_ms": 1000 * median(t["local"]), "cpu_ms": 1000 * sum(t["cpu"]) / len(t["cpu"]),
-                  "reps": s.hop_reps} for name, t in samples.items()}
-    for name, t in out.items():
-        say(f"hop {name}: {t['hop_ms']:.2f} ms (local forward {t['local_ms']:.2f} ms)")
-    out["failures"] = failures  # type: ignore[assignment]
-    return out
-
-
-async def _one_hop(p2p: Any, peer: Any, local: Any, run: Any, x: Any, mb: str, size: int, transport: str,
-                   cpu_pids: list[int]) -> dict[str, float]:
-    """One forward hop to ``peer`` and the same forward on a local worker: seconds of each, and CPU."""
-    import swarm.stage_rpc as stage_rpc
-    from benchmarks.common import process_cpu_seconds
-
-    default_limit = stage_rpc.UNARY_LIMIT_BYTES  # call_stage reads it at each call: force the transport
-    stage_rpc.UNARY_LIMIT_BYTES = {"unary": P2PD_UNARY_CAP_BYTES - 1, "stream": 0}.get(transport, default_limit)
-    try:
-        cpu = sum(process_cpu_seconds(pid) for pid in cpu_pids)
-        started = time.perf_counter()
-        try:
-            (y,), _, rpc_s = await stage_rpc.call_stage(
-                p2p, str(peer.dht.peer_id), stage_rpc.stage_namespace(run.run_id, "layer1"), "forward", [x],
-                {"mb": mb}, timeout_s=HOP_TIMEOUT_S, wire_dtype="float32",
-                max_bytes=int(run.training.max_payload_mb * MIB), expect_bytes=size)
-        except Exception as exc:
-            raise BenchmarkError(f"hop {mb} ({size} bytes, {transport}) failed: {exc.__class__.__name__}: {exc}") from exc
-        hop_s = time.perf_counter() - started
-        cpu = sum(process_cpu_seconds(pid) for pid in cpu_pids) - cpu
-    finally:
-        stage_rpc.UNARY_LIMIT_BYTES = default_limit
-    if y.shape != x.shape:
-        raise BenchmarkError(f"the hop returned {tuple(y.shape)}, expected {tuple(x.shape)}")
-    with peer.worker.lock:  # drop the saved graph: no backward follows in this benchmark
-        peer.worker.cache.pop(mb, time.monotonic())
-    started = time.perf_counter()
-    stage_rpc.dispatch(local, "forward", [x], {"mb": mb})
-    local_s = time.perf_counter() - started
-    local.cache.pop(mb, time.monotonic())
-    return {"hop": hop_s, "rpc": rpc_s, "local": local_s, "cpu": cpu}
 
 
 if __name__ == "__main__":

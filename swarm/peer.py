@@ -2,7 +2,7 @@
 
 Runs an asyncio loop on its own thread, with a replica of the DHT's P2P daemon connection; compute
 happens on one separate thread (torch is not re-entrant-friendly and one stage wants one core).
-The node (volunteer/node.py) feeds it the swarms' records and reads ``metrics()``; every method
+The node (volunteer/node/) feeds it the swarms' records and reads ``metrics()``; every method
 here is safe to call from the node's thread. Every peer also serves its layer's parameters
 (swarm/averaging/params_rpc.py) and keeps its copy close to the swarm's (swarm/averaging): a
 newcomer downloads its layer in ``start(sync_from=...)`` before it serves or drives anything.

@@ -20,6 +20,15 @@ RUN_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,47}$"
 HASH_EXCLUDED_FIELDS = frozenset({"bootstrap_peers", "timeouts"})
 
 
+class CrossFieldError(ValueError):
+    """A rule between fields; ``fields`` are their paths from the model that checks it, so that a
+    loader can name them (pydantic places a model-level error at the model, not at its fields)."""
+
+    def __init__(self, fields: tuple[str, ...], message: str):
+        super().__init__(message)
+        self.fields = fields
+
+
 class _Strict(BaseModel):
     """Unknown keys are errors: a typo in a config must not silently use a default."""
 
@@ -47,7 +56,8 @@ class ModelConfig(_Strict):
     @model_validator(mode="after")
     def _heads_divide_width(self) -> "ModelConfig":
         if self.kind == "transformer" and self.d_model % self.n_heads:
-            raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})")
+            raise CrossFieldError(("d_model", "n_heads"),
+                                  f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})")
         return self
 
 
@@ -172,7 +182,8 @@ class RunConfig(_Strict):
     @model_validator(mode="after")
     def _shards_fit_classes(self) -> "RunConfig":
         if self.data.partition == "label_skewed" and self.data.classes_per_shard > self.model.num_classes:
-            raise ValueError(
+            raise CrossFieldError(
+                ("data.classes_per_shard", "data.partition", "model.num_classes"),
                 f"data.classes_per_shard ({self.data.classes_per_shard}) exceeds model.num_classes "
                 f"({self.model.num_classes})"
             )
@@ -182,7 +193,8 @@ class RunConfig(_Strict):
     def _edge_modes_are_the_optimizer(self) -> "RunConfig":
         mode, opt = self.averaging.mode, self.optimizer
         if mode in EDGE_MODES and (opt.name != "sgd" or opt.momentum != 0.0):
-            raise ValueError(
+            raise CrossFieldError(
+                ("averaging.mode", "optimizer.name", "optimizer.momentum"),
                 f"averaging.mode {mode} is the optimizer itself (its local step uses optimizer.lr as the step "
                 f"size): set optimizer.name: sgd and optimizer.momentum: 0 (now {opt.name}, momentum {opt.momentum})"
             )

@@ -41,6 +41,29 @@ def test_bad_run_config_names_file_field_and_fix(tmp_path, content, expected):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("content", "fields", "fix"),
+    [
+        ("name: r\noptimizer: {name: adam}\naveraging: {mode: pdmm_isvr}\n",
+         "averaging.mode, optimizer.name, optimizer.momentum", "set optimizer.name: sgd and optimizer.momentum: 0"),
+        ("name: r\noptimizer: {momentum: 0.5}\naveraging: {mode: dsgd}\n",
+         "averaging.mode, optimizer.name, optimizer.momentum", "(now sgd, momentum 0.5)"),
+        ("name: r\nmodel: {kind: transformer, d_model: 130, n_heads: 4}\n",
+         "model.d_model, model.n_heads", "must be a multiple of n_heads (4)"),
+        ("name: r\ndata: {partition: label_skewed, classes_per_shard: 12}\n",
+         "data.classes_per_shard, data.partition, model.num_classes", "exceeds model.num_classes (10)"),
+    ],
+)
+def test_a_rule_between_fields_names_every_field_it_involves(tmp_path, content, fields, fix):
+    path = tmp_path / "run.yaml"
+    path.write_text(content)
+    with pytest.raises(ConfigError) as error:
+        load_run(str(path))
+    message = str(error.value)
+    assert f"  {fields}: " in message and fix in message and str(path) in message
+    assert "(top level)" not in message
+
+
 def test_unreadable_and_missing_files(tmp_path):
     missing = _join("--run", str(tmp_path / "nope.yaml"), "--swarm", "layer0")
     assert missing.returncode == 2 and "no such run config file" in missing.stderr
@@ -105,7 +128,7 @@ def test_example_preferences_document_the_defaults():
 
 
 def test_help_imports_neither_torch_nor_hivemind():
-    code = ("import sys; from volunteer.cli import build_parser; build_parser().format_help(); "
+    code = ("import sys; from volunteer_cli.main import build_parser; build_parser().format_help(); "
             "heavy = [m for m in ('torch', 'hivemind') if m in sys.modules]; print(heavy); sys.exit(bool(heavy))")
     import sys as _sys
 

@@ -107,17 +107,17 @@ def node(tmp_path, observer, clock):
     node = Node(NodeOptions(run=RUN, swarm="layer1", initial_peers=[], data_dir=tmp_path, idle=IDLE,
                             control_socket=False))
     node.peer = FakePeer()
-    node._governor = IdleGovernor(IDLE, "cpu", observer=observer, monotonic=clock, executor=Inline())
-    node._set_state(NodeState.ONLINE, "")
+    node.governors.idle = IdleGovernor(IDLE, "cpu", observer=observer, monotonic=clock, executor=Inline())
+    node.set_state(NodeState.ONLINE, "")
     return node
 
 
 def tick(node, clock, seconds: float = POLL_INTERVAL_S) -> None:
     """One poll interval of the node's loop."""
     clock.now_s += seconds
-    node._apply_commands()
-    node._follow_idle_policy()
-    node._follow_bandwidth_cap()
+    node.commands.apply_pending()
+    node.governors.follow_idle_policy()
+    node.governors.follow_bandwidth_cap()
 
 
 def events(node) -> list[str]:
@@ -212,7 +212,7 @@ def test_finish_drains_then_pauses_and_the_policy_leaves_it_alone(node, observer
     node.command(Command.FINISH)
     tick(node, clock)
     assert node.snapshot().state == NodeState.FINISHING and not node.peer.accepting
-    node._check_finishing()  # the fake peer has nothing in flight
+    node.commands.check_finishing()  # the fake peer has nothing in flight
     assert node.snapshot().state == NodeState.PAUSED and node.snapshot().reason == "finished, paused by you"
     tick(node, clock)
     assert node.snapshot().state == NodeState.PAUSED
@@ -236,9 +236,9 @@ def test_a_throttled_node_refuses_work_but_stays_online_and_says_why(tmp_path, c
     node = Node(NodeOptions(run=RUN, swarm="layer1", initial_peers=[], data_dir=tmp_path,
                             resources=ResourcePrefs(bandwidth_mbit_s=8.0), control_socket=False))
     node.peer = FakePeer()
-    node._set_state(NodeState.ONLINE, "")
-    node._budget = BandwidthBudget(8.0, monotonic=clock, burst_s=1.0)
-    node._follow_bandwidth_cap()
+    node.set_state(NodeState.ONLINE, "")
+    node.governors.budget = BandwidthBudget(8.0, monotonic=clock, burst_s=1.0)
+    node.governors.follow_bandwidth_cap()
     node.peer.traffic.bytes_out = 3_000_000
     tick(node, clock, seconds=1)
     assert not node.peer.accepting and node.snapshot().state == NodeState.ONLINE

@@ -39,7 +39,7 @@ def test_the_unit_lives_in_the_users_systemd_dir(tmp_path):
 
 def test_the_unit_runs_a_headless_node_at_the_lowest_priority():
     lines = unit_lines(render_unit(["--run", "/runs/mnist.yaml"], python="/opt/venv/bin/python"))
-    exec_start = "ExecStart=/opt/venv/bin/python -m volunteer.cli join --headless --swarm auto --run /runs/mnist.yaml"
+    exec_start = "ExecStart=/opt/venv/bin/python -m volunteer_cli join --headless --swarm auto --run /runs/mnist.yaml"
     assert exec_start in lines
     settings = ["Nice=19", "CPUSchedulingPolicy=idle", "IOSchedulingClass=idle", "Restart=on-failure"]
     for setting in [*settings, "RestartPreventExitStatus=2"]:
@@ -58,10 +58,10 @@ def test_stop_signals_only_the_main_process_so_it_leaves_in_order():
 
 def test_the_users_own_swarm_and_headless_flags_are_not_doubled():
     assert join_argv(["--swarm", "layer3"], python="py") == [
-        "py", "-m", "volunteer.cli", "join", "--headless", "--swarm", "layer3",
+        "py", "-m", "volunteer_cli", "join", "--headless", "--swarm", "layer3",
     ]
     assert join_argv(["--swarm=layer0", "--headless"], python="py") == [
-        "py", "-m", "volunteer.cli", "join", "--swarm=layer0", "--headless",
+        "py", "-m", "volunteer_cli", "join", "--swarm=layer0", "--headless",
     ]
 
 

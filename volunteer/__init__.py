@@ -1,15 +1,24 @@
-"""The desktop client: CLI, configuration, node lifecycle, process hygiene, bootstrap hosting.
+"""The desktop client's engine: configuration, the node and its lifecycle, headless policy, process hygiene.
+
+The command line sits above this package (volunteer_cli/), and so does the dashboard (tui/); nothing
+here imports either.
 
 Map:
-- cli.py        `volunteer ...` (argparse; imports torch/hivemind only inside commands)
 - config.py     loading YAML run configs and preferences with errors that name file, field and fix
 - prefs.py      the local preferences schema (volunteer.yaml)
 - paths.py      per-user data and config dirs
 - snapshot.py   the status snapshot, events and commands shared by the engine, TUI and control socket
 - hygiene.py    signal handling and the watchdog that reaps the DHT and p2pd if we crash
-- node.py       the node engine: join, announce, heartbeat, leave
-- bootstrap.py  `volunteer bootstrap`
-- status.py     `volunteer status`
+- node/         the node engine: a lifecycle (join, serve, leave) over named parts (commands,
+                governors, checkpoints, announcer); see its map
+- checkpoint.py checkpoints of the node's copy of its layer: saved atomically, restored on restart
+- control.py    the control socket `volunteer ctl` talks to
+- headless.py   the idle governor, bandwidth budget and GPU memory cap the node's governors use
+- policy.py     when a headless node may train: one pure decision over plain observations
+- idle.py       is the user at this machine (idle sources, other programs' CPU/GPU, battery)
+- eventlog.py   headless output: one line per event and a periodic summary
+- device.py     the torch device and thread count
+- service.py    the systemd user unit that runs a headless node
 """
 
 __version__ = "0.1.0"

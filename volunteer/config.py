@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from swarm.runconfig import RunConfig
+from swarm.runconfig import CrossFieldError, RunConfig
 from volunteer.prefs import Preferences
 
 DEFAULT_RUN = "digits-mlp"
@@ -116,7 +116,7 @@ def _read_yaml(path: Path, what: str) -> dict[str, Any]:
 def format_validation_error(path: Path, exc: ValidationError) -> str:
     lines = [f"{path}: {exc.error_count()} problem(s):"]
     for error in exc.errors(include_url=False):
-        loc = ".".join(str(part) for part in error["loc"]) or "(top level)"
+        loc = _location(error)
         message = error["msg"].removeprefix("Value error, ")
         fix = _FIXES.get(error["type"])
         got = ""
@@ -124,3 +124,12 @@ def format_validation_error(path: Path, exc: ValidationError) -> str:
             got = f" (got {error['input']!r})"
         lines.append(f"  {loc}: {message}{got}" + (f"; {fix}" if fix else ""))
     return "\n".join(lines)
+
+
+def _location(error: dict[str, Any]) -> str:
+    """Where the error is: ``model.stages``; for a rule between fields, every field it involves."""
+    prefix = ".".join(str(part) for part in error["loc"])
+    cause = error.get("ctx", {}).get("error")
+    if isinstance(cause, CrossFieldError):
+        return ", ".join(f"{prefix}.{field}" if prefix else field for field in cause.fields)
+    return prefix or "(top level)"

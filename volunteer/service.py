@@ -1,6 +1,6 @@
 """`volunteer service install|uninstall`: a systemd *user* unit that runs a headless node.
 
-The unit runs ``<this python> -m volunteer.cli join --headless --swarm auto [args]`` at the lowest
+The unit runs ``<this python> -m volunteer_cli join --headless --swarm auto [args]`` at the lowest
 CPU and I/O priority, restarts it after a crash, and keeps /tmp shared (no PrivateTmp), so the X
 idle source still finds the display's socket. We only write files; the returned text tells the
 user which `systemctl --user` commands to run, so nothing here needs systemd to be testable.
@@ -18,7 +18,7 @@ UNIT_NAME = "volunteer.service"
 MARKER = "# Written by `volunteer service install`"
 RESTART_DELAY_S = 30
 STOP_TIMEOUT_S = 60  # a clean leave: finish in-flight work, save a checkpoint, announce offline
-USAGE_ERROR_STATUS = 2  # volunteer.cli's exit status for a mistake the user must fix
+USAGE_ERROR_STATUS = 2  # volunteer_cli's exit status for a mistake the user must fix
 OOM_SCORE_ADJUST = 500  # if memory runs out, the kernel should pick us before the owner's programs
 ENABLE_HINT = "systemctl --user daemon-reload && systemctl --user enable --now volunteer.service"
 _SAFE_ARG = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")  # needs no quotes (% is escaped anyway)
@@ -37,7 +37,7 @@ def unit_path(env: Mapping[str, str] | None = None, home: Path | None = None) ->
 
 def join_argv(join_args: Sequence[str] = (), python: str = sys.executable) -> list[str]:
     """The node's command line; --headless and --swarm auto unless join_args say otherwise."""
-    argv = [python, "-m", "volunteer.cli", "join"]
+    argv = [python, "-m", "volunteer_cli", "join"]
     if "--headless" not in join_args:
         argv.append("--headless")
     if not any(arg == "--swarm" or arg.startswith("--swarm=") for arg in join_args):

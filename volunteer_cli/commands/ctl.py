@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from volunteer.cli import UserError
+from volunteer_cli.main import UserError
 
 QUIT_WAIT_S = 30.0  # a clean leave: drain, save a checkpoint, announce offline, stop the DHT
 QUIT_POLL_S = 0.2

@@ -12,15 +12,15 @@ from volunteer import __version__
 EXIT_USAGE = 2
 # command -> (module, function): each command's heavy imports happen only when it runs
 COMMANDS = {
-    "join": ("volunteer.commands.join", "run_join"),
-    "bootstrap": ("volunteer.commands.bootstrap", "run_bootstrap"),
-    "status": ("volunteer.commands.status", "run_status"),
-    "ctl": ("volunteer.commands.ctl", "run_ctl"),
-    "doctor": ("volunteer.commands.doctor", "run_doctor"),
-    "service": ("volunteer.commands.service", "run_service"),
-    "export": ("volunteer.commands.export", "run_export"),
-    "eval": ("volunteer.commands.export", "run_eval"),
-    "demo": ("volunteer.commands.demo", "run_demo"),
+    "join": ("volunteer_cli.commands.join", "run_join"),
+    "bootstrap": ("volunteer_cli.commands.bootstrap", "run_bootstrap"),
+    "status": ("volunteer_cli.commands.status", "run_status"),
+    "ctl": ("volunteer_cli.commands.ctl", "run_ctl"),
+    "doctor": ("volunteer_cli.commands.doctor", "run_doctor"),
+    "service": ("volunteer_cli.commands.service", "run_service"),
+    "export": ("volunteer_cli.commands.export", "run_export"),
+    "eval": ("volunteer_cli.commands.export", "run_eval"),
+    "demo": ("volunteer_cli.commands.demo", "run_demo"),
 }
 EXIT_FAILURE = 1
 

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from volunteer.cli import UserError
+from volunteer_cli.main import UserError
 from volunteer.config import load_run
 
 EXPORT_FORMAT = "volunteer-model-v1"
@@ -32,7 +32,7 @@ def run_export(args: argparse.Namespace) -> int:
     out = Path(args.out).expanduser()
     if out.parent and not out.parent.exists():
         raise UserError(f"--out {out}: the folder {out.parent} does not exist")
-    from volunteer.commands.common import setup_process
+    from volunteer_cli.commands.common import setup_process
 
     watchdog, _ = setup_process(args.verbose)
     from swarm.dht import DHTSettings, DHTStartError, make_validators, shutdown_dht, start_dht

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from volunteer.cli import UserError
+from volunteer_cli.main import UserError
 from volunteer.config import load_preferences, load_run
 
 DEFAULT_VOLUNTEER_LISTEN = ["/ip4/0.0.0.0/tcp/0", "/ip4/0.0.0.0/udp/0/quic-v1"]
@@ -29,7 +29,7 @@ def run_join(args: argparse.Namespace) -> int:
             "To host one: `volunteer bootstrap` prints the address to pass"
         )
 
-    from volunteer.commands.common import setup_process
+    from volunteer_cli.commands.common import setup_process
     from volunteer.paths import ensure_private_dir, user_data_dir
 
     watchdog, shutdown = setup_process(args.verbose)
@@ -86,8 +86,8 @@ def _run_headless(node, log_format: str, shutdown) -> int:
 
 def _run_dashboard(node, shutdown) -> int:
     try:
-        from tui.app import run_dashboard
-    except ImportError:  # the dashboard is optional at this layer; headless is the same engine
+        from tui.app import run_dashboard  # imported here: headless nodes never load textual
+    except ImportError:  # textual missing from a broken install: the same engine, headless
         return _run_headless(node, "human", shutdown)
     node.start()
     return run_dashboard(node)

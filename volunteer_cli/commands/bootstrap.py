@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from volunteer.cli import UserError
+from volunteer_cli.main import UserError
 from volunteer.prefs import DEFAULT_PORT
 
 logger = logging.getLogger("volunteer.bootstrap")
@@ -21,7 +21,7 @@ async def _count_peers(dht, node) -> int:
 
 
 def run_bootstrap(args: argparse.Namespace) -> int:
-    from volunteer.commands.common import setup_process
+    from volunteer_cli.commands.common import setup_process
     from volunteer.paths import user_data_dir
 
     watchdog, shutdown = setup_process(args.verbose)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from volunteer.cli import UserError
+from volunteer_cli.main import UserError
 from volunteer.config import load_run
 from volunteer.hygiene import die_with_parent_hook
 
@@ -41,7 +41,7 @@ class Children:
     def start(self, name: str, args: list[str]) -> subprocess.Popen:
         out = open(self.workdir / f"{name}.log", "wb")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "volunteer.cli", *args], stdout=out, stderr=subprocess.STDOUT,
+            [sys.executable, "-m", "volunteer_cli", *args], stdout=out, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, env=self.env, start_new_session=True,
             preexec_fn=die_with_parent_hook(),
         )
@@ -83,7 +83,7 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.per_swarm < 1:
         raise UserError("--per-swarm must be at least 1")
     target = args.target_accuracy if args.target_accuracy is not None else run.training.target_accuracy
-    from volunteer.commands.common import setup_process
+    from volunteer_cli.commands.common import setup_process
 
     watchdog, shutdown = setup_process(args.verbose)
     out = sys.stderr if args.json else sys.stdout

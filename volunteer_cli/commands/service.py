@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from volunteer.cli import UserError
+from volunteer_cli.main import UserError
 
 PATH_OPTIONS = ("--run", "--prefs", "--identity", "--data-dir")
 
@@ -35,7 +35,7 @@ def run_service(args: argparse.Namespace) -> int:
 
 def _checked(join_args: list[str]) -> list[str]:
     """Parse them as `volunteer join` would; a mistake is a UserError naming the argument."""
-    from volunteer.cli import add_join_arguments
+    from volunteer_cli.main import add_join_arguments
 
     join = argparse.ArgumentParser(prog="volunteer join", add_help=False, exit_on_error=False)
     add_join_arguments(join)

@@ -143,7 +143,7 @@ def network_checks(run: Any, initial_peers: list[str], timeout_s: float, verbose
     if not initial_peers:
         return [Check(section, "bootstrap peers", FAIL, "none: pass --initial-peers MADDR or list bootstrap_peers "
                                                         "in the run config (`volunteer bootstrap` hosts one)")]
-    from volunteer.commands.common import setup_process
+    from volunteer_cli.commands.common import setup_process
 
     watchdog, _ = setup_process(verbose)
     from swarm.dht import DHTSettings, DHTStartError, make_validators, shutdown_dht, start_dht

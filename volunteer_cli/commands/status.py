@@ -6,7 +6,7 @@ import argparse
 import json
 import time
 
-from volunteer.cli import UserError
+from volunteer_cli.main import UserError
 from volunteer.config import load_run
 from volunteer.snapshot import short_id
 
@@ -18,7 +18,7 @@ def run_status(args: argparse.Namespace) -> int:
     initial_peers = args.initial_peers or run.bootstrap_peers
     if not initial_peers:
         raise UserError("no bootstrap peers: pass --initial-peers MADDR or list bootstrap_peers in the run config")
-    from volunteer.commands.common import setup_process
+    from volunteer_cli.commands.common import setup_process
 
     watchdog, _ = setup_process(args.verbose)
     from swarm.dht import DHTSettings, DHTStartError, make_validators, shutdown_dht, start_dht
@@ -39,7 +39,7 @@ def run_status(args: argparse.Namespace) -> int:
         watchdog.stop()
     report = build_report(run, views, now=time.time())
     print(json.dumps(report) if args.json else render_report(report))
-    from volunteer.commands.common import exit_now
+    from volunteer_cli.commands.common import exit_now
 
     exit_now(0)  # everything is released; skip the slow interpreter teardown
     return 0

@@ -1,0 +1,157 @@
+"""The node's voice on the DHT: announce our record, heartbeat, read the swarms, publish what we see.
+
+Each heartbeat (``timeouts.heartbeat_s``) refreshes our signed MemberRecord, re-reads every swarm
+of the run, moves a layer0 node off a shared data shard, and publishes the view (swarms, peers,
+run evaluation, resources, sparklines) in the snapshot; between heartbeats only our own work
+figures are refreshed. The record and the view are built by pure functions in records.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from volunteer import __version__
+from volunteer.node.records import build_record, run_evaluation, view_fields
+from volunteer.snapshot import NodeState
+
+if TYPE_CHECKING:
+    from volunteer.node.core import Node
+
+logger = logging.getLogger(__name__)
+
+SPARKLINE_POINTS = 120
+
+
+class Announcer:
+    def __init__(self, node: Node):
+        self.node = node
+        self.views: dict[str, list[Any]] = {}  # swarm name -> its records, as last read
+        self.shard: int | None = None  # layer0: the data shard we hold
+        self.metrics: Any = None  # the stage's last metrics (swarm.peer)
+        self.started_at_s = time.time()
+        self.next_beat_s = 0.0  # monotonic
+        self._process: Any = None
+        self._history_speed: deque[float] = deque(maxlen=SPARKLINE_POINTS)
+        self._history_loss: deque[float] = deque(maxlen=SPARKLINE_POINTS)
+
+    def tick(self, now_s: float) -> None:
+        if now_s >= self.next_beat_s:
+            self.heartbeat()
+            self.next_beat_s = now_s + self.node.run.timeouts.heartbeat_s
+        else:
+            self.node.board.publish(**self.work_fields())
+
+    def until_heartbeat_s(self, now_s: float) -> float:
+        return max(0.0, self.next_beat_s - now_s)
+
+    def close(self) -> None:
+        pass
+
+    def read_views(self) -> None:
+        self.views = self.node.membership.read_all()
+
+    def choose_shard(self) -> None:
+        """layer0, when joining: the shard held by the fewest online layer0 peers (rarest first)."""
+        from swarm.data import choose_shard
+
+        node = self.node
+        held = [r.shard for r in self.views.get("layer0", []) if r.state == "online" and r.shard >= 0]
+        self.shard = choose_shard(node.run.data.shards, held, tiebreak=str(node.dht.peer_id))
+        node.board.emit(f"holding data shard {self.shard} of {node.run.data.shards} (rarest first)", kind="shard")
+
+    def record(self, state: str) -> Any:
+        return build_record(self.node.board.snapshot(), state=state, version=__version__,
+                            started_at_s=self.started_at_s, now_s=time.time(), shard=self.shard,
+                            metrics=self.metrics)
+
+    def announce(self, ttl_s: float | None = None, timeout_s: float | None = None) -> bool:
+        node = self.node
+        if node.membership is None or not node.swarm:
+            return False
+        state = node.board.snapshot().state.value
+        try:
+            if node.membership.announce(node.swarm, self.record(state), ttl_s=ttl_s, timeout_s=timeout_s):
+                return True
+            logger.info("announce of %s was not stored by any DHT node", node.swarm)
+        except Exception as exc:
+            logger.warning("announce failed: %s", exc)
+        return False
+
+    def heartbeat(self) -> None:
+        node, board = self.node, self.node.board
+        board.publish(**self.work_fields())
+        self.announce()
+        try:
+            self.read_views()
+        except Exception as exc:
+            logger.warning("reading the swarms failed: %s", exc)
+        if node.peer is not None:
+            self.rebalance_shard()
+            node.peer.update_views(self.views)
+        snap = board.snapshot()
+        self._history_speed.append(snap.samples_per_s)
+        if snap.loss is not None:
+            self._history_loss.append(snap.loss)
+        board.publish(**view_fields(self.views, node.run.swarm_names, node.swarm, snap.peer_id, time.time()),
+                      **self._resource_fields(), samples_per_s_history=tuple(self._history_speed),
+                      loss_history=tuple(self._history_loss))
+
+    def rebalance_shard(self) -> None:
+        """layer0: leave a shard another peer also holds for one nobody holds (peers that joined together)."""
+        from swarm.data import rebalance_shard
+
+        node = self.node
+        if node.swarm != "layer0" or self.shard is None or node.peer is None:
+            return
+        me = str(node.dht.peer_id)
+        others = {r.peer_id: r.shard for r in self.views.get("layer0", [])
+                  if r.state == "online" and r.peer_id != me and r.shard >= 0}
+        moved = rebalance_shard(node.run.data.shards, self.shard, me, others)
+        if moved is None:
+            return
+        node.board.emit(f"moving to data shard {moved}: shard {self.shard} is also held by another peer and "
+                        f"{moved} by nobody", kind="shard")
+        self.shard = moved
+        node.peer.set_shard(moved)
+
+    def work_fields(self) -> dict[str, Any]:
+        """Our own figures from the stage, and the reason while online (throttled, waiting, or none)."""
+        node = self.node
+        if node.peer is None:
+            return {}
+        from volunteer.device import gpu_memory_bytes
+
+        m = node.peer.metrics()
+        self.metrics = m
+        fields: dict[str, Any] = dict(
+            samples_per_s=round(m.samples_per_s, 2), loss=m.loss, clock=m.clock, microbatches_served=m.served,
+            bytes_in=m.bytes_in, bytes_out=m.bytes_out, gpu_memory_bytes=gpu_memory_bytes(node.peer.device),
+        )
+        if m.test_accuracy is not None or m.test_loss is not None:
+            fields.update(test_accuracy=m.test_accuracy, test_loss=m.test_loss)
+        else:
+            fields.update(run_evaluation(self.views))
+        state = node.board.snapshot().state
+        throttled = node.governors.throttle_reason()
+        if throttled is not None and state == NodeState.ONLINE:
+            fields["reason"] = throttled
+        elif m.waiting_for and state == NodeState.ONLINE:
+            fields["reason"] = f"waiting: swarm {m.waiting_for} has no online peer"
+        elif state == NodeState.ONLINE:
+            fields["reason"] = ""
+        return fields
+
+    def _resource_fields(self) -> dict[str, Any]:
+        try:
+            import psutil
+
+            if self._process is None:
+                self._process = psutil.Process(os.getpid())
+            with self._process.oneshot():
+                return {"cpu_percent": self._process.cpu_percent(), "memory_bytes": self._process.memory_info().rss}
+        except Exception:  # psutil missing or the process table unreadable: show no resource figures
+            return {}

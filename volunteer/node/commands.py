@@ -1,0 +1,176 @@
+"""Commands (pause, finish, resume, quit) and who paused: the user or the idle policy.
+
+A pause the user asked for (ctl, TUI) is only ever lifted by the user; a pause the idle policy
+made (``prefs.idle``) is lifted by the policy. The decisions are pure functions over the current
+state (``on_command``, ``on_verdict``) that return a ``Transition``; ``Commands`` is the part of
+the node that queues commands from any thread, hands out tickets, and carries transitions out.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from volunteer.snapshot import Command, NodeState
+
+if TYPE_CHECKING:
+    from volunteer.node.core import Node
+
+PAUSED_BY_USER = "user"
+PAUSED_BY_POLICY = "policy"
+USER_PAUSE_REASON = "paused by you"
+FINAL_EVAL_TIMEOUT_S = 15.0  # layer0's evaluation when it finishes (drain, evaluate, pause)
+
+
+class Verdict(Protocol):
+    """What the idle policy says now (volunteer.policy.Verdict)."""
+
+    run: bool
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """Where a command or a policy verdict takes the node, and what the user is told."""
+
+    state: NodeState
+    reason: str
+    paused_by: str | None  # PAUSED_BY_USER, PAUSED_BY_POLICY, or None while online
+    event: str = ""  # "" = no event
+    kind: str = ""
+    save_checkpoint: bool = False  # a pause keeps the progress on disk
+    quiet: bool = False  # only the reason changed ("user active 12 s ago" ages): no event, no announce
+
+
+def on_command(command: Command, state: NodeState, paused_by: str | None,
+               verdict: Verdict | None) -> Transition | None:
+    """The user's command in this state; None = nothing to do (QUIT is the node's, not a transition)."""
+    if command == Command.PAUSE and state in (NodeState.ONLINE, NodeState.FINISHING, NodeState.PAUSED):
+        if state == NodeState.PAUSED and paused_by == PAUSED_BY_POLICY:
+            return Transition(NodeState.PAUSED, USER_PAUSE_REASON, PAUSED_BY_USER, kind="paused",
+                              event="paused by you: the idle policy will not resume it; `volunteer ctl resume` will")
+        if state != NodeState.PAUSED:
+            return Transition(NodeState.PAUSED, USER_PAUSE_REASON, PAUSED_BY_USER, kind="paused", save_checkpoint=True,
+                              event="paused: no new work is taken; in-flight backward passes still complete")
+        return Transition(NodeState.PAUSED, USER_PAUSE_REASON, PAUSED_BY_USER)
+    if command == Command.FINISH and state == NodeState.ONLINE:
+        return Transition(NodeState.FINISHING, "finishing in-flight work, then pausing", PAUSED_BY_USER,
+                          event="finishing: draining in-flight micro-batches", kind="finishing")
+    if command == Command.FINISH and state == NodeState.PAUSED:
+        return Transition(NodeState.PAUSED, USER_PAUSE_REASON, PAUSED_BY_USER)
+    if command == Command.RESUME and state in (NodeState.PAUSED, NodeState.FINISHING):
+        if verdict is not None and not verdict.run:  # the user's pause is lifted; the policy's still holds
+            return Transition(NodeState.PAUSED, verdict.reason, PAUSED_BY_POLICY, kind="paused",
+                              event=f"resume: the idle policy keeps this node paused ({verdict.reason}); set "
+                                    "idle.enabled: false in your preferences to train while you use this machine")
+        return Transition(NodeState.ONLINE, "", None, event="resumed", kind="resumed")
+    return None
+
+
+def on_verdict(verdict: Verdict, state: NodeState, paused_by: str | None, reason: str) -> Transition | None:
+    """The idle policy's new verdict: pause when it says so, resume only the pauses it made."""
+    if not verdict.run and state == NodeState.ONLINE:
+        return Transition(NodeState.PAUSED, verdict.reason, PAUSED_BY_POLICY, kind="paused", save_checkpoint=True,
+                          event=f"paused by the idle policy: {verdict.reason}; it resumes by itself")
+    if state == NodeState.PAUSED and paused_by == PAUSED_BY_POLICY:
+        if verdict.run:
+            return Transition(NodeState.ONLINE, "", None, event="resumed: the idle policy allows training again",
+                              kind="resumed")
+        if verdict.reason != reason:
+            return Transition(NodeState.PAUSED, verdict.reason, PAUSED_BY_POLICY, quiet=True)
+    return None
+
+
+class CommandQueue:
+    """Commands from any thread, applied in order by the engine; tickets say when one was applied."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._applied = threading.Condition(self._lock)
+        self._pending: deque[Command] = deque()
+        self._sent = 0
+        self._done = 0
+
+    def put(self, command: Command) -> int:
+        with self._lock:
+            self._pending.append(Command(command))
+            self._sent += 1
+            return self._sent
+
+    def pop(self) -> Command | None:
+        with self._lock:
+            return self._pending.popleft() if self._pending else None
+
+    def mark_applied(self) -> None:
+        with self._applied:
+            self._done += 1
+            self._applied.notify_all()
+
+    def wait_applied(self, ticket: int, timeout_s: float | None) -> bool:
+        with self._applied:
+            return self._applied.wait_for(lambda: self._done >= ticket, timeout_s)
+
+
+class Commands:
+    """The node part that applies queued commands and policy verdicts, and ends a finish."""
+
+    def __init__(self, node: Node):
+        self.node = node
+        self.queue = CommandQueue()
+        self.paused_by: str | None = None  # PAUSED_BY_USER or PAUSED_BY_POLICY while not online
+
+    def tick(self, now_s: float) -> None:
+        self.apply_pending()
+        self.check_finishing()
+
+    def close(self) -> None:
+        pass
+
+    def apply_pending(self) -> None:
+        while (command := self.queue.pop()) is not None:
+            try:
+                self._apply(command)
+                self.node.announcer.announce()
+            finally:
+                self.queue.mark_applied()
+
+    def follow_policy(self, verdict: Verdict) -> None:
+        state, reason = self.node.board.snapshot().state, self.node.board.snapshot().reason
+        transition = on_verdict(verdict, state, self.paused_by, reason)
+        if transition is not None:
+            self.enact(transition)
+
+    def enact(self, transition: Transition) -> None:
+        node = self.node
+        if transition.quiet:
+            node.board.publish(reason=transition.reason)
+            return
+        self.paused_by = transition.paused_by
+        node.set_state(transition.state, transition.reason)
+        node.governors.sync_accepting()
+        if transition.event:
+            node.board.emit(transition.event, kind=transition.kind)
+        if transition.save_checkpoint:
+            node.checkpoints.save("paused")
+
+    def check_finishing(self) -> None:
+        """A finishing node pauses once nothing is in flight (layer0 evaluates first)."""
+        node, peer = self.node, self.node.peer
+        if node.board.snapshot().state != NodeState.FINISHING or (peer is not None and peer.in_flight() > 0):
+            return
+        node.board.emit("finished in-flight work, now paused", kind="paused")
+        if peer is not None and peer.evaluate_now(FINAL_EVAL_TIMEOUT_S):
+            node.board.publish(**node.announcer.work_fields())  # layer0: what the swarm reached, at the pause
+        node.set_state(NodeState.PAUSED, f"finished, {USER_PAUSE_REASON}")
+        node.checkpoints.save("paused")
+
+    def _apply(self, command: Command) -> None:
+        if command == Command.QUIT:
+            self.node.request_stop()
+            return
+        transition = on_command(command, self.node.board.snapshot().state, self.paused_by,
+                                self.node.governors.verdict())
+        if transition is not None:
+            self.enact(transition)

@@ -1,0 +1,273 @@
+"""The node's lifecycle: join the DHT, pick and announce a swarm, serve (tick the parts), leave cleanly.
+
+Lifecycle: joining -> (syncing) -> online <-> paused / finishing -> offline.
+The engine runs on its own thread; it reports through the board (snapshots and events) and takes
+``Command``s from any thread (the TUI, or ``volunteer ctl`` through the control socket the node
+serves). Everything it waits on is an Event with a timeout, so a quit or a Ctrl+C is honoured
+within a fraction of a second.
+
+The serve loop ticks its parts in order (``Node.parts``): commands, governors, checkpoints, then the
+announcer. A new part (say, a health guard) is a class with ``tick(now_s)`` and ``close()`` that
+publishes snapshot fields through ``node.board.publish`` and changes state with ``node.set_state``;
+it is inserted in ``parts`` before the announcer so that its state is in the next heartbeat.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Protocol
+
+from volunteer.node.announcer import Announcer
+from volunteer.node.board import Board
+from volunteer.node.checkpoints import Checkpoints
+from volunteer.node.commands import Commands
+from volunteer.node.governors import Governors
+from volunteer.node.options import JoinError, NodeOptions
+from volunteer.snapshot import Command, EventLevel, EventListener, NodeSnapshot, NodeState, SnapshotListener
+
+logger = logging.getLogger(__name__)
+
+TICK_S = 1.0  # snapshot refresh; the DHT heartbeat is slower (timeouts.heartbeat_s)
+OFFLINE_TTL_S = 60.0  # a clean leave stays visible as "offline" this long
+LEAVE_DRAIN_S = 5.0  # on quit, in-flight backward passes get this long to finish
+LEAVE_ANNOUNCE_TIMEOUT_S = 10.0  # on quit, the last record waits this long for a DHT peer (none may be left)
+
+
+class Part(Protocol):
+    """One named part of a serving node, ticked once per loop and closed on leave."""
+
+    def tick(self, now_s: float) -> None: ...  # now_s: time.monotonic()
+
+    def close(self) -> None: ...
+
+
+class Node:
+    """One volunteer serving one layer swarm. Implements the ``Engine`` protocol of snapshot.py."""
+
+    def __init__(self, options: NodeOptions):
+        self.options = options
+        self.run = options.run
+        self.error: str | None = None
+        self.swarm = options.swarm if options.swarm != "auto" else ""
+        self.dht: Any = None
+        self.membership: Any = None
+        self.peer: Any = None  # swarm.peer.SwarmPeer once serving
+        self.board = Board(NodeSnapshot(
+            run_name=self.run.name, run_id=self.run.run_id, swarm=self.swarm or "auto", peer_id="",
+            state=NodeState.JOINING, reason="connecting to the swarm", device=options.device,
+        ))
+        self.commands = Commands(self)
+        self.governors = Governors(self)
+        self.checkpoints = Checkpoints(self)
+        self.announcer = Announcer(self)
+        self.parts: list[Part] = [self.commands, self.governors, self.checkpoints, self.announcer]
+        self._stop = threading.Event()
+        self._stopped = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._identity_lock: Any = None
+        self._control: Any = None
+
+    # ----- Engine protocol
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._main, name="volunteer-engine", daemon=True)
+        self._thread.start()
+
+    def snapshot(self) -> NodeSnapshot:
+        return self.board.snapshot()
+
+    def command(self, command: Command) -> int:
+        """Queue a command; returns a ticket for ``wait_applied``."""
+        ticket = self.commands.queue.put(command)
+        if command == Command.QUIT:
+            self._stop.set()
+        self._wake.set()
+        return ticket
+
+    def wait_applied(self, ticket: int, timeout: float) -> bool:
+        """Wait until the engine has applied the command with this ticket (commands queue while joining)."""
+        return self.commands.queue.wait_applied(ticket, timeout)
+
+    def add_listener(self, on_snapshot: SnapshotListener, on_event: EventListener) -> None:
+        self.board.add_listener(on_snapshot, on_event)
+
+    def wait_stopped(self, timeout: float | None = None) -> bool:
+        return self._stopped.wait(timeout)
+
+    def request_stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    # ----- for the parts
+    def wake(self) -> None:
+        """Run the next tick now (a part saw something change)."""
+        self._wake.set()
+
+    def set_state(self, state: NodeState, reason: str) -> None:
+        """Publish a new state and announce it at once (drivers route by it)."""
+        self.board.publish(state=state, reason=reason)
+        self.announcer.announce()
+
+    # ----- lifecycle
+    def _main(self) -> None:
+        try:
+            self._start_control()
+            self._join()
+            if not self._stop.is_set():
+                self._serve()
+        except JoinError as exc:
+            self.error = str(exc)
+            self.board.emit(str(exc), EventLevel.ERROR, "error")
+        except Exception as exc:  # an engine bug: say it plainly, still leave cleanly
+            logger.exception("engine failed")
+            self.error = f"the node failed: {exc.__class__.__name__}: {exc}"
+            self.board.emit(self.error, EventLevel.ERROR, "error")
+        finally:
+            self._leave()
+            if self._control is not None:
+                self._control.close()
+            self._stopped.set()
+
+    def _start_control(self) -> None:
+        """Serve `volunteer ctl`; a node without its socket still trains (and says so)."""
+        if not self.options.control_socket:
+            return
+        from volunteer.control import ControlError, serve_node
+
+        try:
+            self._control = serve_node(self.options.data_dir, self.run.run_id, self.swarm or "auto", self)
+        except ControlError as exc:
+            self.board.emit(f"`volunteer ctl` cannot reach this node: {exc}", EventLevel.WARNING, "control")
+            return
+        self.board.emit(f"control socket: {self._control.path} (`volunteer ctl status`)", kind="control")
+
+    def _join(self) -> None:
+        emit = self.board.emit
+        emit("loading the network and training libraries (hivemind, torch)", kind="joining")
+        from swarm.dht import DHTStartError, IdentityInUse, claim_identity, make_validators, start_dht, visible_maddrs
+        from swarm.membership import Membership, conflicting_runs, least_served_swarm, publish_run
+
+        options, run = self.options, self.run
+        if not options.initial_peers:
+            raise JoinError(
+                "no bootstrap peers: pass --initial-peers MADDR or list bootstrap_peers in the run config. "
+                "To start one: `volunteer bootstrap` prints the address to pass"
+            )
+        try:
+            identity_path, self._identity_lock = claim_identity(options.identity_path, options.data_dir)
+        except IdentityInUse as exc:
+            raise JoinError(str(exc)) from None
+        emit(f"starting the DHT (bootstrap: {', '.join(options.initial_peers)})", kind="joining")
+        validators = make_validators(run.run_id, run.swarm_names, identity_path)
+        try:
+            self.dht = start_dht(self._dht_settings(identity_path), validators)
+        except DHTStartError as exc:
+            raise JoinError(str(exc)) from None
+        if self._stop.is_set():
+            return
+        peer_id = str(self.dht.peer_id)
+        self.membership = Membership(self.dht, run, validators[0].local_public_key)
+        self.board.publish(peer_id=peer_id, maddrs=tuple(visible_maddrs(self.dht)))
+        emit(f"joined the DHT as {peer_id[-8:]}", kind="joined")
+
+        for other, diffs in conflicting_runs(self.dht, run).items():
+            detail = "; ".join(diffs) if diffs else "unknown fields"
+            emit(f"another run named {run.name!r} is active with a different config (run id {other}); "
+                 f"you will not train together. Differences: {detail}", EventLevel.WARNING, "run_mismatch")
+        publish_run(self.dht, run)
+
+        self.announcer.read_views()
+        if not self.swarm:
+            self.swarm = least_served_swarm(self.announcer.views, run.swarm_names)
+            emit(f"--swarm auto chose {self.swarm} (fewest online peers)", kind="joining")
+        self.board.publish(swarm=self.swarm)
+        if options.train:
+            self._start_training()
+        if self._stop.is_set():
+            return
+        self.set_state(NodeState.ONLINE, "")
+        emit(f"online in {self.swarm} of run {run.run_id}", kind="online")
+
+    def _dht_settings(self, identity_path: Any) -> Any:
+        from swarm.dht import DHTSettings
+
+        options = self.options
+        return DHTSettings(
+            initial_peers=options.initial_peers, host_maddrs=options.host_maddrs,
+            announce_maddrs=options.announce_maddrs, identity_path=identity_path, use_relay=options.use_relay,
+            use_auto_relay=options.use_auto_relay, client_mode=options.client_mode,
+            start_timeout_s=self.run.timeouts.dht_start_s, process_group=options.process_group,
+        )
+
+    def _start_training(self) -> None:
+        from swarm.peer import SwarmPeer
+        from volunteer.device import describe_device, resolve_device, set_threads
+
+        try:
+            device = resolve_device(self.options.device)
+        except ValueError as exc:
+            raise JoinError(str(exc)) from None
+        set_threads(self.options.cpu_threads)
+        self.governors.apply_gpu_memory_fraction(device)
+        if self.swarm == "layer0":
+            self.announcer.choose_shard()
+        self.board.emit(f"building {self.swarm} on {describe_device(device)}", kind="joining")
+        self.peer = SwarmPeer(self.run, self.dht, self.swarm, device=device, shard=self.announcer.shard,
+                              notify=self._on_peer_notice)
+        resume = self.checkpoints.prepare_resume()
+        # A newcomer (or a checkpoint the swarm has outrun) downloads its layer before it serves or drives
+        # anything; with a checkpoint to restore, no download is needed.
+        sync_from = list(self.announcer.views.get(self.swarm, [])) if resume.state is None else None
+        if sync_from is not None:
+            self.set_state(NodeState.SYNCING, f"downloading {self.swarm} from its peers")
+        self.peer.start(sync_from=sync_from)
+        self.checkpoints.finish_resume(resume)
+        self.peer.update_views(self.announcer.views)
+        self.board.publish(device=describe_device(device))
+
+    def _on_peer_notice(self, level: str, kind: str, text: str) -> None:
+        self.board.emit(text, EventLevel(level) if level in ("info", "warning", "error") else EventLevel.INFO, kind)
+
+    def _serve(self) -> None:
+        self.governors.start()
+        while not self._stop.is_set():
+            for part in self.parts:
+                part.tick(time.monotonic())
+            wait_s = min(self.announcer.until_heartbeat_s(time.monotonic()), TICK_S)
+            self._wake.wait(timeout=wait_s)
+            self._wake.clear()
+
+    def _leave(self) -> None:
+        """Take no new work (drivers get "paused" and route around us), let in-flight work finish, announce
+        offline with final figures, checkpoint, then stop the stage and the DHT."""
+        self.governors.close()  # first: no policy verdict may resume a leaving node
+        board, run = self.board, self.run
+        if self.peer is not None:
+            self.peer.pause()
+            if not self.peer.drain(LEAVE_DRAIN_S):
+                board.emit("left with micro-batches in flight; their drivers retry them elsewhere", kind="offline")
+            board.publish(**self.announcer.work_fields())
+        if self.membership is not None and self.swarm:
+            board.publish(state=NodeState.OFFLINE, reason="left the swarm")
+            if self.announcer.announce(ttl_s=max(OFFLINE_TTL_S, run.timeouts.record_ttl_s),
+                                       timeout_s=min(LEAVE_ANNOUNCE_TIMEOUT_S, run.timeouts.rpc_s)):
+                board.emit("announced offline", kind="offline")
+            else:
+                board.emit(f"could not announce offline (no DHT peer answered in {LEAVE_ANNOUNCE_TIMEOUT_S:.0f} s); "
+                           f"our record expires within {run.timeouts.record_ttl_s:.0f} s", kind="offline")
+        if self.peer is not None:
+            self.checkpoints.save("exit")
+            self.peer.stop()
+            self.peer = None
+        for part in self.parts:
+            part.close()
+        if self.dht is not None:
+            from swarm.dht import shutdown_dht
+
+            shutdown_dht(self.dht)
+            self.dht = None
+        if self._identity_lock is not None:
+            self._identity_lock.release()
+        board.publish(state=NodeState.OFFLINE, reason=self.error or "stopped")

@@ -1,0 +1,34 @@
+"""What a node is asked to do (``NodeOptions``) and the one error it raises when it cannot join."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from swarm.runconfig import RunConfig
+from volunteer.prefs import IdlePrefs, ResourcePrefs
+
+
+class JoinError(RuntimeError):
+    """The node could not join; the message says why and what to try."""
+
+
+@dataclass(slots=True, kw_only=True)
+class NodeOptions:
+    run: RunConfig
+    swarm: str  # "layerK" or "auto"
+    initial_peers: list[str]
+    data_dir: Path
+    identity_path: Path | None = None
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    announce_maddrs: list[str] = field(default_factory=list)
+    use_relay: bool = True
+    use_auto_relay: bool = False
+    client_mode: bool = False
+    device: str = "cpu"
+    cpu_threads: int = 0
+    process_group: int | None = None
+    train: bool = True  # False: announce membership only (no stage, no driver)
+    idle: IdlePrefs = field(default_factory=IdlePrefs)  # when to train (idle.enabled: only while the user is away)
+    resources: ResourcePrefs = field(default_factory=ResourcePrefs)
+    control_socket: bool = True  # serve `volunteer ctl` at <data_dir>/control/<run_id>-<swarm>.sock

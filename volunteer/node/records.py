@@ -1,0 +1,79 @@
+"""Pure builders between the node's figures and the DHT: our MemberRecord, and the snapshot's view
+of the swarms (rows per swarm and per peer, the run's newest published evaluation).
+
+Plain functions over plain data (records, a snapshot, the stage's metrics), tested without a network.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from volunteer.snapshot import NodeSnapshot, PeerRow, SwarmRow
+
+NO_FIGURE = -1.0  # what a record carries for a figure it does not have (loss, accuracy)
+
+
+def build_record(snap: NodeSnapshot, *, state: str, version: str, started_at_s: float, now_s: float,
+                 shard: int | None, metrics: Any) -> Any:
+    """Our membership record from the snapshot and the stage's last metrics (None before training)."""
+    from swarm.records import MemberRecord
+
+    m = metrics
+    return MemberRecord(
+        peer_id=snap.peer_id,
+        state=state,
+        version=version,
+        started_at=float(started_at_s),
+        updated_at=float(now_s),
+        throughput=float(snap.samples_per_s),
+        loss=float(snap.loss) if snap.loss is not None else NO_FIGURE,
+        clock=int(snap.clock),
+        served=int(snap.microbatches_served),
+        shard=shard if shard is not None else -1,
+        param_version=int(m.param_version) if m else 0,
+        # only our own evaluations (layer0); the snapshot may show one copied from another peer
+        test_accuracy=_or(m.test_accuracy if m else None, NO_FIGURE),
+        test_loss=_or(m.test_loss if m else None, NO_FIGURE),
+        eval_samples=int(m.eval_samples) if m else 0,
+        trained=int(m.trained) if m else 0,
+        lost=int(m.lost) if m else 0,
+    )
+
+
+def run_evaluation(views: dict[str, list[Any]]) -> dict[str, Any]:
+    """The newest evaluation any layer0 peer published (for peers that do not evaluate)."""
+    published = [r for r in views.get("layer0", []) if r.test_accuracy >= 0 or r.test_loss >= 0]
+    if not published:
+        return {}
+    latest = max(published, key=lambda r: r.eval_samples)
+    return {"test_accuracy": latest.test_accuracy if latest.test_accuracy >= 0 else None,
+            "test_loss": latest.test_loss if latest.test_loss >= 0 else None}
+
+
+def view_fields(views: dict[str, list[Any]], swarm_names: list[str], swarm: str, me: str,
+                now_s: float) -> dict[str, Any]:
+    """The snapshot's ``swarms`` (with the bottleneck marked) and ``peers`` (our swarm's records)."""
+    from swarm.membership import summarize
+
+    swarms = []
+    for name in swarm_names:
+        online, throughput, best_loss = summarize(views.get(name, []))
+        swarms.append(SwarmRow(name=name, online=online, total=len(views.get(name, [])),
+                               throughput=throughput, best_loss=best_loss))
+    if swarms:
+        weakest = min(swarms, key=lambda s: (s.online > 0, s.throughput, s.online))
+        swarms = [replace(s, bottleneck=(s is weakest and len(swarms) > 1)) for s in swarms]
+    peers = tuple(
+        PeerRow(
+            peer_id=r.peer_id, state=r.state, age_s=round(max(0.0, now_s - r.updated_at), 1), version=r.version,
+            throughput=r.throughput, loss=r.loss_or_none, clock=r.clock, shard=r.shard_or_none,
+            is_me=(r.peer_id == me),
+        )
+        for r in views.get(swarm, [])
+    )
+    return {"swarms": tuple(swarms), "peers": peers}
+
+
+def _or(value: float | None, default: float) -> float:
+    return float(value) if value is not None else default
