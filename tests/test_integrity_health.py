@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from swarm.integrity.heal import Healer, heal_lr_scale, param_norm
+from swarm.integrity.heal import Healer, lowered_scale, param_norm, raised_scale
 from swarm.integrity.health import HealthMonitor, SickCopy, loss_exploded, norm_exploded
 from swarm.runconfig import IntegrityConfig, RunConfig
 from swarm.stage import StageWorker
@@ -28,7 +28,8 @@ def test_norm_and_loss_explosion_rules():
     assert not loss_exploded(None, 1.0, 4.0)
     assert not loss_exploded(3.9, 1.0, 4.0) and loss_exploded(4.1, 1.0, 4.0)
     assert loss_exploded(math.inf, None, 4.0)
-    assert heal_lr_scale(0.3, 1) == pytest.approx(0.3) and heal_lr_scale(0.3, 3) == pytest.approx(0.027)
+    assert lowered_scale(1.0, 0.3) == pytest.approx(0.3) and lowered_scale(0.09, 0.3) == pytest.approx(0.027)
+    assert raised_scale(0.25, 0.25) == pytest.approx(0.5) and raised_scale(0.9, 0.25) == 1.0
 
 
 def test_local_loss_explosion_needs_a_warm_ema_and_a_baseline():
@@ -73,7 +74,7 @@ def test_a_copy_with_non_finite_weights_refuses_work_and_heals_from_its_snapshot
     assert healer.status().heals == 1
 
 
-def test_step_size_returns_after_heal_steps_and_shrinks_on_repeated_heals():
+def test_step_size_shrinks_on_repeated_heals_and_recovers_slowly():
     worker = StageWorker(_run(heal_steps=3, heal_lr_scale=0.5), 1)
     healer = Healer(worker, notify=lambda *a: None)
     healer.take_snapshot()
@@ -81,9 +82,12 @@ def test_step_size_returns_after_heal_steps_and_shrinks_on_repeated_heals():
         worker.health.mark_sick("test")
         healer.heal()
         assert worker.optimizer.param_groups[0]["lr"] == pytest.approx(0.05 * expected)
-    for _ in range(3):
+    lrs = []
+    for _ in range(12):
         healer.on_step(None)
-    assert worker.optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+        lrs.append(worker.optimizer.param_groups[0]["lr"] / 0.05)
+    assert lrs[2] == pytest.approx(0.25 * 2**0.5) and lrs[5] == pytest.approx(0.5)
+    assert lrs[-1] == pytest.approx(1.0) and lrs == sorted(lrs)
 
 
 def test_huge_finite_input_is_the_request_fault_not_the_copy():

@@ -117,6 +117,9 @@ class Metrics:
     eval_samples: int = 640
     trained: int = 1280
     lost: int = 2
+    eval_at: float = NOW_S - 3
+    eval_version: int = 6
+    heals: int = 1
 
 
 def test_our_record_carries_our_figures_and_none_as_minus_one():
@@ -128,6 +131,8 @@ def test_our_record_carries_our_figures_and_none_as_minus_one():
     assert (record.shard, record.param_version, record.trained, record.lost) == (-1, 7, 1280, 2)
     # only our own evaluation goes out: the snapshot's accuracy may be another peer's
     assert (record.test_accuracy, record.test_loss, record.eval_samples) == (-1.0, 0.5, 640)
+    # the evaluation says when it ran and on which version of our copy; heals are counted
+    assert (record.eval_at, record.eval_version, record.heals) == (NOW_S - 3, 6, 1)
     bare = build_record(snap, state="joining", version="0.1.0", started_at_s=NOW_S, now_s=NOW_S, shard=2,
                         metrics=None)
     assert (bare.shard, bare.param_version, bare.test_loss, bare.trained) == (2, 0, -1.0, 0)
@@ -150,7 +155,10 @@ def test_the_view_marks_the_bottleneck_and_me_and_shows_the_newest_evaluation():
     assert rows["layer2"].bottleneck and not rows["layer1"].bottleneck  # an empty swarm is the weakest
     me, other = fields["peers"]
     assert me.is_me and not other.is_me and me.age_s == 2.0 and other.state == "paused"
-    assert run_evaluation(views) == {"test_accuracy": 0.7, "test_loss": 0.8}
+    assert run_evaluation(views) == {"test_accuracy": 0.7, "test_loss": 0.8, "test_at": None}  # no time: unknown
+    timed = {"layer0": [_rec("a", test_accuracy=0.9, test_loss=0.3, eval_samples=900, eval_at=NOW_S - 50),
+                        _rec("b", test_accuracy=0.6, test_loss=0.9, eval_samples=100, eval_at=NOW_S - 5)]}
+    assert run_evaluation(timed)["test_at"] == NOW_S - 5, "the newest evaluation by its time, with its time"
     assert run_evaluation({"layer0": [_rec("a")]}) == {}
 
 
@@ -186,7 +194,7 @@ def test_a_new_part_is_ticked_in_order_and_its_state_reaches_the_snapshot(tmp_pa
         part.tick = (lambda name, tick: lambda now_s: (log.append(name), tick(now_s)))(type(part).__name__, part.tick)
     node.parts.insert(node.parts.index(node.announcer), HealthGuard(node, log))
     node._serve()  # no DHT: announces are no-ops; the guard stops the loop after one round
-    assert log == ["Commands", "Governors", "Checkpoints", "guard", "Announcer"]
+    assert log == ["Commands", "Governors", "Health", "Checkpoints", "guard", "Announcer"]
     snap = node.snapshot()
     assert snap.state == PAUSED and snap.reason == "healing: loss exploded"
     node._leave()

@@ -7,9 +7,10 @@ How it works:
   good one. The seeded (or downloaded) starting copy is the first snapshot, so one always exists.
 - ``watch`` (a task on the peer's event loop) notices a sick copy (swarm/integrity/health.py),
   tells the node (state ``healing``: drivers route around it, its own lanes wait), restores the
-  last good snapshot on the compute thread, scales the step size down by ``heal_lr_scale`` (once
-  more for every heal that follows within ``heal_steps`` updates of the last one: a copy that
-  keeps diverging gets ever smaller steps) for ``heal_steps`` updates, and resumes.
+  last good snapshot on the compute thread, multiplies the step-size scale by ``heal_lr_scale``
+  and resumes. The scale recovers by a factor ``1/sqrt(heal_lr_scale)`` after every ``heal_steps``
+  healthy updates, up to 1 (multiplicative decrease, slow increase): a copy that diverges again
+  at some step size settles below it instead of healing in a loop.
 
 Why the snapshot and not a peer's copy: the snapshot is ours and was healthy; a copy served by a
 peer is a stranger's (it could be the reason we are sick). Averaging pulls bring the restored copy
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,9 +56,14 @@ def param_norm(module: torch.nn.Module) -> float:
     return float(torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(params)])))
 
 
-def heal_lr_scale(base_scale: float, consecutive_heals: int) -> float:
-    """The step-size scale after the ``consecutive_heals``-th heal in a row (1 = the first)."""
-    return base_scale ** max(1, consecutive_heals)
+def lowered_scale(scale: float, heal_lr_scale: float) -> float:
+    """The step-size scale after a heal: multiplicative decrease from where it was."""
+    return scale * heal_lr_scale
+
+
+def raised_scale(scale: float, heal_lr_scale: float) -> float:
+    """The scale after ``heal_steps`` healthy updates: half the decrease of one heal back, at most 1."""
+    return min(1.0, scale / heal_lr_scale**0.5)
 
 
 class Healer:
@@ -68,27 +75,30 @@ class Healer:
         self.on_change = on_change or (lambda: None)
         self._snapshot = None  # swarm.stage.WorkerState
         self._steps = 0
-        self._steps_left_scaled = 0
-        self._consecutive = 0
+        self._healthy_steps = 0  # since the last heal or the last raise of the scale
+        self._scale = 1.0
         self._base_lrs = [group["lr"] for group in worker.optimizer.param_groups]
         self._status = HealStatus()
         self._healing = False
 
     # ----- compute thread
     def take_snapshot(self) -> None:
-        """Keep the current copy as the last good one (call with a healthy copy)."""
+        """Keep the current copy as the last good one; a non-finite copy is never kept (it is sick)."""
         with self.worker.lock:
             norm = param_norm(self.worker.module)
+            if not math.isfinite(norm):
+                self.health.observe_param_norm(norm)
+                return
             self._snapshot = self.worker.capture(include_optimizer=True)
             self.health.set_baseline(norm)
 
     def on_step(self, info: Any) -> None:
         self._steps += 1
-        if self._steps_left_scaled > 0:
-            self._steps_left_scaled -= 1
-            if self._steps_left_scaled == 0:
-                self._set_lr_scale(1.0)
-                self._consecutive = 0
+        if self._scale < 1.0:
+            self._healthy_steps += 1
+            if self._healthy_steps >= max(1, self.cfg.heal_steps):
+                self._healthy_steps = 0
+                self._set_lr_scale(raised_scale(self._scale, self.cfg.heal_lr_scale))
         if self._steps % CHECK_EVERY_STEPS == 0:
             self.health.observe_param_norm(param_norm(self.worker.module))
         if self._steps % self.cfg.snapshot_every_steps == 0 and not self.health.sick:
@@ -100,16 +110,16 @@ class Healer:
         with self.worker.lock:
             self.worker.cache.clear()
             self.worker.restore(self._snapshot)
-            self._consecutive += 1
-            scale = heal_lr_scale(self.cfg.heal_lr_scale, self._consecutive)
+            scale = lowered_scale(self._scale, self.cfg.heal_lr_scale)
             self._set_lr_scale(scale)
-            self._steps_left_scaled = max(1, self.cfg.heal_steps)
+            self._healthy_steps = 0
             self.health.healed()
         self._status = HealStatus(healing="", heals=self._status.heals + 1, last_heal_at=time.time(), lr_scale=scale)
-        return (f"healed: {reason}; restored the last good copy (clock {self._snapshot.clock:.0f}) and scaled "
-                f"the step size by {scale:.2g} for {self.cfg.heal_steps} updates")
+        return (f"healed: {reason}; restored the last good copy (clock {self._snapshot.clock:.0f}); step size now "
+                f"{scale:.2g}x the run's, recovering every {self.cfg.heal_steps} healthy updates")
 
     def _set_lr_scale(self, scale: float) -> None:
+        self._scale = scale
         for group, base in zip(self.worker.optimizer.param_groups, self._base_lrs):
             group["lr"] = base * scale
         self._status = HealStatus(healing=self._status.healing, heals=self._status.heals,

@@ -130,9 +130,11 @@ class Announcer:
         fields: dict[str, Any] = dict(
             samples_per_s=round(m.samples_per_s, 2), loss=m.loss, clock=m.clock, microbatches_served=m.served,
             bytes_in=m.bytes_in, bytes_out=m.bytes_out, gpu_memory_bytes=gpu_memory_bytes(node.peer.device),
+            heals=m.heals, eval_every_s=node.run.training.eval_every_s,
         )
         if m.test_accuracy is not None or m.test_loss is not None:
-            fields.update(test_accuracy=m.test_accuracy, test_loss=m.test_loss)
+            fields.update(test_accuracy=m.test_accuracy, test_loss=m.test_loss,
+                          test_at=m.eval_at if m.eval_at >= 0 else None)
         else:
             fields.update(run_evaluation(self.views))
         state = node.board.snapshot().state

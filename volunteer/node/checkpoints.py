@@ -62,6 +62,7 @@ class Checkpoints:
                 board.emit(f"not using the checkpoint: {exc}", EventLevel.WARNING, "checkpoint")
                 return
             self.checkpointer.mark_restored(resume.state)
+            self.node.peer.reset_good_snapshot()  # healing goes back to the checkpoint, not the seeded start
         if resume.message:
             board.emit(resume.message, EventLevel.WARNING if resume.warning else EventLevel.INFO, "checkpoint")
 
@@ -76,6 +77,11 @@ class Checkpoints:
     def save(self, why: str, periodic: bool = False) -> None:
         peer = self.node.peer
         if self.checkpointer is not None and peer is not None and peer.worker is not None:
+            sick = peer.healer.status().healing if peer.healer is not None else ""
+            if sick:  # never persist a sick copy: a restart would restore it
+                self.node.board.emit(f"not saving a checkpoint ({why}): this copy is sick ({sick})",
+                                     EventLevel.WARNING, "checkpoint")
+                return
             try:
                 self.checkpointer.save(peer.worker, why, periodic)
             except Exception as exc:  # capturing failed (a torch error): training goes on, the user is told

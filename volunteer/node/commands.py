@@ -47,7 +47,8 @@ class Transition:
 def on_command(command: Command, state: NodeState, paused_by: str | None,
                verdict: Verdict | None) -> Transition | None:
     """The user's command in this state; None = nothing to do (QUIT is the node's, not a transition)."""
-    if command == Command.PAUSE and state in (NodeState.ONLINE, NodeState.FINISHING, NodeState.PAUSED):
+    pausable = (NodeState.ONLINE, NodeState.FINISHING, NodeState.PAUSED, NodeState.HEALING)
+    if command == Command.PAUSE and state in pausable:
         if state == NodeState.PAUSED and paused_by == PAUSED_BY_POLICY:
             return Transition(NodeState.PAUSED, USER_PAUSE_REASON, PAUSED_BY_USER, kind="paused",
                               event="paused by you: the idle policy will not resume it; `volunteer ctl resume` will")

@@ -24,6 +24,7 @@ from volunteer.node.board import Board
 from volunteer.node.checkpoints import Checkpoints
 from volunteer.node.commands import Commands
 from volunteer.node.governors import Governors
+from volunteer.node.health import Health
 from volunteer.node.options import JoinError, NodeOptions
 from volunteer.snapshot import Command, EventLevel, EventListener, NodeSnapshot, NodeState, SnapshotListener
 
@@ -62,7 +63,8 @@ class Node:
         self.governors = Governors(self)
         self.checkpoints = Checkpoints(self)
         self.announcer = Announcer(self)
-        self.parts: list[Part] = [self.commands, self.governors, self.checkpoints, self.announcer]
+        self.health = Health(self)
+        self.parts: list[Part] = [self.commands, self.governors, self.health, self.checkpoints, self.announcer]
         self._stop = threading.Event()
         self._stopped = threading.Event()
         self._wake = threading.Event()

@@ -38,6 +38,9 @@ def build_record(snap: NodeSnapshot, *, state: str, version: str, started_at_s: 
         eval_samples=int(m.eval_samples) if m else 0,
         trained=int(m.trained) if m else 0,
         lost=int(m.lost) if m else 0,
+        eval_at=float(m.eval_at) if m else NO_FIGURE,
+        eval_version=int(m.eval_version) if m else -1,
+        heals=int(m.heals) if m else 0,
     )
 
 
@@ -46,9 +49,10 @@ def run_evaluation(views: dict[str, list[Any]]) -> dict[str, Any]:
     published = [r for r in views.get("layer0", []) if r.test_accuracy >= 0 or r.test_loss >= 0]
     if not published:
         return {}
-    latest = max(published, key=lambda r: r.eval_samples)
+    latest = max(published, key=lambda r: (r.eval_at, r.eval_samples))
     return {"test_accuracy": latest.test_accuracy if latest.test_accuracy >= 0 else None,
-            "test_loss": latest.test_loss if latest.test_loss >= 0 else None}
+            "test_loss": latest.test_loss if latest.test_loss >= 0 else None,
+            "test_at": latest.eval_at if latest.eval_at >= 0 else None}
 
 
 def view_fields(views: dict[str, list[Any]], swarm_names: list[str], swarm: str, me: str,
