@@ -91,9 +91,10 @@ class StageGate:
         now = time.monotonic()
         if self.book.banned(requester, now):
             return self.book.admit(requester, False, now)  # the ban refusal, with its remaining time
-        if not self.view.knows(requester):
+        finishing = op == "backward" and requester in self.view.draining  # a paused driver completes its micro-batches
+        if not self.view.knows(requester) and not finishing:
             await self._refresh()
-            if not self.view.knows(requester):
+            if not self.view.knows(requester) and not (op == "backward" and requester in self.view.draining):
                 return Refusal("unknown_driver", "only online layer0 peers of this run may ask: no record of you "
                                "in this peer's view yet", UNKNOWN_DRIVER_RETRY_S)
         return self.book.admit(requester, op in UPDATE_OPS, time.monotonic())

@@ -55,8 +55,8 @@ def combined_bound(*bounds: float | None) -> float | None:
 
 
 def step_bound(tensor_norm: float, floor_norm: float, max_step_ratio: float) -> float:
-    """How far one update may move a tensor: ``max_step_ratio`` of its norm, with a floor for tensors near zero
-    (a zero-initialised bias must still be able to learn): the norm it would have at the stage's mean RMS."""
+    """How far one update may move a tensor: ``max_step_ratio`` of its norm, with a floor for small tensors
+    (a zero-initialised bias must still be able to learn): the norm of the stage's typical tensor."""
     return max_step_ratio * max(tensor_norm, floor_norm)
 
 

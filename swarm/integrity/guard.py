@@ -5,8 +5,8 @@ Before the step the guard copies the parameters and the optimizer's tensors into
 (``torch._foreach_copy_``: one fused copy, no allocation once warm); after it, one fused norm over
 everything says whether all is finite. A non-finite result restores the copies (and drops optimizer
 state the step created), so the copy is exactly as before. The step bound compares each tensor's
-move with its pre-step norm (floored at the norm it would have at the stage's mean RMS, so a
-zero-initialised bias can still learn) and scales a move that is too long back onto the bound.
+move with its pre-step norm (floored at the norm of the stage's typical tensor, the root mean
+square of its tensors' norms, so a small or zero-initialised bias can still learn) and scales a move that is too long back onto the bound.
 
 Whatever the update rule (``optimizer.step`` or an edge mode's rule, swarm/stage.py
 ``set_update_rule``), the guard wraps it the same way.
@@ -93,15 +93,19 @@ class StepGuard:
         deltas = torch._foreach_sub(params, old)
         norms = torch.stack(torch._foreach_norm(old) + torch._foreach_norm(deltas)).double().tolist()
         old_norms, moves = norms[: len(params)], norms[len(params):]
-        total = sum(p.numel() for p in params)
-        rms = math.sqrt(sum(n * n for n in old_norms) / max(total, 1))
+        floor = typical_tensor_norm(old_norms)
         scaled = 0
         for param, before, delta, old_norm, move in zip(params, old, deltas, old_norms, moves):
-            limit = step_bound(old_norm, rms * math.sqrt(param.numel()), self.max_step_ratio)
+            limit = step_bound(old_norm, floor, self.max_step_ratio)
             if move > limit > 0:
                 param.copy_(before).add_(delta, alpha=limit / move)
                 scaled += 1
         return scaled
+
+
+def typical_tensor_norm(norms: list[float]) -> float:
+    """The norm of an average tensor of the stage (root mean square over tensors): the step bound's floor."""
+    return math.sqrt(sum(n * n for n in norms) / len(norms)) if norms else 0.0
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:

@@ -23,6 +23,9 @@ import torch
 from swarm.records import MemberRecord
 
 
+DRAINING_STATES = frozenset({"paused", "finishing"})
+
+
 class WrongShard(ValueError):
     """Sample ids outside the shards the requester may use (reply code ``wrong_shard``)."""
 
@@ -47,18 +50,27 @@ class DriverView:
     def __init__(self) -> None:
         self.current: dict[str, int] = {}
         self.previous: dict[str, int] = {}
+        self.draining: set[str] = set()  # paused or finishing drivers: their in-flight backward passes still count
 
     @staticmethod
     def _online(records: Iterable[MemberRecord]) -> dict[str, int]:
         return {r.peer_id: r.shard for r in records if r.state == "online"}
 
+    @staticmethod
+    def _draining(records: Iterable[MemberRecord]) -> set[str]:
+        return {r.peer_id for r in records if r.state in DRAINING_STATES}
+
     def update(self, records: Iterable[MemberRecord]) -> None:
         """A new view from the heartbeat: the current one becomes the grace view."""
+        records = list(records)
         self.previous, self.current = self.current, self._online(records)
+        self.draining = self._draining(records)
 
     def merge(self, records: Iterable[MemberRecord]) -> None:
         """Records read on demand (an unknown requester): add them, drop nothing."""
+        records = list(records)
         self.current = {**self.current, **self._online(records)}
+        self.draining |= self._draining(records)
 
     def knows(self, requester: str) -> bool:
         return requester in self.current or requester in self.previous
