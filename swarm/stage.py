@@ -147,6 +147,7 @@ class StageWorker:
         self.simulated_step_s = simulated_step_s()
         self._step_hooks: list[Callable[[StepInfo], None]] = []
         self._update: Callable[[], None] = self.optimizer.step
+        self._custom_rule = False  # an edge mode's rule: guarded for finiteness, its move not step-bounded
         self.health = HealthMonitor(run.integrity)  # a sick copy serves nothing (SickCopy) until it heals
         cfg = run.integrity
         self.grad_norms = NormHistory(cfg.clip_history, cfg.clip_multiplier)  # parameter gradients (total norm)
@@ -267,7 +268,7 @@ class StageWorker:
             grads.append(param.grad)
         grad_scale, grad_norm = self._clip_param_grads(params, grads)
         cosine = self.directions.observe(owner, grads, time.monotonic()) if owner else None
-        result = self.guard.run(self._update)
+        result = self.guard.run(self._update, bound_steps=not self._custom_rule)
         self.grad_norms.accept(grad_norm * grad_scale, was_clipped=grad_scale < 1.0)
         if out_rms is not None:
             self.grad_out_rms.accept(out_rms, was_clipped=scale < 1.0)
@@ -337,9 +338,11 @@ class StageWorker:
         """Replace ``optimizer.step()`` by ``rule`` (None restores it). The rule runs on the compute
         thread under the lock, with every parameter's ``.grad`` set, and must update the parameters in
         place (cached forward graphs alias them). The edge modes of averaging use this: their update
-        *is* the optimizer (swarm/averaging/edges.py)."""
+        *is* the optimizer (swarm/averaging/edges.py). The gradients it sees are clipped, and a step that
+        would leave anything non-finite is undone (swarm/integrity/guard.py), as for the optimizer."""
         with self.lock:
             self._update = rule if rule is not None else self.optimizer.step
+            self._custom_rule = rule is not None
 
     @torch.no_grad()
     def mix_in(self, received: Mapping[str, torch.Tensor], factor: float, peer_clock: float) -> None:

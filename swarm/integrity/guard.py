@@ -63,8 +63,11 @@ class StepGuard:
         return self._buffers
 
     @torch.no_grad()
-    def run(self, update: Callable[[], None]) -> GuardResult:
-        """Run ``update`` (which steps the parameters in place); undo it if anything became non-finite."""
+    def run(self, update: Callable[[], None], bound_steps: bool = True) -> GuardResult:
+        """Run ``update`` (which steps the parameters in place); undo it if anything became non-finite.
+
+        ``bound_steps=False`` (an edge mode's rule, whose move includes the pull towards its neighbours,
+        checked where their messages arrive) keeps the finiteness guard and skips the step bound."""
         params = self._params()
         had_state = {id(p): bool(self.optimizer.state.get(p)) for p in self.module.parameters()}
         before_state = self._state()
@@ -76,7 +79,7 @@ class StepGuard:
             self._restore(params, before_state, saved, had_state)
             self.refused += 1
             raise StepRefused("this update would make the copy non-finite: not applied")
-        scaled = self._bound_steps(params, saved[: len(params)])
+        scaled = self._bound_steps(params, saved[: len(params)]) if bound_steps else 0
         self.scaled_steps += int(scaled > 0)
         return GuardResult(tensors_scaled=scaled)
 
