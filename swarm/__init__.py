@@ -7,5 +7,9 @@ Map:
 - membership.py  announcing our record on a heartbeat, reading a swarm's records
 - models.py      building the stages of a model from the run config
 - data.py        data sets, train/test split and shards (IID or label-skewed), rarest-first shard choice
+- stage.py       one peer's copy of one stage: forward, backward with the (clipped, guarded) update
+- activations.py saved forward graphs, bounded, an equal share per driver
+- stage_rpc.py   the stage RPCs (server and client call); stage_gate.py: who may ask, fair share, bans
+- integrity/     bounds on what one message can do, health, labels by id (see its __init__)
 - ecl/           decentralized optimizers (DSGD, PDMM-ISVR, ADMM-ISVR) and their simulation harness
 """

@@ -22,6 +22,7 @@ from typing import Any
 from swarm.records import MemberRecord
 from swarm.runconfig import EDGE_MODES, RunConfig
 from swarm.stage import StageWorker
+from swarm.stage_gate import StageGate
 from swarm.stage_rpc import Traffic, make_servicer, stage_namespace
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class SwarmPeer:
         self.driver: Any = None
         self.p2p: Any = None
         self._servicer: Any = None
+        self.gate: StageGate | None = None  # who may ask our stage (swarm/stage_gate.py)
         self._params_servicer: Any = None
         self.averaging: Any = None  # swarm.averaging.agent.SwarmAveraging
         self.allreduce: Any = None  # swarm.averaging.allreduce.GroupAverager (mode allreduce)
@@ -112,9 +114,11 @@ class SwarmPeer:
         from swarm.dht import fresh_p2p
 
         self.p2p = await fresh_p2p(self.dht)
+        self.gate = await self._make_gate()
         self._servicer = make_servicer(
             self.worker, self.executor, max_bytes=int(self.run.training.max_payload_mb * 2**20),
             wire_dtype=self.run.training.wire_dtype, is_accepting=lambda: self._accepting, traffic=self.traffic,
+            gate=self.gate,
         )
         await self._servicer.add_p2p_handlers(self.p2p, namespace=stage_namespace(self.run.run_id, self.swarm))
         await self._start_averaging(sync_from)
@@ -122,6 +126,26 @@ class SwarmPeer:
         self._tasks.append(asyncio.create_task(self._guard(self.healer.watch(self.executor), "healer")))
         if self.index == 0:
             await self._start_driver()
+
+    async def _make_gate(self) -> StageGate:
+        """Who may ask this stage, and (last stage) the run's targets by sample id."""
+        from swarm.data import load_dataset, make_shards
+        from swarm.integrity.labels import LabelSource
+        from swarm.membership import Membership
+
+        loop = asyncio.get_running_loop()
+        labels = None
+        if self.worker.is_last:
+            dataset = await loop.run_in_executor(self.executor, load_dataset, self.run.data, self.run.model)
+            shards = make_shards(dataset.y_train, self.run.data, dataset.num_classes)
+            labels = LabelSource(dataset.y_train, dataset.y_test, shards)
+        reader = Membership(self.dht, self.run, b"")
+
+        async def read_drivers() -> list[MemberRecord]:
+            return await loop.run_in_executor(None, reader.read, "layer0")
+
+        return StageGate(self.run.integrity, labels=labels, refresh=read_drivers, notify=self.notify,
+                         cache=self.worker.cache, swarm=self.swarm)
 
     async def _start_averaging(self, sync_from: list[MemberRecord] | None) -> None:
         from swarm.averaging.agent import SwarmAveraging
@@ -309,6 +333,8 @@ class SwarmPeer:
         # Run-wide samples trained: what the drivers completed (clocks merge when copies average).
         self._run_samples = sum(r.trained for r in views.get("layer0", []))
         self._run_heals = sum(r.heals for records in views.values() for r in records)
+        if self.gate is not None:
+            self._loop.call_soon_threadsafe(self.gate.set_drivers, list(views.get("layer0", [])))
         for part in (self.averaging, self.edges):
             if part is not None:
                 self._loop.call_soon_threadsafe(part.set_records, list(views.get(self.swarm, [])))

@@ -140,6 +140,21 @@ class IntegrityConfig(_Strict):
     clip_history: int = Field(64, ge=8, le=100_000, description="accepted update norms the clip bound is taken from")
     max_step_ratio: float = Field(0.05, gt=0.0, le=1.0, description="one update moves each parameter tensor by at "
                                   "most this fraction of its norm")
+    # who may ask, and how much: fair share, strikes and bans (swarm/integrity/requesters.py)
+    fair_share_slack: float = Field(2.0, ge=1.0, le=100.0, description="a driver may apply at most this many times "
+                                    "the mean number of updates of the other drivers at this stage (per window)")
+    fair_share_window_s: float = Field(10.0, gt=0.0, le=3600.0, description="the window the fair share is counted in")
+    fair_share_burst: int = Field(32, ge=1, le=100_000, description="updates per window any driver may always apply")
+    max_in_flight_per_requester: int = Field(16, ge=1, le=4096, description="requests of one driver computed or "
+                                             "queued at a stage at once; more are answered busy")
+    ban_strikes: float = Field(10.0, gt=0.0, description="a driver is banned when its decaying strike score (one per "
+                               "rejected or heavily clipped request) reaches this")
+    strike_half_life_s: float = Field(30.0, gt=0.0, description="strikes decay with this half-life")
+    ban_s: float = Field(60.0, ge=0.0, description="first ban; each further ban of the same driver doubles it")
+    max_ban_s: float = Field(3600.0, ge=0.0, description="cap on a ban")
+    ascent_cosine: float = Field(-0.3, ge=-1.0, le=0.0, description="banned when the mean cosine of a driver's "
+                                 "updates with the other drivers' recent direction stays below this")
+    ascent_min_updates: int = Field(64, ge=4, description="updates of a driver the mean cosine is taken over")
     # health and healing: when a copy is sick, and how it recovers
     snapshot_every_steps: int = Field(200, ge=1, description="a healthy copy keeps a last-good snapshot this often")
     loss_explode_ratio: float = Field(4.0, gt=1.0, description="sick when the loss EMA exceeds this many times "

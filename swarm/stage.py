@@ -25,7 +25,7 @@ import math
 import os
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -33,7 +33,11 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from swarm.activations import ActivationCache, Saved
 from swarm.averaging.state import load_optimizer_tensors, optimizer_tensors
+from swarm.integrity.clip import NormHistory, clip_scale, combined_bound, step_ceiling
+from swarm.integrity.direction import DirectionTracker
+from swarm.integrity.guard import StepGuard
 from swarm.integrity.health import HealthMonitor, SickCopy
 from swarm.local import make_optimizer
 from swarm.models import build_stage, loss_fn, stage_input_spec, target_spec
@@ -42,8 +46,6 @@ from swarm.wire import WireError, check_tensor
 
 logger = logging.getLogger(__name__)
 
-CACHE_ENTRIES = 64
-CACHE_TTL_S = 120.0
 EVAL_BATCH = 512
 LOSS_EMA_ALPHA = 0.1
 THROUGHPUT_WINDOW_S = 10.0
@@ -73,6 +75,15 @@ class StepInfo:
     forward_at: float  # monotonic time of the forward (at this stage) whose gradient was applied
 
 
+@dataclass(slots=True, frozen=True)
+class UpdateReport:
+    """What the bounds did to the latest applied update (the servicer turns it into strikes)."""
+
+    clip_scale: float  # 1.0 = not clipped; the smaller of the output-gradient and parameter-gradient scales
+    cosine: float | None  # with the swarm's direction (swarm/integrity/direction.py); None for local updates
+    tensors_scaled: int  # parameter tensors whose move the step bound shortened
+
+
 @dataclass(slots=True)
 class WorkerState:
     """A consistent CPU copy of a stage: what the parameter service serves and a trial keeps for rollback."""
@@ -86,47 +97,6 @@ class WorkerState:
 
 class NeedInput(Exception):
     """Backward reached a peer that has no saved activations for this micro-batch: resend with the input."""
-
-
-@dataclass(slots=True)
-class _Saved:
-    inputs: torch.Tensor
-    outputs: torch.Tensor
-    params: dict[str, torch.Tensor]
-    created: float
-
-
-class ActivationCache:
-    """Bounded LRU of forward graphs with a time limit (a driver that dies must not leak memory)."""
-
-    def __init__(self, max_entries: int = CACHE_ENTRIES, ttl_s: float = CACHE_TTL_S):
-        self.max_entries = max_entries
-        self.ttl_s = ttl_s
-        self._items: OrderedDict[str, _Saved] = OrderedDict()
-
-    def put(self, key: str, saved: _Saved) -> None:
-        self._items[key] = saved
-        self._items.move_to_end(key)
-        self._expire(saved.created)
-        while len(self._items) > self.max_entries:
-            self._items.popitem(last=False)
-
-    def pop(self, key: str, now: float) -> _Saved | None:
-        self._expire(now)
-        return self._items.pop(key, None)
-
-    def _expire(self, now: float) -> None:
-        while self._items:
-            key, oldest = next(iter(self._items.items()))
-            if now - oldest.created <= self.ttl_s:
-                return
-            del self._items[key]
-
-    def clear(self) -> None:
-        self._items.clear()
-
-    def __len__(self) -> int:
-        return len(self._items)
 
 
 class StageStats:
@@ -177,7 +147,14 @@ class StageWorker:
         self.simulated_step_s = simulated_step_s()
         self._step_hooks: list[Callable[[StepInfo], None]] = []
         self._update: Callable[[], None] = self.optimizer.step
+        self._custom_rule = False  # an edge mode's rule: guarded for finiteness, its move not step-bounded
         self.health = HealthMonitor(run.integrity)  # a sick copy serves nothing (SickCopy) until it heals
+        cfg = run.integrity
+        self.grad_norms = NormHistory(cfg.clip_history, cfg.clip_multiplier)  # parameter gradients (total norm)
+        self.grad_out_rms = NormHistory(cfg.clip_history, cfg.clip_multiplier)  # incoming output gradients
+        self.guard = StepGuard(self.module, self.optimizer, cfg.max_step_ratio)
+        self.directions = DirectionTracker()
+        self.last_update: UpdateReport | None = None  # of the latest applied update (read by the servicer)
 
     # ----- checks
     def check_input(self, x: torch.Tensor) -> torch.Tensor:
@@ -201,21 +178,21 @@ class StageWorker:
         return model.num_classes if model.kind == "mlp" else model.vocab_size
 
     # ----- compute
-    def _graph(self, x: torch.Tensor) -> _Saved:
+    def _graph(self, x: torch.Tensor) -> Saved:
         params = {name: p.data.requires_grad_(True) for name, p in self.module.named_parameters()}
         inputs = x.to(self.device)
         if inputs.is_floating_point() and not self.is_first:
             inputs.requires_grad_(True)  # the previous stage needs this gradient
         outputs = functional_call(self.module, params, (inputs,))
-        return _Saved(inputs=inputs, outputs=outputs, params=params, created=time.monotonic())
+        return Saved(inputs=inputs, outputs=outputs, params=params, created=time.monotonic())
 
-    def forward(self, mb_id: str, x: torch.Tensor) -> torch.Tensor:
-        """Training forward; keeps the graph for a backward that comes back here."""
+    def forward(self, mb_id: str, x: torch.Tensor, owner: str = "") -> torch.Tensor:
+        """Training forward; keeps the graph for a backward of ``owner`` (the requesting driver) that comes back here."""
         with self.lock:
             self._refuse_if_sick()
             saved = self._graph(x)
             self._check_emitted(saved.outputs, "outputs")
-            self.cache.put(mb_id, saved)
+            self.cache.put((owner, mb_id), saved)
             self._simulate()
             return saved.outputs.detach().cpu()
 
@@ -240,22 +217,24 @@ class StageWorker:
         correct = int((logits.argmax(-1) == y).sum().item()) if self.run.model.kind == "mlp" else 0
         return loss, correct, len(y)
 
-    def backward(self, mb_id: str, grad_out: torch.Tensor, x: torch.Tensor | None, loss: float | None) -> torch.Tensor | None:
+    def backward(self, mb_id: str, grad_out: torch.Tensor, x: torch.Tensor | None, loss: float | None,
+                 owner: str = "") -> torch.Tensor | None:
         """Apply this micro-batch's update; return the gradient of the input (None for stage 0)."""
         with self.lock:
             self._refuse_if_sick()
-            saved = self.cache.pop(mb_id, time.monotonic())
+            grad_out, out_scale, out_rms = self._clip_grad_out(grad_out)
+            saved = self.cache.pop((owner, mb_id), time.monotonic())
             if saved is None:
                 if x is None:
                     raise NeedInput(mb_id)
                 saved = self._graph(x)
             saved.outputs.backward(grad_out.to(self.device, saved.outputs.dtype))
             self._check_emitted(saved.inputs.grad, "input gradients")
-            self._apply(saved, batch_size=grad_out.shape[0], loss=loss)
+            self._apply(saved, batch_size=grad_out.shape[0], loss=loss, owner=owner, scale=out_scale, out_rms=out_rms)
             self._simulate()
             return None if saved.inputs.grad is None else saved.inputs.grad.cpu()
 
-    def forward_backward(self, mb_id: str, x: torch.Tensor, y: torch.Tensor) -> tuple[float, torch.Tensor | None]:
+    def forward_backward(self, mb_id: str, x: torch.Tensor, y: torch.Tensor, owner: str = "") -> tuple[float, torch.Tensor | None]:
         """Last stage: loss and input gradient of one micro-batch, with the update applied."""
         with self.lock:
             self._refuse_if_sick()
@@ -266,15 +245,35 @@ class StageWorker:
             self._refuse_if_sick()
             loss.backward()
             self._check_emitted(saved.inputs.grad, "input gradients")
-            self._apply(saved, batch_size=x.shape[0], loss=value)
+            self._apply(saved, batch_size=x.shape[0], loss=value, owner=owner)
             self._simulate(2)
             return value, None if saved.inputs.grad is None else saved.inputs.grad.cpu()
 
-    def _apply(self, saved: _Saved, batch_size: int, loss: float | None) -> None:
+    def _clip_grad_out(self, grad_out: torch.Tensor) -> tuple[torch.Tensor, float, float]:
+        """Centered clipping of the incoming output gradient (per-sample RMS, so batch sizes compare)."""
+        rms = float(grad_out.double().norm()) / math.sqrt(max(grad_out.shape[0], 1))
+        scale = clip_scale(rms, self.grad_out_rms.bound())
+        if scale == 0.0:
+            raise WireError("output gradient: its norm is not finite")
+        return (grad_out * scale if scale < 1.0 else grad_out), scale, rms * scale
+
+    def _apply(self, saved: Saved, batch_size: int, loss: float | None, owner: str = "", scale: float = 1.0,
+               out_rms: float | None = None) -> None:
+        """Clip the parameter gradient, step under the guard (nothing non-finite is ever committed), record it."""
+        params = list(self.module.parameters())
+        grads = []
         for name, param in self.module.named_parameters():
             grad = saved.params[name].grad
             param.grad = grad if grad is not None else torch.zeros_like(param)
-        self._update()
+            grads.append(param.grad)
+        grad_scale, grad_norm = self._clip_param_grads(params, grads)
+        cosine = self.directions.observe(owner, grads, time.monotonic()) if owner else None
+        result = self.guard.run(self._update, bound_steps=not self._custom_rule)
+        self.grad_norms.accept(grad_norm * grad_scale, was_clipped=grad_scale < 1.0)
+        if out_rms is not None:
+            self.grad_out_rms.accept(out_rms, was_clipped=scale < 1.0)
+        self.last_update = UpdateReport(clip_scale=min(scale, grad_scale), cosine=cosine,
+                                        tensors_scaled=result.tensors_scaled)
         self.stats.record_update(batch_size, loss, time.monotonic())
         info = StepInfo(batch_size=batch_size, loss=loss, forward_at=saved.created)
         for hook in self._step_hooks:
@@ -282,6 +281,22 @@ class StageWorker:
                 hook(info)
             except Exception:  # averaging must never break training
                 logger.exception("a step hook failed")
+
+    def _clip_param_grads(self, params: list[nn.Parameter], grads: list[torch.Tensor]) -> tuple[float, float]:
+        """(scale applied, norm before it): clip to the history bound and the history-free step ceiling."""
+        norms = torch.stack(torch._foreach_norm(grads + [p.data for p in params])).double()
+        grad_norm = float(norms[: len(grads)].norm())
+        param_norm = float(norms[len(grads):].norm())
+        lr = float(self.optimizer.param_groups[0].get("lr", 0.0))
+        bound = combined_bound(self.grad_norms.bound(),
+                               step_ceiling(param_norm, lr, self.run.integrity.max_step_ratio))
+        scale = clip_scale(grad_norm, bound)
+        if scale == 0.0:
+            raise WireError(f"layer{self.index}: the update's gradient norm is not finite (values out of range): "
+                            "not applied")
+        if scale < 1.0:
+            torch._foreach_mul_(grads, scale)
+        return scale, grad_norm
 
     def _check_emitted(self, tensor: torch.Tensor | None, what: str) -> None:
         """Nothing non-finite leaves this stage. Whose fault: with finite parameters the request's
@@ -323,9 +338,11 @@ class StageWorker:
         """Replace ``optimizer.step()`` by ``rule`` (None restores it). The rule runs on the compute
         thread under the lock, with every parameter's ``.grad`` set, and must update the parameters in
         place (cached forward graphs alias them). The edge modes of averaging use this: their update
-        *is* the optimizer (swarm/averaging/edges.py)."""
+        *is* the optimizer (swarm/averaging/edges.py). The gradients it sees are clipped, and a step that
+        would leave anything non-finite is undone (swarm/integrity/guard.py), as for the optimizer."""
         with self.lock:
             self._update = rule if rule is not None else self.optimizer.step
+            self._custom_rule = rule is not None
 
     @torch.no_grad()
     def mix_in(self, received: Mapping[str, torch.Tensor], factor: float, peer_clock: float) -> None:

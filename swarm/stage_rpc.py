@@ -6,14 +6,23 @@ Two handlers per stage, in the namespace ``{run_id}.layer{k}``: ``rpc_call`` (un
 
     forward           [x]            -> [y]
     backward          [g] or [g, x]  -> [grad x]       metadata: loss (float, from the last stage)
-    forward_backward  [x, targets]   -> [grad x]       reply metadata: loss    (last stage only)
+    forward_backward  [x, ids]       -> [grad x]       reply metadata: loss    (last stage only)
     infer             [x]            -> [y]            no update, eval mode
-    evaluate          [x, targets]   -> []             reply metadata: loss_sum, correct, count
+    evaluate          [x, ids]       -> []             reply metadata: loss_sum, correct, count
 
-Replies carry ``{"ok": true}`` or ``{"ok": false, "code": ..., "error": ...}`` with code
-``rejected`` (the request is malformed: never applied), ``paused`` (this peer takes no new work),
-``healing`` (this copy is sick and restoring itself: swarm/integrity/health.py),
-or ``need_input`` (backward without the input at a peer that has no saved activations).
+``ids`` are int64 row indices into the run's train split (forward_backward) or test split (evaluate):
+the last stage looks the targets up in its own copy of the run's data (swarm/integrity/labels.py);
+targets never come from the wire. Only online layer0 peers of the run are served, each within its
+fair share, and a driver that keeps sending rejected, clipped or opposing updates is banned for a
+while (swarm/stage_gate.py). Every update is clipped and guarded at the stage (swarm/stage.py).
+
+Replies carry ``{"ok": true}`` or ``{"ok": false, "code": ..., "error": ..., ["retry_after_s": s]}``
+with code ``rejected`` (malformed: never applied), ``paused`` (this peer takes no new work),
+``healing`` (this copy is sick and restoring itself: swarm/integrity/health.py), ``need_input``
+(backward without the input at a peer that has no saved activations), ``busy`` (over your fair share
+or too many requests queued: retry after), ``banned`` (not before retry_after_s), ``unknown_driver``
+(no online layer0 record of you here yet: retry after) or ``wrong_shard`` (sample ids outside your
+shards: drop the micro-batch). The full table is in docs/ARCHITECTURE.md "Stage RPCs".
 """
 
 from __future__ import annotations
@@ -31,7 +40,9 @@ from hivemind.p2p import P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
 from swarm.integrity.health import SickCopy
+from swarm.integrity.labels import WrongShard
 from swarm.stage import NeedInput, StageWorker
+from swarm.stage_gate import SERVED_OPS, UPDATE_OPS, Outcome, StageGate
 from swarm.wire import (
     UNARY_LIMIT_BYTES,
     WireError,
@@ -71,8 +82,9 @@ class StageServicer(ServicerBase):
 
     def __init__(self, worker: StageWorker | None = None, executor: Executor | None = None, *, max_bytes: int = 0,
                  wire_dtype: str = "float32", is_accepting: Callable[[], bool] = lambda: True,
-                 traffic: Traffic | None = None):
+                 traffic: Traffic | None = None, gate: StageGate | None = None):
         self.worker = worker
+        self.gate = gate
         self.executor = executor
         self.max_bytes = max_bytes
         self.wire_dtype = wire_dtype
@@ -108,41 +120,91 @@ class StageServicer(ServicerBase):
             self.active -= 1
 
     async def _serve(self, serialized: list[Any], metadata: bytes, context: Any) -> tuple[list[torch.Tensor], dict]:
+        requester = str(context.remote_id)
         try:
             meta = unpack_metadata(metadata)
-            op = meta.get("op")
-            if op in NEW_WORK_OPS and not self.is_accepting():
-                return [], _refusal("paused", "this peer is paused and takes no new work")
+        except WireError as exc:
+            return [], _refusal("rejected", str(exc))
+        op = meta.get("op")
+        if op in NEW_WORK_OPS and not self.is_accepting():
+            return [], _refusal("paused", "this peer is paused and takes no new work")
+        if self.gate is not None:
+            refusal = await self.gate.admit(requester, op)
+            if refusal is not None:
+                return [], _refusal(refusal.code, refusal.error, refusal.retry_after_s)
+        outcome = Outcome()
+        try:
             tensors = decode_tensors(serialized, self.max_bytes)
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self.executor, dispatch, self.worker, op, tensors, meta)
+            request = Request(requester=requester, gate=self.gate)
+            out, reply, outcome = await loop.run_in_executor(self.executor, _run, self.worker, op, tensors, meta, request)
+            return out, reply
         except NeedInput:
             return [], _refusal("need_input", "no saved activations here: send the input")
         except SickCopy as exc:
             return [], _refusal("healing", f"this copy is sick and healing ({exc}): ask another peer")
-        except (WireError, ValueError, TypeError) as exc:
-            logger.warning("rejected a request from %s: %s", str(context.remote_id)[-8:], exc)
+        except WrongShard as exc:
+            outcome = Outcome(strike="sample ids outside its shards")
+            return [], _refusal("wrong_shard", str(exc))
+        except (WireError, ValueError, TypeError) as exc:  # StepRefused is a ValueError: nothing was applied
+            logger.warning("rejected a request from %s: %s", requester[-8:], exc)
+            outcome = Outcome(strike=f"rejected: {str(exc)[:120]}")
             return [], _refusal("rejected", str(exc))
+        finally:
+            if self.gate is not None and op in SERVED_OPS:
+                self.gate.settle(requester, outcome)
+
+
+@dataclass(slots=True, frozen=True)
+class Request:
+    """Who sent a request, and the gate that knows its shards (None: tests of the worker alone)."""
+
+    requester: str = ""
+    gate: StageGate | None = None
+
+    def targets(self, worker: StageWorker, ids: torch.Tensor, batch: int, split: str) -> torch.Tensor:
+        labels = self.gate.labels if self.gate is not None else None
+        if labels is None:
+            raise WireError(f"layer{worker.index} has no data set loaded: it cannot look up sample ids")
+        if split == "test":
+            return labels.test_targets(ids, batch)
+        return labels.train_targets(ids, batch, self.gate.allowed_shards(self.requester))
+
+
+def _run(worker: StageWorker, op: Any, tensors: list[torch.Tensor], meta: dict,
+         request: Request) -> tuple[list[torch.Tensor], dict, Outcome]:
+    """dispatch, then (still on the compute thread, before another request can step) what the bounds did."""
+    worker.last_update = None
+    out, reply = dispatch(worker, op, tensors, meta, request)
+    report = worker.last_update
+    if op not in UPDATE_OPS or report is None:
+        return out, reply, Outcome()
+    return out, reply, Outcome(applied=True, clip_scale=report.clip_scale, cosine=report.cosine)
 
 
 def make_servicer(worker: StageWorker, executor: Executor, *, max_bytes: int, wire_dtype: str,
-                  is_accepting: Callable[[], bool], traffic: Traffic) -> StageServicer:
+                  is_accepting: Callable[[], bool], traffic: Traffic, gate: StageGate | None = None) -> StageServicer:
     return StageServicer(worker, executor, max_bytes=max_bytes, wire_dtype=wire_dtype, is_accepting=is_accepting,
-                         traffic=traffic)
+                         traffic=traffic, gate=gate)
 
 
-def _refusal(code: str, error: str) -> dict:
-    return {"ok": False, "code": code, "error": error[:500]}
+def _refusal(code: str, error: str, retry_after_s: float | None = None) -> dict:
+    reply = {"ok": False, "code": code, "error": error[:500]}
+    if retry_after_s is not None:
+        reply["retry_after_s"] = round(float(retry_after_s), 3)
+    return reply
 
 
-def dispatch(worker: StageWorker, op: Any, tensors: list[torch.Tensor], meta: dict) -> tuple[list[torch.Tensor], dict]:
+def dispatch(worker: StageWorker, op: Any, tensors: list[torch.Tensor], meta: dict,
+             request: Request = Request()) -> tuple[list[torch.Tensor], dict]:
     """Run one validated request on the compute thread."""
     mb = meta.get("mb")
+    owner = request.requester
     if op in ("forward", "backward", "forward_backward") and (not isinstance(mb, str) or not 0 < len(mb) <= 128):
         raise WireError("missing or malformed micro-batch id")
     if op == "forward":
         (x,) = _expect(tensors, 1, op)
-        return [worker.forward(mb, worker.check_input(x))], {"ok": True}
+        return [worker.forward(mb, worker.check_input(x), owner=owner)], {"ok": True}
     if op == "infer":
         (x,) = _expect(tensors, 1, op)
         return [worker.infer(worker.check_input(x))], {"ok": True}
@@ -157,18 +219,19 @@ def dispatch(worker: StageWorker, op: Any, tensors: list[torch.Tensor], meta: di
             raise WireError("backward: input and gradient batches differ")
         loss = meta.get("loss")
         loss = float(loss) if isinstance(loss, (int, float)) else None
-        grad_in = worker.backward(mb, grad, x, loss)
+        grad_in = worker.backward(mb, grad, x, loss, owner=owner)
         return ([] if grad_in is None else [grad_in]), {"ok": True}
     if op in ("forward_backward", "evaluate"):
         if not worker.is_last:
             raise WireError(f"{op} is only served by the last stage")
-        x, y = _expect(tensors, 2, op)
+        x, ids = _expect(tensors, 2, op)
         x = worker.check_input(x)
-        y = worker.check_targets(y, x.shape[0])
+        y = worker.check_targets(request.targets(worker, ids, x.shape[0], "test" if op == "evaluate" else "train"),
+                                 x.shape[0])
         if op == "evaluate":
             loss_sum, correct, count = worker.evaluate(x, y)
             return [], {"ok": True, "loss_sum": loss_sum, "correct": correct, "count": count}
-        loss, grad_in = worker.forward_backward(mb, x, y)
+        loss, grad_in = worker.forward_backward(mb, x, y, owner=owner)
         return ([] if grad_in is None else [grad_in]), {"ok": True, "loss": loss}
     raise WireError(f"unknown op {op!r}")
 

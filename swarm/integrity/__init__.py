@@ -4,6 +4,11 @@ Decisions are pure functions over plain numbers (a clip bound, sick or not, ban 
 without a network; the stage, the RPC servicer and the peer call them.
 
 Map:
-- health.py   sick or healthy: the signals, the verdict, and SickCopy (nothing non-finite leaves a stage)
-- heal.py     self-healing: the last good snapshot, the health check every few steps, the restore
+- health.py      sick or healthy: the signals, the verdict, and SickCopy (nothing non-finite leaves a stage)
+- heal.py        self-healing: the last good snapshot, the health check every few steps, the restore
+- clip.py        how large one update may be: centered clipping around the accepted ones, a history-free ceiling
+- guard.py       the guarded step: never commit non-finite state; bound each tensor's move
+- direction.py   which way each driver pushes the copy (cosine with the swarm's direction)
+- requesters.py  fair share, in-flight cap, strikes and bans per driver (pure decisions + RequesterBook)
+- labels.py      targets by sample id, shard checks, the view of the run's drivers
 """

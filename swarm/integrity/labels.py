@@ -1,0 +1,116 @@
+"""Labels from the data, not the wire: the last stage looks targets up by sample id, and only in the
+shards the requesting driver may use. Also the view of the run's drivers (online layer0 records).
+
+A driver sends row indices into the run's train split (``forward_backward``) or test split
+(``evaluate``); every volunteer loads the run's data deterministically (swarm/data.py), so the last
+stage holds the same targets. A driver may use its own shard (from its layer0 record) and every shard
+no online layer0 peer holds (drivers also cover unheld shards, swarm/driver.py ``cover_shards``).
+Records are a heartbeat stale at times, so the view before the latest counts too (the grace).
+
+A future source of private data (targets that only the driver holds) cannot work this way: the last
+stage would need the targets from the wire again, and the bound on a wrong label would have to come
+from elsewhere (e.g. the last stage checking the loss it computes against its recent distribution,
+or the driver running the last stage itself).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+from swarm.records import MemberRecord
+
+
+DRAINING_STATES = frozenset({"paused", "finishing"})
+
+
+class WrongShard(ValueError):
+    """Sample ids outside the shards the requester may use (reply code ``wrong_shard``)."""
+
+
+class UnknownDriver(Exception):
+    """No online layer0 record of the requester in our view (reply code ``unknown_driver``)."""
+
+
+def allowed_shards(requester: str, view: dict[str, int], num_shards: int) -> set[int]:
+    """The requester's own shard plus every shard that no online driver of ``view`` (peer -> shard) holds."""
+    held = {s % num_shards for s in view.values() if s >= 0}
+    allowed = set(range(num_shards)) - held
+    own = view.get(requester, -1)
+    if own >= 0:
+        allowed.add(own % num_shards)
+    return allowed
+
+
+class DriverView:
+    """Online layer0 peers and their shards: the latest view and the one before it (a heartbeat's grace)."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, int] = {}
+        self.previous: dict[str, int] = {}
+        self.draining: set[str] = set()  # paused or finishing drivers: their in-flight backward passes still count
+
+    @staticmethod
+    def _online(records: Iterable[MemberRecord]) -> dict[str, int]:
+        return {r.peer_id: r.shard for r in records if r.state == "online"}
+
+    @staticmethod
+    def _draining(records: Iterable[MemberRecord]) -> set[str]:
+        return {r.peer_id for r in records if r.state in DRAINING_STATES}
+
+    def update(self, records: Iterable[MemberRecord]) -> None:
+        """A new view from the heartbeat: the current one becomes the grace view."""
+        records = list(records)
+        self.previous, self.current = self.current, self._online(records)
+        self.draining = self._draining(records)
+
+    def merge(self, records: Iterable[MemberRecord]) -> None:
+        """Records read on demand (an unknown requester): add them, drop nothing."""
+        records = list(records)
+        self.current = {**self.current, **self._online(records)}
+        self.draining |= self._draining(records)
+
+    def knows(self, requester: str) -> bool:
+        return requester in self.current or requester in self.previous
+
+    def drivers(self) -> int:
+        return len(set(self.current) | set(self.previous))
+
+    def allowed(self, requester: str, num_shards: int) -> set[int]:
+        return allowed_shards(requester, self.current, num_shards) | allowed_shards(requester, self.previous, num_shards)
+
+
+class LabelSource:
+    """The run's targets by sample id, and which shard each train sample belongs to."""
+
+    def __init__(self, y_train: torch.Tensor, y_test: torch.Tensor, shards: list[np.ndarray]):
+        self.y_train = y_train
+        self.y_test = y_test
+        self.num_shards = len(shards)
+        self.shard_of = np.full(len(y_train), -1, dtype=np.int64)
+        for shard, members in enumerate(shards):
+            self.shard_of[np.asarray(members, dtype=np.int64)] = shard
+
+    @staticmethod
+    def _check_ids(ids: torch.Tensor, batch: int, size: int, what: str) -> torch.Tensor:
+        if ids.dtype != torch.int64 or ids.dim() != 1:
+            raise ValueError(f"{what} ids must be a 1-D int64 tensor, got {tuple(ids.shape)} {ids.dtype}")
+        if ids.shape[0] != batch:
+            raise ValueError(f"{what} ids: batch of {ids.shape[0]} does not match the input's {batch}")
+        if batch and (int(ids.min()) < 0 or int(ids.max()) >= size):
+            raise ValueError(f"{what} ids out of range (the {what} split has {size} samples)")
+        return ids
+
+    def train_targets(self, ids: torch.Tensor, batch: int, allowed: set[int]) -> torch.Tensor:
+        ids = self._check_ids(ids, batch, len(self.y_train), "train")
+        shards = set(np.unique(self.shard_of[ids.numpy()]).tolist())
+        outside = shards - allowed
+        if outside:
+            raise WrongShard(f"sample ids from shard(s) {sorted(outside)[:4]} that you may not use "
+                             f"(yours or unheld: {sorted(allowed)[:8]})")
+        return self.y_train[ids]
+
+    def test_targets(self, ids: torch.Tensor, batch: int) -> torch.Tensor:
+        return self.y_test[self._check_ids(ids, batch, len(self.y_test), "test")]

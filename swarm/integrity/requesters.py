@@ -1,0 +1,171 @@
+"""Who may ask a stage for work, and how much: fair share, in-flight cap, strikes and bans per driver.
+
+The decisions are pure functions (``fair_share_allows``, ``decayed``, ``ban_duration_s``,
+``ascent_suspected``); ``RequesterBook`` keeps the per-driver numbers they are fed with. The stage
+servicer (swarm/stage_rpc.py) asks ``admit`` before a request runs and reports what happened after
+(``on_update``, ``on_strike``); a ban comes back as a ``Ban`` for the servicer to log and announce.
+
+- Fair share: in a sliding window of ``fair_share_window_s``, a driver may apply ``fair_share_burst``
+  updates, and beyond that at most ``fair_share_slack`` x the mean count of the other drivers active
+  here. One driver alone has the whole stage; a flood is answered ``busy``.
+- In flight: at most ``max_in_flight_per_requester`` requests of one driver are computed or queued
+  here at once (500 concurrent forwards must not starve the real drivers).
+- Strikes: a rejected request, a request outside the driver's shards, and an update clipped to less
+  than half its size each add one to a score that halves every ``strike_half_life_s``; at
+  ``ban_strikes`` the driver is banned. Honest drivers are clipped now and then, never in a row.
+- Ascent: the mean cosine of a driver's last ``ascent_min_updates`` updates with the swarm's direction
+  (direction.py) below ``ascent_cosine`` bans it at once.
+- A ban lasts ``ban_s``, doubling with each further ban of the same driver, capped at ``max_ban_s``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+from swarm.runconfig import IntegrityConfig
+
+HEAVY_CLIP_SCALE = 0.5  # an update scaled below this is a strike
+MAX_REQUESTERS = 1024  # per-driver entries kept; idle ones are dropped first
+
+
+@dataclass(slots=True, frozen=True)
+class Refusal:
+    code: str
+    error: str
+    retry_after_s: float
+
+
+@dataclass(slots=True, frozen=True)
+class Ban:
+    requester: str
+    reason: str
+    duration_s: float
+
+
+def fair_share_allows(own: int, others: list[int], slack: float, burst: int) -> bool:
+    """May a driver with ``own`` updates in the window apply one more, given the other active drivers' counts?"""
+    if own < burst or not others:
+        return True
+    return own < slack * max(sum(others) / len(others), 1.0)
+
+
+def decayed(score: float, elapsed_s: float, half_life_s: float) -> float:
+    return score * 0.5 ** (max(elapsed_s, 0.0) / half_life_s)
+
+
+def ban_duration_s(times_banned_before: int, base_s: float, cap_s: float) -> float:
+    return min(cap_s, base_s * 2 ** min(times_banned_before, 30))
+
+
+def ascent_suspected(cosines: list[float] | deque[float], min_updates: int, threshold: float) -> bool:
+    """A driver whose updates kept opposing the swarm's direction (mean cosine below ``threshold``)."""
+    if len(cosines) < min_updates:
+        return False
+    recent = list(cosines)[-min_updates:]
+    return sum(recent) / len(recent) < threshold
+
+
+@dataclass(slots=True)
+class _Requester:
+    updates: deque[float] = field(default_factory=deque)  # times of applied updates, within the window
+    in_flight: int = 0
+    score: float = 0.0
+    scored_at: float = 0.0
+    banned_until: float = 0.0
+    times_banned: int = 0
+    cosines: deque[float] = field(default_factory=deque)
+    last_seen: float = 0.0
+
+
+class RequesterBook:
+    """Per-driver state at one stage; thread-safe (the RPC loop admits, the compute thread reports)."""
+
+    def __init__(self, cfg: IntegrityConfig):
+        self.cfg = cfg
+        self._lock = threading.Lock()
+        self._book: dict[str, _Requester] = {}
+        self.bans: deque[Ban] = deque(maxlen=256)  # the latest bans (tests and metrics read them)
+
+    def _get(self, requester: str, now: float) -> _Requester:
+        entry = self._book.get(requester)
+        if entry is None:
+            if len(self._book) >= MAX_REQUESTERS:
+                idle = [r for r, e in self._book.items() if e.in_flight == 0 and e.banned_until <= now]
+                for r in sorted(idle, key=lambda r: self._book[r].last_seen)[: len(self._book) // 4 + 1]:
+                    del self._book[r]
+            entry = self._book[requester] = _Requester(cosines=deque(maxlen=self.cfg.ascent_min_updates))
+        entry.last_seen = now
+        return entry
+
+    def _window(self, entry: _Requester, now: float) -> int:
+        while entry.updates and now - entry.updates[0] > self.cfg.fair_share_window_s:
+            entry.updates.popleft()
+        return len(entry.updates)
+
+    def admit(self, requester: str, applies_update: bool, now: float) -> Refusal | None:
+        """None: serve it (and call ``finished`` after); otherwise the refusal to answer."""
+        cfg = self.cfg
+        with self._lock:
+            entry = self._get(requester, now)
+            if entry.banned_until > now:
+                return Refusal("banned", "this peer refuses your requests for a while (too many rejected, "
+                               "clipped or opposing updates)", entry.banned_until - now)
+            if entry.in_flight >= cfg.max_in_flight_per_requester:
+                return Refusal("busy", f"more than {cfg.max_in_flight_per_requester} of your requests are "
+                               "queued here: wait for replies", 0.2)
+            if applies_update:
+                own = self._window(entry, now)
+                others = [n for r, e in self._book.items() if r != requester and (n := self._window(e, now)) > 0]
+                if not fair_share_allows(own, others, cfg.fair_share_slack, cfg.fair_share_burst):
+                    retry = cfg.fair_share_window_s - (now - entry.updates[0]) if entry.updates else 1.0
+                    return Refusal("busy", "you are over your fair share of this stage's updates", max(0.1, retry))
+            entry.in_flight += 1
+            return None
+
+    def finished(self, requester: str) -> None:
+        with self._lock:
+            entry = self._book.get(requester)
+            if entry is not None and entry.in_flight > 0:
+                entry.in_flight -= 1
+
+    def on_update(self, requester: str, clip_scale: float, cosine: float | None, now: float) -> Ban | None:
+        """An update of this driver was applied (after clipping by ``clip_scale``)."""
+        with self._lock:
+            entry = self._get(requester, now)
+            entry.updates.append(now)
+            if cosine is not None and math.isfinite(cosine):
+                entry.cosines.append(cosine)
+                if ascent_suspected(entry.cosines, self.cfg.ascent_min_updates, self.cfg.ascent_cosine):
+                    mean = sum(entry.cosines) / len(entry.cosines)
+                    return self._ban(requester, entry, now, f"its updates oppose the swarm's direction "
+                                                           f"(mean cosine {mean:.2f} over {len(entry.cosines)})")
+        if clip_scale < HEAVY_CLIP_SCALE:
+            return self.on_strike(requester, f"updates clipped to {clip_scale:.2g} of their size", now)
+        return None
+
+    def on_strike(self, requester: str, reason: str, now: float) -> Ban | None:
+        with self._lock:
+            entry = self._get(requester, now)
+            entry.score = decayed(entry.score, now - entry.scored_at, self.cfg.strike_half_life_s) + 1.0
+            entry.scored_at = now
+            if entry.score >= self.cfg.ban_strikes and entry.banned_until <= now:
+                return self._ban(requester, entry, now, f"{entry.score:.0f} strikes, the last: {reason}")
+        return None
+
+    def _ban(self, requester: str, entry: _Requester, now: float, reason: str) -> Ban:
+        duration = ban_duration_s(entry.times_banned, self.cfg.ban_s, self.cfg.max_ban_s)
+        entry.banned_until = now + duration
+        entry.times_banned += 1
+        entry.score = 0.0
+        entry.cosines.clear()
+        ban = Ban(requester, reason, duration)
+        self.bans.append(ban)
+        return ban
+
+    def banned(self, requester: str, now: float) -> bool:
+        with self._lock:
+            entry = self._book.get(requester)
+            return entry is not None and entry.banned_until > now

@@ -1,0 +1,117 @@
+"""The stage server's door: who may ask (online layer0 drivers of the run), how much (fair share,
+in-flight cap), and what a driver's behaviour costs it (strikes, bans). Thin glue over the pure
+decisions of swarm/integrity (requesters.py, labels.py); the servicer (stage_rpc.py) asks ``admit``
+before a request runs and calls ``settle`` after.
+
+The view of the drivers comes from the node's heartbeat (``set_drivers``, via SwarmPeer.update_views);
+a requester unknown to it triggers at most one read of the layer0 records per
+``REFRESH_MIN_INTERVAL_S`` (a driver that joined since the last heartbeat is served at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+
+from swarm.activations import ActivationCache, owner_cap
+from swarm.integrity.labels import DriverView, LabelSource
+from swarm.integrity.requesters import Ban, Refusal, RequesterBook
+from swarm.records import MemberRecord
+from swarm.runconfig import IntegrityConfig
+
+logger = logging.getLogger(__name__)
+
+SERVED_OPS = frozenset({"forward", "backward", "forward_backward", "infer", "evaluate"})
+UPDATE_OPS = frozenset({"backward", "forward_backward"})
+REFRESH_MIN_INTERVAL_S = 1.0
+UNKNOWN_DRIVER_RETRY_S = 2.0
+
+Refresh = Callable[[], Awaitable[list[MemberRecord]]]
+Notify = Callable[[str, str, str], None]  # (level, kind, text), as SwarmPeer's
+
+
+@dataclass(slots=True, frozen=True)
+class Outcome:
+    """How a request ended, for ``settle``."""
+
+    applied: bool = False  # an update was applied
+    clip_scale: float = 1.0
+    cosine: float | None = None
+    strike: str | None = None  # why this request counts against its sender
+
+
+class StageGate:
+    def __init__(self, cfg: IntegrityConfig, *, labels: LabelSource | None = None, refresh: Refresh | None = None,
+                 notify: Notify | None = None, cache: ActivationCache | None = None, swarm: str = ""):
+        self.cfg = cfg
+        self.labels = labels
+        self.view = DriverView()
+        self.book = RequesterBook(cfg)
+        self._refresh_records = refresh
+        self._notify = notify or (lambda level, kind, text: None)
+        self._cache = cache
+        self._swarm = swarm
+        self._last_refresh = float("-inf")
+        self._refreshing: asyncio.Future | None = None
+
+    # ----- the view of the run's drivers
+    def set_drivers(self, records: Iterable[MemberRecord]) -> None:
+        self.view.update(records)
+        if self._cache is not None:
+            self._cache.owner_cap = owner_cap(self._cache.max_entries, self.view.drivers())
+
+    async def _refresh(self) -> None:
+        """Read layer0's records now, at most once per REFRESH_MIN_INTERVAL_S (concurrent callers share it)."""
+        if self._refresh_records is None:
+            return
+        if self._refreshing is not None:
+            await asyncio.shield(self._refreshing)
+            return
+        if time.monotonic() - self._last_refresh < REFRESH_MIN_INTERVAL_S:
+            return
+        self._last_refresh = time.monotonic()
+        self._refreshing = asyncio.ensure_future(self._refresh_records())
+        try:
+            self.view.merge(await self._refreshing)
+        except Exception as exc:  # a failed read leaves the view as it was
+            logger.info("reading layer0's records failed: %s", exc)
+        finally:
+            self._refreshing = None
+
+    def allowed_shards(self, requester: str) -> set[int]:
+        return self.view.allowed(requester, self.labels.num_shards) if self.labels is not None else set()
+
+    # ----- before and after a request
+    async def admit(self, requester: str, op: object) -> Refusal | None:
+        if op not in SERVED_OPS:
+            return None  # dispatch rejects it
+        now = time.monotonic()
+        if self.book.banned(requester, now):
+            return self.book.admit(requester, False, now)  # the ban refusal, with its remaining time
+        finishing = op == "backward" and requester in self.view.draining  # a paused driver completes its micro-batches
+        if not self.view.knows(requester) and not finishing:
+            await self._refresh()
+            if not self.view.knows(requester) and not (op == "backward" and requester in self.view.draining):
+                return Refusal("unknown_driver", "only online layer0 peers of this run may ask: no record of you "
+                               "in this peer's view yet", UNKNOWN_DRIVER_RETRY_S)
+        return self.book.admit(requester, op in UPDATE_OPS, time.monotonic())
+
+    def settle(self, requester: str, outcome: Outcome) -> None:
+        """After an admitted request: free its slot, count its update, and hand out strikes and bans."""
+        self.book.finished(requester)
+        now = time.monotonic()
+        ban = None
+        if outcome.applied:
+            ban = self.book.on_update(requester, outcome.clip_scale, outcome.cosine, now)
+        if ban is None and outcome.strike is not None:
+            ban = self.book.on_strike(requester, outcome.strike, now)
+        if ban is not None:
+            self._announce(ban)
+
+    def _announce(self, ban: Ban) -> None:
+        text = f"{self._swarm}: banned driver {ban.requester[-8:]} for {ban.duration_s:.0f} s: {ban.reason}"
+        logger.warning(text)
+        self._notify("warning", "banned", text)

@@ -1,0 +1,282 @@
+"""The stage's bounds without a network: clipping, the guarded step, fair share, strikes and bans, labels by id."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from swarm.activations import ActivationCache, Saved, owner_cap
+from swarm.integrity.clip import NormHistory, clip_scale, combined_bound, history_bound, step_bound, step_ceiling
+from swarm.integrity.direction import DirectionTracker, tenure_weight
+from swarm.integrity.guard import StepGuard, StepRefused, typical_tensor_norm
+from swarm.integrity.labels import DriverView, LabelSource, WrongShard, allowed_shards
+from swarm.integrity.requesters import (
+    RequesterBook,
+    ascent_suspected,
+    ban_duration_s,
+    decayed,
+    fair_share_allows,
+)
+from swarm.records import MemberRecord
+from swarm.runconfig import IntegrityConfig, RunConfig
+from swarm.stage import StageWorker
+
+RUN = RunConfig.model_validate({"name": "bounds", "model": {"stages": 3, "hidden_dim": 32},
+                                "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9}})
+
+
+# ----- clipping
+
+
+def test_clip_scale_brings_a_norm_onto_the_bound_and_refuses_non_finite_norms():
+    assert clip_scale(10.0, 2.0) == pytest.approx(0.2)
+    assert clip_scale(1.0, 2.0) == 1.0
+    assert clip_scale(1e30, None) == 1.0
+    assert clip_scale(math.inf, 2.0) == 0.0 and clip_scale(math.nan, None) == 0.0
+
+
+def test_history_bound_needs_enough_history_then_follows_the_median():
+    assert history_bound([1.0] * 7, 3.0) is None
+    assert history_bound([1.0] * 7 + [100.0], 3.0) == pytest.approx(3.0)  # one outlier does not move the median
+    history = NormHistory(size=8, multiplier=3.0)
+    for norm in [1.0, 2.0] * 4:
+        history.accept(norm, was_clipped=False)
+    assert history.bound() == pytest.approx(4.5)
+    history.accept(math.inf, was_clipped=True)
+    assert len(history.norms) == 8 and history.clipped_fraction == pytest.approx(1 / 9)
+
+
+def test_step_ceiling_and_step_bound_are_scale_free():
+    assert step_ceiling(param_norm=10.0, lr=0.1, max_step_ratio=0.05) == pytest.approx(5.0)
+    assert step_ceiling(0.0, 0.1, 0.05) is None
+    assert combined_bound(None, 5.0, 3.0) == 3.0 and combined_bound(None, None) is None
+    assert step_bound(tensor_norm=10.0, floor_norm=1.0, max_step_ratio=0.05) == pytest.approx(0.5)
+    assert step_bound(tensor_norm=0.0, floor_norm=1.0, max_step_ratio=0.05) == pytest.approx(0.05)  # a zero bias
+
+
+# ----- the guarded step
+
+
+def _module_and_optimizer():
+    torch.manual_seed(0)
+    module = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    for p in module.parameters():
+        p.grad = torch.ones_like(p)
+    return module, optimizer
+
+
+def test_a_step_that_would_be_non_finite_is_undone_with_its_optimizer_state():
+    module, optimizer = _module_and_optimizer()
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    guard = StepGuard(module, optimizer, max_step_ratio=0.05)
+    for p in module.parameters():
+        p.grad = torch.full_like(p, math.inf)
+    with pytest.raises(StepRefused):
+        guard.run(optimizer.step)
+    for name, p in module.named_parameters():
+        assert torch.equal(p, before[name])
+    assert not optimizer.state, "the refused step's fresh momentum buffers must be dropped too"
+    assert guard.refused == 1
+
+
+def test_the_step_bound_shortens_a_long_move_and_keeps_its_direction():
+    module, optimizer = _module_and_optimizer()
+    old = [p.detach().clone() for p in module.parameters()]
+    for p in module.parameters():
+        p.grad = torch.full_like(p, 100.0)
+    result = StepGuard(module, optimizer, max_step_ratio=0.05).run(optimizer.step)
+    assert result.tensors_scaled == 2
+    floor = typical_tensor_norm([float(o.norm()) for o in old])
+    for p, o in zip(module.parameters(), old):
+        limit = 0.05 * max(float(o.norm()), floor)
+        assert float((p.detach() - o).norm()) == pytest.approx(limit, rel=1e-4)
+        assert torch.all((p - o) < 0), "the move keeps the update's direction"
+
+
+def test_an_ordinary_step_passes_the_guard_unchanged():
+    module, optimizer = _module_and_optimizer()
+    for p in module.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    expected = [p.detach() - 0.1 * 1e-3 for p in module.parameters()]
+    assert StepGuard(module, optimizer, max_step_ratio=0.05).run(optimizer.step).tensors_scaled == 0
+    for p, e in zip(module.parameters(), expected):
+        assert torch.allclose(p, e)
+
+
+def _train_worker(worker: StageWorker, steps: int, owner: str = "honest") -> None:
+    torch.manual_seed(1)
+    for i in range(steps):
+        x = torch.randn(8, 32)
+        worker.forward(f"w{i}", x, owner=owner)
+        worker.backward(f"w{i}", torch.randn(8, 32) * 0.01, None, None, owner=owner)
+
+
+@pytest.mark.parametrize("size", [3e38, 1e30, 1e6])
+def test_one_huge_finite_gradient_leaves_the_copy_finite_and_moved_within_the_bound(size):
+    """The measured attack: one backward with a finite gradient of 3e38 turned layers 0 and 1 to NaN for good."""
+    worker = StageWorker(RUN, 1)
+    _train_worker(worker, 12)
+    before = {n: p.detach().clone() for n, p in worker.module.named_parameters()}
+    x = torch.randn(8, 32)
+    try:
+        grad_in = worker.backward("evil", torch.full((8, 32), size), x, None, owner="evil")
+        assert bool(torch.isfinite(grad_in).all())
+    except ValueError:
+        pass  # rejected, nothing applied: as good
+    floor = typical_tensor_norm([float(b.norm()) for b in before.values()])
+    for name, p in worker.module.named_parameters():
+        assert bool(torch.isfinite(p).all())
+        limit = 0.05 * max(float(before[name].norm()), floor)
+        assert float((p - before[name]).norm()) <= limit * 1.001
+    _train_worker(worker, 3)  # still trains
+    assert all(bool(torch.isfinite(p).all()) for p in worker.module.parameters())
+
+
+def test_an_update_far_above_the_recent_ones_is_clipped_to_the_multiplier():
+    worker = StageWorker(RUN, 1)
+    _train_worker(worker, 12)
+    bound = worker.grad_out_rms.bound()
+    worker.backward("big", torch.randn(8, 32) * 50, torch.randn(8, 32), None, owner="big")
+    assert worker.last_update.clip_scale < 0.1
+    assert worker.grad_out_rms.norms[-1] == pytest.approx(bound)
+
+
+# ----- who may ask, and how much
+
+
+def test_fair_share_allows_a_burst_then_a_multiple_of_the_others():
+    assert fair_share_allows(own=5, others=[], slack=2.0, burst=4)  # alone: the whole stage
+    assert fair_share_allows(own=3, others=[1], slack=2.0, burst=4)
+    assert fair_share_allows(own=19, others=[10, 10], slack=2.0, burst=4)
+    assert not fair_share_allows(own=20, others=[10, 10], slack=2.0, burst=4)
+
+
+def test_strikes_decay_and_bans_double():
+    assert decayed(8.0, elapsed_s=30.0, half_life_s=30.0) == pytest.approx(4.0)
+    assert [ban_duration_s(n, 60.0, 200.0) for n in range(3)] == [60.0, 120.0, 200.0]
+    assert not ascent_suspected([-0.9] * 3, min_updates=4, threshold=-0.3)
+    assert ascent_suspected([0.2, -0.9, -0.9, -0.9, -0.9], min_updates=4, threshold=-0.3)
+
+
+def test_a_flooding_driver_is_answered_busy_while_the_other_is_served():
+    cfg = IntegrityConfig(fair_share_burst=4, fair_share_slack=2.0, max_in_flight_per_requester=3)
+    book = RequesterBook(cfg)
+    for t in range(3):
+        assert book.admit("honest", True, now=float(t)) is None
+        book.finished("honest")
+        book.on_update("honest", 1.0, None, now=float(t))
+    codes = []
+    for t in range(20):
+        refusal = book.admit("flood", True, now=3.0 + t * 0.01)
+        codes.append(None if refusal is None else refusal.code)
+        if refusal is None:
+            book.finished("flood")
+            book.on_update("flood", 1.0, None, now=3.0 + t * 0.01)
+    assert codes.count(None) == 6 and codes[-1] == "busy"  # 2 x the honest driver's 3
+    assert book.admit("honest", True, now=3.5) is None
+    # in flight: a fourth concurrent request of one driver waits
+    assert [book.admit("many", False, now=4.0) for _ in range(3)] == [None] * 3
+    assert book.admit("many", False, now=4.0).code == "busy"
+
+
+def test_repeated_rejections_ban_a_driver_and_the_ban_expires():
+    cfg = IntegrityConfig(ban_strikes=5.0, ban_s=60.0)
+    book = RequesterBook(cfg)
+    bans = [book.on_strike("bad", "rejected", now=0.0) for _ in range(5)]
+    assert bans[:4] == [None] * 4 and bans[4].duration_s == 60.0
+    refusal = book.admit("bad", True, now=10.0)
+    assert refusal.code == "banned" and refusal.retry_after_s == pytest.approx(50.0)
+    assert book.admit("bad", True, now=65.0) is None
+    # rejections spread out in time (an honest driver now and then) never add up to a ban
+    assert all(book.on_strike("slow", "rejected", now=t * 60.0) is None for t in range(50))
+
+
+def test_opposing_updates_ban_a_driver():
+    book = RequesterBook(IntegrityConfig(ascent_min_updates=8, ascent_cosine=-0.3))
+    bans = [book.on_update("ascent", 1.0, -0.8, now=float(t)) for t in range(8)]
+    assert bans[-1] is not None and "oppose" in bans[-1].reason
+    assert all(book.on_update("honest", 1.0, c, now=float(t)) is None for t, c in enumerate([-0.2, 0.3] * 20))
+
+
+def test_the_direction_of_a_gradient_ascent_newcomer_opposes_the_swarm():
+    torch.manual_seed(0)
+    tracker = DirectionTracker()
+    consensus = torch.randn(100)
+    for t in range(50):
+        tracker.observe("honest", [consensus + torch.randn(100)], now=float(t))
+    cosines = [tracker.observe("ascent", [-consensus + torch.randn(100)], now=50.0 + t) for t in range(20)]
+    assert max(cosines) < -0.3
+    assert tenure_weight(150.0) == pytest.approx(0.5) and tenure_weight(1e6) == 1.0
+
+
+# ----- labels from the data
+
+
+def test_allowed_shards_are_the_own_shard_and_every_unheld_one():
+    assert allowed_shards("a", {"a": 0, "b": 1}, num_shards=4) == {0, 2, 3}
+    assert allowed_shards("stranger", {"a": 0, "b": 1}, num_shards=4) == {2, 3}
+    view = DriverView()
+    record = lambda pid, shard: MemberRecord(pid, "online", "v", 0.0, 0.0, shard=shard)  # noqa: E731
+    view.update([record("a", 0), record("b", 1)])
+    view.update([record("a", 1)])  # a moved to shard 1, b left: the old view still counts for a heartbeat
+    assert view.allowed("a", 4) == {0, 1, 2, 3} and view.knows("b")
+    view.update([record("a", 1)])
+    assert not view.knows("b") and view.allowed("a", 4) == {0, 1, 2, 3}
+
+
+def test_targets_are_looked_up_by_id_and_checked():
+    labels = LabelSource(torch.arange(10) % 3, torch.arange(4), [np.arange(0, 5), np.arange(5, 10)])
+    assert labels.train_targets(torch.tensor([0, 4]), 2, allowed={0}).tolist() == [0, 1]
+    with pytest.raises(WrongShard):
+        labels.train_targets(torch.tensor([0, 7]), 2, allowed={0})
+    with pytest.raises(ValueError, match="out of range"):
+        labels.test_targets(torch.tensor([4]), 1)
+    with pytest.raises(ValueError, match="does not match"):
+        labels.train_targets(torch.tensor([0]), 2, allowed={0, 1})
+
+
+# ----- saved activations
+
+
+def test_a_flood_of_forwards_evicts_only_the_flooders_graphs():
+    cache = ActivationCache(max_entries=16)
+    cache.owner_cap = owner_cap(16, drivers=2)
+    saved = lambda t: Saved(torch.zeros(1), torch.zeros(1), {}, created=t)  # noqa: E731
+    for i in range(4):
+        cache.put(("honest", f"h{i}"), saved(0.0))
+    for i in range(500):
+        cache.put(("flood", f"f{i}"), saved(1.0))
+    assert len(cache) <= 16 and cache.held_by("flood") <= 8
+    assert all(cache.pop(("honest", f"h{i}"), now=2.0) is not None for i in range(4))
+    assert cache.pop(("flood", "h0"), now=2.0) is None  # one driver cannot take another's graph by its id
+
+
+def test_the_gate_serves_known_drivers_reads_records_at_most_once_a_second_and_lets_paused_ones_finish():
+    import asyncio
+
+    from swarm.stage_gate import StageGate
+
+    reads = []
+
+    async def refresh():
+        reads.append(1)
+        return [MemberRecord("late", "online", "v", 0.0, 0.0, shard=2)]
+
+    async def main():
+        gate = StageGate(IntegrityConfig(), refresh=refresh)
+        gate.set_drivers([MemberRecord("a", "online", "v", 0.0, 0.0, shard=0),
+                          MemberRecord("p", "paused", "v", 0.0, 0.0, shard=1)])
+        assert await gate.admit("a", "forward") is None
+        assert (await gate.admit("stranger", "forward")).code == "unknown_driver"
+        assert (await gate.admit("stranger", "forward")).code == "unknown_driver"
+        assert len(reads) == 1, "an unknown requester must not make us read the DHT more than once a second"
+        assert (await gate.admit("p", "forward")).code == "unknown_driver"
+        assert await gate.admit("p", "backward") is None  # a paused driver's in-flight micro-batch completes
+        gate._last_refresh -= 2.0
+        assert await gate.admit("late", "forward") is None  # joined since the heartbeat: found by the read
+
+    asyncio.run(main())

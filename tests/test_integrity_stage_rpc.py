@@ -1,0 +1,124 @@
+"""A hostile driver against real stage servers over P2P: its huge and ascent gradients leave the copy finite and
+within the step bound, its flood is refused, and the honest driver is still served."""
+
+from __future__ import annotations
+
+import asyncio
+import pytest
+import torch
+
+from swarm.data import load_dataset, make_shards
+from swarm.integrity.guard import typical_tensor_norm
+from swarm.dht import DHTSettings, fresh_p2p, shutdown_dht, start_dht
+from swarm.peer import SwarmPeer
+from swarm.records import MemberRecord
+from swarm.runconfig import RunConfig
+from swarm.stage import StageWorker
+from swarm.stage_rpc import StageError, call_stage, stage_namespace
+
+RUN = RunConfig.model_validate({
+    "name": "hostile",
+    "model": {"stages": 3, "hidden_dim": 32},
+    "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+    "training": {"batch_size": 8},
+    "integrity": {"fair_share_burst": 16},
+    "timeouts": {"rpc_s": 10},
+})
+
+
+@pytest.fixture(scope="module")
+def run_with_attacker():
+    dhts, peers = [], []
+    try:
+        honest = start_dht(DHTSettings(), [])
+        dhts.append(honest)
+        maddrs = [str(m) for m in honest.get_visible_maddrs()]
+        attacker = start_dht(DHTSettings(initial_peers=maddrs), [])
+        dhts.append(attacker)
+        for k in (1, 2):
+            dht = start_dht(DHTSettings(initial_peers=maddrs), [])
+            dhts.append(dht)
+            peer = SwarmPeer(RUN, dht, f"layer{k}")
+            peer.start()
+            peers.append(peer)
+        records = [MemberRecord(str(d.peer_id), "online", "test", 0.0, 0.0, shard=s)
+                   for d, s in ((honest, 0), (attacker, 1))]
+
+        async def allow(peer):
+            peer.gate.set_drivers(records)
+
+        for peer in peers:
+            asyncio.run_coroutine_threadsafe(allow(peer), peer._loop).result(5)
+        yield honest, attacker, peers
+    finally:
+        for peer in peers:
+            peer.stop()
+        for dht in dhts:
+            shutdown_dht(dht)
+
+
+async def _hop(p2p, peer, op, tensors, meta):
+    return await call_stage(p2p, str(peer.dht.peer_id), stage_namespace(RUN.run_id, peer.swarm), op, tensors, meta,
+                            timeout_s=10, wire_dtype="float32", max_bytes=2**24)
+
+
+async def _train_honestly(p2p, layer1, layer2, worker0, dataset, ids_pool, steps: int, tag: str) -> torch.Tensor:
+    grad = None
+    for i in range(steps):
+        ids = torch.as_tensor(ids_pool[(i * 8) % len(ids_pool):][:8], dtype=torch.int64)
+        mb = f"{tag}{i}"
+        (h1,), _, _ = await _hop(p2p, layer1, "forward", [worker0.forward(mb, dataset.x_train[ids])], {"mb": mb})
+        (g1,), meta, _ = await _hop(p2p, layer2, "forward_backward", [h1, ids], {"mb": mb})
+        (g0,), _, _ = await _hop(p2p, layer1, "backward", [g1], {"mb": mb, "loss": meta["loss"]})
+        worker0.backward(mb, g0, None, meta["loss"])
+        grad = g1
+    return grad
+
+
+def _max_move_ratio(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> float:
+    """The largest move of any tensor, in units of its step bound (max_step_ratio of its norm, floored)."""
+    floor = typical_tensor_norm([float(t.norm()) for t in before.values()])
+    ratio = RUN.integrity.max_step_ratio
+    return max(float((after[n] - before[n]).norm()) / (ratio * max(float(t.norm()), floor)) for n, t in before.items())
+
+
+def test_huge_and_ascent_gradients_are_bounded_and_the_flood_is_refused(run_with_attacker):
+    honest, attacker, (layer1, layer2) = run_with_attacker
+    dataset = load_dataset(RUN.data, RUN.model)
+    shards = make_shards(dataset.y_train, RUN.data, dataset.num_classes)
+
+    async def main():
+        p2p_honest, p2p_attacker = await fresh_p2p(honest), await fresh_p2p(attacker)
+        try:
+            worker0 = StageWorker(RUN, 0)
+            g1 = await _train_honestly(p2p_honest, layer1, layer2, worker0, dataset, shards[0], 12, "h")
+            x = torch.randn(8, 32)
+            # one backward with float32's largest finite gradient
+            before = layer1.worker.state_snapshot()
+            try:
+                await _hop(p2p_attacker, layer1, "backward", [torch.full((8, 32), 3e38), x], {"mb": "evil"})
+            except StageError as exc:
+                assert exc.code == "rejected"
+            huge_move = _max_move_ratio(before, layer1.worker.state_snapshot())
+            # a burst of ordinary-sized gradient ascent
+            codes = []
+            for i in range(60):
+                before = layer1.worker.state_snapshot()
+                try:
+                    await _hop(p2p_attacker, layer1, "backward", [-g1, x], {"mb": f"a{i}"})
+                    codes.append("ok")
+                except StageError as exc:
+                    codes.append(exc.code)
+                assert _max_move_ratio(before, layer1.worker.state_snapshot()) <= 1.001
+            await _train_honestly(p2p_honest, layer1, layer2, worker0, dataset, shards[0], 3, "after")
+            return huge_move, codes
+        finally:
+            await p2p_honest.shutdown()
+            await p2p_attacker.shutdown()
+
+    huge_move, codes = asyncio.run(main())
+    assert huge_move <= 1.001, "one message moved a tensor past the step bound"
+    for peer in (layer1, layer2):
+        assert all(bool(torch.isfinite(p).all()) for p in peer.worker.module.parameters())
+    assert codes.count("ok") <= 2 * 15 + 1, codes  # fair share: twice the honest driver's updates in the window
+    assert {"busy", "banned"} & set(codes), codes
