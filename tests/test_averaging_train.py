@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from procs import wait_until
 from swarm.dht import DHTSettings, shutdown_dht, start_dht
 from swarm.peer import SwarmPeer
 from swarm.records import MemberRecord
@@ -75,8 +76,8 @@ class Pipeline:
             time.sleep(0.2)
 
     def accuracy(self, driver: SwarmPeer) -> float:
-        driver.pause()  # evaluate a still model
-        time.sleep(0.3)
+        driver.pause()  # evaluate a still model: once the driver's micro-batches have all come back
+        wait_until(lambda: driver.in_flight() == 0, 30, interval_s=0.02, what="the driver's micro-batches to finish")
         accuracy, _ = asyncio.run_coroutine_threadsafe(driver.driver.evaluate(), driver._loop).result(30)
         return accuracy
 
