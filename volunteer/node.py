@@ -603,8 +603,8 @@ class Node:
         state = self.snapshot().state
         if self._throttled and state == NodeState.ONLINE:
             fields["reason"] = self._budget.reason()
-        elif m.waiting_for and state == NodeState.ONLINE:
-            fields["reason"] = f"waiting: swarm {m.waiting_for} has no online peer"
+        elif m.blocked_reason and state == NodeState.ONLINE:
+            fields["reason"] = f"waiting: {m.blocked_reason}"
         elif state == NodeState.ONLINE:
             fields["reason"] = ""
         return fields
