@@ -261,7 +261,8 @@ def rebalance_shard(num_shards: int, mine: int, me: str, others: dict[str, int])
 
 # ----- micro-batches
 class MicroBatches(Iterator[tuple[torch.Tensor, torch.Tensor]]):
-    """Endless (x, y) micro-batches over ``indices``, reshuffled every epoch from a seeded generator.
+    """Endless (x, y) micro-batches over ``indices``, reshuffled every epoch from a seeded generator
+    (``next_with_ids``: (x, sample ids), what the pipeline driver sends).
 
     Every batch has exactly ``batch_size`` samples (the last partial batch of an epoch is dropped; the
     next shuffle covers it) so a stage server can expect a fixed shape; with fewer samples than
@@ -284,10 +285,20 @@ class MicroBatches(Iterator[tuple[torch.Tensor, torch.Tensor]]):
         self._position = 0
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = self.next_ids()
+        return self.x[batch], self.y[batch]
+
+    def next_with_ids(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next micro-batch as (x, sample ids): int64 row indices into ``x``/``y`` (the train split).
+        The driver sends ids, never targets: the last stage looks the labels up in its own copy of the data."""
+        batch = self.next_ids()
+        return self.x[batch], batch.clone()
+
+    def next_ids(self) -> torch.Tensor:
         if self._position + self.batch_size > len(self._order):
             self._order = self.indices[torch.randperm(len(self.indices), generator=self.generator)]
             self._position = 0
             self.epoch += 1
         batch = self._order[self._position : self._position + self.batch_size]
         self._position += self.batch_size
-        return self.x[batch], self.y[batch]
+        return batch

@@ -47,7 +47,9 @@ class PeerMetrics:
     sent: int = 0
     trained: int = 0
     lost: int = 0
+    refused: int = 0  # micro-batches a stage refused before anything was applied (not lost)
     waiting_for: str = ""
+    blocked_reason: str = ""  # why no micro-batch flows right now ("" when they do)
     test_accuracy: float | None = None
     test_loss: float | None = None
     eval_samples: int = 0
@@ -374,6 +376,7 @@ class SwarmPeer:
         if self.driver is None:
             return PeerMetrics(**common)
         d = self.driver.stats
-        return PeerMetrics(**common, sent=d.sent, trained=d.trained, lost=d.lost, waiting_for=d.waiting_for,
-                           test_accuracy=d.eval_accuracy, test_loss=d.eval_loss, eval_samples=d.eval_at_samples,
-                           eval_at=self._eval_at, eval_version=self._eval_version)
+        return PeerMetrics(**common, sent=d.sent, trained=d.trained, lost=d.lost, refused=d.refused,
+                           waiting_for=d.waiting_for, blocked_reason=d.blocked_reason, test_accuracy=d.eval_accuracy,
+                           test_loss=d.eval_loss, eval_samples=d.eval_at_samples, eval_at=self._eval_at,
+                           eval_version=self._eval_version)

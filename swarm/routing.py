@@ -1,37 +1,72 @@
-"""Which peer of a swarm gets the next hop: throughput-aware choice, temporary bans, backoff.
+"""Which peer of a swarm gets the next hop, and how long to wait for it: choice, bans, holds, timeouts.
 
 Pure bookkeeping over peer ids and measured service times (no networking), so it is tested
 without processes. The driver feeds it the online peers from the DHT records, reports each hop's
-outcome, and asks it for a peer.
+outcome, and asks it for a peer, a timeout and a hedge delay.
+
+- Choice: the peer expected to finish soonest. A peer never measured is tried early, but one probe
+  at a time, and a peer with failures in a row is expected to take a whole first-contact timeout
+  per failure: a peer that accepts connections and never answers (a black hole) stops being
+  attractive after its first timeout.
+- Timeouts: ``clamp(hop_timeout_factor x p95, floor, rpc_s)`` of the swarm's recent service times of
+  that op; ``first_contact_s`` for a peer never measured; each timeout of the op in a row doubles it.
+- Bans (our judgement: failures, bad replies) are soft: if every peer is banned the least bad is used.
+  Holds (the peer's own ``retry_after_s``: busy, banned, unknown_driver) are hard: never before.
 """
 
 from __future__ import annotations
 
 import random
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 SERVICE_EMA_ALPHA = 0.2
 BAN_BASE_S = 1.0  # first ban after a failure; doubles per consecutive failure
 BAN_MAX_S = 30.0
+BAD_REPLY_BAN_S = 60.0  # a malformed reply is worse than a dropped connection
+HOLD_MAX_S = 300.0  # a peer's retry_after_s is honoured up to this (it comes from a stranger)
 RETRY_BASE_S = 0.05  # driver's wait before a retry; doubles per attempt
 RETRY_MAX_S = 2.0
+SERVICE_WINDOW = 64  # recent service times per op the timeouts are taken from
+MIN_SAMPLES_FOR_P95 = 3
+
+
+@dataclass(slots=True, frozen=True)
+class HopPolicy:
+    """The timeout knobs (TimeoutsConfig), as plain numbers."""
+
+    rpc_s: float = 30.0
+    timeout_factor: float = 4.0
+    timeout_floor_s: float = 1.0
+    first_contact_s: float = 5.0
+    hedge_factor: float = 2.5
+
+    @classmethod
+    def from_config(cls, timeouts) -> "HopPolicy":
+        return cls(rpc_s=timeouts.rpc_s, timeout_factor=timeouts.hop_timeout_factor,
+                   timeout_floor_s=timeouts.hop_timeout_floor_s, first_contact_s=timeouts.first_contact_s,
+                   hedge_factor=timeouts.hedge_factor)
 
 
 @dataclass(slots=True)
 class PeerStats:
-    service_ema_s: float | None = None  # None: never measured, so it is tried early
+    service_ema_s: float | None = None  # None: never measured
     in_flight: int = 0
     failures: int = 0  # consecutive
     banned_until: float = 0.0
+    held_until: float = 0.0  # the peer asked us not to come back before this
 
 
 @dataclass(slots=True)
 class SwarmRouter:
-    """Peer choice for one swarm."""
+    """Peer choice and timeouts for one swarm."""
 
+    policy: HopPolicy = field(default_factory=HopPolicy)
     peers: dict[str, PeerStats] = field(default_factory=dict)
     rng: random.Random = field(default_factory=random.Random)
+    service_s: dict[str, deque] = field(default_factory=dict)  # op -> recent successful service times
+    timeouts_in_row: dict[str, int] = field(default_factory=dict)  # op -> consecutive timeouts
 
     def set_peers(self, peer_ids: Iterable[str]) -> None:
         """The online peers from the latest records; stats of peers that stay are kept."""
@@ -41,21 +76,63 @@ class SwarmRouter:
     def add_peer(self, peer_id: str) -> None:
         self.peers.setdefault(peer_id, PeerStats())
 
+    # ----- choice
     def choose(self, now: float, exclude: Iterable[str] = ()) -> str | None:
-        """The peer expected to finish the hop soonest; bans are ignored if every peer is banned."""
+        """The peer expected to finish the hop soonest; None if there is none, or every one holds us off.
+        Bans are ignored if every peer that does not hold us off is banned."""
         excluded = set(exclude)
-        candidates = [pid for pid in self.peers if pid not in excluded] or list(self.peers)
+        free = [pid for pid, stats in self.peers.items() if stats.held_until <= now]
+        candidates = [pid for pid in free if pid not in excluded] or free
         if not candidates:
             return None
         usable = [pid for pid in candidates if self.peers[pid].banned_until <= now] or candidates
         return min(usable, key=lambda pid: (self.expected_s(pid), self.rng.random()))
 
+    def free_at(self) -> float | None:
+        """When the first peer that holds us off takes us again (None: no peer, or one is free)."""
+        if not self.peers:
+            return None
+        return min(stats.held_until for stats in self.peers.values())
+
     def expected_s(self, peer_id: str) -> float:
         stats = self.peers[peer_id]
-        if stats.service_ema_s is None:
-            return 0.0
-        return stats.service_ema_s * (stats.in_flight + 1)
+        if stats.service_ema_s is not None:
+            return stats.service_ema_s * (stats.in_flight + 1)
+        # never measured: tried early (0 s), but one probe at a time, and not again soon after it failed
+        return self.policy.first_contact_s * (stats.in_flight + stats.failures)
 
+    # ----- timeouts
+    def p95_s(self, op: str) -> float | None:
+        times = self.service_s.get(op)
+        if not times or len(times) < MIN_SAMPLES_FOR_P95:
+            return None
+        ordered = sorted(times)
+        return ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
+
+    def timeout_s(self, op: str, peer_id: str) -> float:
+        """How long to wait for ``op`` at ``peer_id`` before trying elsewhere."""
+        p = self.policy
+        p95 = self.p95_s(op)
+        stats = self.peers.get(peer_id)
+        if p95 is None or stats is None or stats.service_ema_s is None:
+            base = p.first_contact_s if p95 is None else max(p.first_contact_s, p.timeout_factor * p95)
+        else:
+            base = max(p.timeout_floor_s, p.timeout_factor * p95)
+        return min(p.rpc_s, base * 2 ** min(self.timeouts_in_row.get(op, 0), 8))
+
+    def hedge_after_s(self, op: str, peer_id: str) -> float:
+        """When a second peer gets the same update-free request: ``hedge_factor`` x the expected time
+        (half the first-contact timeout while the swarm has no measurement of ``op``)."""
+        p = self.policy
+        timeout_s = self.timeout_s(op, peer_id)
+        p95 = self.p95_s(op)
+        if p95 is None:
+            return min(timeout_s, p.first_contact_s / 2)
+        stats = self.peers.get(peer_id)
+        expected = p95 if stats is None or stats.service_ema_s is None else max(stats.service_ema_s, p95 / 2)
+        return min(timeout_s, max(p.timeout_floor_s / 2, p.hedge_factor * expected))
+
+    # ----- outcomes
     def begin(self, peer_id: str) -> None:
         self.peers.setdefault(peer_id, PeerStats()).in_flight += 1
 
@@ -64,22 +141,53 @@ class SwarmRouter:
         if stats is not None and stats.in_flight > 0:
             stats.in_flight -= 1
 
-    def success(self, peer_id: str, service_s: float) -> None:
+    def success(self, peer_id: str, service_s: float, op: str = "") -> None:
         stats = self.peers.setdefault(peer_id, PeerStats())
         stats.failures = 0
         stats.banned_until = 0.0
-        ema = stats.service_ema_s
-        stats.service_ema_s = service_s if ema is None else (1 - SERVICE_EMA_ALPHA) * ema + SERVICE_EMA_ALPHA * service_s
+        self._observe(stats, service_s)
+        if op:
+            self.service_s.setdefault(op, deque(maxlen=SERVICE_WINDOW)).append(service_s)
+            self.timeouts_in_row[op] = 0
 
-    def failure(self, peer_id: str, now: float) -> float:
+    def slow(self, peer_id: str, waited_s: float) -> None:
+        """A hedged request this peer had not answered after ``waited_s``: at least that slow."""
+        stats = self.peers.get(peer_id)
+        if stats is not None:
+            self._observe(stats, max(waited_s, stats.service_ema_s or 0.0))
+
+    def failure(self, peer_id: str, now: float, min_ban_s: float = 0.0) -> float:
         """Ban the peer for a while (exponential in consecutive failures); returns the ban in seconds."""
         stats = self.peers.setdefault(peer_id, PeerStats())
         stats.failures += 1
-        ban_s = min(BAN_MAX_S, BAN_BASE_S * 2 ** (stats.failures - 1))
-        stats.banned_until = now + ban_s
+        ban_s = max(min_ban_s, min(BAN_MAX_S, BAN_BASE_S * 2 ** (stats.failures - 1)))
+        stats.banned_until = max(stats.banned_until, now + ban_s)
         return ban_s
+
+    def timed_out(self, peer_id: str, op: str, now: float) -> float:
+        """A hop that got no answer in time: a failure, and the next timeout of this op is longer
+        (if the whole swarm is slower than measured, the timeouts catch up)."""
+        self.timeouts_in_row[op] = self.timeouts_in_row.get(op, 0) + 1
+        return self.failure(peer_id, now)
+
+    def hold(self, peer_id: str, now: float, retry_after_s: float) -> float:
+        """The peer asked us to come back after ``retry_after_s`` (clamped: it is a stranger's number)."""
+        wait_s = min(HOLD_MAX_S, max(0.0, retry_after_s))
+        stats = self.peers.setdefault(peer_id, PeerStats())
+        stats.held_until = max(stats.held_until, now + wait_s)
+        return wait_s
+
+    @staticmethod
+    def _observe(stats: PeerStats, service_s: float) -> None:
+        ema = stats.service_ema_s
+        stats.service_ema_s = service_s if ema is None else (1 - SERVICE_EMA_ALPHA) * ema + SERVICE_EMA_ALPHA * service_s
 
 
 def retry_delay_s(attempt: int) -> float:
     """Capped exponential backoff before retry number ``attempt`` (0-based)."""
     return min(RETRY_MAX_S, RETRY_BASE_S * 2**attempt)
+
+
+def backoff_s(streak: int, base_s: float, max_s: float) -> float:
+    """Capped exponential backoff after ``streak`` (>= 1) refusals in a row."""
+    return min(max_s, base_s * 2 ** max(0, min(streak - 1, 30)))

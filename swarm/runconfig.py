@@ -169,6 +169,18 @@ class TimeoutsConfig(_Strict):
     dht_start_s: float = Field(60.0, gt=0.0)
     rpc_s: float = Field(30.0, gt=0.0)
     join_s: float = Field(60.0, gt=0.0, description="how long to look for the swarm before giving up")
+    # the driver's hops (swarm/routing.py, swarm/hops.py): a peer that never answers is routed around in seconds
+    hop_timeout_factor: float = Field(4.0, ge=1.0, le=100.0, description="a hop times out after this many times "
+                                      "the swarm's measured p95 service time of that op (at most rpc_s)")
+    hop_timeout_floor_s: float = Field(1.0, gt=0.0, description="no hop times out sooner than this")
+    first_contact_s: float = Field(5.0, gt=0.0, description="timeout of a hop to a peer never measured "
+                                   "(at most rpc_s); each timeout in a row doubles the next one, up to rpc_s")
+    hedge_factor: float = Field(2.5, ge=1.0, le=100.0, description="ops that apply no update (forward, infer, "
+                                "evaluate) are sent to a second peer after this many times the expected time")
+    reply_max_abs: float = Field(1e6, gt=0.0, description="a reply tensor with a larger absolute value is a "
+                                 "bad reply (that peer's failure), never used")
+    reject_backoff_max_s: float = Field(30.0, gt=0.0, description="cap of the driver's exponential backoff while "
+                                        "the next stage rejects our micro-batches")
 
     @property
     def record_ttl_s(self) -> float:

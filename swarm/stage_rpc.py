@@ -248,7 +248,8 @@ def _expect(tensors: list[torch.Tensor], count: int, op: str) -> list[torch.Tens
 async def call_stage(p2p: Any, peer_id: str, namespace: str, op: str, tensors: list[torch.Tensor], meta: dict,
                      *, timeout_s: float, wire_dtype: str, max_bytes: int, expect_bytes: int = 0,
                      traffic: Traffic | None = None) -> tuple[list[torch.Tensor], dict, float]:
-    """One hop: (tensors, reply metadata, seconds). Raises StageError, or a transport error/timeout."""
+    """One hop: (tensors, reply metadata, seconds). Raises StageError (with ``retry_after_s``), WireError for a
+    malformed reply, or a transport error/timeout. The reply's contents are checked by swarm/replies.py."""
     stub = StageServicer.get_stub(p2p, PeerID.from_base58(peer_id), namespace=namespace)
     serialized = encode_tensors(tensors, wire_dtype)
     metadata = pack_metadata({**meta, "op": op})
@@ -272,9 +273,20 @@ async def call_stage(p2p: Any, peer_id: str, namespace: str, op: str, tensors: l
         traffic.bytes_in += sum(len(t.buffer) for t in out_serialized)
     if not reply_meta:
         raise StageError("broken", f"{peer_id[-8:]} sent a reply without metadata (did it fail mid-reply?)")
-    if not reply_meta.get("ok"):
-        raise StageError(str(reply_meta.get("code", "error")), str(reply_meta.get("error", "")))
+    if reply_meta.get("ok") is not True:
+        raise refusal_error(reply_meta)
     return decode_tensors(out_serialized, max_bytes), reply_meta, elapsed
+
+
+def refusal_error(reply_meta: dict) -> StageError:
+    """The StageError of a refusal, with its ``retry_after_s`` (a float, or None when absent or unusable).
+    Every field is a stranger's: code and text are cut short, a bad retry_after_s is ignored."""
+    code = reply_meta.get("code", "error")
+    error = StageError(code[:32] if isinstance(code, str) and code else "error", str(reply_meta.get("error", ""))[:300])
+    retry_after_s = reply_meta.get("retry_after_s")
+    ok = isinstance(retry_after_s, (int, float)) and not isinstance(retry_after_s, bool) and 0 <= retry_after_s < 1e6
+    error.retry_after_s = float(retry_after_s) if ok else None
+    return error
 
 
 async def _aiter(items):

@@ -1,10 +1,23 @@
-"""Peer choice: new peers are tried early, faster peers win, failures ban with backoff, bans yield when all are banned."""
+"""Peer choice: new peers are tried early (one probe at a time), faster peers win, failures ban with backoff, bans
+yield when all are banned, holds never do; timeouts and hedge delays follow the measured service times."""
 
 from __future__ import annotations
 
 import random
 
-from swarm.routing import BAN_BASE_S, BAN_MAX_S, RETRY_MAX_S, SwarmRouter, retry_delay_s
+import pytest
+
+from swarm.routing import (
+    BAD_REPLY_BAN_S,
+    BAN_BASE_S,
+    BAN_MAX_S,
+    HOLD_MAX_S,
+    RETRY_MAX_S,
+    HopPolicy,
+    SwarmRouter,
+    backoff_s,
+    retry_delay_s,
+)
 
 
 def _router(*peers: str) -> SwarmRouter:
@@ -69,3 +82,63 @@ def test_peer_set_updates_keep_stats_of_peers_that_stay():
 def test_retry_delay_is_capped_exponential():
     delays = [retry_delay_s(k) for k in range(12)]
     assert delays == sorted(delays) and delays[0] > 0 and delays[-1] == RETRY_MAX_S
+
+
+def test_an_unmeasured_peer_gets_one_probe_at_a_time_and_loses_its_appeal_when_it_times_out():
+    router = _router("new", "known")
+    router.success("known", 0.02, op="forward")
+    router.begin("new")  # a probe is out: the next hop goes to the measured peer
+    assert router.choose(now=0.0) == "known"
+    router.end("new")
+    router.timed_out("new", "forward", now=0.0)
+    assert router.choose(now=BAN_MAX_S + 1) == "known", "a black hole stays unattractive after its ban"
+
+
+def test_timeouts_follow_the_measured_service_time():
+    policy = HopPolicy(rpc_s=30.0, timeout_factor=4.0, timeout_floor_s=1.0, first_contact_s=5.0)
+    router = SwarmRouter(policy=policy, rng=random.Random(0))
+    router.set_peers(["a", "b"])
+    assert router.timeout_s("forward", "a") == 5.0, "nothing measured: the first-contact timeout"
+    for service_s in (0.5, 0.6, 0.7, 0.8):
+        router.success("a", service_s, op="forward")
+    assert router.timeout_s("forward", "a") == pytest.approx(4 * 0.8)
+    assert router.timeout_s("forward", "b") == 5.0, "a peer never measured gets at least the first-contact timeout"
+    router.timed_out("b", "forward", now=0.0)
+    assert router.timeout_s("forward", "a") == pytest.approx(8 * 0.8), "a timeout in a row doubles the next"
+    for _ in range(10):
+        router.timed_out("b", "forward", now=0.0)
+    assert router.timeout_s("forward", "a") == 30.0, "never beyond rpc_s"
+    router.success("a", 0.01, op="forward")
+    for _ in range(64):
+        router.success("a", 0.01, op="forward")
+    assert router.timeout_s("forward", "a") == 1.0, "never below the floor"
+
+
+def test_hedge_delay_is_a_few_times_the_expected_time():
+    router = SwarmRouter(policy=HopPolicy(first_contact_s=5.0, hedge_factor=2.5, timeout_floor_s=1.0))
+    router.set_peers(["a", "b"])
+    assert router.hedge_after_s("forward", "a") == 2.5, "unmeasured swarm: half the first-contact timeout"
+    for _ in range(10):
+        router.success("a", 0.4, op="forward")
+    assert router.hedge_after_s("forward", "a") == pytest.approx(1.0)
+    assert router.hedge_after_s("forward", "a") < router.timeout_s("forward", "a")
+
+
+def test_a_hold_is_honoured_even_when_every_peer_holds():
+    router = _router("a", "b")
+    router.hold("a", now=0.0, retry_after_s=10.0)
+    assert router.choose(now=1.0) == "b"
+    router.hold("b", now=0.0, retry_after_s=5.0)
+    assert router.choose(now=1.0) is None and router.free_at() == 5.0
+    assert router.choose(now=5.5) == "b"
+    assert router.hold("a", now=0.0, retry_after_s=1e9) == HOLD_MAX_S, "a stranger's number is clamped"
+
+
+def test_a_bad_reply_bans_longer_than_a_failure():
+    router = _router("a", "b")
+    assert router.failure("a", now=0.0, min_ban_s=BAD_REPLY_BAN_S) == BAD_REPLY_BAN_S
+    assert router.choose(now=BAD_REPLY_BAN_S - 1) == "b"
+
+
+def test_refusal_backoff_is_capped_exponential():
+    assert [backoff_s(n, 0.2, 1.0) for n in (1, 2, 3, 4, 5)] == [0.2, 0.4, 0.8, 1.0, 1.0]

@@ -141,8 +141,8 @@ class Announcer:
         throttled = node.governors.throttle_reason()
         if throttled is not None and state == NodeState.ONLINE:
             fields["reason"] = throttled
-        elif m.waiting_for and state == NodeState.ONLINE:
-            fields["reason"] = f"waiting: swarm {m.waiting_for} has no online peer"
+        elif m.blocked_reason and state == NodeState.ONLINE:
+            fields["reason"] = f"waiting: {m.blocked_reason}"
         elif state == NodeState.ONLINE:
             fields["reason"] = ""
         return fields

@@ -1,0 +1,290 @@
+"""One hop of the driver: a call to some peer of a swarm, checked, timed out, hedged and retried.
+
+``HopCaller.hop`` returns a checked reply or raises one of three things the driver acts on:
+``Refused`` (the micro-batch is dropped before anything was applied: a ``rejected`` or
+``wrong_shard`` reply), ``NeedInputReply`` (backward needs the input resent) or ``HopGivenUp``
+(no peer of the swarm served it after many tries). Everything else a peer can do is that peer's
+problem: a timeout, a transport error, a malformed reply (swarm/replies.py), ``paused`` or
+``healing`` ban it for a while and the hop goes to another peer; ``busy``, ``banned`` and
+``unknown_driver`` hold it off for its ``retry_after_s``. Ops that apply no update (forward,
+infer, evaluate) are hedged: after ``SwarmRouter.hedge_after_s`` the same request goes to a second
+peer and the first answer wins. Ops that apply an update are never sent twice at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from swarm.replies import HEDGED_OPS, BadReply, check_reply
+from swarm.routing import BAD_REPLY_BAN_S, SwarmRouter, retry_delay_s
+from swarm.runconfig import RunConfig
+from swarm.stage_rpc import StageError, Traffic, call_stage, stage_namespace
+from swarm.wire import WireError
+
+logger = logging.getLogger(__name__)
+
+MAX_HOP_ATTEMPTS = 200  # with capped backoff: minutes of trying before a micro-batch is given up
+EMPTY_SWARM_NOTICE_S = 10.0
+BLOCKED_NOTICE_S = 10.0  # the same kind of blockage is said at most this often
+HOLD_DEFAULT_S = 1.0  # a hold code without a usable retry_after_s
+HOLD_CODES = frozenset({"busy", "banned", "unknown_driver"})
+REFUSED_CODES = frozenset({"rejected", "wrong_shard"})
+HOLD_POLL_MAX_S = 1.0
+
+CallStage = Callable[..., Awaitable[tuple[list[torch.Tensor], dict, float]]]
+
+
+class DriverStopped(Exception):
+    pass
+
+
+class HopGivenUp(Exception):
+    pass
+
+
+class NeedInputReply(Exception):
+    """The peer has no saved activations for this backward: resend with the input."""
+
+
+class Refused(Exception):
+    """The next stage refused the micro-batch itself (``code``: rejected or wrong_shard); nothing was applied."""
+
+    def __init__(self, code: str, reason: str):
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+class _TryElsewhere(Exception):
+    pass
+
+
+@dataclass(slots=True)
+class DriverStats:
+    sent: int = 0  # samples whose micro-batch was started
+    trained: int = 0  # samples whose micro-batch completed forward and backward everywhere
+    lost: int = 0  # micro-batches given up after part of them was applied, or after every retry
+    refused: int = 0  # micro-batches a stage refused before anything was applied (rejected, wrong_shard)
+    microbatches: int = 0
+    retries: int = 0
+    timeouts: int = 0  # hops that got no answer in time
+    bad_replies: int = 0  # replies that failed the checks of swarm/replies.py
+    hedges: int = 0  # update-free requests also sent to a second peer
+    last_loss: float | None = None
+    waiting_for: str = ""  # the empty swarm we are waiting on, "" when none
+    blocked_reason: str = ""  # why no micro-batch flows right now, "" when they do
+    eval_accuracy: float | None = None
+    eval_loss: float | None = None
+    eval_at_samples: int = 0
+    hop_ms: dict[str, float] = field(default_factory=dict)
+
+
+class Blockage:
+    """``stats.blocked_reason`` and the notices that go with it (one per kind per BLOCKED_NOTICE_S)."""
+
+    def __init__(self, stats: DriverStats, notify: Callable[[str, str], None]):
+        self.stats = stats
+        self.notify = notify
+        self._said: dict[str, float] = {}
+
+    def set(self, reason: str) -> None:
+        self.stats.blocked_reason = reason
+        kind = reason.split(":", 1)[0]
+        now = time.monotonic()
+        if now - self._said.get(kind, -BLOCKED_NOTICE_S) >= BLOCKED_NOTICE_S:
+            self._said[kind] = now
+            self.notify("warning", f"no micro-batch flows: {reason}")
+
+    def clear(self) -> None:
+        if self.stats.blocked_reason:
+            self.stats.blocked_reason = ""
+            self._said.clear()
+            self.notify("info", "micro-batches flow again")
+
+
+class HopCaller:
+    def __init__(self, run: RunConfig, p2p: Any, routers: dict[str, SwarmRouter], stats: DriverStats,
+                 blockage: Blockage, *, traffic: Traffic, is_stopping: Callable[[], bool],
+                 call: CallStage = call_stage):
+        self.run = run
+        self.p2p = p2p
+        self.routers = routers
+        self.stats = stats
+        self.blockage = blockage
+        self.traffic = traffic
+        self.is_stopping = is_stopping
+        self.call = call
+        self._empty_since: dict[str, float] = {}
+        self._logged: set[tuple[str, str]] = set()
+
+    async def hop(self, k: int, op: str, tensors: list[torch.Tensor], meta: dict, *, only: str | None = None,
+                  ) -> tuple[list[torch.Tensor], dict, str]:
+        """Call stage ``k`` until a peer serves it; ``only``: one try at that peer (no hedge)."""
+        swarm = f"layer{k}"
+        router = self.routers[swarm]
+        tried: list[str] = []
+        for attempt in range(1 if only else MAX_HOP_ATTEMPTS):
+            if self.is_stopping():
+                raise DriverStopped()
+            peer = only or router.choose(time.monotonic(), exclude=tried[-1:])
+            if peer is None:
+                await self._wait_for_swarm(swarm, router, attempt)
+                continue
+            self._swarm_has_peers(swarm)
+            try:
+                if op in HEDGED_OPS and not only:
+                    return await self._hedged(k, op, tensors, meta, peer)
+                out, reply = await self._attempt(k, op, tensors, meta, peer)
+                return out, reply, peer
+            except _TryElsewhere:
+                pass
+            tried.append(peer)
+            self.stats.retries += 1
+            if only:
+                break
+            await asyncio.sleep(retry_delay_s(min(attempt, 6)))
+        raise HopGivenUp(f"{op} at {swarm} failed after {len(tried)} attempt(s)")
+
+    # ----- one attempt, and what its failure means
+    async def _attempt(self, k: int, op: str, tensors: list[torch.Tensor], meta: dict, peer: str,
+                       ) -> tuple[list[torch.Tensor], dict]:
+        swarm = f"layer{k}"
+        router = self.routers[swarm]
+        batch = int(tensors[0].shape[0])
+        router.begin(peer)
+        try:
+            out, reply, elapsed = await self.call(
+                self.p2p, peer, stage_namespace(self.run.run_id, swarm), op, tensors, meta,
+                timeout_s=router.timeout_s(op, peer), wire_dtype=self.run.training.wire_dtype,
+                max_bytes=int(self.run.training.max_payload_mb * 2**20), traffic=self.traffic,
+                expect_bytes=tensors[0].numel() * 4,
+            )
+            out, reply = check_reply(self.run.model, k, op, batch, out, reply, self.run.timeouts.reply_max_abs)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._failed(swarm, router, peer, op, exc)
+        finally:
+            router.end(peer)
+        router.success(peer, elapsed, op)
+        self.stats.hop_ms[swarm] = elapsed * 1000
+        return out, reply
+
+    def _failed(self, swarm: str, router: SwarmRouter, peer: str, op: str, exc: Exception) -> None:
+        """Book the failure against the peer; raise what the caller does next."""
+        now = time.monotonic()
+        if isinstance(exc, StageError):
+            code = exc.code
+            if code in REFUSED_CODES:
+                if code == "rejected":
+                    router.failure(peer, now)  # a peer that rejects everything is also avoided
+                what = "gradients" if op == "backward" else "activations"
+                raise Refused(code, f"{swarm} {'rejects our ' + what if code == 'rejected' else 'says'}: {exc}")
+            if code == "need_input":
+                raise NeedInputReply(str(exc))
+            if code in HOLD_CODES:
+                retry_after_s = getattr(exc, "retry_after_s", None)
+                router.hold(peer, now, retry_after_s if retry_after_s is not None else HOLD_DEFAULT_S)
+                self._log_once(swarm, code, f"{op} at {swarm} peer {peer[-8:]}: {exc}")
+                raise _TryElsewhere() from None
+            router.failure(peer, now)  # paused, healing, broken, or a code we do not know
+            self._log_once(swarm, code, f"{op} at {swarm} peer {peer[-8:]}: {exc}")
+            raise _TryElsewhere() from None
+        if isinstance(exc, (BadReply, WireError)):
+            self.stats.bad_replies += 1
+            ban_s = router.failure(peer, now, min_ban_s=BAD_REPLY_BAN_S)
+            logger.warning("bad %s reply from %s peer %s, banned for %.0f s: %s", op, swarm, peer[-8:], ban_s, exc)
+            raise _TryElsewhere() from None
+        if isinstance(exc, TimeoutError):
+            self.stats.timeouts += 1
+            ban_s = router.timed_out(peer, op, now)
+            logger.info("%s at %s peer %s timed out; banned for %.0f s", op, swarm, peer[-8:], ban_s)
+            raise _TryElsewhere() from None
+        ban_s = router.failure(peer, now)  # dead peers, broken streams: all mean "try another peer"
+        logger.info("%s %s at %s failed (%s: %s); banned for %.0f s", op, swarm, peer[-8:],
+                    exc.__class__.__name__, exc, ban_s)
+        raise _TryElsewhere() from None
+
+    def _log_once(self, swarm: str, code: str, text: str) -> None:
+        if (swarm, code) not in self._logged:
+            self._logged.add((swarm, code))
+            logger.info("%s (further '%s' replies from %s are not logged)", text, code, swarm)
+
+    # ----- hedging
+    async def _hedged(self, k: int, op: str, tensors: list[torch.Tensor], meta: dict, first: str,
+                      ) -> tuple[list[torch.Tensor], dict, str]:
+        """Ask ``first``; if it has not answered after the hedge delay, ask a second peer too; first answer wins."""
+        router = self.routers[f"layer{k}"]
+        started: dict[asyncio.Task, tuple[str, float]] = {}
+
+        def launch(peer: str) -> asyncio.Task:
+            task = asyncio.create_task(self._attempt(k, op, tensors, meta, peer))
+            started[task] = (peer, time.monotonic())
+            return task
+
+        first_task = launch(first)
+        try:
+            done, _ = await asyncio.wait({first_task}, timeout=router.hedge_after_s(op, first))
+            if not done:
+                second = router.choose(time.monotonic(), exclude=[first])
+                if second is not None and second != first:
+                    self.stats.hedges += 1
+                    launch(second)
+            return await self._first_answer(router, started)
+        finally:
+            pending = [task for task in started if not task.done()]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    @staticmethod
+    async def _first_answer(router: SwarmRouter, started: dict[asyncio.Task, tuple[str, float]],
+                            ) -> tuple[list[torch.Tensor], dict, str]:
+        pending = set(started)
+        failure: BaseException | None = None
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                exc = task.exception()
+                if exc is None:
+                    now = time.monotonic()
+                    for other in pending:  # the loser is at least this slow: it stops looking attractive
+                        peer, since = started[other]
+                        router.slow(peer, now - since)
+                    out, reply = task.result()
+                    return out, reply, started[task][0]
+                if not isinstance(exc, _TryElsewhere):
+                    raise exc
+                failure = exc
+        raise failure if failure is not None else _TryElsewhere()
+
+    # ----- empty or unwilling swarms
+    async def _wait_for_swarm(self, swarm: str, router: SwarmRouter, attempt: int) -> None:
+        now = time.monotonic()
+        free_at = router.free_at()
+        if free_at is not None:  # peers exist, every one asked us to come back later
+            self.blockage.set(f"every {swarm} peer asks us to wait (busy, banned or does not know us yet)")
+            await asyncio.sleep(min(HOLD_POLL_MAX_S, max(0.05, free_at - now)))
+            return
+        since = self._empty_since.setdefault(swarm, now)
+        if self.stats.waiting_for != swarm:
+            self.stats.waiting_for = swarm
+            self.stats.blocked_reason = f"swarm {swarm} has no online peer"
+            self.blockage.notify("warning", f"waiting: swarm {swarm} has no online peer, so no micro-batch can pass it")
+        elif now - since > EMPTY_SWARM_NOTICE_S:
+            self._empty_since[swarm] = now
+            self.blockage.notify("warning", f"still waiting for a peer in {swarm}")
+        await asyncio.sleep(retry_delay_s(min(attempt, 6)))
+
+    def _swarm_has_peers(self, swarm: str) -> None:
+        if self.stats.waiting_for == swarm:
+            self.stats.waiting_for = ""
+            self._empty_since.pop(swarm, None)
+            self.blockage.notify("info", f"{swarm} has an online peer now; micro-batches flow again")

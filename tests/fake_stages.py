@@ -1,0 +1,137 @@
+"""Fake remote stages for driver tests: the driver's real code, a real stage-0 worker, and peers that
+answer (or do not) through a stand-in for ``call_stage``. No network: fast, and every behaviour is exact.
+
+A peer's behaviour is a function ``(op, tensors, meta) -> (tensors, reply meta)`` or one of the
+names in BEHAVIOURS. Every call is recorded in ``FakeSwarm.calls`` as (peer, op, tensors, meta).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from swarm.data import load_dataset, make_shards
+from swarm.driver import PipelineDriver
+from swarm.models import stage_input_spec, stage_output_spec
+from swarm.runconfig import RunConfig
+from swarm.stage import StageWorker
+from swarm.stage_rpc import refusal_error
+
+
+def honest(run: RunConfig, k: int) -> Callable:
+    """Right shapes, small values, a finite loss: what a healthy stage answers."""
+
+    def answer(op, tensors, meta):
+        batch = tensors[0].shape[0]
+        if op in ("forward", "infer"):
+            return [torch.full(tuple(d or batch for d in stage_output_spec(run.model, k).shape), 0.1)], {"ok": True}
+        if op in ("backward", "forward_backward"):
+            grad = torch.full(tuple(d or batch for d in stage_input_spec(run.model, k).shape), 0.01)
+            return [grad], {"ok": True, "loss": 0.5} if op == "forward_backward" else {"ok": True}
+        if op == "evaluate":
+            return [], {"ok": True, "loss_sum": 0.5 * batch, "correct": batch // 2, "count": batch}
+        raise AssertionError(op)
+
+    return answer
+
+
+def refusing(code: str, **extra) -> Callable:
+    def answer(op, tensors, meta):
+        return [], {"ok": False, "code": code, "error": f"fake {code}", **extra}
+
+    return answer
+
+
+def malformed(kind: str, run: RunConfig, k: int) -> Callable:
+    """A last stage that says ok and sends something unusable."""
+    good = honest(run, k)
+
+    def answer(op, tensors, meta):
+        out, reply = good(op, tensors, meta)
+        if kind == "no_tensor":
+            return [], reply
+        if kind == "wrong_shape":
+            return [torch.zeros(3, 7)], reply
+        if kind == "nan":
+            return [torch.full_like(out[0], float("nan"))], reply
+        if kind == "huge":
+            return [torch.full_like(out[0], 3e38)], reply
+        if kind == "garbage_meta":
+            return out, {"ok": True, "loss": "a lot"}
+        if kind == "nan_loss":
+            return out, {"ok": True, "loss": float("nan")}
+        raise AssertionError(kind)
+
+    return answer
+
+
+BLACK_HOLE = "black_hole"
+
+
+class FakeSwarm:
+    """Peers by id (``{swarm: {peer: behaviour}}``) and the ``call`` the driver uses to reach them."""
+
+    def __init__(self, peers: dict[str, dict[str, Callable | str]], service_s: float = 0.002):
+        self.peers = peers
+        self.service_s = service_s
+        self.calls: list[tuple[str, str, list[torch.Tensor], dict, float]] = []
+
+    async def call(self, p2p, peer_id, namespace, op, tensors, meta, *, timeout_s, wire_dtype, max_bytes,
+                   expect_bytes=0, traffic=None):
+        swarm = namespace.rsplit(".", 1)[1]
+        behaviour = self.peers[swarm][peer_id]
+        self.calls.append((peer_id, op, tensors, dict(meta), time.monotonic()))
+        started = time.perf_counter()
+
+        async def serve():
+            if behaviour == BLACK_HOLE:
+                await asyncio.Event().wait()  # accepts the request, never answers
+            await asyncio.sleep(self.service_s)
+            return behaviour(op, tensors, meta)
+
+        out, reply = await asyncio.wait_for(serve(), timeout_s)
+        if reply.get("ok") is not True:
+            raise refusal_error(reply)
+        return out, reply, time.perf_counter() - started
+
+    def calls_to(self, peer: str, op: str | None = None) -> list:
+        return [c for c in self.calls if c[0] == peer and (op is None or c[1] == op)]
+
+
+def make_driver(run: RunConfig, fake: FakeSwarm) -> tuple[PipelineDriver, ThreadPoolExecutor]:
+    dataset = load_dataset(run.data, run.model)
+    shards = make_shards(dataset.y_train, run.data, dataset.num_classes)
+    executor = ThreadPoolExecutor(max_workers=1)
+    driver = PipelineDriver(run, StageWorker(run, 0), None, executor, dataset, shards, 0, peer_tag="test",
+                            call=fake.call)
+    for swarm, peers in fake.peers.items():
+        driver.set_peers(swarm, list(peers))
+    return driver, executor
+
+
+def drive(run: RunConfig, fake: FakeSwarm, seconds: float, during: Callable | None = None) -> PipelineDriver:
+    """Run the driver's lanes for ``seconds`` (``during(driver)``: a coroutine run alongside), then stop it."""
+    driver, executor = make_driver(run, fake)
+
+    async def main():
+        task = asyncio.create_task(driver.run_forever())
+        try:
+            if during is not None:
+                await during(driver)
+            await asyncio.sleep(seconds)
+            if task.done():
+                raise AssertionError(f"the driver ended while it should train: {task.exception()!r}")
+        finally:
+            driver.stop()
+            task.cancel()  # lanes waiting on a black hole end now, not at their timeout
+            await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 30)
+
+    try:
+        asyncio.run(main())
+    finally:
+        executor.shutdown(wait=False)
+    return driver

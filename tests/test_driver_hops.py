@@ -1,0 +1,154 @@
+"""The driver against fake remote stages (tests/fake_stages.py): black holes, malformed replies, refusals,
+holds, a sick own copy, bugs in a micro-batch. The driver, its routing and its stage-0 worker are real."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from fake_stages import BLACK_HOLE, FakeSwarm, drive, honest, make_driver, malformed, refusing
+from swarm.runconfig import RunConfig
+
+
+def _run(stages: int, **timeouts) -> RunConfig:
+    return RunConfig.model_validate({
+        "name": "drivertest",
+        "model": {"stages": stages, "hidden_dim": 16},
+        "training": {"batch_size": 8, "in_flight": 4},
+        "timeouts": {"rpc_s": 30, **timeouts},
+    })
+
+
+RUN2 = _run(2)
+RUN3 = _run(3)
+
+
+def test_a_black_hole_last_stage_stalls_one_lane_once_and_training_goes_on():
+    run = _run(2, first_contact_s=1.0)
+    fake = FakeSwarm({"layer1": {"hole": BLACK_HOLE, "good": honest(run, 1)}})
+    driver = drive(run, fake, seconds=2.5)
+    # the four lanes start together and probe both unmeasured peers; once the black hole has timed out
+    # (1 s), it is not asked again: the honest peer answers in milliseconds
+    start = fake.calls[0][4]
+    assert all(c[4] - start < 0.5 for c in fake.calls_to("hole")), "no request to the black hole after its timeout"
+    assert driver.stats.timeouts == len(fake.calls_to("hole")) and driver.stats.lost == 0
+    assert driver.stats.microbatches > 50
+    first_done = fake.calls_to("good", "forward_backward")[0][4] - fake.calls[0][4]
+    assert first_done < 0.5, "training starts at once through the honest peer"
+
+
+def test_a_black_hole_middle_stage_is_hedged_within_seconds():
+    run = RUN3  # default first-contact timeout (5 s): the hedge, not the timeout, rescues the forward
+    fake = FakeSwarm({"layer1": {"hole": BLACK_HOLE, "good": honest(run, 1)}, "layer2": {"last": honest(run, 2)}})
+    driver = drive(run, fake, seconds=3.5)
+    hole_forwards = fake.calls_to("hole", "forward")
+    assert len(hole_forwards) == 1
+    assert driver.stats.hedges >= 1 and driver.stats.lost == 0
+    hole_mb = hole_forwards[0][3]["mb"]
+    rescued = [c for c in fake.calls_to("good", "forward") if c[3]["mb"] == hole_mb]
+    assert rescued and rescued[0][4] - hole_forwards[0][4] < 3.0, "the same forward went to the honest peer"
+    assert any(c[3]["mb"] == hole_mb for c in fake.calls_to("good", "backward")), "and that micro-batch completed"
+
+
+@pytest.mark.parametrize("kind", ["no_tensor", "wrong_shape", "nan", "huge", "garbage_meta", "nan_loss"])
+def test_malformed_replies_ban_the_peer_and_never_kill_the_driver(kind):
+    fake = FakeSwarm({"layer1": {"bad": malformed(kind, RUN2, 1), "good": honest(RUN2, 1)}})
+    driver = drive(RUN2, fake, seconds=1.0)
+    assert driver.stats.bad_replies >= 1
+    assert len(fake.calls_to("bad")) <= 2, "a bad reply bans the peer for a long while"
+    assert driver.stats.lost == 0 and driver.stats.refused == 0
+    assert driver.stats.microbatches > 20, "every lane goes on through the honest peer"
+
+
+def test_a_swarm_of_only_malformed_peers_stalls_the_hop_but_never_kills_a_lane():
+    fake = FakeSwarm({"layer1": {"bad": malformed("no_tensor", RUN2, 1)}})
+    driver = drive(RUN2, fake, seconds=1.0)  # drive() raises if run_forever ended with an exception
+    assert driver.stats.bad_replies >= 3, "the lanes keep trying (bans yield when every peer is banned)"
+    assert driver.stats.trained == 0 and driver.stats.lost == 0
+
+
+def test_a_rejecting_stage_is_backed_off_not_stormed():
+    fake = FakeSwarm({"layer1": {"strict": refusing("rejected")}})
+    driver = drive(RUN2, fake, seconds=3.0)
+    assert 4 <= driver.stats.refused <= 20, driver.stats.refused  # without backoff: thousands
+    assert driver.stats.lost == 0 and driver.stats.trained == 0
+    assert driver.stats.blocked_reason.startswith("layer1 rejects our activations")
+
+
+def test_wrong_shard_is_refused_not_lost():
+    fake = FakeSwarm({"layer1": {"p": refusing("wrong_shard")}})
+    driver = drive(RUN2, fake, seconds=1.0)
+    assert driver.stats.refused >= 1 and driver.stats.lost == 0
+
+
+def test_busy_peer_is_not_asked_again_before_its_retry_after():
+    fake = FakeSwarm({"layer1": {"busy": refusing("busy", retry_after_s=30.0), "good": honest(RUN2, 1)}})
+    driver = drive(RUN2, fake, seconds=1.0)
+    assert len(fake.calls_to("busy")) == 1
+    assert driver.stats.microbatches > 20 and driver.stats.lost == 0 and driver.stats.refused == 0
+
+
+def test_when_every_peer_holds_us_off_the_driver_waits_and_says_why():
+    fake = FakeSwarm({"layer1": {"busy": refusing("unknown_driver", retry_after_s=0.5)}})
+    driver = drive(RUN2, fake, seconds=1.2)
+    assert len(fake.calls_to("busy")) <= 12  # four lanes, at most once per retry_after_s each
+    assert "asks us to wait" in driver.stats.blocked_reason
+    assert driver.stats.lost == 0
+
+
+def test_a_sick_own_copy_pauses_the_lanes_and_loses_nothing():
+    fake = FakeSwarm({"layer1": {"good": honest(RUN2, 1)}})
+    seen = {}
+
+    async def sick_for_a_while(driver):
+        driver.worker.health.mark_sick("test: parameters not finite")
+        await asyncio.sleep(0.8)
+        seen["reason"], seen["trained"] = driver.stats.blocked_reason, driver.stats.trained
+        driver.worker.health.healed()
+
+    driver = drive(RUN2, fake, seconds=1.0, during=sick_for_a_while)
+    assert seen["trained"] == 0 and seen["reason"].startswith("our layer0 copy is sick, healing")
+    assert driver.stats.microbatches > 10 and driver.stats.lost == 0 and driver.stats.blocked_reason == ""
+
+
+def test_a_bug_in_one_micro_batch_costs_only_that_micro_batch():
+    fake = FakeSwarm({"layer1": {"good": honest(RUN2, 1)}})
+    failed = []
+
+    async def break_once(driver):
+        real = driver.worker.forward
+
+        def forward(mb, x):
+            if not failed:
+                failed.append(mb)
+                raise RuntimeError("a bug")
+            return real(mb, x)
+
+        driver.worker.forward = forward
+
+    driver = drive(RUN2, fake, seconds=1.0, during=break_once)
+    assert failed and driver.stats.lost == 1 and driver.stats.microbatches > 10
+
+
+def test_requests_carry_sample_ids_never_targets():
+    fake = FakeSwarm({"layer1": {"good": honest(RUN2, 1)}})
+    driver = drive(RUN2, fake, seconds=0.5)
+    train_rows = len(driver.dataset.y_train)
+    sent = [c for c in fake.calls if c[1] == "forward_backward"]
+    assert sent
+    for _, _, tensors, _, _ in sent:
+        h, ids = tensors
+        assert ids.dtype == torch.int64 and ids.shape == (h.shape[0],)
+        assert 0 <= int(ids.min()) and int(ids.max()) < train_rows
+
+    fake.calls.clear()
+    driver2, executor = make_driver(RUN2, fake)
+    try:
+        accuracy, _ = asyncio.run(driver2.evaluate())
+    finally:
+        executor.shutdown(wait=False)
+    ids = torch.cat([c[2][1] for c in fake.calls if c[1] == "evaluate"])
+    assert torch.equal(ids, torch.arange(len(driver2.dataset.y_test))), "evaluate sends test-split rows"
+    assert accuracy == pytest.approx(0.5, abs=0.01)
