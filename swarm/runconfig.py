@@ -152,7 +152,7 @@ class IntegrityConfig(_Strict):
     strike_half_life_s: float = Field(30.0, gt=0.0, description="strikes decay with this half-life")
     ban_s: float = Field(60.0, ge=0.0, description="first ban; each further ban of the same driver doubles it")
     max_ban_s: float = Field(3600.0, ge=0.0, description="cap on a ban")
-    ascent_cosine: float = Field(-0.3, ge=-1.0, le=0.0, description="banned when the mean cosine of a driver's "
+    ascent_cosine: float = Field(-0.25, ge=-1.0, le=0.0, description="banned when the mean cosine of a driver's "
                                  "updates with the other drivers' recent direction stays below this")
     ascent_min_updates: int = Field(64, ge=4, description="updates of a driver the mean cosine is taken over")
     # health and healing: when a copy is sick, and how it recovers

@@ -56,10 +56,12 @@ def driver_record(peer_id: str, shard: int) -> MemberRecord:
 
 
 def allow_drivers(peers, shards_by_peer: dict[str, int]) -> None:
-    """What a heartbeat does: these peers are the run's online layer0 drivers (applied before returning)."""
+    """What heartbeats do: these peers are the run's online layer0 drivers, in this view and the one before
+    (the grace for a stale view), applied before returning."""
     records = [driver_record(pid, shard) for pid, shard in shards_by_peer.items()]
 
     async def apply(peer):
+        peer.gate.set_drivers(records)
         peer.gate.set_drivers(records)
 
     for peer in peers:
@@ -230,6 +232,7 @@ def test_large_payloads_are_streamed_both_ways():
     peer = SwarmPeer(wide, dht, "layer1")
     try:
         peer.start()
+        allow_drivers([peer], {str(first.peer_id): 0})
 
         async def main():
             p2p = await fresh_p2p(first)
