@@ -7,5 +7,9 @@ Map:
 - membership.py  announcing our record on a heartbeat, reading a swarm's records
 - models.py      building the stages of a model from the run config
 - data.py        data sets, train/test split and shards (IID or label-skewed), rarest-first shard choice
+- driver.py      the layer0 pipeline driver: lanes of micro-batches (sample ids, never targets)
+- hops.py        one hop of the driver: timed out, hedged, retried, refusal codes, blocked_reason
+- routing.py     which peer gets a hop, bans and holds, timeouts and hedge delays from measured times
+- replies.py     checks on a stage's reply (count, dtype, shape, finite, magnitude, metadata)
 - ecl/           decentralized optimizers (DSGD, PDMM-ISVR, ADMM-ISVR) and their simulation harness
 """
