@@ -11,5 +11,9 @@ Map:
 - activations.py saved forward graphs, bounded, an equal share per driver
 - stage_rpc.py   the stage RPCs (server and client call); stage_gate.py: who may ask, fair share, bans
 - integrity/     bounds on what one message can do, health, labels by id (see its __init__)
+- driver.py      the layer0 pipeline driver: lanes of micro-batches (sample ids, never targets)
+- hops.py        one hop of the driver: timed out, hedged, retried, refusal codes, blocked_reason
+- routing.py     which peer gets a hop, bans and holds, timeouts and hedge delays from measured times
+- replies.py     checks on a stage's reply (count, dtype, shape, finite, magnitude, metadata)
 - ecl/           decentralized optimizers (DSGD, PDMM-ISVR, ADMM-ISVR) and their simulation harness
 """

@@ -44,12 +44,12 @@ def test_a_black_hole_middle_stage_is_hedged_within_seconds():
     fake = FakeSwarm({"layer1": {"hole": BLACK_HOLE, "good": honest(run, 1)}, "layer2": {"last": honest(run, 2)}})
     driver = drive(run, fake, seconds=3.5)
     hole_forwards = fake.calls_to("hole", "forward")
-    assert len(hole_forwards) == 1
+    assert hole_forwards and all(c[4] - fake.calls[0][4] < 0.5 for c in hole_forwards), "probed once, at the start"
     assert driver.stats.hedges >= 1 and driver.stats.lost == 0
-    hole_mb = hole_forwards[0][3]["mb"]
-    rescued = [c for c in fake.calls_to("good", "forward") if c[3]["mb"] == hole_mb]
-    assert rescued and rescued[0][4] - hole_forwards[0][4] < 3.0, "the same forward went to the honest peer"
-    assert any(c[3]["mb"] == hole_mb for c in fake.calls_to("good", "backward")), "and that micro-batch completed"
+    for _, _, _, meta, asked in hole_forwards:
+        rescued = [c for c in fake.calls_to("good", "forward") if c[3]["mb"] == meta["mb"]]
+        assert rescued and rescued[0][4] - asked < 3.0, "the same forward went to the honest peer"
+        assert any(c[3]["mb"] == meta["mb"] for c in fake.calls_to("good", "backward")), "and it completed"
 
 
 @pytest.mark.parametrize("kind", ["no_tensor", "wrong_shape", "nan", "huge", "garbage_meta", "nan_loss"])
@@ -86,7 +86,8 @@ def test_wrong_shard_is_refused_not_lost():
 def test_busy_peer_is_not_asked_again_before_its_retry_after():
     fake = FakeSwarm({"layer1": {"busy": refusing("busy", retry_after_s=30.0), "good": honest(RUN2, 1)}})
     driver = drive(RUN2, fake, seconds=1.0)
-    assert len(fake.calls_to("busy")) == 1
+    busy_calls = fake.calls_to("busy")  # the lanes' first probes; then nothing for the next 30 s
+    assert busy_calls and all(c[4] - fake.calls[0][4] < 0.5 for c in busy_calls)
     assert driver.stats.microbatches > 20 and driver.stats.lost == 0 and driver.stats.refused == 0
 
 

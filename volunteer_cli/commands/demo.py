@@ -28,6 +28,9 @@ DEMO_HEARTBEAT_S = 2.0
 POLL_S = 2.0
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 20.0
+STALL_NOTICE_S = 10.0  # every swarm online and no sample trained for this long: say why
+BLOCKED_MARKER = "no micro-batch flows: "  # what a layer0 driver logs (swarm/hops.py Blockage)
+FLOWING_MARKER = "micro-batches flow again"
 
 
 class Children:
@@ -155,6 +158,7 @@ def _watch(run, maddr: str, children: Children, shutdown, watchdog, say, target:
     try:
         membership = Membership(dht, run, b"")
         all_online_at = None
+        progress = (0, time.monotonic())  # (samples, when they last grew)
         while not shutdown.event.wait(POLL_S):
             dead = children.dead()
             if dead:
@@ -175,6 +179,13 @@ def _watch(run, maddr: str, children: Children, shutdown, watchdog, say, target:
                           lost_microbatches=sum(r.lost for r in layer0))
             if all_online_at is not None:
                 say(_progress_line(views, run, result))
+                if result["samples"] > progress[0]:
+                    progress = (result["samples"], time.monotonic())
+                elif time.monotonic() - progress[1] > STALL_NOTICE_S:
+                    logs = [children.log(name) for name, _ in children.procs if name.startswith("layer0-")]
+                    reason = blocked_reason(logs) or "the layer0 drivers do not say why"
+                    say(f"every swarm is online but no sample trained for {time.monotonic() - progress[1]:.0f} s: "
+                        f"{reason}")
             if accuracy is not None and accuracy >= target:
                 say(f"reached {accuracy:.1%} test accuracy (target {target:.0%})")
                 return 0, result
@@ -185,6 +196,15 @@ def _watch(run, maddr: str, children: Children, shutdown, watchdog, say, target:
         return 130, result
     finally:
         shutdown_dht(dht)
+
+
+def blocked_reason(logs: list[str]) -> str:
+    """Why no micro-batch flows, as the layer0 drivers last said it in their logs ("" if none says so)."""
+    for text in logs:
+        said, flowing = text.rfind(BLOCKED_MARKER), text.rfind(FLOWING_MARKER)
+        if said > flowing:
+            return text[said + len(BLOCKED_MARKER):].split("\n", 1)[0].strip()
+    return ""
 
 
 def _latest_accuracy(layer0: list) -> float | None:

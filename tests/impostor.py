@@ -1,0 +1,129 @@
+"""A peer of the tests' own that joins a run's swarm over the real DHT and P2P, announces itself
+``online``, and answers stage RPCs the way the test wants: never (a black hole), with malformed
+replies, or honestly.
+
+``honest`` is a last stage: a real StageWorker behind the labels-by-id protocol (the targets are
+looked up in the run's data by the sample ids the driver sends). Once the stage server does this
+itself, a real ``volunteer join`` can take this role.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from swarm.data import load_dataset
+from swarm.dht import DHTSettings, ensure_identity, fresh_p2p, make_validators, shutdown_dht, start_dht
+from swarm.membership import Membership
+from swarm.records import MemberRecord
+from swarm.runconfig import RunConfig
+from swarm.stage import StageWorker
+from swarm import stage_rpc
+from swarm.stage_rpc import stage_namespace
+from swarm.wire import decode_tensors, unpack_metadata
+
+MALFORMED_KINDS = ("no_tensor", "wrong_shape", "nan", "garbage_meta", "huge")
+SETUP_TIMEOUT_S = 60.0
+
+
+class StageServicer(stage_rpc.StageServicer):
+    """hivemind names a handler after its class: same name as the real servicer, so drivers reach it."""
+
+    def __init__(self, impostor: "Impostor"):
+        super().__init__(max_bytes=64 * 2**20)
+        self.impostor = impostor
+
+    async def _handle(self, serialized, metadata, context):
+        return await self.impostor.answer(decode_tensors(serialized, self.max_bytes), unpack_metadata(metadata))
+
+
+class Impostor:
+    """``mode``: "black_hole", "malformed" (cycles through MALFORMED_KINDS) or "honest"."""
+
+    def __init__(self, run: RunConfig, swarm: str, maddr: str, mode: str, identity: Path):
+        self.run, self.swarm, self.mode = run, swarm, mode
+        self.index = int(swarm.removeprefix("layer"))
+        self.requests = 0
+        self.answered = 0
+        ensure_identity(identity)  # the record's peer id must be the one its signing key owns
+        validators = make_validators(run.run_id, run.swarm_names, identity)
+        self.dht = start_dht(DHTSettings(initial_peers=[maddr], identity_path=identity), validators)
+        self.peer_id = str(self.dht.peer_id)
+        self.membership = Membership(self.dht, run, validators[0].local_public_key)
+        self.worker = StageWorker(run, self.index) if mode == "honest" else None
+        self.dataset = load_dataset(run.data, run.model) if mode == "honest" else None
+        self.executor = ThreadPoolExecutor(max_workers=1)
+        self._stop = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._threads = [threading.Thread(target=self._loop.run_forever, daemon=True),
+                         threading.Thread(target=self._heartbeat, daemon=True)]
+        self._p2p = None
+        self._started_at = time.time()
+
+    def __enter__(self) -> "Impostor":
+        self._threads[0].start()
+        asyncio.run_coroutine_threadsafe(self._serve(), self._loop).result(SETUP_TIMEOUT_S)
+        self._threads[1].start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._threads[1].join(10)
+        if self._p2p is not None:
+            asyncio.run_coroutine_threadsafe(self._p2p.shutdown(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._threads[0].join(5)
+        self.executor.shutdown(wait=False)
+        shutdown_dht(self.dht)
+
+    async def _serve(self) -> None:
+        self._p2p = await fresh_p2p(self.dht)
+        await StageServicer(self).add_p2p_handlers(self._p2p, namespace=stage_namespace(self.run.run_id, self.swarm))
+
+    def _heartbeat(self) -> None:
+        while not self._stop.is_set():
+            record = MemberRecord(peer_id=self.peer_id, state="online", version="0.1.0",
+                                  started_at=self._started_at, updated_at=time.time())
+            self.membership.announce(self.swarm, record, timeout_s=5.0)
+            self._stop.wait(self.run.timeouts.heartbeat_s)
+
+    async def answer(self, tensors: list[torch.Tensor], meta: dict) -> tuple[list[torch.Tensor], dict]:
+        self.requests += 1
+        if self.mode == "black_hole":
+            await asyncio.Event().wait()  # accepted, never answered
+        if self.mode == "malformed":
+            kind = MALFORMED_KINDS[(self.requests - 1) % len(MALFORMED_KINDS)]
+            return _malformed(kind, tensors)
+        loop = asyncio.get_running_loop()
+        out = await loop.run_in_executor(self.executor, self._last_stage, meta.get("op"), tensors, meta)
+        self.answered += 1
+        return out
+
+    def _last_stage(self, op: str, tensors: list[torch.Tensor], meta: dict) -> tuple[list[torch.Tensor], dict]:
+        """An honest last stage of the labels-by-id protocol (the only ops a last stage serves)."""
+        x, ids = tensors
+        x = self.worker.check_input(x)
+        if op == "evaluate":
+            loss_sum, correct, count = self.worker.evaluate(x, self.dataset.y_test[ids])
+            return [], {"ok": True, "loss_sum": loss_sum, "correct": correct, "count": count}
+        assert op == "forward_backward", op
+        loss, grad = self.worker.forward_backward(meta["mb"], x, self.dataset.y_train[ids])
+        return [grad], {"ok": True, "loss": loss}
+
+
+def _malformed(kind: str, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], dict]:
+    x = tensors[0]
+    if kind == "no_tensor":
+        return [], {"ok": True, "loss": 0.5}
+    if kind == "wrong_shape":
+        return [torch.zeros(x.shape[0] + 1, 3)], {"ok": True, "loss": 0.5}
+    if kind == "nan":
+        return [torch.full_like(x, float("nan"))], {"ok": True, "loss": 0.5}
+    if kind == "garbage_meta":
+        return [torch.zeros_like(x)], {"ok": True, "loss": [1, 2], "count": "many"}
+    return [torch.full_like(x, 3e38)], {"ok": True, "loss": 0.5}
