@@ -419,7 +419,7 @@ class CopyOracle:
         (grad,) = torch.autograd.grad(loss, out)
         for stage in self.stages:
             stage.zero_grad(set_to_none=True)
-        return h.detach(), grad.detach(), float(loss)
+        return h.detach(), grad.detach(), loss.item()
 
     def stage_input(self, k: int, x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
