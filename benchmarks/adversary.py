@@ -35,13 +35,14 @@ from hostile import CopyOracle, HostilePeer  # noqa: E402
 STAGES = 3
 START_TIMEOUT_S = 240.0
 QUICK_ATTACKS = ("huge_3e38",)
+PHASE_S = 20.0
 
 
 @dataclass(slots=True, frozen=True)
 class Settings:
-    warm_s: float = 20.0
-    attack_s: float = 20.0
-    after_s: float = 20.0
+    warm_s: float = PHASE_S
+    attack_s: float = PHASE_S
+    after_s: float = PHASE_S
     sample_s: float = 2.0
     labels: str = "targets"  # "ids" once stage RPCs take sample ids (PROTOCOL.md)
 
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in ATTACKS]
     if unknown:
         raise SystemExit(f"unknown attack(s) {unknown}; choose from {', '.join(ATTACKS)}")
-    settings = Settings(labels=_labels(args.labels))
+    settings = Settings(labels=_labels(args.labels), warm_s=args.phase_s, attack_s=args.phase_s, after_s=args.phase_s)
     if args.quick:
         settings = replace(settings, warm_s=12.0, attack_s=8.0, after_s=8.0)
     started = time.monotonic()
@@ -65,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     out = parser("adversary", __doc__, quick_help="one attack (huge_3e38), short windows: a smoke test, not a measurement")
     out.add_argument("--attacks", default="", help=f"comma-separated subset of: {', '.join(ATTACKS)}")
+    out.add_argument("--phase-s", type=float, default=PHASE_S,
+                     help="seconds of each phase: training before, attack, after (default %(default)s)")
     out.add_argument("--labels", default="auto", choices=("auto", "ids", "targets"),
                      help="what forward_backward carries: sample ids (new protocol) or targets (old); auto detects")
     return out

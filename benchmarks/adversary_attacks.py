@@ -179,19 +179,19 @@ def _driver_request(handle: Handle, oracle: CopyOracle, shards: list, own: Any, 
     pool = shards[honest_shard] if attack.kind == "foreign_ids" else own
     ids = torch.as_tensor(pool[torch.randint(len(pool), (BATCH,), generator=generator).numpy()], dtype=torch.int64)
     x, y = oracle.dataset.x_train[ids], oracle.dataset.y_train[ids]
-        if attack.kind in ("wrong_labels", "foreign_ids"):
-            h = oracle.stage_input(last, x)
-            if labels == "ids":
-                label = ids if attack.kind == "foreign_ids" else mismatched_ids(ids, oracle.dataset.y_train, own,
-                                                                                generator)
-            else:  # targets on the wire: wrong ones, or (foreign samples) the true ones, which are harmless
-                label = y if attack.kind == "foreign_ids" else wrong_targets(y, oracle.dataset.num_classes, generator)
-            return (peers[f"layer{last}"], f"layer{last}", "forward_backward", [h, label]) if _finite(h) else None
-        h, grad, loss = oracle.honest_gradient(1, x, y)
-        crafted = crafted_gradient(attack.kind, grad, generator)
-        if not (_finite(h) and _finite(crafted)):
-            return None
-        return peers["layer1"], "layer1", "backward", [crafted, h], {"loss": loss}
+    if attack.kind in ("wrong_labels", "foreign_ids"):
+        h = oracle.stage_input(last, x)
+        if labels == "ids":
+            label = ids if attack.kind == "foreign_ids" else mismatched_ids(ids, oracle.dataset.y_train, own,
+                                                                            generator)
+        else:  # targets on the wire: wrong ones, or (foreign samples) the true ones, which are harmless
+            label = y if attack.kind == "foreign_ids" else wrong_targets(y, oracle.dataset.num_classes, generator)
+        return (peers[f"layer{last}"], f"layer{last}", "forward_backward", [h, label]) if _finite(h) else None
+    h, grad, loss = oracle.honest_gradient(1, x, y)
+    crafted = crafted_gradient(attack.kind, grad, generator)
+    if not (_finite(h) and _finite(crafted)):
+        return None
+    return peers["layer1"], "layer1", "backward", [crafted, h], {"loss": loss}
 
 
 def _finite(tensor: torch.Tensor) -> bool:

@@ -9,8 +9,8 @@ training, the attacker is refused. Marked xfail until the defences of issue 14 a
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -161,3 +161,42 @@ def test_one_huge_gradient_leaves_the_copy_finite_and_close(driver, run_swarm):
     assert params_finite(after), f"one backward (reply {reply.code or 'ok'}) made layer1's copy non-finite"
     assert relative_distance(after, before) < 0.5, "one backward moved layer1's copy by half its norm or more"
     assert rate > 0, "the honest driver stopped training after one hostile backward"
+
+
+# ----- the harness's own payloads and the benchmark's figures (pure, no network)
+
+
+def test_every_crafted_gradient_passes_the_wire_checks_but_is_hostile():
+    from hostile import GRADIENT_ATTACKS, crafted_gradient
+
+    honest = torch.randn(32, 128)
+    for kind in GRADIENT_ATTACKS:
+        crafted = crafted_gradient(kind, honest, torch.Generator().manual_seed(0))
+        assert crafted.shape == honest.shape and bool(torch.isfinite(crafted).all()), kind
+        assert not torch.allclose(crafted, honest), kind
+    assert torch.equal(crafted_gradient("ascent", honest), -honest)
+    assert crafted_gradient("random", honest).norm() == pytest.approx(honest.norm().item(), rel=1e-4)
+
+
+def test_a_same_norm_poison_keeps_every_tensor_norm():
+    from hostile import poisoned_params
+
+    honest = {"w": torch.randn(16, 16), "b": torch.randn(16)}
+    poisoned = poisoned_params("same_norm", honest, torch.Generator().manual_seed(0))
+    for name, tensor in honest.items():
+        assert poisoned[name].norm() == pytest.approx(tensor.norm().item(), rel=1e-4)
+        assert relative_distance(poisoned, honest) > 0.5
+
+
+def test_the_benchmark_flags_a_stale_evaluation_and_a_stalled_run():
+    from benchmarks.adversary_metrics import Sample, longest_stall_s, longest_unlabelled_stale_s, summarize_run
+
+    series = [Sample(t=2.0 * i, trained=100 * min(i, 10), lost=0, drivers=1,
+                     true_accuracy=0.95 if i < 10 else 0.1, published_accuracy=0.95, published_labelled=False)
+              for i in range(30)]
+    assert longest_stall_s(series) == pytest.approx(38.0)
+    assert longest_unlabelled_stale_s(series) == pytest.approx(38.0)
+    figures = summarize_run(series, attack_at=20.0, attack_s=20.0, after_s=20.0)
+    assert figures["killed"] and figures["accuracy_after"] == pytest.approx(0.1)
+    dated = [dataclasses.replace(s, published_labelled=True) for s in series]
+    assert longest_unlabelled_stale_s(dated) == 0.0, "an evaluation that says its age is not hidden staleness"
