@@ -87,13 +87,19 @@ def _benchmark(fleet: Fleet, attacks: list[Attack], s: Settings) -> dict[str, An
     _, maddr = fleet.bootstrap()
     clean: dict[tuple, dict[str, Any]] = {}
     results: dict[str, dict[str, Any]] = {}
+    errors: dict[str, str] = {}
     for attack in attacks:
         if attack.baseline not in clean:
             say(f"clean run {attack.baseline}")
             clean[attack.baseline] = _run(fleet, maddr, None, attack.baseline, s)
         say(f"attack {attack.name}")
-        results[attack.name] = _run(fleet, maddr, attack, attack.shape, s)
+        try:
+            results[attack.name] = _run(fleet, maddr, attack, attack.shape, s)
+        except Exception as exc:  # one attack the harness could not mount must not lose the others' figures
+            say(f"attack {attack.name} could not be measured: {exc.__class__.__name__}: {exc}")
+            errors[attack.name] = f"{exc.__class__.__name__}: {exc}"[:500]
     report = summary(results, clean, {a.name: a.baseline for a in attacks})
+    report["errors"] = errors
     report["settings"] = {"warm_s": s.warm_s, "attack_s": s.attack_s, "after_s": s.after_s,
                           "sample_s": s.sample_s, "labels": s.labels, "stages": STAGES}
     return report
