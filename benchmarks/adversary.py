@@ -140,6 +140,7 @@ def _run(fleet: Fleet, maddr: str, attack: Attack | None, shape: tuple, s: Setti
         sampler = _Sampler(hostile, per_swarm, s.sample_s)
         sampler.start()
         _sleep(s.warm_s, everyone)
+        rss_before = {p.name: _rss_mb(p.pid) for p in procs["layer1"]}
         handle = start_attack(attack, hostile, s.labels) if attack else None
         attack_at = time.monotonic()
         _sleep(s.attack_s, everyone)
@@ -147,12 +148,12 @@ def _run(fleet: Fleet, maddr: str, attack: Attack | None, shape: tuple, s: Setti
         _sleep(s.after_s, everyone)
         samples = sampler.stop()
         alive = {p.name: p.alive() for p in everyone}
-        rss = {p.name: _rss_mb(p.pid) for p in procs["layer1"]}
+        rss = {p.name: (rss_before[p.name], _rss_mb(p.pid)) for p in procs["layer1"]}
     finally:
         hostile.close()
         fleet.stop(everyone + hogs)
     out = summarize_run(samples, attack_at - sampler.t0, s.attack_s, s.after_s)
-    out.update(attacker=attacker, all_alive=all(alive.values()), layer1_rss_mb=rss)
+    out.update(attacker=attacker, all_alive=all(alive.values()), layer1_rss_mb_before_after=rss)
     if attack is not None and attack.role == "driver":
         out["refused_after_s"] = attacker.get("first_refusal_s")
     return out
