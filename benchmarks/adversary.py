@@ -18,6 +18,7 @@ Details per attack under ``attacks``; the runs' own figures under ``clean``.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import threading
 import time
@@ -27,7 +28,7 @@ from typing import Any
 
 from benchmarks.adversary_attacks import ATTACKS, Attack, start_attack
 from benchmarks.adversary_metrics import Sample, summarize_run, summary
-from benchmarks.common import Fleet, finish, machine_notes, parser, say, wait_until, write_run
+from benchmarks.common import Fleet, finish, machine_notes, parser, rounded, say, wait_until, write_run
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from hostile import CopyOracle, HostilePeer  # noqa: E402
@@ -92,9 +93,11 @@ def _benchmark(fleet: Fleet, attacks: list[Attack], s: Settings) -> dict[str, An
         if attack.baseline not in clean:
             say(f"clean run {attack.baseline}")
             clean[attack.baseline] = _run(fleet, maddr, None, attack.baseline, s)
+            say(f"run clean {attack.baseline}: {json.dumps(rounded(clean[attack.baseline]))}")
         say(f"attack {attack.name}")
         try:
             results[attack.name] = _run(fleet, maddr, attack, attack.shape, s)
+            say(f"run {attack.name}: {json.dumps(rounded(results[attack.name]))}")  # survives a timeout
         except Exception as exc:  # one attack the harness could not mount must not lose the others' figures
             say(f"attack {attack.name} could not be measured: {exc.__class__.__name__}: {exc}")
             errors[attack.name] = f"{exc.__class__.__name__}: {exc}"[:500]
