@@ -196,6 +196,8 @@ class _Sampler:
         self.sample_s = sample_s
         self.oracle = CopyOracle(hostile)
         self.samples: list[Sample] = []
+        self._trained: dict[str, int] = {}
+        self._lost: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="sampler", daemon=True)
         self.t0 = time.monotonic()
@@ -225,12 +227,15 @@ class _Sampler:
             if len(chain) == STAGES:
                 self.oracle.pull(chain, timeout_s=10.0)
                 accuracies.append(self.oracle.test_accuracy())
+        for r in drivers:  # a record missing from one read must not look like samples un-trained
+            self._trained[r.peer_id] = max(self._trained.get(r.peer_id, 0), r.trained)
+            self._lost[r.peer_id] = max(self._lost.get(r.peer_id, 0), r.lost)
         published = [r for r in drivers if r.test_accuracy >= 0]
         newest = max(published, key=lambda r: r.eval_samples) if published else None
         return Sample(
             t=time.monotonic() - self.t0,
-            trained=sum(r.trained for r in drivers),
-            lost=sum(r.lost for r in drivers),
+            trained=sum(self._trained.values()),
+            lost=sum(self._lost.values()),
             drivers=len(drivers),
             true_accuracy=sum(accuracies) / len(accuracies) if accuracies else None,
             published_accuracy=newest.test_accuracy if newest else None,

@@ -69,13 +69,14 @@ def longest_unlabelled_stale_s(samples: list[Sample], gap: float = STALE_GAP) ->
 
 def summarize_run(samples: list[Sample], attack_at: float, attack_s: float, after_s: float) -> dict[str, Any]:
     end = attack_at + attack_s + after_s
-    before = _window(samples, attack_at / 2, attack_at)
+    before = _window(samples, attack_at / 3, attack_at)
     during = _window(samples, attack_at, attack_at + attack_s)
     after = _window(samples, attack_at + attack_s, end + 1)
     acc = lambda part: _mean([s.true_accuracy for s in part if s.true_accuracy is not None])  # noqa: E731
     last = samples[-1] if samples else None
     tail = _window(samples, (last.t if last else 0) - KILLED_WINDOW_S, float("inf"))
-    final_accuracy = last.true_accuracy if last else None
+    measured = [s.true_accuracy for s in samples if s.true_accuracy is not None]
+    final_accuracy = measured[-1] if measured else None
     stalled = len(tail) >= 2 and tail[-1].trained <= tail[0].trained
     start_lost = during[0].lost if during else (last.lost if last else 0)
     return {
