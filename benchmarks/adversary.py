@@ -31,7 +31,8 @@ from benchmarks.adversary_metrics import Sample, summarize_run, summary
 from benchmarks.common import Fleet, finish, machine_notes, parser, rounded, say, wait_until, write_run
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from hostile import CopyOracle, HostilePeer  # noqa: E402
+from copies import CopyOracle  # noqa: E402
+from hostile import HostilePeer  # noqa: E402
 
 STAGES = 3
 START_TIMEOUT_S = 240.0

@@ -20,8 +20,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from copies import CopyOracle  # noqa: E402
 from hostile import (  # noqa: E402
-    CopyOracle, HostilePeer, Reply, crafted_gradient, mismatched_ids, poisoned_params, wrong_targets,
+    HostilePeer, Reply, crafted_gradient, mismatched_ids, poisoned_params, wrong_targets,
 )
 
 BATCH = 32

@@ -15,7 +15,8 @@ import time
 import pytest
 import torch
 
-from hostile import CopyOracle, HostilePeer, params_finite, relative_distance
+from copies import CopyOracle, params_finite, relative_distance
+from hostile import HostilePeer
 from procs import Swarm, wait_until, write_run
 from volunteer.config import load_run
 
