@@ -13,6 +13,7 @@ import torch
 
 from hostile import HostilePeer
 
+
 class CopyOracle:
     """Copies of every layer pulled through the real params service, evaluated here.
 
