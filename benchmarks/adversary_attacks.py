@@ -1,0 +1,211 @@
+"""The attacks of benchmarks/adversary.py: each starts on a hostile peer (tests/hostile.py) and runs until stopped.
+
+An attack is a role and a loop: a *driver* attack announces a layer0 record and sends raw stage RPCs
+as fast as its ``concurrency`` allows; a *server* attack announces an online record in a swarm and
+answers with a misbehaviour; a *poison* attack serves honest stage work but poisoned copies to
+averaging pulls. ``stop()`` withdraws the record and returns what the attacker saw (reply codes,
+first refusal).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from copies import CopyOracle  # noqa: E402
+from hostile import (  # noqa: E402
+    HostilePeer, Reply, crafted_gradient, mismatched_ids, poisoned_params, wrong_targets,
+)
+
+BATCH = 32
+CONCURRENCY = 8  # requests in flight: ~100 requests/s on the benchmark machine, as in issue 14
+FLOOD_SIZE = 500
+ORACLE_REFRESH_S = 2.0
+KNOWN_GRACE_S = 3.0  # unknown_driver this soon after announcing is the record's propagation, not a refusal
+POISON_CLOCK_FACTOR = 10.0  # the poisoner claims this many times the honest clock, so clock interpolation favours it
+
+
+@dataclass(slots=True, frozen=True)
+class Attack:
+    name: str
+    role: str  # driver | server | poison | none
+    kind: str  # gradient kind, label mode, server behaviour, poison, flood
+    swarm: str = "layer1"
+    per_swarm: int = 1
+    optimizer: str = "adam"
+    busy: int = 0
+
+    @property
+    def shape(self) -> tuple:
+        return (self.per_swarm, self.optimizer, self.busy)
+
+    @property
+    def baseline(self) -> tuple:
+        return (self.per_swarm, self.optimizer, 0)
+
+
+def _attacks() -> dict[str, Attack]:
+    import os
+
+    items = [Attack(k, "driver", k) for k in ("huge_1e30", "huge_3e38", "ascent", "scaled_x100", "random")]
+    items += [
+        Attack("wrong_labels", "driver", "wrong_labels", swarm="layer2"),
+        Attack("foreign_ids", "driver", "foreign_ids", swarm="layer2"),
+        Attack("flood", "driver", "flood"),
+        Attack("black_hole", "server", "black_hole", per_swarm=2),
+        *(Attack(f"malformed_{b}", "server", b, swarm="layer2") for b in ("no_tensor", "wrong_shape", "nan",
+                                                                            "garbage_metadata")),
+        Attack("last_stage_huge_gradient", "server", "huge", swarm="layer2"),
+        *(Attack(f"poison_{p}", "poison", p, per_swarm=2) for p in ("nan", "x1000", "same_norm")),
+        Attack("sgd_momentum_oversubscribed", "none", "busy", per_swarm=2, optimizer="sgd_momentum",
+               busy=3 * (os.cpu_count() or 2)),
+    ]
+    return {a.name: a for a in items}
+
+
+ATTACKS = _attacks()
+
+
+class Handle:
+    """A running attack: ``stop()`` ends it and returns the attacker's view."""
+
+    def __init__(self, hostile: HostilePeer, attack: Attack):
+        self.hostile = hostile
+        self.attack = attack
+        self.codes: collections.Counter = collections.Counter()
+        self.started = time.monotonic()
+        self.announced_at = self.started
+        self.first_refusal_s: float | None = None
+        self.stopping = False
+        self.task: Any = None
+        self.servicers: list[Any] = []
+
+    def note(self, reply: Reply) -> None:
+        self.codes[reply.code or "ok"] += 1
+        grace = reply.code == "unknown_driver" and time.monotonic() - self.announced_at < KNOWN_GRACE_S
+        if reply.refused and not grace and self.first_refusal_s is None:
+            self.first_refusal_s = time.monotonic() - self.started
+
+    def stop(self) -> dict[str, Any]:
+        self.stopping = True
+        if self.task is not None:
+            try:
+                self.task.result(60)
+            except Exception as exc:  # the attack loop's own failure is part of the result
+                self.codes[f"attacker_error:{exc.__class__.__name__}"] += 1
+        served = sum(getattr(s, "requests", getattr(s, "served", 0)) for s in self.servicers)
+        self.hostile.withdraw()
+        for servicer in self.servicers:
+            release = getattr(servicer, "release", None)
+            if release is not None:
+                self.hostile._loop.call_soon_threadsafe(release.set)
+        return {"replies": dict(self.codes), "first_refusal_s": self.first_refusal_s,
+                "requests_served_by_attacker": served, "seconds": time.monotonic() - self.started}
+
+
+def start_attack(attack: Attack, hostile: HostilePeer, labels: str) -> Handle:
+    handle = Handle(hostile, attack)
+    if attack.role == "none":
+        return handle
+    if attack.role == "server":
+        handle.servicers.append(hostile.serve_stage(attack.swarm, attack.kind))
+        hostile.announce(attack.swarm)
+        return handle
+    if attack.role == "poison":
+        _start_poison(handle)
+        return handle
+    honest_driver = hostile.online("layer0")[0]
+    hostile.announce("layer0", shard=(honest_driver.shard + 1) % hostile.run.data.shards)
+    handle.announced_at = time.monotonic()
+    loop_body = {"flood": _flood}.get(attack.kind, _driver_loop)
+    handle.task = asyncio.run_coroutine_threadsafe(loop_body(handle, labels, honest_driver.shard), hostile._loop)
+    return handle
+
+
+def _start_poison(handle: Handle) -> None:
+    from swarm.averaging.params_rpc import fetch_params
+
+    hostile, swarm = handle.hostile, handle.attack.swarm
+    donor = hostile.online(swarm)[0]
+    params, meta = hostile.on_loop(fetch_params(hostile.p2p, donor.peer_id, hostile.run, swarm, timeout_s=20))
+    handle.servicers.append(hostile.serve_honest_stage(swarm, params))
+    poisoned = poisoned_params(handle.attack.kind, params, torch.Generator().manual_seed(0))
+    clock = POISON_CLOCK_FACTOR * max(meta["clock"], 1.0)
+    handle.servicers.append(hostile.serve_params(swarm, poisoned, clock, meta["param_version"] + 1))
+    hostile.announce(swarm, clock=int(clock), param_version=meta["param_version"] + 1)
+
+
+async def _driver_loop(handle: Handle, labels: str, honest_shard: int) -> None:
+    """Gradient and label attacks: ``CONCURRENCY`` requests at a time until stopped."""
+    from swarm.data import make_shards
+
+    hostile, attack = handle.hostile, handle.attack
+    oracle = CopyOracle(hostile)
+    shards = make_shards(oracle.dataset.y_train, hostile.run.data, oracle.dataset.num_classes)
+    own = shards[(honest_shard + 1) % len(shards)]
+    generator = torch.Generator().manual_seed(1)
+    refreshed = 0.0
+    last = hostile.run.model.stages - 1
+    peers: dict[str, str] = {}
+    while not handle.stopping:
+        if time.monotonic() - refreshed > ORACLE_REFRESH_S:
+            peers = {f"layer{k}": hostile.online(f"layer{k}")[0].peer_id for k in range(last + 1)}
+            await asyncio.to_thread(oracle.pull, peers)
+            refreshed = time.monotonic()
+        calls = []
+        for _ in range(CONCURRENCY):
+            request = _driver_request(handle, oracle, shards, own, honest_shard, labels, generator, peers)
+            if request is None:  # our pulled copies are broken (the attack worked): nothing sane to send
+                handle.codes["skipped_nonfinite"] += 1
+                await asyncio.sleep(0.1)
+                continue
+            calls.append(hostile.acall(*request))
+        for reply in await asyncio.gather(*calls):
+            handle.note(reply)
+
+
+def _driver_request(handle: Handle, oracle: CopyOracle, shards: list, own: Any, honest_shard: int, labels: str,
+                    generator: torch.Generator, peers: dict[str, str]) -> tuple | None:
+    """(peer, swarm, op, tensors, meta) of one attack request, or None when it would not be finite."""
+    attack = handle.attack
+    last = len(oracle.stages) - 1
+    pool = shards[honest_shard] if attack.kind == "foreign_ids" else own
+    ids = torch.as_tensor(pool[torch.randint(len(pool), (BATCH,), generator=generator).numpy()], dtype=torch.int64)
+    x, y = oracle.dataset.x_train[ids], oracle.dataset.y_train[ids]
+    if attack.kind in ("wrong_labels", "foreign_ids"):
+        h = oracle.stage_input(last, x)
+        if labels == "ids":
+            label = ids if attack.kind == "foreign_ids" else mismatched_ids(ids, oracle.dataset.y_train, own,
+                                                                            generator)
+        else:  # targets on the wire: wrong ones, or (foreign samples) the true ones, which are harmless
+            label = y if attack.kind == "foreign_ids" else wrong_targets(y, oracle.dataset.num_classes, generator)
+        return (peers[f"layer{last}"], f"layer{last}", "forward_backward", [h, label]) if _finite(h) else None
+    h, grad, loss = oracle.honest_gradient(1, x, y)
+    crafted = crafted_gradient(attack.kind, grad, generator)
+    if not (_finite(h) and _finite(crafted)):
+        return None
+    return peers["layer1"], "layer1", "backward", [crafted, h], {"loss": loss}
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    return bool(torch.isfinite(tensor).all())
+
+
+async def _flood(handle: Handle, labels: str, honest_shard: int) -> None:
+    """``FLOOD_SIZE`` concurrent forwards at layer1, again as soon as the last wave is answered."""
+    hostile = handle.hostile
+    x = torch.randn(BATCH, hostile.run.model.hidden_dim)
+    while not handle.stopping:
+        target = hostile.online("layer1")[0].peer_id
+        replies = await asyncio.gather(*(hostile.acall(target, "layer1", "forward", [x], None, 30.0)
+                                         for _ in range(FLOOD_SIZE)))
+        for reply in replies:
+            handle.note(reply)

@@ -1,0 +1,203 @@
+"""A hostile peer against real `volunteer join` processes (issue 14, item 7): the fast cases.
+
+One swarm for the module (bootstrap + one volunteer per stage of a 3-stage digits MLP), attacked by
+tests/hostile.py peers that speak the real protocol over hivemind P2P. The tests run in file order:
+the ones that leave the run intact first, the one that (undefended) destroys a copy last. Each
+asserts what a user would notice: the copy stays finite and close, the driver survives and keeps
+training, the attacker is refused. Marked xfail until the defences of issue 14 are merged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+
+from copies import CopyOracle, params_finite, relative_distance
+from hostile import HostilePeer
+from procs import Swarm, wait_until, write_run
+from volunteer.config import load_run
+
+STAGES = 3
+START_TIMEOUT_S = 120.0
+WINDOW_S = 4.0
+AWAITING_DEFENCES = "needs the issue-14 defences (bounded influence, who may ask, reply checks, hedged hops)"
+
+
+@pytest.fixture(scope="module")
+def run_swarm(tmp_path_factory):
+    """(harness, run path, bootstrap maddr, {swarm: proc}) with every stage online and layer0 training."""
+    tmp = tmp_path_factory.mktemp("adversary")
+    harness = Swarm(tmp)
+    try:
+        run_path = write_run(tmp / "run.yaml", name="adversary-test", stages=STAGES, heartbeat_s=1.0)
+        _, maddr = harness.bootstrap()
+        procs = {f"layer{k}": harness.join(run_path, f"layer{k}", maddr, "--log-format", "json", name=f"layer{k}")
+                 for k in range(STAGES)}
+        yield harness, run_path, maddr, procs
+    finally:
+        left = harness.close()
+        assert not left, f"processes outlived the tests: {left}"
+
+
+@pytest.fixture(scope="module")
+def driver(run_swarm, tmp_path_factory):
+    """A hostile peer with no record yet (tests announce what they need); waits for training to start."""
+    harness, run_path, maddr, procs = run_swarm
+    run, _ = load_run(str(run_path))
+    peer = HostilePeer(run, [maddr], tmp_path_factory.mktemp("hostile") / "driver.key", heartbeat_s=1.0)
+    try:
+        wait_until(lambda: _trained(peer) > 0 and all(peer.online(f"layer{k}") for k in range(STAGES)),
+                   START_TIMEOUT_S, interval_s=0.5, what="every stage online and layer0 training")
+        yield peer
+    finally:
+        peer.close()
+
+
+def _layer0(peer: HostilePeer):
+    records = peer.online("layer0")
+    return records[0] if records else None
+
+
+def _trained(peer: HostilePeer) -> int:
+    record = _layer0(peer)
+    return record.trained if record is not None else 0
+
+
+def _training_rate(peer: HostilePeer, seconds: float) -> float:
+    """Samples/s the honest driver completed over ``seconds`` (from its record, one heartbeat late)."""
+    before = _trained(peer)
+    time.sleep(seconds)
+    return (_trained(peer) - before) / seconds
+
+
+def _peer(peer: HostilePeer, swarm: str) -> str:
+    return peer.online(swarm)[0].peer_id
+
+
+def _until_known(call, timeout_s: float = 10.0):
+    """Repeat a call while the server does not know our new record yet (one heartbeat of grace)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reply = call()
+        if reply.code != "unknown_driver" or time.monotonic() > deadline:
+            return reply
+        time.sleep(float(reply.meta.get("retry_after_s", 0.5)))
+
+
+@pytest.mark.xfail(strict=False, reason=AWAITING_DEFENCES)
+def test_a_peer_without_a_layer0_record_is_not_served(driver):
+    x = torch.zeros(8, 128)
+    reply = driver.call(_peer(driver, "layer1"), "layer1", "forward", [x])
+    assert not reply.ok and reply.code == "unknown_driver", (reply.code, reply.error)
+
+
+@pytest.mark.xfail(strict=False, reason=AWAITING_DEFENCES)
+def test_sample_ids_from_another_drivers_shard_are_refused(driver, run_swarm):
+    from swarm.data import load_dataset, make_shards
+
+    run = driver.run
+    honest = _layer0(driver)
+    own = (honest.shard + 1) % run.data.shards
+    assert driver.announce("layer0", shard=own)
+    dataset = load_dataset(run.data, run.model)
+    shards = make_shards(dataset.y_train, run.data, dataset.num_classes)
+    ids = torch.as_tensor(shards[honest.shard][:8], dtype=torch.int64)
+    last = f"layer{STAGES - 1}"
+    reply = _until_known(lambda: driver.call(_peer(driver, last), last, "forward_backward",
+                                             [torch.zeros(8, 128), ids]))
+    assert not reply.ok and reply.code == "wrong_shard", (reply.code, reply.error)
+
+
+@pytest.mark.xfail(strict=False, reason=AWAITING_DEFENCES)
+def test_a_black_hole_in_a_swarm_is_routed_around_within_seconds(driver, run_swarm, tmp_path_factory):
+    before = _training_rate(driver, 2.0)
+    with HostilePeer(driver.run, [run_swarm[2]], tmp_path_factory.mktemp("hole") / "hole.key",
+                     heartbeat_s=1.0) as hole:
+        servicer = hole.serve_stage("layer1", "black_hole")
+        assert hole.announce("layer1")
+        wait_until(lambda: servicer.requests > 0, 20, what="the driver to route a hop to the black hole")
+        during = _training_rate(driver, WINDOW_S)
+    assert before > 0
+    assert during >= 0.5 * before, f"training fell from {before:.0f} to {during:.0f} samples/s behind a black hole"
+
+
+@pytest.mark.xfail(strict=False, reason=AWAITING_DEFENCES)
+def test_malformed_replies_from_the_last_stage_do_not_stop_the_driver(driver, run_swarm, tmp_path_factory):
+    layer0 = run_swarm[3]["layer0"]
+    last = f"layer{STAGES - 1}"
+    with HostilePeer(driver.run, [run_swarm[2]], tmp_path_factory.mktemp("liar") / "liar.key",
+                     heartbeat_s=1.0) as liar:
+        servicer = liar.serve_stage(last, "no_tensor")
+        assert liar.announce(last)
+        wait_until(lambda: servicer.requests > 0, 20, what="the driver to route a hop to the malformed server")
+        for behaviour in ("no_tensor", "wrong_shape", "nan", "huge", "garbage_metadata"):
+            servicer.behaviour = behaviour
+            time.sleep(1.0)
+        served = servicer.requests
+        during = _training_rate(driver, WINDOW_S)
+    assert layer0.popen.poll() is None, "the layer0 volunteer exited"
+    assert "driver failed" not in layer0.stdout(), "the driver died of a malformed reply"
+    assert served >= 5, f"the driver sent only {served} hops to the malformed server"
+    assert during > 0, "the driver stopped training after malformed replies"
+
+
+@pytest.mark.xfail(strict=False, reason=AWAITING_DEFENCES)
+def test_one_huge_gradient_leaves_the_copy_finite_and_close(driver, run_swarm):
+    oracle = CopyOracle(driver)
+    peers = {f"layer{k}": _peer(driver, f"layer{k}") for k in range(STAGES)}
+    if not driver.announced:
+        assert driver.announce("layer0", shard=(_layer0(driver).shard + 1) % driver.run.data.shards)
+    oracle.pull(peers)
+    before = {k: v.clone() for k, v in oracle.stages[1].state_dict().items()}
+    x = oracle.stage_input(1, oracle.dataset.x_train[:32])
+    grad = torch.full((32, 128), 3.0e38)
+    reply = _until_known(lambda: driver.call(peers["layer1"], "layer1", "backward", [grad, x], {"loss": 1.0}))
+    time.sleep(2.0)  # let the honest driver's next micro-batches pass through the copy
+    oracle.pull(peers)
+    after = oracle.stages[1].state_dict()
+    rate = _training_rate(driver, 3.0)
+    assert params_finite(after), f"one backward (reply {reply.code or 'ok'}) made layer1's copy non-finite"
+    assert relative_distance(after, before) < 0.5, "one backward moved layer1's copy by half its norm or more"
+    assert rate > 0, "the honest driver stopped training after one hostile backward"
+
+
+# ----- the harness's own payloads and the benchmark's figures (pure, no network)
+
+
+def test_every_crafted_gradient_passes_the_wire_checks_but_is_hostile():
+    from hostile import GRADIENT_ATTACKS, crafted_gradient
+
+    honest = torch.randn(32, 128)
+    for kind in GRADIENT_ATTACKS:
+        crafted = crafted_gradient(kind, honest, torch.Generator().manual_seed(0))
+        assert crafted.shape == honest.shape and bool(torch.isfinite(crafted).all()), kind
+        assert not torch.allclose(crafted, honest), kind
+    assert torch.equal(crafted_gradient("ascent", honest), -honest)
+    assert crafted_gradient("random", honest).norm() == pytest.approx(honest.norm().item(), rel=1e-4)
+
+
+def test_a_same_norm_poison_keeps_every_tensor_norm():
+    from hostile import poisoned_params
+
+    honest = {"w": torch.randn(16, 16), "b": torch.randn(16)}
+    poisoned = poisoned_params("same_norm", honest, torch.Generator().manual_seed(0))
+    for name, tensor in honest.items():
+        assert poisoned[name].norm() == pytest.approx(tensor.norm().item(), rel=1e-4)
+        assert relative_distance(poisoned, honest) > 0.5
+
+
+def test_the_benchmark_flags_a_stale_evaluation_and_a_stalled_run():
+    from benchmarks.adversary_metrics import Sample, longest_stall_s, longest_unlabelled_stale_s, summarize_run
+
+    series = [Sample(t=2.0 * i, trained=100 * min(i, 10), lost=0, drivers=1,
+                     true_accuracy=0.95 if i < 10 else 0.1, published_accuracy=0.95, published_labelled=False)
+              for i in range(30)]
+    assert longest_stall_s(series) == pytest.approx(38.0)
+    assert longest_unlabelled_stale_s(series) == pytest.approx(38.0)
+    figures = summarize_run(series, attack_at=20.0, attack_s=20.0, after_s=20.0)
+    assert figures["killed"] and figures["accuracy_after"] == pytest.approx(0.1)
+    dated = [dataclasses.replace(s, published_labelled=True) for s in series]
+    assert longest_unlabelled_stale_s(dated) == 0.0, "an evaluation that says its age is not hidden staleness"
