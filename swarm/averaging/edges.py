@@ -24,6 +24,13 @@ the simulation runs) inside a peer, in place of the optimizer:
   and queues it; the compute thread applies it at the next step, after a norm check against our own
   copy. A message that fails a check is rejected, logged and never applied, and the sender is left
   out of our graph for ``averaging.ban_s``.
+- **Bounded influence.** A message moves its reference by ``w * (message - reference)``: DSGD our
+  parameters (``w`` the mixing weight), ECL the edge's dual (``w = theta``; the dual enters the
+  primal step divided by ``1/mu + eta E``, so bounding the dual's move bounds the copy's). Before it
+  is applied, that difference goes through an ``InfluenceGuard`` (influence.py, rules in
+  swarm/integrity/mixing.py): an outlier is rejected like a bad message, a larger step is clipped
+  (the message moved toward the reference), and a sender whose budget for the window is spent is
+  skipped. Honest messages sit well inside the bounds, so ECL's math is unchanged for them.
 
 Threads: ``set_records`` and ``receive`` run on the event loop; ``_update`` on the compute thread; they
 share only the inbox (under ``_inbox_lock``), the newest graph (a reference swap) and the stats.
@@ -43,6 +50,7 @@ from typing import Any
 import torch
 
 from swarm.averaging.edge_rpc import EdgeRefused, EdgeServicer, send_edge_message
+from swarm.averaging.influence import InfluenceGuard
 from swarm.averaging.rules import BanList
 from swarm.ecl.graph import PeerGraph, build_graph
 from swarm.ecl.updates import ADMM_THETA, PDMM_THETA, BadMessageError, DsgdNode, EclConfig, EclNode, common_eta
@@ -73,6 +81,8 @@ class EdgeStats:
     refused: int = 0  # the neighbour answered no (its graph has no edge to us yet, or any more)
     applied: int = 0  # messages applied to the node
     rejected: int = 0  # messages refused by our checks
+    clipped: int = 0  # messages applied with a clipped step (swarm/integrity/mixing.py)
+    over_budget: int = 0  # messages dropped: their sender had moved our copy enough within the window
 
 
 def node_theta(mode: str) -> float:
@@ -99,6 +109,7 @@ class EdgeAveraging:
         self._send = send or self._send_rpc
         self.stats = EdgeStats()
         self.banned = BanList()  # loop thread only
+        self.guard = InfluenceGuard(self.cfg.influence)  # compute thread
         self._params = [p for p in worker.module.parameters()]
         self.numel = sum(p.numel() for p in self._params)
         self.graph = self._build([me])  # the newest graph (loop thread writes, both read)
@@ -249,11 +260,40 @@ class EdgeAveraging:
                     self._post_reject(sender, f"its norm {norm:.3g} is over {self.cfg.max_norm_ratio:g} times ours")
                     break
                 try:
-                    node.on_messages({sender: message.to(device)})
+                    bounded = self._bounded(node, sender, message.to(device))
+                    if bounded is None:
+                        continue
+                    node.on_messages({sender: bounded})
                 except BadMessageError as exc:
                     self._post_reject(sender, str(exc))
                     break
                 self.stats.applied += 1
+
+    def _bounded(self, node: EclNode | DsgdNode, sender: str, message: torch.Tensor) -> torch.Tensor | None:
+        """The message, or one moved toward its reference so its step fits the bounds; None: over budget.
+        Raises BadMessageError for an outlier."""
+        if isinstance(node, DsgdNode):
+            reference, weight = node.params, node.weights[sender]
+        else:
+            reference, weight = node.duals[sender], node.config.theta
+        if message.shape != reference.shape or message.dtype != reference.dtype:
+            return message  # the node's own check refuses it
+        difference = message - reference
+        dist = float(difference.double().norm())
+        now = time.monotonic()
+        verdict = self.guard.judge(sender, dist, weight, float(node.params.double().norm()), now)
+        if verdict.rejected:
+            raise BadMessageError(verdict.reason)
+        if verdict.scale <= 0.0:
+            self.stats.over_budget += 1
+            return None
+        self.guard.accepted(sender, dist, weight * verdict.scale * dist, now, verdict.clipped)
+        if not verdict.clipped:
+            return message
+        self.stats.clipped += 1
+        logger.info("clipped an edge message from %s: distance %.3g scaled by %.3f (%s)", sender[-8:], dist,
+                    verdict.scale, verdict.reason)
+        return reference + verdict.scale * difference
 
     @torch.no_grad()
     def _write_back(self, flat: torch.Tensor) -> None:
