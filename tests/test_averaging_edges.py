@@ -215,3 +215,49 @@ def test_edge_modes_refuse_an_optimizer_they_would_silently_replace():
         RunConfig.model_validate({"name": "x", "averaging": {"mode": "pdmm_isvr"}})
     RunConfig.model_validate({"name": "x", "optimizer": {"name": "sgd", "momentum": 0},
                               "averaging": {"mode": "admm_isvr", "graph": {"kind": "random", "period_steps": 1}}})
+
+
+def _zero_step(worker: StageWorker, edges: EdgeAveraging) -> None:
+    """One update with a zero gradient: only the messages move anything."""
+    with worker.lock:
+        for p in worker.module.parameters():
+            p.grad = torch.zeros_like(p)
+        edges._update()
+
+
+def _same_norm_away(reference: torch.Tensor, away: float, seed: int) -> torch.Tensor:
+    """``reference`` pushed ``away`` of its norm in a random direction, rescaled to its norm."""
+    noise = torch.randn(reference.shape, generator=torch.Generator().manual_seed(seed))
+    moved = reference + away * reference.norm() * noise / noise.norm()
+    return moved * (reference.norm() / moved.norm())
+
+
+@pytest.mark.parametrize("mode", ["dsgd", "pdmm_isvr"])
+def test_a_same_norm_edge_message_moves_the_copy_and_the_dual_at_most_the_step_cap(mode):
+    worker, edges, _, events = _setup(mode)
+    neighbour = build_graph("ring", (ME, *OTHERS), 3).neighbours(ME)[0]
+    _zero_step(worker, edges)  # the node adopts the graph: neutral duals, nothing moves
+    before, norm = _flat(worker), float(_flat(worker).norm())
+    reference = before if mode == "dsgd" else edges.node.duals[neighbour].clone()
+    edges.receive(neighbour, _same_norm_away(reference, 0.3, seed=1), step=0)  # passes the norm check
+    _zero_step(worker, edges)
+    cap = worker.run.averaging.influence.max_step_ratio * norm * (1 + 1e-4)
+    assert float((_flat(worker) - before).norm()) <= cap
+    if mode != "dsgd":
+        assert float((edges.node.duals[neighbour] - reference).norm()) <= cap
+    assert edges.stats.clipped == 1 and edges.stats.applied == 1 and edges.stats.rejected == 0
+
+
+def test_after_honest_messages_a_same_norm_one_is_an_outlier_rejected_and_its_sender_dropped():
+    worker, edges, _, events = _setup("dsgd")
+    neighbour = build_graph("ring", (ME, *OTHERS), 3).neighbours(ME)[0]
+    for i in range(worker.run.averaging.influence.min_history):  # honest: ~0.1 % of the norm away
+        edges.receive(neighbour, _flat(worker) + torch.randn(edges.numel) * 1e-4, step=i)
+        _zero_step(worker, edges)
+    assert edges.stats.applied == worker.run.averaging.influence.min_history and edges.stats.clipped == 0
+    before = _flat(worker)
+    edges.receive(neighbour, _same_norm_away(before, 0.3, seed=2), step=99)
+    _zero_step(worker, edges)
+    assert torch.equal(_flat(worker), before), "nothing of it was applied"
+    assert any(kind == "rejected" and "outlier_multiplier" in text for _, kind, text in events)
+    assert neighbour not in edges.graph.peers

@@ -187,11 +187,12 @@ class SwarmAveraging:
             stats = self.worker.stats
             factor = interpolation_factor(self.cfg, clock=stats.clock, peer_clock=meta["clock"], loss=stats.loss_ema,
                                           peer_loss=meta["loss"])
-            self.worker.mix_in(self._bounded(meta["peer_id"], state, factor), factor, meta["clock"])
+            bounded, clock = self._bounded(meta["peer_id"], state, meta["clock"], factor)
+            self.worker.mix_in(bounded, factor, clock)
             return factor
 
-    def _bounded(self, peer: str, state: dict, weight: float) -> dict:
-        """``state``, or a copy moved toward ours so that the step fits the bounds (under the lock).
+    def _bounded(self, peer: str, state: dict, peer_clock: float, weight: float) -> tuple[dict, float]:
+        """``state`` and its clock, or both moved toward ours so the step fits the bounds (under the lock).
 
         Raises ParamsRejected for an outlier (the caller bans its server) and _Skipped when the peer
         has moved our copy as far as its budget allows within the window."""
@@ -206,11 +207,12 @@ class SwarmAveraging:
             raise _Skipped()
         self.guard.accepted(peer, dist, weight * verdict.scale * dist, now, verdict.clipped)
         if not verdict.clipped:
-            return state
+            return state, peer_clock
         self.stats.clipped += 1
         logger.info("clipped the copy of %s: distance %.3g scaled by %.3f (%s)", peer[-8:], dist, verdict.scale,
                     verdict.reason)
-        return toward(own, state, verdict.scale)
+        clock = self.worker.stats.clock
+        return toward(own, state, verdict.scale), clock + verdict.scale * (peer_clock - clock)
 
     def _notice_averaged(self, peer: str, factor: float) -> None:
         self._unannounced += 1
@@ -286,9 +288,9 @@ class SwarmAveraging:
             if self.trial is not None or baseline is None:
                 raise _Skipped()
             check_params(self.worker.module.state_dict(), state, self.cfg.max_norm_ratio)
-            bounded = self._bounded(peer, state, self.cfg.exchange.factor)
+            bounded, clock = self._bounded(peer, state, meta["clock"], self.cfg.exchange.factor)
             self._backup = self.worker.capture(include_optimizer=True)
-            self.worker.mix_in(bounded, self.cfg.exchange.factor, meta["clock"])
+            self.worker.mix_in(bounded, self.cfg.exchange.factor, clock)
             self.trial = Trial(peer=peer, baseline_loss=baseline, batches=self.cfg.exchange.trial_batches,
                                started_at=time.monotonic())
             return baseline

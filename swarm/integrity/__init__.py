@@ -4,5 +4,8 @@ Decisions are pure functions over plain numbers (a clip bound, sick or not, ban 
 without a network; the stage, the RPC servicer and the peer call them.
 
 Map:
-(filled in as the parts land)
+    mixing.py      bounded influence through averaging: reject, clip or skip one peer's copy or edge
+                   message (centered clipping around the accepted distances, a step cap, a budget per
+                   window, fair share of pulls)
+(more parts land here)
 """
