@@ -140,7 +140,7 @@ def test_constant_half_between_two_idle_peers_gives_the_mean(pair):
     a, b = pair
     torch.manual_seed(1)
     # honest copies are close (a few % of the norm apart); far ones are clipped (test_averaging_poison.py)
-    _set_params(b.worker, {k: v + torch.randn_like(v) * 0.002 for k, v in _params(b).items()})
+    _set_params(b.worker, {k: v + torch.randn_like(v) * 0.002 for k, v in _params(a).items()})
     before_a, before_b = _params(a), _params(b)
     a.averaging.cfg = RUN.averaging
     a.averaging.set_records([_record_of(a), _record_of(b)])
