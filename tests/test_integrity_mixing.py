@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from swarm.averaging.influence import InfluenceGuard, distance, toward
-from swarm.integrity.mixing import InfluenceLedger, judge_mix, typical_distance
+from swarm.integrity.mixing import InfluenceLedger, judge_mix, tensor_scales, typical_distance
 from swarm.runconfig import InfluenceConfig, RunConfig
 
 CFG = InfluenceConfig()  # max_step 0.05, max_distance 0.5, clip x3, outlier x10, history 32 (min 8), floor 0.01
@@ -116,3 +116,15 @@ def test_the_influence_block_is_in_the_run_config_with_safe_defaults():
     assert run.averaging.influence.max_step_ratio == 0.1 and run.averaging.influence.min_history == 8
     with pytest.raises(ValueError, match="min_history"):
         InfluenceConfig(history=8, min_history=9)
+
+
+def test_the_allowance_cannot_be_spent_on_one_small_tensor():
+    # a 100x100 weight of norm 100 and a 10-value bias of norm 1; the whole step aimed at the bias
+    norms, numels = {"w": 100.0, "b": 1.0}, {"w": 10_000, "b": 10}
+    scales = tensor_scales({"w": 0.0, "b": 8.0}, norms, numels, weight=0.5, scale=1.0, cfg=CFG)
+    # the bias counts with its share of the total norm: 100 * sqrt(10 / 10010) ~ 3.16 > its own 1.0
+    share = math.sqrt(100.0**2 + 1.0) * math.sqrt(10 / 10_010)
+    assert 0.5 * 8.0 * scales["b"] == pytest.approx(CFG.max_step_ratio * share)
+    assert scales["w"] == 1.0
+    honest = tensor_scales({"w": 1.0, "b": 0.01}, norms, numels, weight=0.5, scale=1.0, cfg=CFG)
+    assert honest == {"w": 1.0, "b": 1.0}, "small honest differences are untouched"

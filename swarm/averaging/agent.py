@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarm.averaging.checks import ParamsRejected, check_params, total_norm
-from swarm.averaging.influence import InfluenceGuard, distance, toward
+from swarm.averaging.influence import InfluenceGuard, distance, per_tensor, toward
 from swarm.averaging.params_rpc import ParamsRefused, fetch_params
 from swarm.averaging.rules import (
     BanList, FlowControl, Trial, exchange_choice, interpolation_factor, pull_candidates, should_pull, trial_keeps,
@@ -205,14 +205,16 @@ class SwarmAveraging:
         if verdict.scale <= 0.0:
             self.stats.over_budget += 1
             raise _Skipped()
-        self.guard.accepted(peer, dist, weight * verdict.scale * dist, now, verdict.clipped)
-        if not verdict.clipped:
+        scales, step = per_tensor(own, state, weight, verdict.scale, self.cfg.influence)
+        clipped = min(scales.values(), default=1.0) < 1.0
+        self.guard.accepted(peer, dist, step, now, clipped)
+        if not clipped:
             return state, peer_clock
         self.stats.clipped += 1
-        logger.info("clipped the copy of %s: distance %.3g scaled by %.3f (%s)", peer[-8:], dist, verdict.scale,
-                    verdict.reason)
+        logger.info("clipped the copy of %s: distance %.3g, step %.3g of norm %.3g (%s)", peer[-8:], dist, step,
+                    total_norm(own), verdict.reason or "max_step_ratio per tensor")
         clock = self.worker.stats.clock
-        return toward(own, state, verdict.scale), clock + verdict.scale * (peer_clock - clock)
+        return toward(own, state, scales), clock + verdict.scale * (peer_clock - clock)
 
     def _notice_averaged(self, peer: str, factor: float) -> None:
         self._unannounced += 1

@@ -51,6 +51,7 @@ import torch
 
 from swarm.averaging.edge_rpc import EdgeRefused, EdgeServicer, send_edge_message
 from swarm.averaging.influence import InfluenceGuard
+from swarm.integrity.mixing import tensor_scales
 from swarm.averaging.rules import BanList
 from swarm.ecl.graph import PeerGraph, build_graph
 from swarm.ecl.updates import ADMM_THETA, PDMM_THETA, BadMessageError, DsgdNode, EclConfig, EclNode, common_eta
@@ -111,7 +112,8 @@ class EdgeAveraging:
         self.banned = BanList()  # loop thread only
         self.guard = InfluenceGuard(self.cfg.influence)  # compute thread
         self._params = [p for p in worker.module.parameters()]
-        self.numel = sum(p.numel() for p in self._params)
+        self._numels = [p.numel() for p in self._params]
+        self.numel = sum(self._numels)
         self.graph = self._build([me])  # the newest graph (loop thread writes, both read)
         self._current_graph = self.graph  # the graph the node runs on (compute thread)
         self.node = self._make_node(self.graph)
@@ -287,13 +289,26 @@ class EdgeAveraging:
         if verdict.scale <= 0.0:
             self.stats.over_budget += 1
             return None
-        self.guard.accepted(sender, dist, weight * verdict.scale * dist, now, verdict.clipped)
-        if not verdict.clipped:
+        scales = self._tensor_scales(node.params, difference, weight, verdict.scale)
+        step = weight * sum(float((scales[i] * part.double()).pow(2).sum()) for i, part in
+                            enumerate(difference.split(self._numels))) ** 0.5
+        clipped = min(scales.values(), default=1.0) < 1.0
+        self.guard.accepted(sender, dist, step, now, clipped)
+        if not clipped:
             return message
         self.stats.clipped += 1
-        logger.info("clipped an edge message from %s: distance %.3g scaled by %.3f (%s)", sender[-8:], dist,
-                    verdict.scale, verdict.reason)
-        return reference + verdict.scale * difference
+        logger.info("clipped an edge message from %s: distance %.3g, step %.3g (%s)", sender[-8:], dist, step,
+                    verdict.reason or "max_step_ratio per tensor")
+        factors = torch.cat([torch.full((n,), scales[i], dtype=difference.dtype, device=difference.device)
+                             for i, n in enumerate(self._numels)])
+        return reference + factors * difference
+
+    def _tensor_scales(self, params: torch.Tensor, difference: torch.Tensor, weight: float,
+                       scale: float) -> dict[int, float]:
+        """tensor_scales over the flat vector's segments, one per parameter tensor."""
+        dists = {i: float(part.double().norm()) for i, part in enumerate(difference.split(self._numels))}
+        norms = {i: float(part.double().norm()) for i, part in enumerate(params.split(self._numels))}
+        return tensor_scales(dists, norms, dict(enumerate(self._numels)), weight, scale, self.cfg.influence)
 
     @torch.no_grad()
     def _write_back(self, flat: torch.Tensor) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from swarm.integrity.mixing import InfluenceLedger, MixVerdict, judge_mix
+from swarm.integrity.mixing import InfluenceLedger, MixVerdict, judge_mix, tensor_scales
 from swarm.runconfig import InfluenceConfig
 
 
@@ -34,16 +34,31 @@ def distance(ours: Mapping[str, torch.Tensor] | torch.Tensor, theirs: Mapping[st
     return float(torch.stack(squares).sum().sqrt()) if squares else 0.0
 
 
-def toward(ours: Mapping[str, torch.Tensor], theirs: Mapping[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
-    """``ours + scale * (theirs - ours)`` per floating tensor; a clipped copy keeps our integer buffers."""
+def toward(ours: Mapping[str, torch.Tensor], theirs: Mapping[str, torch.Tensor],
+           scale: float | Mapping[str, float]) -> dict[str, torch.Tensor]:
+    """``ours + scale * (theirs - ours)`` per floating tensor (one scale, or one per tensor); a clipped
+    copy keeps our integer buffers."""
     out = {}
     for name, mine in ours.items():
         other = theirs[name].to(mine.device)
+        s = scale if isinstance(scale, (int, float)) else scale.get(name, 1.0)
         if mine.is_floating_point():
-            out[name] = mine.detach() + scale * (other.to(mine.dtype) - mine.detach())
+            out[name] = other if s >= 1.0 else mine.detach() + s * (other.to(mine.dtype) - mine.detach())
         else:
-            out[name] = other if scale >= 1.0 else mine.detach().clone()
+            out[name] = other if s >= 1.0 else mine.detach().clone()
     return out
+
+
+def per_tensor(ours: Mapping[str, torch.Tensor], theirs: Mapping[str, torch.Tensor], weight: float, scale: float,
+               cfg: InfluenceConfig) -> tuple[dict[str, float], float]:
+    """The per-tensor scales of ``tensor_scales`` and the norm of the resulting step ``weight * ||scaled d||``."""
+    floats = {name: t for name, t in ours.items() if t.is_floating_point()}
+    dists = {name: float((theirs[name].detach().to(t.device).double() - t.detach().double()).norm())
+             for name, t in floats.items()}
+    norms = {name: float(t.detach().double().norm()) for name, t in floats.items()}
+    scales = tensor_scales(dists, norms, {name: t.numel() for name, t in floats.items()}, weight, scale, cfg)
+    step = weight * sum((scales[name] * d) ** 2 for name, d in dists.items()) ** 0.5
+    return scales, step
 
 
 class InfluenceGuard:

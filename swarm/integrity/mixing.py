@@ -15,6 +15,10 @@ numbers (norms, a history, a time):
    ``w * ||d||`` fits the peer's budget: everything that peer moved our copy within ``window_s``
    stays under ``max_drift_ratio * ||ours||`` (bounded per unit of time too).
 
+3. **Per tensor**: the step of each tensor is also at most ``max_step_ratio`` of that tensor's norm
+   (``tensor_scales``), so the whole allowance cannot be spent on one small tensor (an output bias);
+   a tensor near zero counts with its share of the total norm, ``||ours|| * sqrt(numel / total)``.
+
 ``typical`` is the median of the last ``history`` accepted distances, at least ``floor_ratio *
 ||ours||``, and unknown until ``min_history`` were accepted (then only the ratio limits apply). The
 accepted distances are recorded unclipped, so the bound follows honest copies drifting apart; an
@@ -27,13 +31,14 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from swarm.runconfig import InfluenceConfig
 
 NORM_FLOOR = 1e-6  # a copy whose norm is ~0 is measured against this instead
 MIN_FREE_PULLS = 2  # pulls per window any peer gets before the fair share counts
+SPENT_BUDGET_STEPS = 0.01  # a budget below this fraction of one full step counts as spent (no crumbs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +81,8 @@ def judge_mix(distance: float, weight: float, reference_norm: float, history: Se
                                f"{cfg.outlier_multiplier:g}", rejected=True)
     if weight <= 0 or distance <= 0:
         return MixVerdict(1.0)
+    if budget_left < SPENT_BUDGET_STEPS * cfg.max_step_ratio * ref:
+        return MixVerdict(0.0, f"its budget per {cfg.window_s:g} s is spent (max_drift_ratio)")
     limits = [(cfg.max_step_ratio * ref / weight, "max_step_ratio"),
               (max(0.0, budget_left) / weight, f"its budget per {cfg.window_s:g} s (max_drift_ratio)")]
     if typical is not None:
@@ -85,6 +92,20 @@ def judge_mix(distance: float, weight: float, reference_norm: float, history: Se
         if limit < bound:
             bound, reason = limit, name
     return MixVerdict(bound / distance, reason)
+
+
+def tensor_scales(distances: Mapping[str, float], norms: Mapping[str, float], numels: Mapping[str, int],
+                  weight: float, scale: float, cfg: InfluenceConfig) -> dict[str, float]:
+    """Per tensor, the scale of its difference: ``scale``, lowered where ``weight * scale * distance``
+    would exceed ``max_step_ratio`` of the tensor's norm (at least its share of the total norm)."""
+    total_norm = math.sqrt(sum(n * n for n in norms.values()))
+    total_numel = max(1, sum(numels.values()))
+    out = {}
+    for name, dist in distances.items():
+        share = total_norm * math.sqrt(numels[name] / total_numel)
+        cap = cfg.max_step_ratio * max(norms[name], share, NORM_FLOOR)
+        out[name] = scale if weight <= 0 or weight * scale * dist <= cap else cap / (weight * dist)
+    return out
 
 
 @dataclass(slots=True)
