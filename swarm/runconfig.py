@@ -91,7 +91,7 @@ class InfluenceConfig(_Strict):
     (swarm/integrity/mixing.py). Distances are ``||theirs - ours||`` over the floating tensors; for ECL
     messages ``ours`` is the edge's dual. Ratios are fractions of our copy's norm."""
 
-    max_step_ratio: float = Field(0.05, gt=0.0, le=1.0, description="one pull, adoption or edge message moves our "
+    max_step_ratio: float = Field(0.1, gt=0.0, le=1.0, description="one pull, adoption or edge message moves our "
                                   "copy (or an edge's dual) by at most this fraction of its norm")
     max_distance_ratio: float = Field(0.5, gt=0.0, description="a copy or message this far from ours (fraction of "
                                       "our norm) is no honest swarm peer's: rejected, its sender banned for ban_s")
@@ -105,8 +105,9 @@ class InfluenceConfig(_Strict):
     floor_ratio: float = Field(0.01, ge=0.0, le=1.0, description="the median counts as at least this fraction of "
                                "our norm, so identical copies do not make every later difference an outlier")
     window_s: float = Field(60.0, gt=0.0, description="the period the per-peer budget and fair share are counted over")
-    max_drift_ratio: float = Field(0.25, gt=0.0, description="all pulls or messages of one peer within window_s move "
-                                   "our copy by at most this fraction of its norm together")
+    max_drift_ratio: float = Field(4.0, gt=0.0, description="all pulls or messages of one peer within window_s move "
+                                   "our copy by at most this fraction of its norm together (a safety net: honest "
+                                   "Dpwa in the default run sums ~1.5 per minute with one partner)")
     fair_share_slack: float = Field(2.0, ge=1.0, description="a peer is pulled at most this many times its fair share "
                                     "of the pulls within window_s (it is skipped meanwhile)")
 

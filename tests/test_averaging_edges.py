@@ -239,7 +239,7 @@ def test_a_same_norm_edge_message_moves_the_copy_and_the_dual_at_most_the_step_c
     _zero_step(worker, edges)  # the node adopts the graph: neutral duals, nothing moves
     before, norm = _flat(worker), float(_flat(worker).norm())
     reference = before if mode == "dsgd" else edges.node.duals[neighbour].clone()
-    edges.receive(neighbour, _same_norm_away(reference, 0.3, seed=1), step=0)  # passes the norm check
+    edges.receive(neighbour, _same_norm_away(reference, 0.45, seed=1), step=0)  # passes the norm check
     _zero_step(worker, edges)
     cap = worker.run.averaging.influence.max_step_ratio * norm * (1 + 1e-4)
     assert float((_flat(worker) - before).norm()) <= cap

@@ -29,7 +29,8 @@ RUN = RunConfig.model_validate({
     "optimizer": {"name": "adam", "lr": 0.01},
     "training": {"batch_size": 8, "in_flight": 1},
     "averaging": {"mode": "dpwa", "fetch_probability": 0.0, "interpolation": "constant", "constant_factor": 0.5,
-                  "timeout_s": 10, "ban_s": 60},
+                  "timeout_s": 10, "ban_s": 60,
+                  "influence": {"max_step_ratio": 0.05, "max_drift_ratio": 0.25}},  # a budget used up in 5 pulls
 })
 BOUNDS = RUN.averaging.influence
 WAIT_S = 30

@@ -24,7 +24,7 @@ from swarm.stage import StageWorker, WorkerState
 RUN = RunConfig.model_validate({
     "name": "avgpull",
     "model": {"stages": 2, "hidden_dim": 32},
-    "optimizer": {"name": "adam", "lr": 0.01},
+    "optimizer": {"name": "adam", "lr": 0.001},  # 30 steps of 0.01 would take a copy 3 norms from its peer
     "training": {"batch_size": 8, "in_flight": 1},
     "averaging": {"mode": "dpwa", "fetch_probability": 0.0, "interpolation": "constant", "constant_factor": 0.5,
                   "timeout_s": 10, "ban_s": 60, "sync_timeout_s": 20},

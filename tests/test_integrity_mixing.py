@@ -16,7 +16,7 @@ from swarm.averaging.influence import InfluenceGuard, distance, toward
 from swarm.integrity.mixing import InfluenceLedger, judge_mix, tensor_scales, typical_distance
 from swarm.runconfig import InfluenceConfig, RunConfig
 
-CFG = InfluenceConfig()  # max_step 0.05, max_distance 0.5, clip x3, outlier x10, history 32 (min 8), floor 0.01
+CFG = InfluenceConfig(max_step_ratio=0.05, max_drift_ratio=0.25)  # max_distance 0.5, clip x3, outlier x10, history 32
 NORM = 100.0
 BUDGET = math.inf
 
@@ -112,8 +112,9 @@ def test_the_guard_moves_a_same_norm_perturbation_by_at_most_the_step_cap():
 
 
 def test_the_influence_block_is_in_the_run_config_with_safe_defaults():
-    run = RunConfig.model_validate({"name": "x", "averaging": {"influence": {"max_step_ratio": 0.1}}})
-    assert run.averaging.influence.max_step_ratio == 0.1 and run.averaging.influence.min_history == 8
+    run = RunConfig.model_validate({"name": "x", "averaging": {"influence": {"max_step_ratio": 0.2}}})
+    assert run.averaging.influence.max_step_ratio == 0.2 and run.averaging.influence.min_history == 8
+    assert RunConfig(name="x").averaging.influence.max_step_ratio == 0.1
     with pytest.raises(ValueError, match="min_history"):
         InfluenceConfig(history=8, min_history=9)
 
