@@ -232,7 +232,7 @@ def _same_norm_away(reference: torch.Tensor, away: float, seed: int) -> torch.Te
     return moved * (reference.norm() / moved.norm())
 
 
-@pytest.mark.parametrize("mode", ["dsgd", "pdmm_isvr"])
+@pytest.mark.parametrize("mode", ["dsgd"])
 def test_a_same_norm_edge_message_moves_the_copy_and_the_dual_at_most_the_step_cap(mode):
     worker, edges, _, events = _setup(mode)
     neighbour = build_graph("ring", (ME, *OTHERS), 3).neighbours(ME)[0]
@@ -261,3 +261,18 @@ def test_after_honest_messages_a_same_norm_one_is_an_outlier_rejected_and_its_se
     assert torch.equal(_flat(worker), before), "nothing of it was applied"
     assert any(kind == "rejected" and "outlier_multiplier" in text for _, kind, text in events)
     assert neighbour not in edges.graph.peers
+
+
+def test_an_ecl_message_far_from_the_dual_is_rejected_and_a_near_one_applied_whole():
+    worker, edges, _, events = _setup("pdmm_isvr")
+    neighbour = build_graph("ring", (ME, *OTHERS), 3).neighbours(ME)[0]
+    _zero_step(worker, edges)
+    dual = edges.node.duals[neighbour].clone()
+    near = _same_norm_away(dual, 0.3, seed=3)  # within max_distance_ratio: PDMM takes it as it is
+    edges.receive(neighbour, near, step=0)
+    _zero_step(worker, edges)
+    assert torch.allclose(edges.node.duals[neighbour], near) and edges.stats.clipped == 0
+    edges.receive(neighbour, _same_norm_away(near, 1.5, seed=4), step=1)  # the same norm, far away
+    _zero_step(worker, edges)
+    assert torch.allclose(edges.node.duals[neighbour], near), "nothing of it was applied"
+    assert any(kind == "rejected" and "max_distance_ratio" in text for _, kind, text in events)
