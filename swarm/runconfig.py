@@ -105,9 +105,10 @@ class InfluenceConfig(_Strict):
     floor_ratio: float = Field(0.01, ge=0.0, le=1.0, description="the median counts as at least this fraction of "
                                "our norm, so identical copies do not make every later difference an outlier")
     window_s: float = Field(60.0, gt=0.0, description="the period the per-peer budget and fair share are counted over")
-    max_drift_ratio: float = Field(4.0, gt=0.0, description="all pulls or messages of one peer within window_s move "
-                                   "our copy by at most this fraction of its norm together (a safety net: honest "
-                                   "Dpwa in the default run sums ~1.5 per minute with one partner)")
+    max_drift_ratio: float = Field(0.0, ge=0.0, description="all pulls or messages of one peer within window_s move "
+                                   "our copy by at most this many times its norm together; 0 (the default) turns "
+                                   "this off: honest steps go back and forth, and their sum grows with the pull "
+                                   "rate (measured: an honest PDMM edge spent a 0.25 budget within the minute)")
     fair_share_slack: float = Field(2.0, ge=1.0, description="a peer is pulled at most this many times its fair share "
                                     "of the pulls within window_s (it is skipped meanwhile)")
 

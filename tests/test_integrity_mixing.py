@@ -16,7 +16,7 @@ from swarm.averaging.influence import InfluenceGuard, distance, toward
 from swarm.integrity.mixing import InfluenceLedger, judge_mix, tensor_scales, typical_distance
 from swarm.runconfig import InfluenceConfig, RunConfig
 
-CFG = InfluenceConfig(max_step_ratio=0.05, max_drift_ratio=0.25)  # max_distance 0.5, clip x3, outlier x10, history 32
+CFG = InfluenceConfig(max_step_ratio=0.05, max_drift_ratio=0.25)  # the budget on, to test it  # max_distance 0.5, clip x3, outlier x10, history 32
 NORM = 100.0
 BUDGET = math.inf
 
@@ -129,3 +129,11 @@ def test_the_allowance_cannot_be_spent_on_one_small_tensor():
     assert scales["w"] == 1.0
     honest = tensor_scales({"w": 1.0, "b": 0.01}, norms, numels, weight=0.5, scale=1.0, cfg=CFG)
     assert honest == {"w": 1.0, "b": 1.0}, "small honest differences are untouched"
+
+
+def test_the_budget_is_off_by_default():
+    cfg = InfluenceConfig()
+    ledger = InfluenceLedger(window_s=60.0)
+    ledger.record("a", 0.0, 1e9)
+    assert ledger.budget_left("a", 1.0, NORM, cfg) == math.inf
+    assert judge_mix(2.0, 0.5, NORM, [2.0] * 10, ledger.budget_left("a", 1.0, NORM, cfg), cfg).scale == 1.0

@@ -255,6 +255,8 @@ class EdgeAveraging:
         for sender, messages in inbox.items():
             if sender not in neighbours:  # the graph changed since it arrived: that edge is gone
                 continue
+            if isinstance(node, DsgdNode):  # a DSGD message is a whole copy: the newest one subsumes the rest,
+                messages = [messages[-1]]  # and a flooding sender gets one mixing step per local step
             bound = self.cfg.max_norm_ratio * max(own_norm, float(node.make_message(sender).norm()))
             for message in messages:
                 norm = float(message.norm())

@@ -12,8 +12,10 @@ numbers (norms, a history, a time):
    or over ``outlier_multiplier`` times the typical distance (centered clipping's outlier).
 2. **Clipped** (centered clipping, Karimireddy, He & Jaggi 2021): ``d`` is scaled down so that
    ``||d|| <= clip_multiplier * typical`` and ``w * ||d|| <= max_step_ratio * ||ours||`` and
-   ``w * ||d||`` fits the peer's budget: everything that peer moved our copy within ``window_s``
-   stays under ``max_drift_ratio * ||ours||`` (bounded per unit of time too).
+   ``w * ||d||`` fits the peer's budget when one is set: everything that peer moved our copy within
+   ``window_s`` stays under ``max_drift_ratio * ||ours||``. Off by default (honest steps go back and
+   forth, so their sum grows with the pull rate); the bound per unit of time is then the step cap
+   times the peer's fair share of the pulls (``InfluenceLedger.over_share``).
 
 3. **Per tensor**: the step of each tensor is also at most ``max_step_ratio`` of that tensor's norm
    (``tensor_scales``), so the whole allowance cannot be spent on one small tensor (an output bias);
@@ -140,6 +142,9 @@ class InfluenceLedger:
         return len(self._recent(peer, now))
 
     def budget_left(self, peer: str, now: float, reference_norm: float, cfg: InfluenceConfig) -> float:
+        """What ``peer`` may still move our copy by within the window (inf when the budget is off)."""
+        if cfg.max_drift_ratio <= 0:
+            return math.inf
         return cfg.max_drift_ratio * max(reference_norm, NORM_FLOOR) - self.moved(peer, now)
 
     def over_share(self, peer: str, candidates: Iterable[str], now: float, slack: float) -> bool:
