@@ -50,8 +50,7 @@ from typing import Any
 import torch
 
 from swarm.averaging.edge_rpc import EdgeRefused, EdgeServicer, send_edge_message
-from swarm.averaging.influence import InfluenceGuard
-from swarm.integrity.mixing import tensor_scales
+from swarm.averaging.influence import InfluenceGuard, flat_scales
 from swarm.averaging.rules import BanList
 from swarm.ecl.graph import PeerGraph, build_graph
 from swarm.ecl.updates import ADMM_THETA, PDMM_THETA, BadMessageError, DsgdNode, EclConfig, EclNode, common_eta
@@ -298,26 +297,14 @@ class EdgeAveraging:
         if verdict.scale <= 0.0:
             self.stats.over_budget += 1
             return None
-        scales = self._tensor_scales(node.params, difference, weight, verdict.scale)
-        step = weight * sum(float((scales[i] * part.double()).pow(2).sum()) for i, part in
-                            enumerate(difference.split(self._numels))) ** 0.5
-        clipped = min(scales.values(), default=1.0) < 1.0
-        self.guard.accepted(sender, dist, step, now, clipped)
-        if not clipped:
+        factors, step = flat_scales(node.params, difference, self._numels, weight, verdict.scale, self.cfg.influence)
+        self.guard.accepted(sender, dist, step, now, factors is not None)
+        if factors is None:
             return message
         self.stats.clipped += 1
         logger.info("clipped an edge message from %s: distance %.3g, step %.3g (%s)", sender[-8:], dist, step,
                     verdict.reason or "max_step_ratio per tensor")
-        factors = torch.cat([torch.full((n,), scales[i], dtype=difference.dtype, device=difference.device)
-                             for i, n in enumerate(self._numels)])
         return reference + factors * difference
-
-    def _tensor_scales(self, params: torch.Tensor, difference: torch.Tensor, weight: float,
-                       scale: float) -> dict[int, float]:
-        """tensor_scales over the flat vector's segments, one per parameter tensor."""
-        dists = {i: float(part.double().norm()) for i, part in enumerate(difference.split(self._numels))}
-        norms = {i: float(part.double().norm()) for i, part in enumerate(params.split(self._numels))}
-        return tensor_scales(dists, norms, dict(enumerate(self._numels)), weight, scale, self.cfg.influence)
 
     @torch.no_grad()
     def _write_back(self, flat: torch.Tensor) -> None:

@@ -88,3 +88,19 @@ class InfluenceGuard:
         peers = list(candidates)
         with self._lock:
             return {p for p in peers if self.ledger.over_share(p, peers, now, self.cfg.fair_share_slack)}
+
+
+def flat_scales(params: torch.Tensor, difference: torch.Tensor, numels: list[int], weight: float, scale: float,
+                cfg: InfluenceConfig) -> tuple[torch.Tensor | None, float]:
+    """``per_tensor`` for a flat vector cut into parameter tensors of ``numels`` values: the factor of
+    each value (None when nothing is clipped) and the norm of the step ``weight * factors * difference``."""
+    parts = difference.split(numels)
+    dists = {i: float(part.double().norm()) for i, part in enumerate(parts)}
+    norms = {i: float(part.double().norm()) for i, part in enumerate(params.split(numels))}
+    scales = tensor_scales(dists, norms, dict(enumerate(numels)), weight, scale, cfg)
+    step = weight * sum((scales[i] * d) ** 2 for i, d in dists.items()) ** 0.5
+    if min(scales.values(), default=1.0) >= 1.0:
+        return None, step
+    factors = torch.cat([torch.full((n,), scales[i], dtype=difference.dtype, device=difference.device)
+                         for i, n in enumerate(numels)])
+    return factors, step
