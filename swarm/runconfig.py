@@ -96,6 +96,40 @@ class ExchangeConfig(_Strict):
     distrust_s: float = Field(300.0, ge=0.0)
 
 
+class InfluenceConfig(_Strict):
+    """What one peer's copy (a Dpwa pull, a best-model adoption) or edge message can do to ours
+    (swarm/integrity/mixing.py). Distances are ``||theirs - ours||`` over the floating tensors; for ECL
+    messages ``ours`` is the edge's dual. Ratios are fractions of our copy's norm."""
+
+    max_step_ratio: float = Field(0.1, gt=0.0, le=1.0, description="one pull, adoption or edge message moves our "
+                                  "copy (or an edge's dual) by at most this fraction of its norm")
+    max_distance_ratio: float = Field(0.5, gt=0.0, description="a copy or message this far from ours (fraction of "
+                                      "our norm) is no honest swarm peer's: rejected, its sender banned for ban_s")
+    clip_multiplier: float = Field(3.0, gt=1.0, le=1000.0, description="a difference is clipped to this many times "
+                                   "the median of the recently accepted ones (centered clipping)")
+    outlier_multiplier: float = Field(10.0, gt=1.0, le=1e6, description="a difference this many times the median "
+                                      "of the accepted ones is rejected, its sender banned for ban_s")
+    history: int = Field(32, ge=4, le=100_000, description="accepted differences the median is taken over")
+    min_history: int = Field(8, ge=1, le=100_000, description="until this many were accepted, only the ratio "
+                             "limits apply (no clip or outlier test from the history)")
+    floor_ratio: float = Field(0.01, ge=0.0, le=1.0, description="the median counts as at least this fraction of "
+                               "our norm, so identical copies do not make every later difference an outlier")
+    window_s: float = Field(60.0, gt=0.0, description="the period the per-peer budget and fair share are counted over")
+    max_drift_ratio: float = Field(0.0, ge=0.0, description="all pulls or messages of one peer within window_s move "
+                                   "our copy by at most this many times its norm together; 0 (the default) turns "
+                                   "this off: honest steps go back and forth, and their sum grows with the pull "
+                                   "rate (measured: an honest PDMM edge spent a 0.25 budget within the minute)")
+    fair_share_slack: float = Field(2.0, ge=1.0, description="a peer is pulled at most this many times its fair share "
+                                    "of the pulls within window_s (it is skipped meanwhile)")
+
+    @model_validator(mode="after")
+    def _history_holds_the_minimum(self) -> "InfluenceConfig":
+        if self.min_history > self.history:
+            raise ValueError(f"averaging.influence.min_history ({self.min_history}) must not exceed history "
+                             f"({self.history}): the median would never be used")
+        return self
+
+
 EDGE_MODES = frozenset({"dsgd", "pdmm_isvr", "admm_isvr"})  # averaging over a peer graph (swarm/averaging/edges.py)
 
 
@@ -128,6 +162,7 @@ class AveragingConfig(_Strict):
     allreduce_every_s: float = Field(30.0, gt=0.0, description="mode allreduce: period of the group rounds")
     graph: GraphConfig = GraphConfig()
     exchange: ExchangeConfig = ExchangeConfig()
+    influence: InfluenceConfig = InfluenceConfig()
 
 
 class IntegrityConfig(_Strict):

@@ -85,8 +85,8 @@ def test_worker_update_is_the_ecl_node_update_with_messages_applied_in_order():
     edges.node.step = lambda grad: (grads.append(grad.clone()), real_step(grad))[1]
     neighbours = graph.neighbours(ME)
     for i in range(10):
-        if i in (2, 5):  # a neighbour's message arrives between two steps
-            message = torch.randn(edges.numel) * 0.1
+        if i in (2, 5):  # a neighbour's message arrives between two steps, near our dual as an honest one is
+            message = reference.duals[neighbours[i % 2]] + torch.randn(edges.numel) * 0.002
             edges.receive(neighbours[i % 2], message, step=i)
             reference.on_messages({neighbours[i % 2]: message})
         worker.forward_backward(f"mb{i}", *_batch(i))
@@ -114,13 +114,13 @@ def test_dsgd_mixes_with_a_neighbour_copy_by_metropolis_weight():
     worker, edges, _, _ = _setup("dsgd")
     neighbour = build_graph("ring", (ME, *OTHERS), 3).neighbours(ME)[0]
     before = _flat(worker)
-    edges.receive(neighbour, before + 0.03, step=0)
+    edges.receive(neighbour, before + 0.003, step=0)
     # a zero gradient isolates the mixing: w <- w + W_ij (w_j - w), W_ij = 1/(1 + max(2, 2))
     for p in worker.module.parameters():
         p.grad = torch.zeros_like(p)
     with worker.lock:
         edges._update()
-    assert torch.allclose(_flat(worker), before + 0.01, atol=1e-6)
+    assert torch.allclose(_flat(worker), before + 0.001, atol=1e-6)
     assert edges.stats.applied == 1 and edges.stats.rejected == 0
 
 
@@ -141,7 +141,7 @@ def test_the_graph_follows_the_online_records_and_says_so():
 def test_a_step_with_a_new_graph_keeps_surviving_duals_and_rescales_eta():
     worker, edges, _, _ = _setup()
     worker.forward_backward("mb0", *_batch(0))
-    edges.receive("peer-a", torch.ones(edges.numel), step=1)
+    edges.receive("peer-a", edges.node.duals["peer-a"] + 0.001, step=1)
     worker.forward_backward("mb1", *_batch(1))
     dual_a = edges.node.duals["peer-a"].clone()
     # c and d left (their records say so): a ring of two, one edge
@@ -215,3 +215,64 @@ def test_edge_modes_refuse_an_optimizer_they_would_silently_replace():
         RunConfig.model_validate({"name": "x", "averaging": {"mode": "pdmm_isvr"}})
     RunConfig.model_validate({"name": "x", "optimizer": {"name": "sgd", "momentum": 0},
                               "averaging": {"mode": "admm_isvr", "graph": {"kind": "random", "period_steps": 1}}})
+
+
+def _zero_step(worker: StageWorker, edges: EdgeAveraging) -> None:
+    """One update with a zero gradient: only the messages move anything."""
+    with worker.lock:
+        for p in worker.module.parameters():
+            p.grad = torch.zeros_like(p)
+        edges._update()
+
+
+def _same_norm_away(reference: torch.Tensor, away: float, seed: int) -> torch.Tensor:
+    """``reference`` pushed ``away`` of its norm in a random direction, rescaled to its norm."""
+    noise = torch.randn(reference.shape, generator=torch.Generator().manual_seed(seed))
+    moved = reference + away * reference.norm() * noise / noise.norm()
+    return moved * (reference.norm() / moved.norm())
+
+
+@pytest.mark.parametrize("mode", ["dsgd"])
+def test_a_same_norm_edge_message_moves_the_copy_and_the_dual_at_most_the_step_cap(mode):
+    worker, edges, _, events = _setup(mode)
+    neighbour = build_graph("ring", (ME, *OTHERS), 3).neighbours(ME)[0]
+    _zero_step(worker, edges)  # the node adopts the graph: neutral duals, nothing moves
+    before, norm = _flat(worker), float(_flat(worker).norm())
+    reference = before if mode == "dsgd" else edges.node.duals[neighbour].clone()
+    edges.receive(neighbour, _same_norm_away(reference, 0.45, seed=1), step=0)  # passes the norm check
+    _zero_step(worker, edges)
+    cap = worker.run.averaging.influence.max_step_ratio * norm * (1 + 1e-4)
+    assert float((_flat(worker) - before).norm()) <= cap
+    if mode != "dsgd":
+        assert float((edges.node.duals[neighbour] - reference).norm()) <= cap
+    assert edges.stats.clipped == 1 and edges.stats.applied == 1 and edges.stats.rejected == 0
+
+
+def test_after_honest_messages_a_same_norm_one_is_an_outlier_rejected_and_its_sender_dropped():
+    worker, edges, _, events = _setup("dsgd")
+    neighbour = build_graph("ring", (ME, *OTHERS), 3).neighbours(ME)[0]
+    for i in range(worker.run.averaging.influence.min_history):  # honest: ~0.1 % of the norm away
+        edges.receive(neighbour, _flat(worker) + torch.randn(edges.numel) * 1e-4, step=i)
+        _zero_step(worker, edges)
+    assert edges.stats.applied == worker.run.averaging.influence.min_history and edges.stats.clipped == 0
+    before = _flat(worker)
+    edges.receive(neighbour, _same_norm_away(before, 0.3, seed=2), step=99)
+    _zero_step(worker, edges)
+    assert torch.equal(_flat(worker), before), "nothing of it was applied"
+    assert any(kind == "rejected" and "outlier_multiplier" in text for _, kind, text in events)
+    assert neighbour not in edges.graph.peers
+
+
+def test_an_ecl_message_far_from_the_dual_is_rejected_and_a_near_one_applied_whole():
+    worker, edges, _, events = _setup("pdmm_isvr")
+    neighbour = build_graph("ring", (ME, *OTHERS), 3).neighbours(ME)[0]
+    _zero_step(worker, edges)
+    dual = edges.node.duals[neighbour].clone()
+    near = _same_norm_away(dual, 0.3, seed=3)  # within max_distance_ratio: PDMM takes it as it is
+    edges.receive(neighbour, near, step=0)
+    _zero_step(worker, edges)
+    assert torch.allclose(edges.node.duals[neighbour], near) and edges.stats.clipped == 0
+    edges.receive(neighbour, _same_norm_away(near, 1.5, seed=4), step=1)  # the same norm, far away
+    _zero_step(worker, edges)
+    assert torch.allclose(edges.node.duals[neighbour], near), "nothing of it was applied"
+    assert any(kind == "rejected" and "max_distance_ratio" in text for _, kind, text in events)

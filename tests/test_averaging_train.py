@@ -100,7 +100,9 @@ def _distance_after(fetch_probability: float, samples: int, until_ratio: float =
             peer.start()
         torch.manual_seed(3)
         params = b.worker.state_snapshot()
-        b.worker.restore(WorkerState(params={k: v + torch.randn_like(v) * v.std() for k, v in params.items()},
+        # 30 % of the norm apart (~0.3 std per value): a copy much farther is no swarm peer's and is rejected
+        # (averaging.influence.max_distance_ratio, tests/test_averaging_poison.py)
+        b.worker.restore(WorkerState(params={k: v + torch.randn_like(v) * v.std() * 0.3 for k, v in params.items()},
                                      optimizer=None, clock=0.0, loss_ema=None, param_version=0))
         start = _distance(a, b)
         driver.start()
@@ -122,8 +124,11 @@ def test_two_copies_that_start_apart_come_together_while_training():
 
 
 def test_a_peer_lying_about_its_loss_is_rolled_back_and_the_swarm_still_learns():
+    # The trial on its own: the bounds that would reject these weights outright are opened wide here
+    # (test_averaging_poison.py tests them); the trial is the second line of defence.
     run = _run("avglie", {"mode": "dpwa", "fetch_probability": 0.0,
-                          "exchange": {"every_samples": 4000, "margin": 0.05, "trial_batches": 8, "distrust_s": 300}})
+                          "exchange": {"every_samples": 4000, "margin": 0.05, "trial_batches": 8, "distrust_s": 300},
+                          "influence": {"max_distance_ratio": 100.0, "max_step_ratio": 1.0, "max_drift_ratio": 100.0}})
     pipe = Pipeline(run)
     try:
         driver, honest, liar = pipe.peer("layer0"), pipe.peer("layer1"), pipe.peer("layer1")

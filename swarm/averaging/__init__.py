@@ -4,6 +4,7 @@ Files:
     rules.py       pure decisions: interpolation factor (constant / clock / loss, divergence rule),
                    flow-control peer scores, bans, donor order for newcomers, best-model choice, trial verdict
     checks.py      checks on received parameters and optimizer state (names, shapes, dtypes, finite, norm)
+    influence.py   ``InfluenceGuard``: swarm/integrity/mixing.py's bounds on one copy or edge message, on tensors
     state.py       optimizer state as named tensors, so it can travel between peers
     params_rpc.py  the parameter service (streaming RPC) and ``fetch_params``, its plain client
     agent.py       ``SwarmAveraging``: Dpwa pulls and best-model exchange with trials, beside training

@@ -12,6 +12,13 @@ a peer they remain a good estimate, and sending them would triple each pull. Res
 restart Adam's bias correction on every pull. A rollback restores the optimizer state saved with
 the old copy; a newcomer (sync.py) downloads the donor's optimizer state with its weights.
 
+Bounded influence (the decision): every copy that passed ``check_params`` goes through an
+``InfluenceGuard`` (influence.py, rules in swarm/integrity/mixing.py) before it is mixed in or
+adopted: an outlier is rejected and its server banned like a copy that failed the checks; otherwise
+the step ``f * (peer - ours)`` is clipped (the copy handed to ``mix_in`` is moved toward ours
+first), and a peer that already moved our copy by its budget within the window is skipped. Pulls
+go to peers within their fair share of the window's pulls, so no one peer fills the history.
+
 Events (through ``notify``): rejections, adoptions, trial verdicts and rollbacks always; successful
 Dpwa pulls at most once per ``AVERAGED_NOTICE_S`` (they happen several times a second), saying how
 many pulls happened since the last notice.
@@ -29,7 +36,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
-from swarm.averaging.checks import ParamsRejected, check_params
+from swarm.averaging.checks import ParamsRejected, check_params, total_norm
+from swarm.averaging.influence import InfluenceGuard, distance, per_tensor, toward
 from swarm.averaging.params_rpc import ParamsRefused, fetch_params
 from swarm.averaging.rules import (
     BanList, FlowControl, Trial, exchange_choice, interpolation_factor, pull_candidates, should_pull, trial_keeps,
@@ -52,6 +60,8 @@ class AveragingStats:
     averaged: int = 0  # interpolations applied
     failed: int = 0  # pulls that timed out, broke or were refused
     rejected: int = 0  # copies refused by the checks
+    clipped: int = 0  # copies applied with a clipped step (swarm/integrity/mixing.py)
+    over_budget: int = 0  # copies dropped because their peer had moved ours enough within the window
     adopted: int = 0
     kept: int = 0  # adoptions that passed their trial
     rolled_back: int = 0
@@ -83,6 +93,7 @@ class SwarmAveraging:
         self.flow = FlowControl()
         self.banned = BanList()
         self.distrusted = BanList()
+        self.guard = InfluenceGuard(self.cfg.influence)
         self._bans_lock = threading.Lock()  # ban lists are written from the compute thread too
         self._draw_rng = random.Random(seed)  # compute thread only
         self._choice_rng = random.Random(None if seed is None else seed + 1)  # loop thread only
@@ -145,7 +156,9 @@ class SwarmAveraging:
     async def pull_once(self) -> bool:
         """Pull one peer's copy and interpolate toward it; True if it was applied."""
         now = time.monotonic()
-        peer = self.flow.choose(pull_candidates(self.records, self.me, self.excluded(now)), now, self._choice_rng)
+        candidates = pull_candidates(self.records, self.me, self.excluded(now))
+        busy = self.guard.over_share(candidates, now)  # fair share: they wait for the others to catch up
+        peer = self.flow.choose([p for p in candidates if p not in busy], now, self._choice_rng)
         if peer is None:
             return False
         self.stats.pulls += 1
@@ -174,8 +187,34 @@ class SwarmAveraging:
             stats = self.worker.stats
             factor = interpolation_factor(self.cfg, clock=stats.clock, peer_clock=meta["clock"], loss=stats.loss_ema,
                                           peer_loss=meta["loss"])
-            self.worker.mix_in(state, factor, meta["clock"])
+            bounded, clock = self._bounded(meta["peer_id"], state, meta["clock"], factor)
+            self.worker.mix_in(bounded, factor, clock)
             return factor
+
+    def _bounded(self, peer: str, state: dict, peer_clock: float, weight: float) -> tuple[dict, float]:
+        """``state`` and its clock, or both moved toward ours so the step fits the bounds (under the lock).
+
+        Raises ParamsRejected for an outlier (the caller bans its server) and _Skipped when the peer
+        has moved our copy as far as its budget allows within the window."""
+        own = self.worker.module.state_dict()
+        now = time.monotonic()
+        dist = distance(own, state)
+        verdict = self.guard.judge(peer, dist, weight, total_norm(own), now)
+        if verdict.rejected:
+            raise ParamsRejected(verdict.reason)
+        if verdict.scale <= 0.0:
+            self.stats.over_budget += 1
+            raise _Skipped()
+        scales, step = per_tensor(own, state, weight, verdict.scale, self.cfg.influence)
+        clipped = min(scales.values(), default=1.0) < 1.0
+        self.guard.accepted(peer, dist, step, now, clipped)
+        if not clipped:
+            return state, peer_clock
+        self.stats.clipped += 1
+        logger.info("clipped the copy of %s: distance %.3g, step %.3g of norm %.3g (%s)", peer[-8:], dist, step,
+                    total_norm(own), verdict.reason or "max_step_ratio per tensor")
+        clock = self.worker.stats.clock
+        return toward(own, state, scales), clock + verdict.scale * (peer_clock - clock)
 
     def _notice_averaged(self, peer: str, factor: float) -> None:
         self._unannounced += 1
@@ -251,8 +290,9 @@ class SwarmAveraging:
             if self.trial is not None or baseline is None:
                 raise _Skipped()
             check_params(self.worker.module.state_dict(), state, self.cfg.max_norm_ratio)
+            bounded, clock = self._bounded(peer, state, meta["clock"], self.cfg.exchange.factor)
             self._backup = self.worker.capture(include_optimizer=True)
-            self.worker.mix_in(state, self.cfg.exchange.factor, meta["clock"])
+            self.worker.mix_in(bounded, self.cfg.exchange.factor, clock)
             self.trial = Trial(peer=peer, baseline_loss=baseline, batches=self.cfg.exchange.trial_batches,
                                started_at=time.monotonic())
             return baseline

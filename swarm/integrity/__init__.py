@@ -11,4 +11,6 @@ Map:
 - direction.py   which way each driver pushes the copy (cosine with the swarm's direction)
 - requesters.py  fair share, in-flight cap, strikes and bans per driver (pure decisions + RequesterBook)
 - labels.py      targets by sample id, shard checks, the view of the run's drivers
+- mixing.py      bounded influence through averaging: reject, clip or skip one peer's copy or edge message
+                 (centered clipping around the accepted distances, a step cap, a budget per window)
 """
