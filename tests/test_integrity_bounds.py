@@ -280,3 +280,11 @@ def test_the_gate_serves_known_drivers_reads_records_at_most_once_a_second_and_l
         assert await gate.admit("late", "forward") is None  # joined since the heartbeat: found by the read
 
     asyncio.run(main())
+
+
+def test_an_honest_heavy_tail_of_clipped_updates_is_no_strike_but_absurd_gradients_are():
+    """Measured: at 0.5 the default demo banned its only driver (hard micro-batches clipped to 0.17)."""
+    book = RequesterBook(IntegrityConfig())
+    assert all(book.on_update("honest", 0.17, None, now=t * 0.03) is None for t in range(1000))
+    bans = [book.on_update("huge", 1e-9, None, now=t * 0.03) for t in range(20)]
+    assert any(ban is not None for ban in bans), "1e30 gradients (clipped to nothing) get their sender banned"
