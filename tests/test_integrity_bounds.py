@@ -288,3 +288,16 @@ def test_an_honest_heavy_tail_of_clipped_updates_is_no_strike_but_absurd_gradien
     assert all(book.on_update("honest", 0.17, None, now=t * 0.03) is None for t in range(1000))
     bans = [book.on_update("huge", 1e-9, None, now=t * 0.03) for t in range(20)]
     assert any(ban is not None for ban in bans), "1e30 gradients (clipped to nothing) get their sender banned"
+
+
+def test_a_lone_driver_is_never_judged_against_itself_and_the_senior_driver_not_against_a_newcomer():
+    """Measured: SGD momentum at a large step oscillates (cosine -0.25 with its own EMA): the demo banned
+    its only driver. The reference is the others' directions, weighing at least as much as the judged one."""
+    torch.manual_seed(0)
+    tracker = DirectionTracker()
+    direction = torch.randn(100)
+    alone = [tracker.observe("only", [direction * (-1) ** t], now=float(t)) for t in range(100)]
+    assert alone == [None] * 100
+    for t in range(20):  # an ascent newcomer: it is judged, the senior driver is not judged against it
+        assert tracker.observe("ascent", [-direction], now=100.0 + t) is not None
+        assert tracker.observe("only", [direction], now=100.0 + t) is None

@@ -4,10 +4,13 @@ Per driver we keep an EMA of the unit direction of its (clipped) parameter gradi
 new update is compared with is the sum of every driver's EMA, each weighted by its tenure here
 (``min(1, seconds since first seen / TENURE_FULL_S)``): the drivers that have trained this copy for
 a while define "the consensus", and a newcomer that pushes the other way (gradient ascent) shows a
-mean cosine well below zero within a few dozen updates while it carries little weight itself. The
-driver's own EMA is part of the reference, so with one honest and one hostile driver the one that was
-here first is not blamed. Sybils that outnumber and outlast the honest drivers defeat this; the
-fair share and the bounds still limit what they do per update.
+mean cosine well below zero within a few dozen updates while it carries little weight itself.
+The reference is the OTHER drivers' directions, and a cosine counts only when they carry at least
+the weight of the driver judged: a lone driver is never compared with itself (SGD with momentum at a
+large step oscillates, and its cosine with its own EMA reached -0.25: the demo banned its only
+driver), and with one honest and one hostile driver only the newcomer is judged. Sybils that
+outnumber and outlast the honest drivers defeat this; the fair share and the bounds still limit what
+they do per update.
 """
 
 from __future__ import annotations
@@ -47,13 +50,14 @@ class DirectionTracker:
         if norm == 0.0 or not torch.isfinite(flat).all():
             return None
         unit = flat / norm
-        reference = self._reference(now)
+        track = self._tracks.get(requester)
+        own_weight = tenure_weight(now - track.first_seen) if track is not None else 0.0
+        reference, others_weight = self._reference(now, excluding=requester)
         cosine = None
-        if reference is not None:
+        if reference is not None and others_weight > 0 and others_weight >= own_weight:
             ref_norm = float(reference.norm())
             if ref_norm > 0:
                 cosine = float(unit @ reference) / ref_norm
-        track = self._tracks.get(requester)
         if track is None or track.ema.shape != unit.shape:
             self._forget_oldest()
             track = self._tracks[requester] = _Track(ema=torch.zeros_like(unit), first_seen=now, last_seen=now)
@@ -64,14 +68,16 @@ class DirectionTracker:
     def forget(self, requester: str) -> None:
         self._tracks.pop(requester, None)
 
-    def _reference(self, now: float) -> torch.Tensor | None:
-        out = None
-        for track in self._tracks.values():
+    def _reference(self, now: float, excluding: str) -> tuple[torch.Tensor | None, float]:
+        """The other drivers' directions weighted by tenure, and their total weight."""
+        out, total = None, 0.0
+        for requester, track in self._tracks.items():
             weight = tenure_weight(now - track.first_seen)
-            if weight <= 0:
+            if weight <= 0 or requester == excluding or track.ema.shape != (out.shape if out is not None else track.ema.shape):
                 continue
             out = track.ema * weight if out is None else out.add_(track.ema, alpha=weight)
-        return out
+            total += weight
+        return out, total
 
     def _forget_oldest(self) -> None:
         while len(self._tracks) >= self.max_tracked:
