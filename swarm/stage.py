@@ -148,7 +148,8 @@ class StageWorker:
         self._step_hooks: list[Callable[[StepInfo], None]] = []
         self._update: Callable[[], None] = self.optimizer.step
         self._custom_rule = False  # an edge mode's rule: guarded for finiteness, its move not step-bounded
-        self.health = HealthMonitor(run.integrity)  # a sick copy serves nothing (SickCopy) until it heals
+        # a sick copy serves nothing (SickCopy) until it heals
+        self.health = HealthMonitor(run.integrity, chance_loss=math.log(self._num_outputs()))
         cfg = run.integrity
         self.grad_norms = NormHistory(cfg.clip_history, cfg.clip_multiplier)  # parameter gradients (total norm)
         self.grad_out_rms = NormHistory(cfg.clip_history, cfg.clip_multiplier)  # incoming output gradients
@@ -292,6 +293,8 @@ class StageWorker:
                                step_ceiling(param_norm, lr, self.run.integrity.max_step_ratio))
         scale = clip_scale(grad_norm, bound)
         if scale == 0.0:
+            self.health.observe_param_norm(param_norm)  # a diverged copy overflows on honest input: it is sick
+            self._refuse_if_sick()
             raise WireError(f"layer{self.index}: the update's gradient norm is not finite (values out of range): "
                             "not applied")
         if scale < 1.0:
@@ -304,6 +307,10 @@ class StageWorker:
         if tensor is None or not tensor.is_floating_point() or bool(torch.isfinite(tensor).all()):
             return
         if all(bool(torch.isfinite(p).all()) for p in self.module.parameters()):
+            from swarm.integrity.heal import param_norm
+
+            self.health.observe_param_norm(param_norm(self.module))  # finite but diverged: sick, not the request
+            self._refuse_if_sick()
             raise WireError(f"layer{self.index} {what} would be non-finite: the request's values are out of range")
         self.health.check_tensor(tensor, f"layer{self.index} {what}")
 

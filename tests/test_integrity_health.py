@@ -28,6 +28,10 @@ def test_norm_and_loss_explosion_rules():
     assert not loss_exploded(None, 1.0, 4.0)
     assert not loss_exploded(3.9, 1.0, 4.0) and loss_exploded(4.1, 1.0, 4.0)
     assert loss_exploded(math.inf, None, 4.0)
+    chance = math.log(10)  # digits: the loss of guessing
+    assert not loss_exploded(0.05, 0.01, 4.0, chance), "a converged copy's noisy EMA is not sick below chance"
+    assert loss_exploded(2.5, 0.01, 4.0, chance) and loss_exploded(9.3, None, 4.0, chance)
+    assert not loss_exploded(9.0, None, 4.0, chance), "before a good loss is known: 4x the loss of guessing"
     assert lowered_scale(1.0, 0.3) == pytest.approx(0.3) and lowered_scale(0.09, 0.3) == pytest.approx(0.027)
     assert raised_scale(0.25, 0.25) == pytest.approx(0.5) and raised_scale(0.9, 0.25) == 1.0
 

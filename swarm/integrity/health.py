@@ -51,20 +51,32 @@ def norm_exploded(norm: float, baseline_norm: float, ratio: float = NORM_EXPLODE
     return baseline_norm > 0 and norm > ratio * baseline_norm
 
 
-def loss_exploded(loss_ema: float | None, baseline_loss: float | None, ratio: float) -> bool:
-    """A locally computed loss EMA that grew ``ratio`` times past the one of the last good snapshot."""
+def loss_limit(baseline_loss: float | None, ratio: float, chance_loss: float) -> float | None:
+    """The loss EMA above which the copy is sick: ``ratio`` times the last good one, but never below the
+    loss of guessing (a converged copy's EMA of 0.01 may triple by noise; one back at chance level is
+    broken), and ``ratio`` times the loss of guessing before any good loss is known."""
+    if baseline_loss is None or not baseline_loss > 0:
+        return ratio * chance_loss if chance_loss > 0 else None
+    return max(ratio * baseline_loss, chance_loss)
+
+
+def loss_exploded(loss_ema: float | None, baseline_loss: float | None, ratio: float,
+                  chance_loss: float = 0.0) -> bool:
+    """A locally computed loss EMA past ``loss_limit`` (or not finite)."""
     if loss_ema is None:
         return False
     if not math.isfinite(loss_ema):
         return True
-    return baseline_loss is not None and baseline_loss > 0 and loss_ema > ratio * baseline_loss
+    limit = loss_limit(baseline_loss, ratio, chance_loss)
+    return limit is not None and loss_ema > limit
 
 
 class HealthMonitor:
     """The sick-or-healthy state of one copy, fed by the stage (compute thread) and read by the peer."""
 
-    def __init__(self, cfg: IntegrityConfig):
+    def __init__(self, cfg: IntegrityConfig, chance_loss: float = 0.0):
         self.cfg = cfg
+        self.chance_loss = chance_loss  # the loss of guessing (log of the number of classes)
         self._lock = threading.Lock()
         self._reason: str | None = None
         self.baseline: Baseline | None = None
@@ -104,8 +116,10 @@ class HealthMonitor:
         self.loss_ema = loss if self.loss_ema is None else (1 - LOSS_EMA_ALPHA) * self.loss_ema + LOSS_EMA_ALPHA * loss
         self._losses_seen += 1
         baseline = self.baseline.loss_ema if self.baseline is not None else None
-        if self._losses_seen >= LOSS_WARMUP_UPDATES and loss_exploded(self.loss_ema, baseline, self.cfg.loss_explode_ratio):
-            self.mark_sick(f"the loss EMA {self.loss_ema:.3g} exploded (was {baseline:.3g} at the last good snapshot)")
+        ratio = self.cfg.loss_explode_ratio
+        if self._losses_seen >= LOSS_WARMUP_UPDATES and loss_exploded(self.loss_ema, baseline, ratio, self.chance_loss):
+            limit = loss_limit(baseline, ratio, self.chance_loss)
+            self.mark_sick(f"the loss EMA {self.loss_ema:.3g} exploded (the limit is {limit:.3g})")
 
     def observe_param_norm(self, norm: float) -> None:
         baseline = self.baseline.param_norm if self.baseline is not None else 0.0
