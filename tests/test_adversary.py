@@ -4,7 +4,7 @@ One swarm for the module (bootstrap + one volunteer per stage of a 3-stage digit
 tests/hostile.py peers that speak the real protocol over hivemind P2P. The tests run in file order:
 the ones that leave the run intact first, the one that (undefended) destroys a copy last. Each
 asserts what a user would notice: the copy stays finite and close, the driver survives and keeps
-training, the attacker is refused. Marked xfail until the defences of issue 14 are merged.
+training, the attacker is refused.
 """
 
 from __future__ import annotations
@@ -87,14 +87,12 @@ def _until_known(call, timeout_s: float = 10.0):
         time.sleep(float(reply.meta.get("retry_after_s", 0.5)))
 
 
-@pytest.mark.xfail(strict=False, reason=AWAITING_DEFENCES)
 def test_a_peer_without_a_layer0_record_is_not_served(driver):
     x = torch.zeros(8, 128)
     reply = driver.call(_peer(driver, "layer1"), "layer1", "forward", [x])
     assert not reply.ok and reply.code == "unknown_driver", (reply.code, reply.error)
 
 
-@pytest.mark.xfail(strict=False, reason=AWAITING_DEFENCES)
 def test_sample_ids_from_another_drivers_shard_are_refused(driver, run_swarm):
     from swarm.data import load_dataset, make_shards
 
@@ -111,7 +109,6 @@ def test_sample_ids_from_another_drivers_shard_are_refused(driver, run_swarm):
     assert not reply.ok and reply.code == "wrong_shard", (reply.code, reply.error)
 
 
-@pytest.mark.xfail(strict=False, reason=AWAITING_DEFENCES)
 def test_a_black_hole_in_a_swarm_is_routed_around_within_seconds(driver, run_swarm, tmp_path_factory):
     before = _training_rate(driver, 2.0)
     with HostilePeer(driver.run, [run_swarm[2]], tmp_path_factory.mktemp("hole") / "hole.key",
@@ -124,7 +121,6 @@ def test_a_black_hole_in_a_swarm_is_routed_around_within_seconds(driver, run_swa
     assert during >= 0.5 * before, f"training fell from {before:.0f} to {during:.0f} samples/s behind a black hole"
 
 
-@pytest.mark.xfail(strict=False, reason=AWAITING_DEFENCES)
 def test_malformed_replies_from_the_last_stage_do_not_stop_the_driver(driver, run_swarm, tmp_path_factory):
     layer0 = run_swarm[3]["layer0"]
     last = f"layer{STAGES - 1}"
@@ -140,11 +136,12 @@ def test_malformed_replies_from_the_last_stage_do_not_stop_the_driver(driver, ru
         during = _training_rate(driver, WINDOW_S)
     assert layer0.popen.poll() is None, "the layer0 volunteer exited"
     assert "driver failed" not in layer0.stdout(), "the driver died of a malformed reply"
-    assert served >= 5, f"the driver sent only {served} hops to the malformed server"
+    # One malformed reply bans its peer for a minute (swarm/hops.py), so the driver does not come back for
+    # more; each kind of malformed reply is checked on its own in tests/test_driver_replies.py.
+    assert served >= 1
     assert during > 0, "the driver stopped training after malformed replies"
 
 
-@pytest.mark.xfail(strict=False, reason=AWAITING_DEFENCES)
 def test_one_huge_gradient_leaves_the_copy_finite_and_close(driver, run_swarm):
     oracle = CopyOracle(driver)
     peers = {f"layer{k}": _peer(driver, f"layer{k}") for k in range(STAGES)}

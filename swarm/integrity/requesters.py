@@ -122,7 +122,10 @@ class RequesterBook:
                                "queued here: wait for replies", 0.2)
             if applies_update:
                 own = self._window(entry, now)
-                others = [n for r, e in self._book.items() if r != requester and (n := self._window(e, now)) > 0]
+                # Only drivers that use at least the burst compete: one that sent a single update (a newcomer,
+                # or a stranger on purpose) must not hold everyone else to twice its rate.
+                others = [n for r, e in self._book.items()
+                          if r != requester and (n := self._window(e, now)) >= cfg.fair_share_burst]
                 if not fair_share_allows(own, others, cfg.fair_share_slack, cfg.fair_share_burst):
                     retry = cfg.fair_share_window_s - (now - entry.updates[0]) if entry.updates else 1.0
                     return Refusal("busy", "you are over your fair share of this stage's updates", max(0.1, retry))
