@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from volunteer.commands.demo import blocked_reason
+from volunteer_cli.commands.demo import blocked_reason
 
 
 def test_the_demo_repeats_the_drivers_last_reason():
