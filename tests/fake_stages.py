@@ -113,8 +113,13 @@ def make_driver(run: RunConfig, fake: FakeSwarm) -> tuple[PipelineDriver, Thread
     return driver, executor
 
 
-def drive(run: RunConfig, fake: FakeSwarm, seconds: float, during: Callable | None = None) -> PipelineDriver:
-    """Run the driver's lanes for ``seconds`` (``during(driver)``: a coroutine run alongside), then stop it."""
+MAX_DRIVE_S = 30.0  # a loaded machine may need this long for the micro-batches a test asks for
+
+
+def drive(run: RunConfig, fake: FakeSwarm, seconds: float, during: Callable | None = None,
+          min_microbatches: int = 0) -> PipelineDriver:
+    """Run the driver's lanes for ``seconds`` (``during(driver)``: a coroutine run alongside), then until
+    ``min_microbatches`` completed (at most MAX_DRIVE_S in all: a busy machine is slow, not broken), then stop."""
     driver, executor = make_driver(run, fake)
 
     async def main():
@@ -123,6 +128,11 @@ def drive(run: RunConfig, fake: FakeSwarm, seconds: float, during: Callable | No
             if during is not None:
                 await during(driver)
             await asyncio.sleep(seconds)
+            deadline = asyncio.get_running_loop().time() + MAX_DRIVE_S
+            while driver.stats.microbatches < min_microbatches and asyncio.get_running_loop().time() < deadline:
+                if task.done():
+                    break
+                await asyncio.sleep(0.1)
             if task.done():
                 raise AssertionError(f"the driver ended while it should train: {task.exception()!r}")
         finally:

@@ -67,8 +67,8 @@ class Pipeline:
 
     def route(self, driver: SwarmPeer, layer1: list[SwarmPeer], records: list[MemberRecord]) -> None:
         driver.update_views({"layer0": [_record_of(driver)], "layer1": [_record_of(p) for p in layer1]})
-        for peer in layer1:
-            peer.update_views({"layer1": records})
+        for peer in layer1:  # the driver's layer0 record: stages serve only the run's online drivers
+            peer.update_views({"layer0": [_record_of(driver)], "layer1": records})
 
     def train_until(self, driver: SwarmPeer, samples: int, condition=lambda: True) -> None:
         deadline = time.monotonic() + TRAIN_LIMIT_S

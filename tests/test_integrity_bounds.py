@@ -165,10 +165,10 @@ def test_strikes_decay_and_bans_double():
 def test_a_flooding_driver_is_answered_busy_while_the_other_is_served():
     cfg = IntegrityConfig(fair_share_burst=4, fair_share_slack=2.0, max_in_flight_per_requester=3)
     book = RequesterBook(cfg)
-    for t in range(5):
-        assert book.admit("honest", True, now=t * 0.5) is None
+    for t in range(3):
+        assert book.admit("honest", True, now=float(t)) is None
         book.finished("honest")
-        book.on_update("honest", 1.0, None, now=t * 0.5)
+        book.on_update("honest", 1.0, None, now=float(t))
     codes = []
     for t in range(20):
         refusal = book.admit("flood", True, now=3.0 + t * 0.01)
@@ -176,7 +176,7 @@ def test_a_flooding_driver_is_answered_busy_while_the_other_is_served():
         if refusal is None:
             book.finished("flood")
             book.on_update("flood", 1.0, None, now=3.0 + t * 0.01)
-    assert codes.count(None) == 10 and codes[-1] == "busy"  # 2 x the honest driver's 5
+    assert codes.count(None) == 6 and codes[-1] == "busy"  # 2 x the honest driver's 3
     assert book.admit("honest", True, now=3.5) is None
     # in flight: a fourth concurrent request of one driver waits
     assert [book.admit("many", False, now=4.0) for _ in range(3)] == [None] * 3

@@ -32,6 +32,7 @@ from swarm.runconfig import IntegrityConfig
 # banned its only driver after 30 s (10 strikes in a half-life). Clipping already bounds what such an
 # update does; a strike is for the absurd (30,000x the median: 1e30 gradients), not the unusual.
 HEAVY_CLIP_SCALE = 1e-4
+MIN_COMPETING_UPDATES = 2  # updates in the window from which another driver bounds our fair share
 MAX_REQUESTERS = 1024  # per-driver entries kept; idle ones are dropped first
 
 
@@ -122,10 +123,11 @@ class RequesterBook:
                                "queued here: wait for replies", 0.2)
             if applies_update:
                 own = self._window(entry, now)
-                # Only drivers that use at least the burst compete: one that sent a single update (a newcomer,
-                # or a stranger on purpose) must not hold everyone else to twice its rate.
+                # A driver with a single update in the window does not count: one hostile backward held the
+                # honest driver to twice its one update. (A stranger that keeps sending a few is still a lever
+                # on the others' share: a known gap, see docs/ARCHITECTURE.md.)
                 others = [n for r, e in self._book.items()
-                          if r != requester and (n := self._window(e, now)) >= cfg.fair_share_burst]
+                          if r != requester and (n := self._window(e, now)) >= MIN_COMPETING_UPDATES]
                 if not fair_share_allows(own, others, cfg.fair_share_slack, cfg.fair_share_burst):
                     retry = cfg.fair_share_window_s - (now - entry.updates[0]) if entry.updates else 1.0
                     return Refusal("busy", "you are over your fair share of this stage's updates", max(0.1, retry))
