@@ -43,6 +43,12 @@ def hops(fleet: Fleet, maddr: str, reps: int) -> dict[str, Any]:
     peer = SwarmPeer(run, server_dht, "layer1", evaluate=False)
     try:
         peer.start()
+        # stages serve only the run's online layer0 drivers: the client's record, as a heartbeat hands it in
+        from swarm.records import MemberRecord
+
+        now = time.time()
+        peer.update_views({"layer0": [MemberRecord(peer_id=str(client_dht.peer_id), state="online", version="bench",
+                                                   started_at=now, updated_at=now, shard=0)]})
         timings = asyncio.run(_hop_timings(run, client_dht, peer, reps, [os.getpid(), *fleet.in_process_helpers()]))
     finally:
         peer.stop()
