@@ -263,7 +263,10 @@ def test_after_honest_messages_a_same_norm_one_is_an_outlier_rejected_and_its_se
     assert neighbour not in edges.graph.peers
 
 
-def test_an_ecl_message_far_from_the_dual_is_rejected_and_a_near_one_applied_whole():
+def test_an_ecl_dual_is_applied_whole_near_or_far():
+    """ECL duals are neither clipped nor judged by distance (judging them broke a 3-peer PDMM ring in the
+    real swarm: tests/test_edges_swarm.py); they keep the finite and norm-ratio checks. Open work: a
+    bound on what one dual message does to the copy."""
     worker, edges, _, events = _setup("pdmm_isvr")
     neighbour = build_graph("ring", (ME, *OTHERS), 3).neighbours(ME)[0]
     _zero_step(worker, edges)
@@ -272,7 +275,8 @@ def test_an_ecl_message_far_from_the_dual_is_rejected_and_a_near_one_applied_who
     edges.receive(neighbour, near, step=0)
     _zero_step(worker, edges)
     assert torch.allclose(edges.node.duals[neighbour], near) and edges.stats.clipped == 0
-    edges.receive(neighbour, _same_norm_away(near, 1.5, seed=4), step=1)  # the same norm, far away
+    far = _same_norm_away(near, 1.5, seed=4)  # the same norm, far away
+    edges.receive(neighbour, far, step=1)
     _zero_step(worker, edges)
-    assert torch.allclose(edges.node.duals[neighbour], near), "nothing of it was applied"
-    assert any(kind == "rejected" and "max_distance_ratio" in text for _, kind, text in events)
+    assert torch.allclose(edges.node.duals[neighbour], far) and edges.stats.clipped == 0
+    assert not any(kind == "rejected" for _, kind, text in events)
