@@ -151,6 +151,12 @@ def parse_member(subkey: Any, value: Any, now: float) -> MemberRecord | None:
             raise ValueError("version string too long")
         if record.updated_at > now + 60:
             raise ValueError("heartbeat from the future")
+        # An evaluation cannot be newer than the heartbeat that publishes it: a future eval_at would make a
+        # stranger's figure the run's "newest" and never stale (status picks evaluations by their time).
+        if not math.isfinite(record.eval_at) or record.eval_at > record.updated_at:
+            raise ValueError("evaluation time after the heartbeat that publishes it")
+        if record.heals < 0 or record.eval_version < -1:
+            raise ValueError("negative heals or evaluation version")
         return record
     except (TypeError, ValueError) as exc:
         logger.warning("skipping a bad membership record: %s", exc)

@@ -80,3 +80,21 @@ def test_auto_swarm_is_least_served_with_ties_to_lowest():
     assert least_served_swarm({}, names) == "layer0"
     views["layer1"].append(_record("p6"))
     assert least_served_swarm(views, names) == "layer2"
+
+
+def test_an_evaluation_from_the_future_or_negative_heals_are_skipped():
+    """A stranger's record must not make its evaluation the run's newest forever (status picks by time)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    from swarm.records import MemberRecord, peer_id_from_public_key
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    subkey = b"[owner:" + public + b"]"
+    now = time.time()
+    good = MemberRecord(peer_id=peer_id_from_public_key(public), state="online", version="t", started_at=now - 9,
+                        updated_at=now, test_accuracy=0.9, eval_at=now - 3, eval_version=5, heals=1)
+    assert parse_member(subkey, good.to_wire(), now) == good
+    for bad in ({"eval_at": now + 3600}, {"eval_at": float("nan")}, {"heals": -1_000_000}):
+        assert parse_member(subkey, {**good.to_wire(), **bad}, now) is None, bad
