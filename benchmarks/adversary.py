@@ -59,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         settings = replace(settings, warm_s=12.0, attack_s=8.0, after_s=8.0)
     started = time.monotonic()
-    with Fleet(prefix="volunteer-adversary-") as fleet:
+    with Fleet(prefix="volunteer-adversary-", keep_workdir=args.keep_logs) as fleet:
+        if args.keep_logs:
+            say(f"logs kept in {fleet.workdir}")
         report = _benchmark(fleet, [ATTACKS[n] for n in names], settings)
     report["machine"] = machine_notes()
     return finish(report, "adversary", started, args)
@@ -67,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     out = parser("adversary", __doc__, quick_help="one attack (huge_3e38), short windows: a smoke test, not a measurement")
+    out.add_argument("--keep-logs", action="store_true", help="keep the volunteers' logs (printed path)")
     out.add_argument("--attacks", default="", help=f"comma-separated subset of: {', '.join(ATTACKS)}")
     out.add_argument("--phase-s", type=float, default=PHASE_S,
                      help="seconds of each phase: training before, attack, after (default %(default)s)")

@@ -180,6 +180,10 @@ class IntegrityConfig(_Strict):
                                     "the mean number of updates of the other drivers at this stage (per window)")
     fair_share_window_s: float = Field(10.0, gt=0.0, le=3600.0, description="the window the fair share is counted in")
     fair_share_burst: int = Field(32, ge=1, le=100_000, description="updates per window any driver may always apply")
+    probation_updates: int = Field(64, ge=0, le=100_000, description="a driver's first updates at a stage, while "
+                                   "others have trained it longer, are held to probation_share (0: no probation)")
+    probation_share: float = Field(0.25, gt=0.0, le=100.0, description="a driver on probation may apply at most this "
+                                   "many times the established drivers' mean number of updates (per window)")
     max_in_flight_per_requester: int = Field(16, ge=1, le=4096, description="requests of one driver computed or "
                                              "queued at a stage at once; more are answered busy")
     ban_strikes: float = Field(10.0, gt=0.0, description="a driver is banned when its decaying strike score (one per "
