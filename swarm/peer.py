@@ -146,8 +146,10 @@ class SwarmPeer:
         async def read_drivers() -> list[MemberRecord]:
             return await loop.run_in_executor(None, reader.read, "layer0")
 
-        return StageGate(self.run.integrity, labels=labels, refresh=read_drivers, notify=self.notify,
+        gate = StageGate(self.run.integrity, labels=labels, refresh=read_drivers, notify=self.notify,
                          cache=self.worker.cache, swarm=self.swarm)
+        self.worker.on_probation = lambda owner: gate.book.on_probation(owner, time.monotonic())
+        return gate
 
     async def _start_averaging(self, sync_from: list[MemberRecord] | None) -> None:
         from swarm.averaging.agent import SwarmAveraging

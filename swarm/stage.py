@@ -156,6 +156,9 @@ class StageWorker:
         self.guard = StepGuard(self.module, self.optimizer, cfg.max_step_ratio)
         self.directions = DirectionTracker()
         self.last_update: UpdateReport | None = None  # of the latest applied update (read by the servicer)
+        # drivers new here while established ones train (swarm/integrity/requesters.py): their updates are
+        # clipped to the median accepted norm, not a multiple, and do not move the clip history
+        self.on_probation: Callable[[str], bool] = lambda owner: False
 
     # ----- checks
     def check_input(self, x: torch.Tensor) -> torch.Tensor:
@@ -223,7 +226,8 @@ class StageWorker:
         """Apply this micro-batch's update; return the gradient of the input (None for stage 0)."""
         with self.lock:
             self._refuse_if_sick()
-            grad_out, out_scale, out_rms = self._clip_grad_out(grad_out)
+            junior = bool(owner) and self.on_probation(owner)
+            grad_out, out_scale, out_rms = self._clip_grad_out(grad_out, junior)
             saved = self.cache.pop((owner, mb_id), time.monotonic())
             if saved is None:
                 if x is None:
@@ -231,7 +235,8 @@ class StageWorker:
                 saved = self._graph(x)
             saved.outputs.backward(grad_out.to(self.device, saved.outputs.dtype))
             self._check_emitted(saved.inputs.grad, "input gradients")
-            self._apply(saved, batch_size=grad_out.shape[0], loss=loss, owner=owner, scale=out_scale, out_rms=out_rms)
+            self._apply(saved, batch_size=grad_out.shape[0], loss=loss, owner=owner, scale=out_scale, out_rms=out_rms,
+                        junior=junior)
             self._simulate()
             return None if saved.inputs.grad is None else saved.inputs.grad.cpu()
 
@@ -246,20 +251,21 @@ class StageWorker:
             self._refuse_if_sick()
             loss.backward()
             self._check_emitted(saved.inputs.grad, "input gradients")
-            self._apply(saved, batch_size=x.shape[0], loss=value, owner=owner)
+            self._apply(saved, batch_size=x.shape[0], loss=value, owner=owner,
+                        junior=bool(owner) and self.on_probation(owner))
             self._simulate(2)
             return value, None if saved.inputs.grad is None else saved.inputs.grad.cpu()
 
-    def _clip_grad_out(self, grad_out: torch.Tensor) -> tuple[torch.Tensor, float, float]:
+    def _clip_grad_out(self, grad_out: torch.Tensor, junior: bool = False) -> tuple[torch.Tensor, float, float]:
         """Centered clipping of the incoming output gradient (per-sample RMS, so batch sizes compare)."""
         rms = float(grad_out.double().norm()) / math.sqrt(max(grad_out.shape[0], 1))
-        scale = clip_scale(rms, self.grad_out_rms.bound())
+        scale = clip_scale(rms, self.grad_out_rms.bound(1.0 if junior else None))
         if scale == 0.0:
             raise WireError("output gradient: its norm is not finite")
         return (grad_out * scale if scale < 1.0 else grad_out), scale, rms * scale
 
     def _apply(self, saved: Saved, batch_size: int, loss: float | None, owner: str = "", scale: float = 1.0,
-               out_rms: float | None = None) -> None:
+               out_rms: float | None = None, junior: bool = False) -> None:
         """Clip the parameter gradient, step under the guard (nothing non-finite is ever committed), record it."""
         params = list(self.module.parameters())
         grads = []
@@ -267,12 +273,13 @@ class StageWorker:
             grad = saved.params[name].grad
             param.grad = grad if grad is not None else torch.zeros_like(param)
             grads.append(param.grad)
-        grad_scale, grad_norm = self._clip_param_grads(params, grads)
+        grad_scale, grad_norm = self._clip_param_grads(params, grads, junior)
         cosine = self.directions.observe(owner, grads, time.monotonic()) if owner else None
         result = self.guard.run(self._update, bound_steps=not self._custom_rule)
-        self.grad_norms.accept(grad_norm * grad_scale, was_clipped=grad_scale < 1.0)
-        if out_rms is not None:
-            self.grad_out_rms.accept(out_rms, was_clipped=scale < 1.0)
+        if not junior:  # a newcomer's norms would let it lift the bound it is clipped to
+            self.grad_norms.accept(grad_norm * grad_scale, was_clipped=grad_scale < 1.0)
+            if out_rms is not None:
+                self.grad_out_rms.accept(out_rms, was_clipped=scale < 1.0)
         self.last_update = UpdateReport(clip_scale=min(scale, grad_scale), cosine=cosine,
                                         tensors_scaled=result.tensors_scaled)
         self.stats.record_update(batch_size, loss, time.monotonic())
@@ -283,13 +290,14 @@ class StageWorker:
             except Exception:  # averaging must never break training
                 logger.exception("a step hook failed")
 
-    def _clip_param_grads(self, params: list[nn.Parameter], grads: list[torch.Tensor]) -> tuple[float, float]:
+    def _clip_param_grads(self, params: list[nn.Parameter], grads: list[torch.Tensor],
+                          junior: bool = False) -> tuple[float, float]:
         """(scale applied, norm before it): clip to the history bound and the history-free step ceiling."""
         norms = torch.stack(torch._foreach_norm(grads + [p.data for p in params])).double()
         grad_norm = float(norms[: len(grads)].norm())
         param_norm = float(norms[len(grads):].norm())
         lr = float(self.optimizer.param_groups[0].get("lr", 0.0))
-        bound = combined_bound(self.grad_norms.bound(),
+        bound = combined_bound(self.grad_norms.bound(1.0 if junior else None),
                                step_ceiling(param_norm, lr, self.run.integrity.max_step_ratio))
         scale = clip_scale(grad_norm, bound)
         if scale == 0.0:

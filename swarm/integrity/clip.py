@@ -70,8 +70,9 @@ class NormHistory:
         self.seen = 0
         self.clipped = 0
 
-    def bound(self) -> float | None:
-        return history_bound(self.norms, self.multiplier, self.min_history)
+    def bound(self, multiplier: float | None = None) -> float | None:
+        """The clip bound: ``multiplier`` (default: this history's) x the median accepted norm."""
+        return history_bound(self.norms, self.multiplier if multiplier is None else multiplier, self.min_history)
 
     def accept(self, norm: float, was_clipped: bool) -> None:
         """Record an applied update's norm (after clipping)."""

@@ -217,6 +217,19 @@ class RequesterBook:
         self.bans.append(ban)
         return ban
 
+    def on_probation(self, requester: str, now: float) -> bool:
+        """Is this driver new here while an established driver is active? (Its updates are then clipped to
+        the median, not a multiple, and do not enter the clip history: swarm/stage.py.)"""
+        cfg = self.cfg
+        with self._lock:
+            entry = self._book.get(requester)
+            applied = entry.applied if entry is not None else 0
+            return applied < cfg.probation_updates and self._any_senior(requester, now)
+
+    def _any_senior(self, requester: str, now: float) -> bool:
+        return any(r != requester and e.applied >= self.cfg.probation_updates
+                   and self._window(e, now) >= MIN_COMPETING_UPDATES for r, e in self._book.items())
+
     def banned(self, requester: str, now: float) -> bool:
         with self._lock:
             entry = self._book.get(requester)
