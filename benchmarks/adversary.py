@@ -150,7 +150,9 @@ def _run(fleet: Fleet, maddr: str, attack: Attack | None, shape: tuple, s: Setti
         rss_before = {p.name: _rss_mb(p.pid) for p in procs["layer1"]}
         handle = start_attack(attack, hostile, s.labels) if attack else None
         attack_at = time.monotonic()
+        cpu_before = _cpu_split([p.pid for p in everyone])
         _sleep(s.attack_s, everyone)
+        cpu = _cpu_cores(cpu_before, _cpu_split([p.pid for p in everyone]), time.monotonic() - attack_at)
         attacker = handle.stop() if handle else {}
         _sleep(s.after_s, everyone)
         samples = sampler.stop()
@@ -160,7 +162,8 @@ def _run(fleet: Fleet, maddr: str, attack: Attack | None, shape: tuple, s: Setti
         hostile.close()
         fleet.stop(everyone + hogs)
     out = summarize_run(samples, attack_at - sampler.t0, s.attack_s, s.after_s)
-    out.update(attacker=attacker, all_alive=all(alive.values()), layer1_rss_mb_before_after=rss)
+    out.update(attacker=attacker, all_alive=all(alive.values()), layer1_rss_mb_before_after=rss,
+               cpu_cores_during=cpu)
     if attack is not None and attack.role == "driver":
         out["refused_after_s"] = attacker.get("first_refusal_s")
     return out
@@ -179,6 +182,36 @@ def _wait_training(hostile: HostilePeer, per_swarm: int, procs: list[Any]) -> No
 def _sleep(seconds: float, procs: list[Any]) -> None:
     """Sleep through a phase; a volunteer that dies meanwhile is a result (a killed run), not an error."""
     time.sleep(seconds)
+
+
+def _cpu_split(volunteers: list[int]) -> dict[str, float]:
+    """CPU seconds so far: the volunteers' process trees, and this benchmark's own (the attacker, its p2pd,
+    the copy oracle). On one 2-core machine the attacker's CPU is taken from the victims: a stranger on
+    its own machine would cost them only the requests they answer."""
+    import psutil
+
+    def tree(proc: psutil.Process) -> float:
+        total = 0.0
+        for p in [proc, *proc.children(recursive=True)]:
+            try:
+                times = p.cpu_times()
+                total += times.user + times.system
+            except psutil.Error:
+                pass
+        return total
+
+    victims = 0.0
+    for pid in volunteers:
+        try:
+            victims += tree(psutil.Process(pid))
+        except psutil.Error:
+            pass
+    everything = tree(psutil.Process())  # the fleet's processes are this one's children too
+    return {"volunteers": victims, "benchmark": everything - victims}
+
+
+def _cpu_cores(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
+    return {k: round((after[k] - before[k]) / max(seconds, 1e-9), 2) for k in before}
 
 
 def _rss_mb(pid: int) -> float | None:
