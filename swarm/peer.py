@@ -133,6 +133,7 @@ class SwarmPeer:
         """Who may ask this stage, and (last stage) the run's targets by sample id."""
         from swarm.data import load_dataset, make_shards
         from swarm.integrity.labels import LabelSource
+        from swarm.integrity.requesters import gate_config
         from swarm.membership import Membership
 
         loop = asyncio.get_running_loop()
@@ -146,7 +147,7 @@ class SwarmPeer:
         async def read_drivers() -> list[MemberRecord]:
             return await loop.run_in_executor(None, reader.read, "layer0")
 
-        gate = StageGate(self.run.integrity, labels=labels, refresh=read_drivers, notify=self.notify,
+        gate = StageGate(gate_config(self.run.integrity, self.run.data.partition), labels=labels, refresh=read_drivers, notify=self.notify,
                          cache=self.worker.cache, swarm=self.swarm)
         self.worker.on_probation = lambda owner: gate.book.on_probation(owner, time.monotonic())
         return gate

@@ -192,7 +192,8 @@ class IntegrityConfig(_Strict):
     ban_s: float = Field(60.0, ge=0.0, description="first ban; each further ban of the same driver doubles it")
     max_ban_s: float = Field(3600.0, ge=0.0, description="cap on a ban")
     ascent_cosine: float = Field(-0.25, ge=-1.0, le=0.0, description="banned when the mean cosine of a driver's "
-                                 "updates with the other drivers' recent direction stays below this")
+                                 "updates with the other drivers' recent direction stays below this (label-skewed runs: "
+                                 "off unless set, honest skewed drivers oppose each other)")
     ascent_min_updates: int = Field(64, ge=4, description="updates of a driver the mean cosine is taken over")
     # health and healing: when a copy is sick, and how it recovers
     snapshot_every_steps: int = Field(200, ge=1, description="a healthy copy keeps a last-good snapshot this often")

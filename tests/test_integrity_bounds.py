@@ -19,6 +19,7 @@ from swarm.integrity.requesters import (
     ban_duration_s,
     decayed,
     fair_share_allows,
+    gate_config,
     probation_allows,
 )
 from swarm.records import MemberRecord
@@ -215,6 +216,15 @@ def test_a_newcomer_is_held_back_until_it_has_served_its_probation():
     # a ban sends a driver back to probation
     book._ban("stranger", book._book["stranger"], 12.0, "test")
     assert book._book["stranger"].applied == 0
+
+
+def test_label_skewed_runs_do_not_ban_by_direction_unless_asked():
+    """Measured: an honest driver with 5 of 10 classes had a mean cosine of -0.26 with the other's direction."""
+    assert gate_config(IntegrityConfig(), "iid").ascent_cosine == -0.25
+    assert gate_config(IntegrityConfig(), "label_skewed").ascent_cosine == -1.0
+    assert gate_config(IntegrityConfig(ascent_cosine=-0.4), "label_skewed").ascent_cosine == -0.4
+    book = RequesterBook(gate_config(IntegrityConfig(ascent_min_updates=8), "label_skewed"))
+    assert all(book.on_update("skewed", 1.0, -0.6, now=float(t)) is None for t in range(64))
 
 
 def test_strikes_decay_and_bans_double():
