@@ -340,6 +340,8 @@ class SwarmPeer:
         for part in (self.averaging, self.edges):
             if part is not None:
                 self._loop.call_soon_threadsafe(part.set_records, list(views.get(self.swarm, [])))
+        if self.averaging is not None:
+            self._loop.call_soon_threadsafe(self.averaging.set_views, dict(views))
         if self.driver is None:
             return
         online = {name: [r.peer_id for r in records if r.state == "online"] for name, records in views.items()}
