@@ -5,9 +5,11 @@ deterministic given the run config: no downloads, no global RNG, files read in s
 
 Sources:
 - ``digits``: scikit-learn's bundled 8x8 digits (1797 images, 10 classes), pixels scaled to [0, 1].
-- ``text``: a byte-level corpus (vocabulary 256) from ``data.path`` (a file, or a folder of *.py and
-  *.txt files) or, by default, the Python standard library's top-level source files. Note that the
-  default corpus depends on the Python version; pin ``data.path`` when volunteers differ.
+- ``text``: a byte-level corpus (vocabulary 256) from ``data.path`` (a file, a gzipped file, or a
+  folder of *.py and *.txt files) or, by default, the corpus shipped in ``swarm/corpus/`` (the same
+  bytes for every volunteer, whatever its Python version). ``data.sha256`` pins the bytes read, so
+  the run id identifies the data: a volunteer whose file differs is told so instead of training on
+  other data.
 - ``npz``: a user file with a float array ``X`` (N, ...) and integer labels ``y`` (N,).
 
 Splits: the test split (``data.test_fraction``) is what the run publishes; the validation split
@@ -20,9 +22,8 @@ corpus and the validation split from just before it.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
-
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ import torch
 from swarm.runconfig import DataConfig, ModelConfig
 
 TEXT_SUFFIXES = (".py", ".txt")
+BUNDLED_CORPUS = Path(__file__).parent / "corpus" / "python311-stdlib-300k.txt.gz"
 BYTE_VOCAB_SIZE = 256
 DIGITS_PIXEL_MAX = 16.0
 
@@ -157,6 +159,7 @@ def _text_dataset(data: DataConfig, model: ModelConfig) -> Dataset:
     if model.vocab_size < BYTE_VOCAB_SIZE:
         raise ValueError(f"model.vocab_size ({model.vocab_size}) must be at least {BYTE_VOCAB_SIZE} for byte text")
     corpus = read_corpus(data.path, data.max_text_bytes)
+    check_corpus(corpus, data.sha256, data.path)
     span = model.seq_len + 1
     n_sequences = len(corpus) // span
     if n_sequences < 2:
@@ -186,9 +189,25 @@ def _text_dataset(data: DataConfig, model: ModelConfig) -> Dataset:
     )
 
 
+def check_corpus(corpus: bytes, sha256: str | None, path: str | None) -> None:
+    """A pinned corpus must be the bytes the run config names (``data.sha256``)."""
+    if sha256 is None:
+        return
+    digest = hashlib.sha256(corpus).hexdigest()
+    if digest != sha256.lower():
+        where = path or str(BUNDLED_CORPUS)
+        raise ValueError(f"the text corpus read from {where!r} has sha256 {digest}, but the run config pins "
+                         f"data.sha256 {sha256}: this volunteer would train on other data. Get the run's corpus "
+                         f"file (data.path) or a client version that ships it")
+
+
 def read_corpus(path: str | None, max_bytes: int) -> bytes:
-    """Up to ``max_bytes`` bytes of a file, or of a folder's *.py/*.txt files (top level, sorted)."""
-    root = Path(path).expanduser() if path is not None else Path(os.__file__).parent
+    """Up to ``max_bytes`` bytes of a file (gzipped when it ends in .gz), or of a folder's *.py/*.txt
+    files (top level, sorted); without a path, the corpus shipped with the client."""
+    root = Path(path).expanduser() if path is not None else BUNDLED_CORPUS
+    if root.is_file() and root.suffix == ".gz":
+        with gzip.open(root, "rb") as handle:
+            return handle.read(max_bytes)
     if root.is_file():
         files = [root]
     elif root.is_dir():

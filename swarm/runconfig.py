@@ -72,6 +72,9 @@ class DataConfig(_Strict):
     partition: Literal["iid", "label_skewed"] = "iid"
     classes_per_shard: int = Field(8, ge=1)
     max_text_bytes: int = Field(2_000_000, ge=1024, description="cap on the text corpus read for charlm")
+    sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$", description="text: the sha256 of the corpus "
+                               "bytes read, so the run id identifies the data (a volunteer whose file differs "
+                               "is refused)")
 
     @model_validator(mode="after")
     def _splits_leave_training_data(self) -> "DataConfig":

@@ -104,7 +104,7 @@ def test_a_folder_corpus_reads_sorted_py_and_txt_files_up_to_the_cap(tmp_path):
     (tmp_path / "a.txt").write_bytes(b"A" * 10)
     (tmp_path / "c.bin").write_bytes(b"C" * 10)
     assert read_corpus(str(tmp_path), 15) == b"A" * 10 + b"B" * 5
-    assert len(read_corpus(None, 2048)) == 2048  # the standard library's own sources
+    assert len(read_corpus(None, 2048)) == 2048  # the corpus shipped with the client
 
 
 def test_micro_batches_have_a_fixed_size_cover_each_epoch_and_follow_the_seed():
