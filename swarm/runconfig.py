@@ -98,7 +98,10 @@ class TrainingConfig(_Strict):
     wire_dtype: Literal["float32", "float16"] = "float32"
     max_payload_mb: float = Field(256.0, gt=0.0, description="largest tensor payload a stage accepts")
     eval_every_s: float = Field(10.0, gt=0.0)
-    target_accuracy: float = Field(0.95, gt=0.0, le=1.0)
+    target_accuracy: float = Field(0.95, gt=0.0, le=1.0, description="classifiers: the demo stops at this test "
+                                   "accuracy")
+    target_bits_per_byte: float = Field(2.5, gt=0.0, description="language models: the demo stops once the test "
+                                        "loss is this many bits per byte or fewer")
 
 
 class ExchangeConfig(_Strict):

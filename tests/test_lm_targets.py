@@ -32,3 +32,37 @@ def test_a_corpus_that_differs_from_the_pinned_one_is_refused_with_what_to_do(tm
     with pytest.raises(ValueError):
         DataConfig(source="text", sha256="not-a-digest")
     assert BUNDLED_CORPUS.is_file()
+
+
+def test_a_language_model_demo_stops_on_bits_per_byte_and_a_classifier_on_accuracy():
+    from swarm.runconfig import RunConfig
+    from volunteer_cli.commands.demo import demo_target, latest_evaluation, target_reached
+
+    charlm = RunConfig(name="lm", model={"kind": "transformer"}, data={"source": "text"})
+    digits = RunConfig(name="digits")
+    bits = demo_target(charlm, accuracy=0.95, bits=None)
+    assert (bits.kind, bits.value, str(bits)) == ("bits", 2.5, "2.50 bits/byte"), "an accuracy flag is no LM target"
+    assert demo_target(charlm, None, 1.8).value == 1.8
+    assert target_reached(bits, None, 2.4 * 0.6931) and not target_reached(bits, None, 2.6 * 0.6931)
+    assert not target_reached(bits, None, None)
+    accuracy = demo_target(digits, None, 2.0)
+    assert (accuracy.kind, accuracy.value, str(accuracy)) == ("accuracy", 0.95, "95% test accuracy")
+    assert target_reached(accuracy, 0.96, 0.1) and not target_reached(accuracy, None, 0.01)
+
+    class Record:  # a layer0 record's evaluation fields (-1: none)
+        def __init__(self, accuracy: float, loss: float, samples: int):
+            self.test_accuracy, self.test_loss, self.eval_samples = accuracy, loss, samples
+
+    assert latest_evaluation([Record(-1, 1.9, 100), Record(-1, 1.5, 900), Record(-1, -1, 2000)]) == (None, 1.5)
+    assert latest_evaluation([Record(0.9, 0.3, 10)]) == (0.9, 0.3)
+    assert latest_evaluation([Record(-1, -1, 10)]) == (None, None)
+
+
+def test_status_reports_a_language_model_in_bits_per_byte():
+    from volunteer_cli.commands.status import render_report
+
+    report = {"run_id": "lm-1", "swarms": {}, "summary": {},
+              "evaluation": {"test_accuracy": None, "test_loss": 1.3863, "test_bits_per_byte": 2.0, "samples": 640,
+                             "by": "12D3KooWabcdefgh", "age_s": 3.0, "eval_every_s": 30.0}}
+    line = render_report(report).splitlines()[1]
+    assert "test 2.00 bits/byte (loss 1.386 nats)" in line and "after 640 samples" in line
