@@ -1,21 +1,29 @@
-"""Data sets, the train/test split, data shards and the rarest-first shard choice.
+"""Data sets, the train/validation/test split, data shards and the rarest-first shard choice.
 
 Every volunteer of a run must see the same split and the same shards, so everything here is
 deterministic given the run config: no downloads, no global RNG, files read in sorted order.
 
 Sources:
 - ``digits``: scikit-learn's bundled 8x8 digits (1797 images, 10 classes), pixels scaled to [0, 1].
-- ``text``: a byte-level corpus (vocabulary 256) from ``data.path`` (a file, or a folder of *.py and
-  *.txt files) or, by default, the Python standard library's top-level source files. Note that the
-  default corpus depends on the Python version; pin ``data.path`` when volunteers differ.
+- ``text``: a byte-level corpus (vocabulary 256) from ``data.path`` (a file, a gzipped file, or a
+  folder of *.py and *.txt files) or, by default, the corpus shipped in ``swarm/corpus/`` (the same
+  bytes for every volunteer, whatever its Python version). ``data.sha256`` pins the bytes read, so
+  the run id identifies the data: a volunteer whose file differs is told so instead of training on
+  other data.
 - ``npz``: a user file with a float array ``X`` (N, ...) and integer labels ``y`` (N,).
+
+Splits: the test split (``data.test_fraction``) is what the run publishes; the validation split
+(``data.validation_fraction`` of the whole set, carved out of what is left, never out of the test
+split) is what copies are compared on when a peer decides whether to adopt another's copy
+(swarm/averaging/validation.py). Neither is ever trained on: shards cut the train split only.
+Classification sets split both stratified by class; text takes the test split from the tail of the
+corpus and the validation split from just before it.
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
-
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +35,7 @@ import torch
 from swarm.runconfig import DataConfig, ModelConfig
 
 TEXT_SUFFIXES = (".py", ".txt")
+BUNDLED_CORPUS = Path(__file__).parent / "corpus" / "python311-stdlib-300k.txt.gz"
 BYTE_VOCAB_SIZE = 256
 DIGITS_PIXEL_MAX = 16.0
 
@@ -41,6 +50,8 @@ class Dataset:
     y_test: torch.Tensor
     num_classes: int
     kind: Literal["classification", "language_model"]
+    x_val: torch.Tensor  # the validation split: empty when data.validation_fraction is 0
+    y_val: torch.Tensor
 
 
 def load_dataset(data: DataConfig, model: ModelConfig) -> Dataset:
@@ -53,6 +64,7 @@ def load_dataset(data: DataConfig, model: ModelConfig) -> Dataset:
         x, y = _npz_arrays(data.path)
     _check_classifier_fits(x, y, model, data.source)
     train, test = stratified_split(y, data.test_fraction, data.split_seed)
+    train, val = validation_split(y, train, data.validation_fraction, data.split_seed)
     return Dataset(
         x_train=torch.from_numpy(x[train]),
         y_train=torch.from_numpy(y[train]),
@@ -60,6 +72,8 @@ def load_dataset(data: DataConfig, model: ModelConfig) -> Dataset:
         y_test=torch.from_numpy(y[test]),
         num_classes=model.num_classes,
         kind="classification",
+        x_val=torch.from_numpy(x[val]),
+        y_val=torch.from_numpy(y[val]),
     )
 
 
@@ -74,6 +88,23 @@ def stratified_split(y: np.ndarray, test_fraction: float, seed: int) -> tuple[np
         test.append(members[:n_test])
         train.append(members[n_test:])
     return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
+
+
+def validation_split(y: np.ndarray, train: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train, validation) indices: about ``fraction`` of each class's samples of the whole set move
+    from ``train`` to the validation split (seeded apart from the test split, which stays as it was).
+    A class keeps at least one training sample."""
+    if fraction <= 0:
+        return train, train[:0]
+    rng = np.random.default_rng([seed, 1])
+    kept: list[np.ndarray] = []
+    held: list[np.ndarray] = []
+    for label in np.unique(y[train]):
+        members = rng.permutation(train[y[train] == label])
+        n_val = min(int(round(fraction * np.count_nonzero(y == label))), len(members) - 1)
+        held.append(members[:n_val])
+        kept.append(members[n_val:])
+    return np.sort(np.concatenate(kept)), np.sort(np.concatenate(held))
 
 
 # ----- classification sources
@@ -128,6 +159,7 @@ def _text_dataset(data: DataConfig, model: ModelConfig) -> Dataset:
     if model.vocab_size < BYTE_VOCAB_SIZE:
         raise ValueError(f"model.vocab_size ({model.vocab_size}) must be at least {BYTE_VOCAB_SIZE} for byte text")
     corpus = read_corpus(data.path, data.max_text_bytes)
+    check_corpus(corpus, data.sha256, data.path)
     span = model.seq_len + 1
     n_sequences = len(corpus) // span
     if n_sequences < 2:
@@ -137,7 +169,14 @@ def _text_dataset(data: DataConfig, model: ModelConfig) -> Dataset:
         )
     sequences = torch.frombuffer(bytearray(corpus[: n_sequences * span]), dtype=torch.uint8).long().view(-1, span)
     n_test = min(max(1, int(round(data.test_fraction * n_sequences))), n_sequences - 1)
-    train, test = sequences[:-n_test], sequences[-n_test:]
+    n_val = 0
+    if data.validation_fraction > 0:
+        n_val = min(max(1, int(round(data.validation_fraction * n_sequences))), n_sequences - n_test - 1)
+    n_train = n_sequences - n_test - n_val
+    if n_train < 1:
+        raise ValueError(f"the text corpus has {n_sequences} sequences, too few for a test and a validation split: "
+                         f"use a bigger data.path or a smaller data.test_fraction / data.validation_fraction")
+    train, val, test = sequences[:n_train], sequences[n_train : n_train + n_val], sequences[n_train + n_val :]
     return Dataset(
         x_train=train[:, :-1].contiguous(),
         y_train=train[:, 1:].contiguous(),
@@ -145,12 +184,30 @@ def _text_dataset(data: DataConfig, model: ModelConfig) -> Dataset:
         y_test=test[:, 1:].contiguous(),
         num_classes=model.vocab_size,
         kind="language_model",
+        x_val=val[:, :-1].contiguous(),
+        y_val=val[:, 1:].contiguous(),
     )
 
 
+def check_corpus(corpus: bytes, sha256: str | None, path: str | None) -> None:
+    """A pinned corpus must be the bytes the run config names (``data.sha256``)."""
+    if sha256 is None:
+        return
+    digest = hashlib.sha256(corpus).hexdigest()
+    if digest != sha256.lower():
+        where = path or str(BUNDLED_CORPUS)
+        raise ValueError(f"the text corpus read from {where!r} has sha256 {digest}, but the run config pins "
+                         f"data.sha256 {sha256}: this volunteer would train on other data. Get the run's corpus "
+                         f"file (data.path) or a client version that ships it")
+
+
 def read_corpus(path: str | None, max_bytes: int) -> bytes:
-    """Up to ``max_bytes`` bytes of a file, or of a folder's *.py/*.txt files (top level, sorted)."""
-    root = Path(path).expanduser() if path is not None else Path(os.__file__).parent
+    """Up to ``max_bytes`` bytes of a file (gzipped when it ends in .gz), or of a folder's *.py/*.txt
+    files (top level, sorted); without a path, the corpus shipped with the client."""
+    root = Path(path).expanduser() if path is not None else BUNDLED_CORPUS
+    if root.is_file() and root.suffix == ".gz":
+        with gzip.open(root, "rb") as handle:
+            return handle.read(max_bytes)
     if root.is_file():
         files = [root]
     elif root.is_dir():

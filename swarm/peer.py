@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -209,9 +210,11 @@ class SwarmPeer:
             self.notify("error", "error", f"the {name} failed: {exc.__class__.__name__}: {exc}")
 
     async def _evaluate_forever(self) -> None:
-        """Every ``eval_every_s``; sooner (after half a period) when a copy of the run healed since the last one."""
+        """Every ``eval_every_s``; sooner (after half a period) when a copy of the run healed since the last one.
+        The first one runs as soon as the driver has trained a micro-batch, so a run publishes a figure
+        within one period of starting to train, however long its pipeline."""
         period_s = self.run.training.eval_every_s
-        last = time.monotonic()
+        last = -math.inf
         while True:
             await asyncio.sleep(min(1.0, period_s))
             since_s = time.monotonic() - last
@@ -343,6 +346,8 @@ class SwarmPeer:
         for part in (self.averaging, self.edges):
             if part is not None:
                 self._loop.call_soon_threadsafe(part.set_records, list(views.get(self.swarm, [])))
+        if self.averaging is not None:
+            self._loop.call_soon_threadsafe(self.averaging.set_views, dict(views))
         if self.driver is None:
             return
         online = {name: [r.peer_id for r in records if r.state == "online"] for name, records in views.items()}

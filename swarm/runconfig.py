@@ -65,11 +65,24 @@ class DataConfig(_Strict):
     source: Literal["digits", "text", "npz"] = "digits"
     path: str | None = Field(None, description="an .npz file with arrays X and y, or a text file / folder")
     test_fraction: float = Field(0.2, gt=0.0, lt=1.0)
+    validation_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="share of the data set held out of "
+                                       "training (never the test split) to compare copies on: best-model exchange")
     split_seed: int = 0
     shards: int = Field(8, ge=1, le=4096)
     partition: Literal["iid", "label_skewed"] = "iid"
     classes_per_shard: int = Field(8, ge=1)
     max_text_bytes: int = Field(2_000_000, ge=1024, description="cap on the text corpus read for charlm")
+    sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$", description="text: the sha256 of the corpus "
+                               "bytes read, so the run id identifies the data (a volunteer whose file differs "
+                               "is refused)")
+
+    @model_validator(mode="after")
+    def _splits_leave_training_data(self) -> "DataConfig":
+        if self.test_fraction + self.validation_fraction >= 0.9:
+            raise CrossFieldError(("test_fraction", "validation_fraction"),
+                                  f"test_fraction ({self.test_fraction}) + validation_fraction "
+                                  f"({self.validation_fraction}) leave less than 10 % of the data to train on")
+        return self
 
 
 class OptimizerConfig(_Strict):
@@ -85,15 +98,24 @@ class TrainingConfig(_Strict):
     wire_dtype: Literal["float32", "float16"] = "float32"
     max_payload_mb: float = Field(256.0, gt=0.0, description="largest tensor payload a stage accepts")
     eval_every_s: float = Field(10.0, gt=0.0)
-    target_accuracy: float = Field(0.95, gt=0.0, le=1.0)
+    target_accuracy: float = Field(0.95, gt=0.0, le=1.0, description="classifiers: the demo stops at this test "
+                                   "accuracy")
+    target_bits_per_byte: float = Field(2.5, gt=0.0, description="language models: the demo stops once the test "
+                                        "loss is this many bits per byte or fewer")
 
 
 class ExchangeConfig(_Strict):
+    """Best-model exchange (NetTorrent): every ``every_samples`` local samples a peer pulls the copies of
+    ``candidates`` random online peers of its swarm and scores them, and its own, on the run's
+    validation split (swarm/averaging/validation.py); it adopts the best one if its validation loss
+    beats ours by ``margin``. Nobody's self-reported loss decides."""
+
     every_samples: int = Field(0, ge=0, description="best-model exchange period; 0 disables it")
-    margin: float = Field(0.05, ge=0.0, description="relative loss improvement needed to adopt")
+    margin: float = Field(0.02, ge=0.0, lt=1.0, description="relative validation-loss improvement needed to adopt")
     factor: float = Field(1.0, gt=0.0, le=1.0, description="1.0 replaces our weights")
-    trial_batches: int = Field(8, ge=1)
-    distrust_s: float = Field(300.0, ge=0.0)
+    candidates: int = Field(2, ge=1, le=64, description="copies of other peers pulled and scored per exchange")
+    validation_samples: int = Field(256, ge=1, le=1_000_000, description="validation samples (sequences for text) "
+                                    "each copy is scored on: at most the validation split")
 
 
 class InfluenceConfig(_Strict):
@@ -253,6 +275,16 @@ class RunConfig(_Strict):
                 ("data.classes_per_shard", "data.partition", "model.num_classes"),
                 f"data.classes_per_shard ({self.data.classes_per_shard}) exceeds model.num_classes "
                 f"({self.model.num_classes})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _exchange_has_validation_data(self) -> "RunConfig":
+        if self.averaging.exchange.every_samples > 0 and self.data.validation_fraction <= 0:
+            raise CrossFieldError(
+                ("averaging.exchange.every_samples", "data.validation_fraction"),
+                "best-model exchange compares copies on the validation split: set data.validation_fraction "
+                "above 0 (e.g. 0.1) or averaging.exchange.every_samples to 0"
             )
         return self
 

@@ -86,7 +86,7 @@ class UpdateReport:
 
 @dataclass(slots=True)
 class WorkerState:
-    """A consistent CPU copy of a stage: what the parameter service serves and a trial keeps for rollback."""
+    """A consistent CPU copy of a stage: what the parameter service serves and healing restores."""
 
     params: dict[str, torch.Tensor]  # the module's state_dict (parameters and buffers)
     optimizer: dict[str, torch.Tensor] | None  # named optimizer tensors (swarm/averaging/state.py), if taken

@@ -12,8 +12,8 @@ import torch
 from swarm.averaging import rules
 from swarm.averaging.checks import ParamsRejected, check_optimizer, check_params
 from swarm.averaging.rules import (
-    BanList, FlowControl, Trial, donor_order, exchange_choice, interpolation_factor, merged_clock, pull_candidates,
-    should_pull, trial_keeps,
+    BanList, FlowControl, donor_order, exchange_candidates, exchange_winner, interpolation_factor, merged_clock,
+    pull_candidates, should_pull,
 )
 from swarm.averaging.state import load_optimizer_tensors, optimizer_tensors
 from swarm.records import MemberRecord
@@ -115,27 +115,26 @@ def test_donors_are_spread_over_the_most_trained_peers():
 
 
 # ----- best-model exchange
-def test_exchange_adopts_only_a_clear_improvement_and_ties_keep_their_own():
-    records = [_record("me", loss=1.0), _record("a", loss=0.5), _record("b", loss=0.5), _record("c", loss=0.2,
-                                                                                                  state="paused")]
-    assert exchange_choice(records, "me", 1.0, 0.05, set()).peer_id == "a", "ties between others: smallest id"
-    assert exchange_choice(records, "me", 1.0, 0.05, {"a"}).peer_id == "b"
-    assert exchange_choice(records, "me", 0.5, 0.0, set()) is None, "a tie keeps our own copy"
-    assert exchange_choice(records, "me", 0.52, 0.05, set()) is None, "within the margin"
-    assert exchange_choice(records, "me", None, 0.05, set()) is None, "no loss of our own yet"
-    assert exchange_choice([_record("me", loss=1.0), _record("x")], "me", 1.0, 0.0, set()) is None, "no loss: -1"
+def test_exchange_scores_random_online_peers_never_chosen_by_their_reported_loss():
+    records = [_record("me", loss=1.0), _record("a", loss=5.0), _record("b", loss=0.01), _record("c"),
+               _record("d", loss=0.001, state="paused"), _record("e")]
+    drawn = [tuple(exchange_candidates(records, "me", {"e"}, random.Random(seed), 2)) for seed in range(60)]
+    assert {peer for pair in drawn for peer in pair} == {"a", "b", "c"}, "online, not us, not excluded"
+    assert all(len(set(pair)) == 2 for pair in drawn)
+    firsts = [pair[0] for pair in drawn]
+    assert min(firsts.count(p) for p in "abc") >= 10, "a low reported loss does not attract the pulls"
+    assert sorted(exchange_candidates(records, "me", set(), random.Random(0), 10)) == ["a", "b", "c", "e"]
+    assert exchange_candidates([_record("me")], "me", set(), random.Random(0), 2) == []
 
 
-def test_trial_counts_only_later_forwards_and_rolls_back_when_worse():
-    trial = Trial(peer="a", baseline_loss=1.0, batches=3, started_at=10.0)
-    assert not trial.record(5.0, forward_at=9.0), "a forward before the adoption does not count"
-    assert not trial.record(0.8, 10.5)
-    assert not trial.record(float("nan"), 11.0)
-    assert trial.record(0.9, 11.5)
-    assert trial.losses[:1] == [0.8] and math.isinf(trial.mean_loss)
-    assert trial_keeps(1.0, [0.9, 1.0, 1.1])
-    assert not trial_keeps(1.0, [1.2, 1.0, 1.1])
-    assert not trial_keeps(1.0, [])
+def test_exchange_adopts_only_a_clear_improvement_on_our_own_measurement():
+    assert exchange_winner(1.0, {"a": 0.5, "b": 0.5, "c": 0.7}, 0.05) == "a", "ties between others: smallest id"
+    assert exchange_winner(0.5, {"a": 0.5}, 0.0) is None, "a tie keeps our own copy"
+    assert exchange_winner(0.52, {"a": 0.5}, 0.05) is None, "within the margin"
+    assert exchange_winner(1.0, {"a": math.inf, "b": math.nan}, 0.0) is None, "a copy that breaks loses"
+    assert exchange_winner(math.inf, {"a": 3.0}, 0.05) == "a", "our own copy broke: any working copy wins"
+    assert exchange_winner(1.0, {}, 0.05) is None
+
 
 
 # ----- checks

@@ -20,10 +20,10 @@ def digits():
 def test_digits_split_is_stratified_scaled_and_the_same_every_time(digits):
     again = load_dataset(DIGITS, MLP)
     assert torch.equal(digits.x_train, again.x_train) and torch.equal(digits.y_test, again.y_test)
-    assert len(digits.x_train) + len(digits.x_test) == 1797
+    assert len(digits.x_train) + len(digits.x_val) + len(digits.x_test) == 1797
     assert 0.0 <= digits.x_train.min() and digits.x_train.max() <= 1.0
     test_share = np.bincount(digits.y_test, minlength=10) / np.bincount(
-        np.concatenate([digits.y_train, digits.y_test]), minlength=10
+        np.concatenate([digits.y_train, digits.y_val, digits.y_test]), minlength=10
     )
     assert np.all(np.abs(test_share - DIGITS.test_fraction) < 0.01)
 
@@ -82,7 +82,7 @@ def test_a_valid_npz_file_loads_with_a_stratified_split(tmp_path):
     good = tmp_path / "good.npz"
     np.savez(good, X=np.random.default_rng(0).random((100, 2, 3)), y=np.arange(100) % 4)
     data = load_dataset(DataConfig(source="npz", path=str(good)), ModelConfig(input_dim=6, num_classes=4))
-    assert data.x_train.shape == (80, 6) and data.x_train.dtype == torch.float32
+    assert data.x_train.shape == (72, 6) and data.x_train.dtype == torch.float32  # 20 test, 8 validation
     assert np.bincount(data.y_test, minlength=4).tolist() == [5, 5, 5, 5]
 
 
@@ -93,7 +93,7 @@ def test_text_corpus_loads_deterministically_as_next_byte_pairs(tmp_path):
     first, second = load_dataset(data, LM), load_dataset(data, LM)
     assert torch.equal(first.x_train, second.x_train) and torch.equal(first.y_test, second.y_test)
     n_sequences = len(corpus) // 9
-    assert len(first.x_train) + len(first.x_test) == n_sequences
+    assert len(first.x_train) + len(first.x_val) + len(first.x_test) == n_sequences
     assert first.x_train.shape[1] == 8 and first.x_train.dtype == torch.int64
     assert torch.equal(first.x_train[0], torch.arange(8)) and torch.equal(first.y_train[0], torch.arange(1, 9))
     assert first.x_test[-1, 0].item() == corpus[(n_sequences - 1) * 9]  # the test split is the tail
@@ -104,7 +104,7 @@ def test_a_folder_corpus_reads_sorted_py_and_txt_files_up_to_the_cap(tmp_path):
     (tmp_path / "a.txt").write_bytes(b"A" * 10)
     (tmp_path / "c.bin").write_bytes(b"C" * 10)
     assert read_corpus(str(tmp_path), 15) == b"A" * 10 + b"B" * 5
-    assert len(read_corpus(None, 2048)) == 2048  # the standard library's own sources
+    assert len(read_corpus(None, 2048)) == 2048  # the corpus shipped with the client
 
 
 def test_micro_batches_have_a_fixed_size_cover_each_epoch_and_follow_the_seed():

@@ -97,8 +97,9 @@ def test_an_evaluation_always_says_how_old_it_is():
 
     assert format_evaluation(0.9123, 0.3, 12.0, stale=False) == "acc 91.2% · 12s ago"
     assert format_evaluation(0.9123, 0.3, 190.0, stale=True) == "acc 91.2% · STALE 3m 10s"
-    assert format_evaluation(None, 2.5, None, stale=False) == "test loss 2.5000 · age ?"
+    assert format_evaluation(None, 2 * 0.6931471805599453, None, stale=False) == "test 2.00 bits/byte · age ?"
     assert not evaluation_is_stale(20.0, 10.0) and evaluation_is_stale(20.1, 10.0)
     assert not evaluation_is_stale(None, 10.0)
     assert "STALE" in describe_evaluation(0.97, 0.1, 25.0, 10.0)
     assert describe_evaluation(0.97, 0.1, 5.0, 10.0) == "test accuracy 97.0% (5 s ago)"
+    assert describe_evaluation(None, 1.3863, 5.0, 10.0) == "test 2.00 bits/byte (loss 1.386 nats) (5 s ago)"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from volunteer.snapshot import EventLevel, NodeSnapshot, NodeState, SwarmRow
+from volunteer.snapshot import EventLevel, NodeSnapshot, NodeState, SwarmRow, bits_per_byte
 
 NO_VALUE = "–"  # shown where a figure is not known yet (no loss before the first batch)
 _BYTE_UNITS = ("B", "kB", "MB", "GB", "TB", "PB")
@@ -110,8 +110,14 @@ def format_clock_time(timestamp: float) -> str:
 
 
 def format_evaluation(accuracy: float | None, loss: float | None, age_s: float | None, stale: bool) -> str:
-    """The run's last evaluation for a title: 'acc 91.2% · 12s ago', 'acc 91.2% · STALE 3m 10s'."""
-    figure = f"acc {format_percent(accuracy)}" if accuracy is not None else f"test loss {format_loss(loss)}"
+    """The run's last evaluation for a title: 'acc 91.2% · 12s ago', 'acc 91.2% · STALE 3m 10s'; a
+    language model's (no accuracy) in bits per byte: 'test 2.01 bits/byte · 12s ago'."""
+    if accuracy is not None:
+        figure = f"acc {format_percent(accuracy)}"
+    elif loss is not None:
+        figure = f"test {bits_per_byte(loss):.2f} bits/byte"
+    else:
+        figure = f"test loss {NO_VALUE}"
     if age_s is None:
         return f"{figure} · age ?"
     return f"{figure} · {'STALE ' + format_duration(age_s) if stale else format_age(age_s)}"

@@ -33,12 +33,29 @@ def evaluation_is_stale(age_s: float | None, eval_every_s: float) -> bool:
     return age_s is not None and age_s > STALE_EVAL_PERIODS * eval_every_s
 
 
+LN_2 = 0.6931471805599453
+
+
+def bits_per_byte(loss_nats: float) -> float:
+    """A byte-level language model's cross-entropy per byte, in bits (its usual unit)."""
+    return loss_nats / LN_2
+
+
+def evaluation_figure(accuracy: float | None, loss: float | None) -> str:
+    """'test accuracy 97.5%' for a classifier; a language model (no accuracy) in bits per byte:
+    'test 2.01 bits/byte (loss 1.393 nats)'; '' when there is no evaluation."""
+    if accuracy is not None:
+        return f"test accuracy {accuracy * 100:.1f}%"
+    if loss is not None:
+        return f"test {bits_per_byte(loss):.2f} bits/byte (loss {loss:.3f} nats)"
+    return ""
+
+
 def describe_evaluation(accuracy: float | None, loss: float | None, age_s: float | None, eval_every_s: float) -> str:
     """'test accuracy 97.5% (12s ago)'; older than two eval periods: '... STALE, 3m 10s ago: no newer one'."""
     from volunteer.policy import format_duration
 
-    figure = f"test accuracy {accuracy * 100:.1f}%" if accuracy is not None else (
-        f"test loss {loss:.3f}" if loss is not None else "")
+    figure = evaluation_figure(accuracy, loss)
     if not figure:
         return "no evaluation yet"
     if age_s is None:

@@ -124,7 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--run", default=None, help="run config: a YAML path or a built-in run name (default: digits-mlp)")
     demo.add_argument("--per-swarm", type=int, default=1, help="volunteers per layer swarm")
     demo.add_argument("--time-limit-s", type=float, default=180.0)
-    demo.add_argument("--target-accuracy", type=float, default=None, help="default: the run's training.target_accuracy")
+    demo.add_argument("--target-accuracy", type=float, default=None,
+                      help="classifiers: stop at this test accuracy (default: the run's training.target_accuracy)")
+    demo.add_argument("--target-bits-per-byte", type=float, default=None,
+                      help="language models: stop at this test loss in bits per byte or below "
+                           "(default: the run's training.target_bits_per_byte)")
     demo.add_argument("--device", default="cpu", help="device of every volunteer: cpu, auto, cuda or cuda:N")
     demo.add_argument("--json", action="store_true", help="last stdout line: a JSON summary")
     _add_common(demo)

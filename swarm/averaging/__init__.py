@@ -2,12 +2,13 @@
 
 Files:
     rules.py       pure decisions: interpolation factor (constant / clock / loss, divergence rule),
-                   flow-control peer scores, bans, donor order for newcomers, best-model choice, trial verdict
+                   flow-control peer scores, bans, donor order for newcomers, best-model candidates and winner
     checks.py      checks on received parameters and optimizer state (names, shapes, dtypes, finite, norm)
     influence.py   ``InfluenceGuard``: swarm/integrity/mixing.py's bounds on one copy or edge message, on tensors
     state.py       optimizer state as named tensors, so it can travel between peers
     params_rpc.py  the parameter service (streaming RPC) and ``fetch_params``, its plain client
-    agent.py       ``SwarmAveraging``: Dpwa pulls and best-model exchange with trials, beside training
+    validation.py  scoring copies of one layer on the run's validation split, within a pulled context
+    agent.py       ``SwarmAveraging``: Dpwa pulls and best-model exchange (scored here), beside training
     sync.py        a newcomer's download of its layer before it goes online
     allreduce.py   ``mode: allreduce``: synchronous group averaging in rounds, all or nothing
     edges.py       ``mode: dsgd | pdmm_isvr | admm_isvr``: swarm/ecl's nodes as the stage's update, over a

@@ -1,10 +1,18 @@
-"""One peer's averaging runtime: Dpwa pulls, best-model exchange with its trial, and the bans.
+"""One peer's averaging runtime: Dpwa pulls, best-model exchange scored on validation data, the bans.
 
 Threads: the decisions to start something are drawn on the compute thread right after a step
 (``on_step``, a StageWorker step hook); the pulls run on the peer's asyncio loop beside training;
 what a pull brings is checked and applied back on the compute thread, under the stage's lock, so
-it lands *between* two steps. A trial's verdict (keep or roll back) is also taken on the compute
-thread, right after the step that completes it.
+it lands *between* two steps. An exchange's scoring (validation.py) runs on the compute thread too.
+
+Best-model exchange (the decision): every ``exchange.every_samples`` samples, pull the copies of
+``exchange.candidates`` random online peers and one copy of every other layer (the context), score
+them and ours on the run's validation split here (validation.py says why this way), and adopt the
+best when its validation loss beats ours by ``exchange.margin``. Nobody's reported loss or clock
+decides, so there is no trial to roll back: the measurement comes before the adoption. Under
+label-skewed shards the old rule (lowest reported training loss, then a trial on our own shard's
+micro-batches) rolled back 96 % of its adoptions: a copy that generalises better has a higher loss on
+one skewed shard (docs/ARCHITECTURE.md, "Inside a swarm", has the measured table).
 
 Optimizer state (the decision): a Dpwa interpolation and an adoption keep our optimizer state.
 Adam's moments are running statistics of the gradients near our copy; after a partial move toward
@@ -19,7 +27,7 @@ the step ``f * (peer - ours)`` is clipped (the copy handed to ``mix_in`` is move
 first), and a peer that already moved our copy by its budget within the window is skipped. Pulls
 go to peers within their fair share of the window's pulls, so no one peer fills the history.
 
-Events (through ``notify``): rejections, adoptions, trial verdicts and rollbacks always; successful
+Events (through ``notify``): rejections and adoptions always; successful
 Dpwa pulls at most once per ``AVERAGED_NOTICE_S`` (they happen several times a second), saying how
 many pulls happened since the last notice.
 """
@@ -40,17 +48,19 @@ from swarm.averaging.checks import ParamsRejected, check_params, total_norm
 from swarm.averaging.influence import InfluenceGuard, distance, per_tensor, toward
 from swarm.averaging.params_rpc import ParamsRefused, fetch_params
 from swarm.averaging.rules import (
-    BanList, FlowControl, Trial, exchange_choice, interpolation_factor, pull_candidates, should_pull, trial_keeps,
+    BanList, FlowControl, exchange_candidates, exchange_winner, interpolation_factor, pull_candidates, should_pull,
 )
 from swarm.records import MemberRecord
 from swarm.runconfig import RunConfig
-from swarm.stage import StageWorker, StepInfo, WorkerState
+from swarm.stage import StageWorker, StepInfo
 from swarm.stage_rpc import Traffic
 from swarm.wire import WireError
 
 logger = logging.getLogger(__name__)
 
 AVERAGED_NOTICE_S = 30.0
+CONTEXT_TRIES = 3  # peers of another swarm asked for a copy to score ours with, before giving up this exchange
+OWN = "<own>"  # our copy's name among the scored ones (never a peer id)
 Notify = Callable[[str, str, str], None]  # (level, kind, text)
 
 
@@ -62,14 +72,14 @@ class AveragingStats:
     rejected: int = 0  # copies refused by the checks
     clipped: int = 0  # copies applied with a clipped step (swarm/integrity/mixing.py)
     over_budget: int = 0  # copies dropped because their peer had moved ours enough within the window
-    adopted: int = 0
-    kept: int = 0  # adoptions that passed their trial
-    rolled_back: int = 0
+    exchanges: int = 0  # best-model exchanges that scored at least one candidate
+    adopted: int = 0  # ... and adopted one
+    kept_own: int = 0  # ... and kept our copy (no candidate beat it on the validation split)
     last_factor: float | None = None
 
 
 class _Skipped(Exception):
-    """The copy changed hands meanwhile (a trial began): drop this pull."""
+    """The peer has moved our copy as far as its budget allows within the window: drop this copy."""
 
 
 class SwarmAveraging:
@@ -92,7 +102,6 @@ class SwarmAveraging:
         self.records: list[MemberRecord] = []
         self.flow = FlowControl()
         self.banned = BanList()
-        self.distrusted = BanList()
         self.guard = InfluenceGuard(self.cfg.influence)
         self._bans_lock = threading.Lock()  # ban lists are written from the compute thread too
         self._draw_rng = random.Random(seed)  # compute thread only
@@ -102,8 +111,8 @@ class SwarmAveraging:
         self._since_exchange = 0
         self._pull_task: asyncio.Task | None = None
         self._exchange_task: asyncio.Task | None = None
-        self.trial: Trial | None = None  # compute thread (under the lock) writes; others only read
-        self._backup: WorkerState | None = None
+        self.views: dict[str, list[MemberRecord]] = {}  # every swarm's records (exchange context)
+        self._validation: tuple | None = None  # (x, y) validation samples, loaded at the first exchange
         self._closed = False
         self._notice_at = -AVERAGED_NOTICE_S
         self._unannounced = 0
@@ -124,14 +133,11 @@ class SwarmAveraging:
 
     def excluded(self, now: float) -> set[str]:
         with self._bans_lock:
-            return self.banned.active(now) | self.distrusted.active(now)
+            return self.banned.active(now)
 
     # ----- compute thread
     def on_step(self, info: StepInfo) -> None:
-        """After every update (compute thread, under the lock): trial bookkeeping and the draws."""
-        trial = self.trial
-        if trial is not None and trial.record(info.loss, info.forward_at):
-            self._finish_trial(trial)
+        """After every update (compute thread, under the lock): the draws."""
         if self._exchange_every > 0:
             self._since_exchange += info.batch_size
             if self._since_exchange >= self._exchange_every:
@@ -148,7 +154,7 @@ class SwarmAveraging:
 
     # ----- Dpwa
     def _start_pull(self) -> None:
-        if self._closed or self.trial is not None or _running(self._pull_task):
+        if self._closed or _running(self._pull_task):
             return
         self._pull_task = asyncio.ensure_future(self.pull_once())
         self._pull_task.add_done_callback(_report_failure)
@@ -181,8 +187,6 @@ class SwarmAveraging:
 
     def _mix(self, state: dict, meta: dict) -> float:
         with self.worker.lock:
-            if self.trial is not None:
-                raise _Skipped()
             check_params(self.worker.module.state_dict(), state, self.cfg.max_norm_ratio)
             stats = self.worker.stats
             factor = interpolation_factor(self.cfg, clock=stats.clock, peer_clock=meta["clock"], loss=stats.loss_ema,
@@ -227,9 +231,9 @@ class SwarmAveraging:
 
     # ----- fetching and bans
     async def _fetch(self, peer: str, timeout_s: float, with_optimizer: bool = False,
-                     wire_dtype: str | None = None) -> tuple[dict, dict] | None:
+                     wire_dtype: str | None = None, swarm: str | None = None) -> tuple[dict, dict] | None:
         try:
-            return await fetch_params(self.p2p, peer, self.run, self.swarm, timeout_s,
+            return await fetch_params(self.p2p, peer, self.run, swarm or self.swarm, timeout_s,
                                       wire_dtype or self.cfg.wire_dtype, with_optimizer=with_optimizer,
                                       traffic=self.traffic)
         except ParamsRefused as exc:
@@ -254,67 +258,129 @@ class SwarmAveraging:
                     f"rejected {peer[-8:]}: {reason}; no pulls from it for {self.cfg.ban_s:.0f} s")
 
     # ----- best-model exchange
+    def set_views(self, views: dict[str, list[MemberRecord]]) -> None:
+        """Every swarm's records: where the context layers of a scoring are pulled from."""
+        self.views = {name: list(records) for name, records in views.items()}
+
     def _start_exchange(self) -> None:
-        if self._closed or self.trial is not None or _running(self._exchange_task):
+        if self._closed or _running(self._exchange_task):
             return
         self._exchange_task = asyncio.ensure_future(self.exchange_once())
         self._exchange_task.add_done_callback(_report_failure)
 
     async def exchange_once(self) -> bool:
-        """Adopt the swarm's best copy when it beats ours by the margin; True if a trial began."""
-        own_loss = self.worker.stats.loss_ema
-        choice = exchange_choice(self.records, self.me, own_loss, self.cfg.exchange.margin,
-                                 self.excluded(time.monotonic()))
-        if choice is None or self.trial is not None:
+        """Score ``candidates`` random peers' copies and ours on the validation split; adopt the best
+        one when its validation loss beats ours by the margin. True if a copy was adopted."""
+        cfg = self.cfg.exchange
+        candidates = exchange_candidates(self.records, self.me, self.excluded(time.monotonic()), self._choice_rng,
+                                         cfg.candidates)
+        if not candidates:
             return False
-        fetched = await self._fetch(choice.peer_id, self.cfg.timeout_s)
-        if fetched is None:
+        context = await self._context()
+        if context is None:
             return False
-        state, meta = fetched
+        copies: dict[str, dict] = {}
+        for peer in candidates:
+            fetched = await self._fetch(peer, self.cfg.timeout_s)
+            if fetched is not None:
+                copies[peer] = fetched[0]
+        if not copies:
+            return False
+        self.stats.exchanges += 1
+        scored = await self.loop.run_in_executor(self.executor, self._score, context, copies)
+        if scored is None:
+            return False
+        own, scores, clocks = scored
+        winner = exchange_winner(own.loss, {p: s.loss for p, s in scores.items()}, cfg.margin)
+        logger.info("exchange: our validation loss %.4f; %s", own.loss,
+                    ", ".join(f"{p[-8:]} {s.loss:.4f}" for p, s in scores.items()))
+        if winner is None:
+            self.stats.kept_own += 1
+            return False
         try:
-            baseline = await self.loop.run_in_executor(self.executor, self._adopt, choice.peer_id, state, meta)
+            await self.loop.run_in_executor(self.executor, self._adopt, winner, copies[winner], clocks[winner])
         except ParamsRejected as exc:
-            self._reject(choice.peer_id, str(exc))
+            self._reject(winner, str(exc))
             return False
-        except _Skipped:
+        except _Skipped:  # it moved our copy as far as its budget allows within the window
             return False
         self.stats.adopted += 1
-        self.notify("info", "adopted",
-                    f"adopted the best model from {choice.peer_id[-8:]} (its loss {choice.loss:.3f}, ours "
-                    f"{baseline:.3f}); on trial for {self.cfg.exchange.trial_batches} micro-batches")
+        self.notify("info", "adopted", f"adopted the copy of {winner[-8:]}: validation loss "
+                                       f"{_fmt_score(scores[winner])} vs ours {_fmt_score(own)} "
+                                       f"({len(self._validation[0])} samples, scored here)")
         return True
 
-    def _adopt(self, peer: str, state: dict, meta: dict) -> float:
-        with self.worker.lock:
-            baseline = self.worker.stats.loss_ema
-            if self.trial is not None or baseline is None:
-                raise _Skipped()
-            check_params(self.worker.module.state_dict(), state, self.cfg.max_norm_ratio)
-            bounded, clock = self._bounded(peer, state, meta["clock"], self.cfg.exchange.factor)
-            self._backup = self.worker.capture(include_optimizer=True)
-            self.worker.mix_in(bounded, self.cfg.exchange.factor, clock)
-            self.trial = Trial(peer=peer, baseline_loss=baseline, batches=self.cfg.exchange.trial_batches,
-                               started_at=time.monotonic())
-            return baseline
+    async def _context(self) -> tuple[list, list] | None:
+        """Copies of every other layer (one random online peer of each swarm), checked, as modules."""
+        from swarm.models import build_stage
 
-    def _finish_trial(self, trial: Trial) -> None:
-        """Compute thread, under the lock, right after the step that completed the trial."""
-        backup, self._backup, self.trial = self._backup, None, None
-        peer, mean, baseline = trial.peer[-8:], trial.mean_loss, trial.baseline_loss
-        if trial_keeps(baseline, trial.losses):
-            self.worker.stats.loss_ema = mean  # the new copy's own measurement, not the peer's claim
-            self.stats.kept += 1
-            self.notify("info", "adopted", f"kept the model adopted from {peer}: trial loss {mean:.3f} "
-                                           f"vs {baseline:.3f} before")
-            return
-        if backup is not None:
-            self.worker.restore(backup)
-        with self._bans_lock:
-            self.distrusted.ban(trial.peer, time.monotonic(), self.cfg.exchange.distrust_s)
-        self.stats.rolled_back += 1
-        self.notify("warning", "rolled_back",
-                    f"rolled back {peer}: its model's trial loss {mean:.3f} is worse than our {baseline:.3f}; "
-                    f"distrusting it for {self.cfg.exchange.distrust_s:.0f} s")
+        before, after = [], []
+        for index, swarm in enumerate(self.run.swarm_names):
+            if swarm == self.swarm:
+                continue
+            module = build_stage(self.run.model, index)
+            peers = [r.peer_id for r in self.views.get(swarm, []) if r.state == "online" and r.peer_id != self.me]
+            self._choice_rng.shuffle(peers)
+            for peer in peers[:CONTEXT_TRIES]:
+                fetched = await self._fetch(peer, self.cfg.timeout_s, swarm=swarm)
+                if fetched is None:
+                    continue
+                try:
+                    check_params(module.state_dict(), fetched[0], self.cfg.max_norm_ratio)
+                except ParamsRejected as exc:
+                    self._reject(peer, f"{swarm} copy for scoring: {exc}")
+                    continue
+                module.load_state_dict(fetched[0])
+                break
+            else:
+                logger.info("exchange skipped: no usable copy of %s to score ours with", swarm)
+                return None
+            (before if index < self.worker.index else after).append(module)
+        return before, after
+
+    def _score(self, context: tuple[list, list], copies: dict[str, dict]):
+        """Compute thread: (our score, the candidates' scores, their clocks), or None when a copy does
+        not fit ours (it is then rejected and its server banned)."""
+        from swarm.averaging.validation import score_copies
+        from swarm.models import build_stage
+
+        if self._validation is None:
+            self._validation = load_validation(self.run, self.cfg.exchange.validation_samples)
+        own = self.worker.capture()
+        fitting: dict[str, dict] = {}
+        for peer, state in copies.items():
+            try:
+                check_params(own.params, state, self.cfg.max_norm_ratio)
+                fitting[peer] = state
+            except ParamsRejected as exc:
+                self._reject(peer, str(exc))
+        if not fitting:
+            return None
+        scratch = build_stage(self.run.model, self.worker.index)
+        x, y = self._validation
+        scores = score_copies(self.run.model, context[0], scratch, {OWN: own.params, **fitting}, context[1], x, y)
+        clocks = {peer: own.clock for peer in fitting}  # the peer's clock is its claim: the merge keeps ours
+        return scores.pop(OWN), scores, clocks
+
+    def _adopt(self, peer: str, state: dict, clock: float) -> None:
+        with self.worker.lock:
+            check_params(self.worker.module.state_dict(), state, self.cfg.max_norm_ratio)
+            bounded, clock = self._bounded(peer, state, clock, self.cfg.exchange.factor)
+            self.worker.mix_in(bounded, self.cfg.exchange.factor, clock)
+
+
+def load_validation(run: RunConfig, max_samples: int) -> tuple:
+    """The first ``max_samples`` of the run's validation split (deterministic: every peer has it)."""
+    from swarm.averaging.validation import validation_subset
+    from swarm.data import load_dataset
+
+    dataset = load_dataset(run.data, run.model)
+    return validation_subset(dataset.x_val, dataset.y_val, max_samples)
+
+
+def _fmt_score(score) -> str:
+    accuracy = f", accuracy {score.accuracy:.3f}" if score.accuracy is not None else ""
+    return f"{score.loss:.3f}{accuracy}"
 
 
 def _running(task: asyncio.Task | None) -> bool:

@@ -222,8 +222,6 @@ class GroupAverager:
         target = unflatten(averaged, current.frozen)
         check_params(current.frozen, target, self.cfg.max_norm_ratio)
         with worker.lock:
-            if self.averaging.trial is not None:
-                raise RoundFailed("an adopted copy is on trial")
             moved = {name: tensor + (target[name] - current.frozen[name]) if tensor.is_floating_point() else tensor
                      for name, tensor in worker.state_snapshot().items()}
             worker.mix_in(moved, 1.0, worker.stats.clock)

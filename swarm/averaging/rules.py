@@ -28,13 +28,13 @@ import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from swarm.ecl.gossip import best_peer, clock_factor, merged_clock, should_adopt
+from swarm.ecl.gossip import clock_factor, draw_candidates, exchange_winner, merged_clock
 from swarm.records import MemberRecord
 from swarm.runconfig import AveragingConfig
 
 __all__ = [
-    "BanList", "FlowControl", "Trial", "donor_order", "exchange_choice", "interpolation_factor",
-    "merged_clock", "pull_candidates", "should_pull", "trial_keeps",
+    "BanList", "FlowControl", "donor_order", "exchange_candidates", "exchange_winner", "interpolation_factor",
+    "merged_clock", "pull_candidates", "should_pull",
 ]
 
 SCORE_SUCCESS = 1.0
@@ -121,7 +121,7 @@ class FlowControl:
 
 @dataclass(slots=True)
 class BanList:
-    """Peers we do not pull from until a time (bad parameters: banned; a failed trial: distrusted)."""
+    """Peers we do not pull from until a time (they served bad parameters)."""
 
     until: dict[str, float] = field(default_factory=dict)
 
@@ -151,47 +151,12 @@ def donor_order(records: Sequence[MemberRecord], me: str, rng: random.Random, to
 
 
 # ----- best-model exchange
-def exchange_choice(records: Sequence[MemberRecord], me: str, own_loss: float | None, margin: float,
-                    excluded: set[str]) -> MemberRecord | None:
-    """The peer whose copy we should adopt, or None.
+def exchange_candidates(records: Sequence[MemberRecord], me: str, excluded: set[str], rng: random.Random,
+                        count: int) -> list[str]:
+    """Whose copies we pull and score at an exchange: ``count`` online peers drawn at random.
 
-    The online peer with the lowest loss EMA (ties: the smallest id), if it beats ours by more than the
-    relative ``margin``. Ties and unknown own losses keep our own copy (a peer that has not measured
-    its loss yet has nothing to compare; it synced on joining).
+    Never chosen by their reported loss: under label-skewed shards the lowest training loss belongs to
+    the peer with the easiest shard, not the best copy, and a stranger can report anything. Drawing at
+    random lets every copy be scored in turn, and a liar costs one pull and one scoring at most.
     """
-    if not _known(own_loss):
-        return None
-    by_peer = {r.peer_id: r for r in records
-               if r.state in SERVING_STATES and r.peer_id != me and r.peer_id not in excluded and _known(r.loss)}
-    best = best_peer({peer: r.loss for peer, r in by_peer.items()})
-    if best is None or not should_adopt(own_loss, by_peer[best].loss, margin):
-        return None
-    return by_peer[best]
-
-
-@dataclass(slots=True)
-class Trial:
-    """An adopted copy on probation: the losses of the next micro-batches decide whether it stays."""
-
-    peer: str
-    baseline_loss: float  # our loss EMA just before adopting
-    batches: int
-    started_at: float  # monotonic time of the adoption; older forwards do not count
-    losses: list[float] = field(default_factory=list)
-
-    def record(self, loss: float | None, forward_at: float) -> bool:
-        """Count one micro-batch; True once the trial has seen enough of them."""
-        if loss is not None and forward_at >= self.started_at:
-            self.losses.append(loss if math.isfinite(loss) else math.inf)
-        return len(self.losses) >= self.batches
-
-    @property
-    def mean_loss(self) -> float:
-        return sum(self.losses) / len(self.losses) if self.losses else math.inf
-
-
-def trial_keeps(baseline_loss: float, losses: Sequence[float]) -> bool:
-    """Keep the adopted copy unless the trial's mean loss is worse than our loss before adopting."""
-    if not losses:
-        return False
-    return sum(losses) / len(losses) <= baseline_loss
+    return draw_candidates(pull_candidates(records, me, excluded), rng, count)

@@ -7,15 +7,21 @@ simulation harness runs every method the same way.
 - Dpwa: on an exchange with a peer, ``p <- f * peer + (1 - f) * p`` with f constant (0.5 averages)
   or by clock, ``f = peer_clock / (clock + peer_clock)``, the clock (samples trained into the copy)
   merging the same way: ``clock <- f * peer_clock + (1 - f) * clock``.
-- Best-model exchange: every N samples the peer with the best loss EMA shares its weights and the
-  others adopt them when it is better than theirs by a relative margin. (The networked version also
-  rolls a bad adoption back after a few micro-batches; the simulation has no liars, so it does not.)
+- Best-model exchange, two rules:
+  - ``BestModelExchange`` (the old rule, kept as the study's baseline): every N samples the peer with
+    the best (self-reported) loss EMA shares its weights and the others adopt them when it is better
+    than theirs by a relative margin.
+  - ``ValidatedExchange`` (the networked rule, swarm/averaging/agent.py): every N samples each node
+    scores ``candidates`` random peers' copies and its own on a validation set every node has, and
+    adopts the best one when it beats its own by the margin (``draw_candidates``, ``exchange_winner``
+    are the functions the swarm uses).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import random
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -61,6 +67,22 @@ def should_adopt(own_loss_ema: float, best_loss_ema: float, margin: float) -> bo
     if not math.isfinite(own_loss_ema):
         return True
     return best_loss_ema < own_loss_ema * (1.0 - margin)
+
+
+def draw_candidates(peers: Sequence[str], rng: random.Random, count: int) -> list[str]:
+    """``count`` of ``peers`` drawn at random (all of them when fewer): whose copies an exchange scores."""
+    ordered = sorted(peers)
+    return rng.sample(ordered, min(count, len(ordered)))
+
+
+def exchange_winner(own_loss: float, scores: Mapping[str, float], margin: float) -> str | None:
+    """The candidate to adopt: the lowest loss (ties: the smallest id) if it beats ``own_loss`` by the
+    relative ``margin``; None keeps our copy. A non-finite loss loses; a non-finite own loss adopts
+    any finite winner."""
+    best = best_peer(dict(scores))
+    if best is None or not should_adopt(own_loss, scores[best], margin):
+        return None
+    return best
 
 
 # ----- nodes for the simulation harness
@@ -162,3 +184,37 @@ class BestModelExchange:
         for peer, node in nodes.items():
             if peer != best and should_adopt(loss_emas.get(peer, math.inf), loss_emas[best], self.margin):
                 node.adopt(best_params, self.factor)
+
+
+class ValidatedExchange:
+    """Swarm hook for ``simulate``: the networked rule. Every ``every_samples`` samples of a full-speed
+    node, each node scores its own copy and ``candidates`` random peers' copies with ``score`` (a loss
+    on a validation set every node has) and adopts the winner of ``exchange_winner``. All nodes decide
+    on the copies as they were when the exchange began. ``adoptions`` counts the adoptions."""
+
+    def __init__(self, every_samples: int, samples_per_step: int, score: Callable[[torch.Tensor], float],
+                 candidates: int = 2, margin: float = 0.0, factor: float = 1.0, seed: int = 0):
+        if every_samples < samples_per_step or samples_per_step < 1 or candidates < 1:
+            raise ValueError(f"every_samples ({every_samples}) must be at least samples_per_step "
+                             f"({samples_per_step}), and candidates ({candidates}) at least 1")
+        self.every_ticks = every_samples // samples_per_step
+        self.score = score
+        self.candidates = candidates
+        self.margin = margin
+        self.factor = factor
+        self.rng = random.Random(seed)
+        self.adoptions = 0
+        self.exchanges = 0
+
+    def __call__(self, tick: int, nodes: Mapping[str, SgdNode], loss_emas: Mapping[str, float]) -> None:
+        if (tick + 1) % self.every_ticks:
+            return
+        params = {peer: node.params.clone() for peer, node in nodes.items()}
+        scores = {peer: self.score(p) for peer, p in params.items()}
+        for peer, node in nodes.items():
+            others = draw_candidates([p for p in nodes if p != peer], self.rng, self.candidates)
+            winner = exchange_winner(scores[peer], {p: scores[p] for p in others}, self.margin)
+            self.exchanges += 1
+            if winner is not None:
+                node.adopt(params[winner], self.factor)
+                self.adoptions += 1

@@ -66,8 +66,9 @@ def load_problem(config: StudyConfig, validation: bool = False) -> Problem:
     from swarm.data import load_dataset, make_shards
     from swarm.runconfig import DataConfig, ModelConfig
 
-    data = DataConfig(source="digits", shards=config.nodes, partition="label_skewed",
-                      classes_per_shard=config.classes_per_shard, split_seed=config.seed)
+    data = DataConfig(source="digits", shards=config.nodes, partition="label_skewed",  # the split docs/ECL.md
+                      classes_per_shard=config.classes_per_shard, split_seed=config.seed,  # measured on: its own
+                      validation_fraction=0.0)  # validation split comes out of the shards below
     dataset = load_dataset(data, ModelConfig(kind="mlp", input_dim=64, num_classes=10))
     shards = make_shards(dataset.y_train, data, dataset.num_classes)
     if not validation:

@@ -1,7 +1,8 @@
 """`volunteer demo`: a whole swarm on this machine, as real processes on loopback, trained end to end.
 
 It starts a bootstrap peer and M headless volunteers per layer swarm, watches the swarms through
-the DHT like any other peer would, prints progress until the target test accuracy or the time limit,
+the DHT like any other peer would, prints progress until the target (a classifier's test accuracy,
+a language model's test bits per byte) or the time limit,
 then shuts every process down (their DHT processes and p2pd too) on success, failure or Ctrl+C.
 """
 
@@ -15,13 +16,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import yaml
 
 from volunteer_cli.main import UserError
 from volunteer.config import load_run
 from volunteer.hygiene import die_with_parent_hook
+from volunteer.snapshot import bits_per_byte, evaluation_figure
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 DEMO_HEARTBEAT_S = 2.0
@@ -85,7 +89,7 @@ def run_demo(args: argparse.Namespace) -> int:
     run, run_path = load_run(args.run)
     if args.per_swarm < 1:
         raise UserError("--per-swarm must be at least 1")
-    target = args.target_accuracy if args.target_accuracy is not None else run.training.target_accuracy
+    target = demo_target(run, args.target_accuracy, getattr(args, "target_bits_per_byte", None))
     from volunteer_cli.commands.common import setup_process
 
     watchdog, shutdown = setup_process(args.verbose)
@@ -101,7 +105,8 @@ def run_demo(args: argparse.Namespace) -> int:
     demo_run.write_text(yaml.safe_dump(config, sort_keys=False))
     children = Children(workdir)
     started = time.monotonic()
-    result = {"test_accuracy": None, "samples": 0, "seconds": 0.0, "lost_microbatches": 0}
+    result = {"test_accuracy": None, "test_loss": None, "test_bits_per_byte": None, "samples": 0, "seconds": 0.0,
+              "lost_microbatches": 0}
     code = 1
     try:
         say(f"demo of run {run.run_id} ({run_path}): 1 bootstrap peer + {args.per_swarm} volunteer(s) "
@@ -147,14 +152,15 @@ def _start_bootstrap(children: Children, workdir: Path, shutdown) -> str:
     raise KeyboardInterrupt if shutdown.event.is_set() else UserError("the bootstrap peer did not start in time")
 
 
-def _watch(run, maddr: str, children: Children, shutdown, watchdog, say, target: float, time_limit_s: float,
+def _watch(run, maddr: str, children: Children, shutdown, watchdog, say, target: Target, time_limit_s: float,
            started: float) -> tuple[int, dict]:
     from swarm.dht import DHTSettings, make_validators, shutdown_dht, start_dht
     from swarm.membership import Membership
 
     dht = start_dht(DHTSettings(initial_peers=[maddr], host_maddrs=[LOOPBACK], client_mode=True,
                                 process_group=watchdog.pgid), make_validators(run.run_id, run.swarm_names, None))
-    result = {"test_accuracy": None, "samples": 0, "seconds": 0.0, "lost_microbatches": 0}
+    result = {"test_accuracy": None, "test_loss": None, "test_bits_per_byte": None, "samples": 0, "seconds": 0.0,
+              "lost_microbatches": 0}
     try:
         membership = Membership(dht, run, b"")
         all_online_at = None
@@ -174,9 +180,10 @@ def _watch(run, maddr: str, children: Children, shutdown, watchdog, say, target:
                     missing = [name for name, count in online.items() if count == 0]
                     say(f"waiting for {', '.join(missing)} to come online")
             layer0 = views.get("layer0", [])
-            accuracy = _latest_accuracy(layer0)
-            result.update(test_accuracy=accuracy, samples=sum(r.trained for r in layer0),
-                          lost_microbatches=sum(r.lost for r in layer0))
+            accuracy, loss = latest_evaluation(layer0)
+            result.update(test_accuracy=accuracy, test_loss=loss, samples=sum(r.trained for r in layer0),
+                          test_bits_per_byte=round(bits_per_byte(loss), 4) if target.kind == "bits" and loss is not None
+                          else None, lost_microbatches=sum(r.lost for r in layer0))
             if all_online_at is not None:
                 say(_progress_line(views, run, result))
                 if result["samples"] > progress[0]:
@@ -186,11 +193,11 @@ def _watch(run, maddr: str, children: Children, shutdown, watchdog, say, target:
                     reason = blocked_reason(logs) or "the layer0 drivers do not say why"
                     say(f"every swarm is online but no sample trained for {time.monotonic() - progress[1]:.0f} s: "
                         f"{reason}")
-            if accuracy is not None and accuracy >= target:
-                say(f"reached {accuracy:.1%} test accuracy (target {target:.0%})")
+            if target_reached(target, accuracy, loss):
+                say(f"reached {evaluation_figure(accuracy, loss)} (target {target})")
                 return 0, result
             if time.monotonic() - started > time_limit_s:
-                say(f"time limit of {time_limit_s:.0f} s reached before {target:.0%} test accuracy")
+                say(f"time limit of {time_limit_s:.0f} s reached before {target}")
                 return 1, result
         say("interrupted")
         return 130, result
@@ -207,9 +214,38 @@ def blocked_reason(logs: list[str]) -> str:
     return ""
 
 
-def _latest_accuracy(layer0: list) -> float | None:
-    published = [r for r in layer0 if r.test_accuracy >= 0]
-    return max(published, key=lambda r: r.eval_samples).test_accuracy if published else None
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What ends a demo: a test accuracy (classifiers) or a test loss in bits per byte (language models)."""
+
+    kind: Literal["accuracy", "bits"]
+    value: float
+
+    def __str__(self) -> str:
+        return f"{self.value:.0%} test accuracy" if self.kind == "accuracy" else f"{self.value:.2f} bits/byte"
+
+
+def demo_target(run, accuracy: float | None, bits: float | None) -> Target:
+    """The stop rule that fits the run: a language model's targets are in bits per byte."""
+    if run.model.kind == "transformer":
+        return Target("bits", bits if bits is not None else run.training.target_bits_per_byte)
+    return Target("accuracy", accuracy if accuracy is not None else run.training.target_accuracy)
+
+
+def target_reached(target: Target, accuracy: float | None, loss: float | None) -> bool:
+    if target.kind == "accuracy":
+        return accuracy is not None and accuracy >= target.value
+    return loss is not None and bits_per_byte(loss) <= target.value
+
+
+def latest_evaluation(layer0: list) -> tuple[float | None, float | None]:
+    """(accuracy or None, loss or None) of the evaluation that covers the most samples."""
+    published = [r for r in layer0 if r.test_accuracy >= 0 or r.test_loss >= 0]
+    if not published:
+        return None, None
+    latest = max(published, key=lambda r: r.eval_samples)
+    return (latest.test_accuracy if latest.test_accuracy >= 0 else None,
+            latest.test_loss if latest.test_loss >= 0 else None)
 
 
 def _progress_line(views: dict, run, result: dict) -> str:
@@ -217,14 +253,18 @@ def _progress_line(views: dict, run, result: dict) -> str:
     speed = sum(r.throughput for r in layer0 if r.state == "online")
     losses = [r.loss for r in layer0 if r.loss >= 0]
     peers = " ".join(f"{name}:{sum(r.state == 'online' for r in views.get(name, []))}" for name in run.swarm_names)
-    acc = f"{result['test_accuracy']:.1%}" if result["test_accuracy"] is not None else "-"
+    if result["test_accuracy"] is not None:
+        test = f"test acc {result['test_accuracy']:.1%}"
+    elif result["test_loss"] is not None:
+        test = f"test {bits_per_byte(result['test_loss']):.2f} bits/byte"
+    else:
+        test = "test -"
     loss = f"{sum(losses) / len(losses):.3f}" if losses else "-"
-    return (f"{result['samples']:>7} samples  {speed:7.0f} samples/s  train loss {loss}  test acc {acc}  "
+    return (f"{result['samples']:>7} samples  {speed:7.0f} samples/s  train loss {loss}  {test}  "
             f"lost {result['lost_microbatches']}  peers {peers}")
 
 
-def _report(result: dict, target: float, say) -> None:
-    acc = result["test_accuracy"]
-    say("final report: " + (f"test accuracy {acc:.1%}" if acc is not None else "no evaluation yet")
-        + f" (target {target:.0%}), {result['samples']} samples trained in {result['seconds']:.0f} s, "
+def _report(result: dict, target: Target, say) -> None:
+    figure = evaluation_figure(result["test_accuracy"], result["test_loss"]) or "no evaluation yet"
+    say("final report: " + figure + f" (target {target}), {result['samples']} samples trained in {result['seconds']:.0f} s, "
         f"{result['lost_microbatches']} micro-batches lost")

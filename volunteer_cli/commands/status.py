@@ -73,8 +73,13 @@ def build_report(run, views: dict, now: float) -> dict:
         # The evaluation's own time (records before it carried one: the heartbeat that published it)
         measured_at = latest.eval_at if latest.eval_at >= 0 else None
         age_s = round(max(0.0, now - measured_at), 1) if measured_at is not None else None
-        report["evaluation"] = {"test_accuracy": latest.test_accuracy if latest.test_accuracy >= 0 else None,
-                                "test_loss": latest.test_loss, "samples": latest.eval_samples, "by": latest.peer_id,
+        from volunteer.snapshot import bits_per_byte
+
+        accuracy = latest.test_accuracy if latest.test_accuracy >= 0 else None
+        report["evaluation"] = {"test_accuracy": accuracy, "test_loss": latest.test_loss,
+                                "test_bits_per_byte": (round(bits_per_byte(latest.test_loss), 4)
+                                                       if accuracy is None and latest.test_loss >= 0 else None),
+                                "samples": latest.eval_samples, "by": latest.peer_id,
                                 "measured_at": measured_at, "age_s": age_s, "copy_version": latest.eval_version,
                                 "stale": evaluation_is_stale(age_s, run.training.eval_every_s),
                                 "eval_every_s": run.training.eval_every_s}
@@ -90,8 +95,8 @@ def render_report(report: dict) -> str:
 
         ev = report["evaluation"]
         figure = describe_evaluation(ev["test_accuracy"], ev["test_loss"], ev["age_s"], ev["eval_every_s"])
-        lines.append(f"  {figure}, test loss {ev['test_loss']:.3f} after {ev['samples']} samples "
-                     f"(by {short_id(ev['by'])})")
+        loss = f", test loss {ev['test_loss']:.3f}" if ev["test_accuracy"] is not None else ""  # else in the figure
+        lines.append(f"  {figure}{loss} after {ev['samples']} samples (by {short_id(ev['by'])})")
     for name, rows in report["swarms"].items():
         s = report["summary"][name]
         flag = "  <-- NO ONLINE PEER: the pipeline cannot pass this layer" if s["empty"] else ""
