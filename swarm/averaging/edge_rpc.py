@@ -195,6 +195,13 @@ async def swap_edge_messages(p2p: Any, peer_id: str, run: Any, swarm: str, messa
     return decoded[0].float()
 
 
+async def send_edge_message(p2p: Any, peer_id: str, run: Any, swarm: str, message: torch.Tensor, step: int, *,
+                            timeout_s: float, wire_dtype: str = "float32", traffic: Traffic | None = None) -> None:
+    """A swap whose reply is dropped: for callers (tests, probes) that only check the peer takes ours."""
+    await swap_edge_messages(p2p, peer_id, run, swarm, message, step, timeout_s=timeout_s, wire_dtype=wire_dtype,
+                             traffic=traffic)
+
+
 async def _aiter(items):
     for item in items:
         yield item

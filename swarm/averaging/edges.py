@@ -210,7 +210,9 @@ class EdgeAveraging:
         """A neighbour started a swap (edge_rpc.py already checked size and dtype): our message on that
         edge, made before theirs is applied; or raises EdgeRefused."""
         self.check_arrival(sender, message)
-        return await self.loop.run_in_executor(None, self.answer_now, sender, message)
+        reply = await self.loop.run_in_executor(None, self.answer_now, sender, message)
+        self._maybe_notice()  # a peer that starts no swap (the largest id of its edges) reports here
+        return reply
 
     def check_arrival(self, sender: str, message: torch.Tensor) -> None:
         """Loop thread: refuse a request from a stranger, a banned or wrong-way sender, or with NaNs."""
@@ -439,13 +441,15 @@ class EdgeAveraging:
         if now - self._notice_at < NOTICE_S:
             return
         s, before = self.stats, self._noticed
-        sent, answered = s.sent - before.sent, s.answered - before.answered
+        started, answered = s.sent - before.sent, s.answered - before.answered
+        sent, applied = started + answered, s.applied - before.applied  # our messages out, theirs in
         lost = (s.send_failed - before.send_failed) + (s.refused - before.refused)
         skipped = s.skipped - before.skipped
         degree = self.graph.degree(self.me)
         lag = self.lag_steps()
-        self.notify("info", "averaged", f"{self.mode}: started {sent} and answered {answered} edge swap(s) with "
-                                        f"{degree} neighbour(s) in the last {now - self._counted_since:.0f} s"
+        self.notify("info", "averaged", f"{self.mode}: sent {sent} and applied {applied} edge message(s) with "
+                                        f"{degree} neighbour(s) in the last {now - self._counted_since:.0f} s "
+                                        f"({started} swap(s) started, {answered} answered)"
                                         + (f"; replies within {lag:.0f} step(s)" if lag is not None else "")
                                         + (f"; {lost} not delivered" if lost else "")
                                         + (f"; {skipped} skipped while the previous one travelled" if skipped else ""))
