@@ -328,3 +328,19 @@ def test_an_ecl_dual_is_applied_whole_near_or_far():
     _zero_step(worker, edges)
     assert torch.allclose(edges.node.duals[neighbour], far) and edges.stats.clipped == 0
     assert not any(kind == "rejected" for _, kind, text in events)
+
+
+def test_the_notice_counts_messages_both_ways_and_pdmm_warns_once_about_late_replies():
+    worker, edges, _, events = _setup()
+    _answer(edges, "peer-a", edges.node.duals["peer-a"] + 0.001)  # one answer: one message out, one in
+    edges.stats.sent += 2  # two swaps of ours came back
+    edges.lags.extend([20, 20, 20])  # 20 steps, over 2 periods of K = 3
+    edges._notice_at = float("-inf")
+    edges._maybe_notice()
+    edges._notice_at = float("-inf")
+    edges._maybe_notice()
+    notices = [text for _, kind, text in events if kind == "averaged"]
+    assert "sent 3 and applied 1 edge message(s)" in notices[0] and "(2 swap(s) started, 1 answered)" in notices[0]
+    assert "sent 0 and applied 0" in notices[1]
+    warnings = [text for level, kind, text in events if level == "warning" and kind == "averaging"]
+    assert len(warnings) == 1 and "admm_isvr" in warnings[0]

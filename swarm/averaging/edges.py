@@ -50,11 +50,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
+from swarm.averaging.edge_notices import EdgeStats, lag_warning, notice_text
 from swarm.averaging.edge_rpc import BadReply, EdgeRefused, EdgeServicer, swap_edge_messages
 from swarm.averaging.influence import InfluenceGuard, flat_scales
 from swarm.averaging.rules import BanList
@@ -73,25 +74,9 @@ INBOX_PER_SENDER = 8  # messages queued per neighbour while we do not step; the 
 NOTICE_S = 30.0
 FIRST_NOTICE_S = 5.0  # the first notice comes early: the user sees at once that the edges work
 LAG_WINDOW = 64  # deliveries over which the lag (our steps from sending to the reply) is measured
-PDMM_MAX_LAG_PERIODS = 2.0  # warn when PDMM's messages lag more than this many periods (docs/ECL.md)
 NORM_FLOOR = 1e-6
 Notify = Callable[[str, str, str], None]  # (level, kind, text)
 Send = Callable[[str, torch.Tensor, int], Any]  # async (peer, message, step) -> their message; raises on failure
-
-
-@dataclass(slots=True)
-class EdgeStats:
-    steps: int = 0  # local steps taken by the node
-    sent: int = 0  # swaps we started that a neighbour answered
-    answered: int = 0  # swaps a neighbour started that we answered
-    send_failed: int = 0  # timed out, unreachable, broken
-    skipped: int = 0  # not started: the previous swap on that edge was still on the wire
-    refused: int = 0  # the neighbour answered no (its graph has no edge to us yet, or any more)
-    stale: int = 0  # replies dropped: their edge was rebuilt (left and came back) while they travelled
-    applied: int = 0  # messages applied to the node (replies and requests)
-    rejected: int = 0  # messages refused by our checks
-    clipped: int = 0  # messages applied with a clipped step (swarm/integrity/mixing.py)
-    over_budget: int = 0  # messages dropped: their sender had moved our copy enough within the window
 
 
 def node_theta(mode: str) -> float:
@@ -440,26 +425,12 @@ class EdgeAveraging:
         now = time.monotonic()
         if now - self._notice_at < NOTICE_S:
             return
-        s, before = self.stats, self._noticed
-        started, answered = s.sent - before.sent, s.answered - before.answered
-        sent, applied = started + answered, s.applied - before.applied  # our messages out, theirs in
-        lost = (s.send_failed - before.send_failed) + (s.refused - before.refused)
-        skipped = s.skipped - before.skipped
-        degree = self.graph.degree(self.me)
         lag = self.lag_steps()
-        self.notify("info", "averaged", f"{self.mode}: sent {sent} and applied {applied} edge message(s) with "
-                                        f"{degree} neighbour(s) in the last {now - self._counted_since:.0f} s "
-                                        f"({started} swap(s) started, {answered} answered)"
-                                        + (f"; replies within {lag:.0f} step(s)" if lag is not None else "")
-                                        + (f"; {lost} not delivered" if lost else "")
-                                        + (f"; {skipped} skipped while the previous one travelled" if skipped else ""))
+        self.notify("info", "averaged", notice_text(self.mode, self.stats, self._noticed, self.graph.degree(self.me),
+                                                    now - self._counted_since, lag))
         self._notice_at = self._counted_since = now
-        self._noticed = replace(s)
-        period = self.cfg.graph.period_steps
-        if self.mode == "pdmm_isvr" and lag is not None and lag > PDMM_MAX_LAG_PERIODS * period \
-                and not self._lag_warned:
+        self._noticed = replace(self.stats)
+        warning = lag_warning(self.mode, lag, self.cfg.graph.period_steps)
+        if warning and not self._lag_warned:
             self._lag_warned = True
-            self.notify("warning", "averaging",
-                        f"edge swaps take {lag:.0f} local steps to come back, more than the exchange period "
-                        f"({period}): PDMM-ISVR can diverge with stale messages (docs/ECL.md); raise "
-                        f"averaging.graph.period_steps or use averaging.mode admm_isvr")
+            self.notify("warning", "averaging", warning)
