@@ -332,6 +332,7 @@ def test_an_ecl_dual_is_applied_whole_near_or_far():
 
 def test_the_notice_counts_messages_both_ways_and_pdmm_warns_once_about_late_replies():
     worker, edges, _, events = _setup()
+    _zero_step(worker, edges)
     _answer(edges, "peer-a", edges.node.duals["peer-a"] + 0.001)  # one answer: one message out, one in
     edges.stats.sent += 2  # two swaps of ours came back
     edges.lags.extend([20, 20, 20])  # 20 steps, over 2 periods of K = 3
