@@ -85,7 +85,7 @@ def test_the_swap_with_no_lag_in_phase_is_exactly_the_reference(graph):
 
 @pytest.mark.parametrize("theta", [1.0, ADMM_THETA], ids=["pdmm", "admm"])
 def test_the_swap_converges_with_lag_out_of_phase_counters_and_random_speeds(theta):
-    run = QuadraticRun(graph="random", period_steps=8, ticks=6000, theta=theta, ordering="swap", delay_ticks=2,
+    run = QuadraticRun(graph="random", period_steps=4, ticks=2500, theta=theta, ordering="swap", delay_ticks=2,
                        out_of_phase=True, speed_range=(0.5, 1.0))
     result, _ = run_quadratic(run)
     assert result.metrics[0] > 0.5 and result.metrics[-1] < 1e-6
