@@ -89,3 +89,13 @@ def test_the_swap_converges_with_lag_out_of_phase_counters_and_random_speeds(the
                        out_of_phase=True, speed_range=(0.5, 1.0))
     result, _ = run_quadratic(run)
     assert result.metrics[0] > 0.5 and result.metrics[-1] < 1e-6
+
+
+@pytest.mark.parametrize("theta", [1.0, ADMM_THETA], ids=["pdmm", "admm"])
+def test_the_swap_converges_after_a_peer_leaves_and_comes_back_with_fresh_edges(theta):
+    """The edge reset rules: a departed peer's edges go; when it returns they are new (neutral duals at
+    both ends), and swaps of the old edges still on the wire are dropped."""
+    run = QuadraticRun(graph="random", period_steps=4, ticks=3000, theta=theta, ordering="swap", delay_ticks=2,
+                       out_of_phase=True, speed_range=(0.5, 1.0), departures={"peer03": 300}, returns={"peer03": 700})
+    result, _ = run_quadratic(run, eval_every_ticks=500)
+    assert result.metrics[-1] < 1e-6  # the optimum of all eight, the returned peer included

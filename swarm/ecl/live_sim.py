@@ -22,7 +22,7 @@ awake every tick, ``swap`` is exactly the reference (tests/test_ecl_pairing.py).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -47,6 +47,8 @@ class LiveConfig:
     out_of_phase: bool = False  # each node's step counter starts at its own seeded value
     seed: int = 0
     speed_range: tuple[float, float] | None = None
+    departures: Mapping[str, int] = field(default_factory=dict)  # peer -> tick at which it leaves
+    returns: Mapping[str, int] = field(default_factory=dict)  # departed peer -> tick at which it comes back
 
     def __post_init__(self) -> None:
         if self.ordering not in ("oneway", "swap"):
@@ -66,43 +68,70 @@ def start_counters(peers: list[str], out_of_phase: bool, seed: int) -> dict[str,
     return {peer: int(rng.integers(0, PHASE_RANGE_STEPS)) for peer in sorted(peers)}
 
 
+Message = tuple[str, str, str, object, int]  # (kind, receiver, sender, message, the edge's generation)
+
+
 @dataclass(slots=True)
 class _Wire:
-    """Messages on their way, by delivery tick: (kind, receiver, sender, message)."""
+    """Messages on their way, by delivery tick, and the generation of every edge (a new one each time
+    the edge is created: a message of an older generation is dropped, as pairing.EdgeGenerations does)."""
 
-    due: dict[int, list[tuple[str, str, str, object]]] = field(default_factory=dict)
+    due: dict[int, list[Message]] = field(default_factory=dict)
     # (sender, receiver) of a push on its way, or of a swap until its reply is back: one per edge and way
     in_flight: set[tuple[str, str]] = field(default_factory=set)
+    generations: dict[tuple[str, str], int] = field(default_factory=dict)
+    created: int = 0
 
     def send(self, tick: int, kind: str, receiver: str, sender: str, message: object) -> bool:
         if (sender, receiver) in self.in_flight:
             return False  # the previous one is still travelling: skipped, as a peer does
         self.in_flight.add((sender, receiver))
-        self.due.setdefault(tick, []).append((kind, receiver, sender, message))
+        generation = self.generations[edge_key(sender, receiver)]
+        self.due.setdefault(tick, []).append((kind, receiver, sender, message, generation))
         return True
 
+    def current(self, sender: str, receiver: str, generation: int) -> bool:
+        return self.generations.get(edge_key(sender, receiver)) == generation
 
-def simulate_live(nodes: Mapping[str, DecentralizedNode], oracles: Mapping[str, Oracle], graph: PeerGraph,
-                  evaluate: Evaluate, config: LiveConfig) -> SimResult:
-    """Run ``config.ticks`` ticks of ``config.ordering`` over a fixed graph the nodes already hold."""
-    live = dict(sorted(nodes.items()))
+    def adopt(self, graph: PeerGraph) -> None:
+        kept = {edge: self.generations[edge] for edge in graph.edges if edge in self.generations}
+        for edge in graph.edges:
+            if edge not in kept:
+                self.created += 1
+                kept[edge] = self.created
+        self.generations = kept
+        self.in_flight = {pair for pair in self.in_flight if edge_key(*pair) in kept}
+
+
+def simulate_live(nodes: Mapping[str, DecentralizedNode], oracles: Mapping[str, Oracle],
+                  rebuild_graph: Callable[[list[str]], PeerGraph], evaluate: Evaluate, config: LiveConfig) -> SimResult:
+    """Run ``config.ticks`` ticks of ``config.ordering``; nodes must hold ``rebuild_graph(sorted(nodes))``.
+    A departed node drops its edges (a restarted peer's fresh state); when it returns, every edge it
+    gets is new (neutral duals at both ends, a new generation)."""
+    everyone = dict(sorted(nodes.items()))
+    live = dict(everyone)
+    graph = rebuild_graph(list(live))
     speeds = node_speeds(list(live), config.speed_range, config.seed)
     wake_rng = np.random.default_rng([config.seed, 2])
     counters = start_counters(list(live), config.out_of_phase, config.seed)
-    inbox: dict[str, deque[tuple[str, object]]] = {peer: deque() for peer in live}
+    inbox: dict[str, deque[tuple[str, object, int]]] = {peer: deque() for peer in live}
     wire = _Wire()
+    wire.adopt(graph)
     loss_emas: dict[str, float] = {}
     result = SimResult(local_steps={peer: 0 for peer in live})
     _record(result, 0, live, evaluate)
     for tick in range(config.ticks):
+        if tick in config.departures.values() or tick in config.returns.values():
+            graph = _membership(everyone, live, tick, config, rebuild_graph, wire, inbox)
         draws = wake_rng.random(len(speeds))
         for (peer, speed), draw in zip(speeds.items(), draws):
-            if draw >= speed:
+            if draw >= speed or peer not in live:
                 continue
             node = live[peer]
             while inbox[peer]:
-                sender, message = inbox[peer].popleft()
-                node.on_messages({sender: message})
+                sender, message, generation = inbox[peer].popleft()
+                if wire.current(sender, peer, generation):
+                    node.on_messages({sender: message})
             loss, grad = oracles[peer](node.params)
             node.step(grad)
             step = counters[peer]
@@ -117,6 +146,27 @@ def simulate_live(nodes: Mapping[str, DecentralizedNode], oracles: Mapping[str, 
     return result
 
 
+def _membership(everyone: Mapping[str, DecentralizedNode], live: dict[str, DecentralizedNode], tick: int,
+                config: LiveConfig, rebuild_graph: Callable[[list[str]], PeerGraph], wire: _Wire,
+                inbox: dict[str, deque[tuple[str, object, int]]]) -> PeerGraph:
+    for peer, at in config.departures.items():
+        if at == tick and peer in live:
+            del live[peer]
+            everyone[peer].set_graph(rebuild_graph([peer]))  # alone: its edges and duals are gone
+            inbox[peer].clear()
+    for peer, at in config.returns.items():
+        if at == tick and peer not in live:
+            live[peer] = everyone[peer]
+    live_sorted = dict(sorted(live.items()))
+    live.clear()
+    live.update(live_sorted)
+    graph = rebuild_graph(list(live))
+    wire.adopt(graph)
+    for node in live.values():
+        node.set_graph(graph)
+    return graph
+
+
 def _send_due(node: DecentralizedNode, graph: PeerGraph, step: int, arrival: int, ordering: str, wire: _Wire,
               result: SimResult) -> None:
     me = node.peer_id
@@ -129,20 +179,24 @@ def _send_due(node: DecentralizedNode, graph: PeerGraph, step: int, arrival: int
             result.exchanges.append((arrival, *edge_key(me, peer)))
 
 
-def _deliver(live: Mapping[str, DecentralizedNode], wire: _Wire, inbox: dict[str, deque[tuple[str, object]]],
+def _deliver(live: Mapping[str, DecentralizedNode], wire: _Wire, inbox: dict[str, deque[tuple[str, object, int]]],
              tick: int, lag_ticks: int) -> None:
     """The messages due at ``tick``: pushes and replies wait in the inbox for the receiver's next step;
-    a request is answered at once, and its reply goes out ``lag_ticks`` later (the same tick at 0)."""
+    a request is answered at once, and its reply goes out ``lag_ticks`` later (the same tick at 0).
+    A message whose edge was rebuilt or removed while it travelled is dropped."""
     arriving = wire.due.pop(tick, [])
     while arriving:
-        kind, receiver, sender, message = arriving.pop(0)
+        kind, receiver, sender, message, generation = arriving.pop(0)
+        if not wire.current(sender, receiver, generation):
+            continue  # wire.adopt already cleared the edge's in-flight marks
         if kind != "request":  # a push, or a reply (whose swap was in flight as (receiver, sender))
             wire.in_flight.discard((sender, receiver) if kind == "push" else (receiver, sender))
-            inbox[receiver].append((sender, message))
+            inbox[receiver].append((sender, message, generation))
             continue
         reply = answer_swap(live[receiver], sender, message)
+        answer = ("reply", sender, receiver, reply, generation)
         if lag_ticks == 0:
-            arriving.append(("reply", sender, receiver, reply))
+            arriving.append(answer)
         else:
-            wire.due.setdefault(tick + lag_ticks, []).append(("reply", sender, receiver, reply))
+            wire.due.setdefault(tick + lag_ticks, []).append(answer)
 

@@ -30,6 +30,7 @@ class QuadraticRun:
     per_node_eta: bool = False
     speed_range: tuple[float, float] | None = None
     departures: Mapping[str, int] = field(default_factory=dict)
+    returns: Mapping[str, int] = field(default_factory=dict)  # live orderings: a departed peer comes back
     delay_ticks: int = 0
     dual_init: str = "neutral"
     ordering: str = "reference"  # or "oneway", "swap": a swarm peer's ordering (live_sim.py)
@@ -63,11 +64,10 @@ def run_quadratic(run: QuadraticRun, eval_every_ticks: int | None = None) -> tup
     evaluate = lambda params: optimum_distances(params, b)[0]
     every = eval_every_ticks or max(run.ticks, 1)
     if run.ordering != "reference":
-        if run.departures:
-            raise ValueError("QuadraticRun.departures are simulated by the reference ordering only")
         live = LiveConfig(ticks=run.ticks, eval_every_ticks=every, ordering=run.ordering, lag_ticks=run.delay_ticks,
-                          out_of_phase=run.out_of_phase, seed=run.seed, speed_range=run.speed_range)
-        return simulate_live(nodes, oracles, graph, evaluate, live), b
+                          out_of_phase=run.out_of_phase, seed=run.seed, speed_range=run.speed_range,
+                          departures=run.departures, returns=run.returns)
+        return simulate_live(nodes, oracles, rebuild, evaluate, live), b
     config = SimConfig(ticks=run.ticks, eval_every_ticks=every, seed=run.seed,
                        speed_range=run.speed_range, departures=run.departures, record_exchanges=True,
                        delay_ticks=run.delay_ticks)

@@ -156,7 +156,7 @@ def run_method(method: str, model_name: str, step_size: float, problem: Problem,
         live = LiveConfig(ticks=config.epochs * ticks_per_epoch, eval_every_ticks=ticks_per_epoch,
                           ordering=config.ordering, lag_ticks=config.delay_ticks, out_of_phase=config.out_of_phase,
                           seed=config.seed, speed_range=config.speed_range)
-        return simulate_live(nodes, oracles, graph, evaluate, live).metrics
+        return simulate_live(nodes, oracles, rebuild, evaluate, live).metrics
     sim = SimConfig(ticks=config.epochs * ticks_per_epoch, eval_every_ticks=ticks_per_epoch, seed=config.seed,
                     speed_range=config.speed_range, delay_ticks=config.delay_ticks)
     return simulate(nodes, oracles, rebuild, evaluate, sim, hook).metrics
