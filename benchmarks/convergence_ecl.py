@@ -5,7 +5,9 @@
 prints one JSON object, method -> model -> final node-averaged test accuracy (the single-node
 "reference" is the baseline measured in the same run), and writes one accuracy-per-epoch plot per
 model into --out. ``--tune`` instead picks each method's step size on a validation split and prints
-the choices; ``--eta-study`` measures a common eta against the authors' per-node eta.
+the choices; ``--eta-study`` measures a common eta against the authors' per-node eta;
+``--ordering-study`` compares how a swarm peer pairs an edge exchange (the one-way pushes it used to
+make, the swap it makes now) with the reference simulator, with lag and out-of-phase step counters.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
         report = _tune(study, config)
     elif args.eta_study:
         report = _eta_study(study, config)
+    elif args.ordering_study:
+        from benchmarks.ecl_ordering import ordering_study
+
+        report = ordering_study(study, config)
     else:
         curves = _curves(study, config)
         report = {method: {model: round(curve[-1], 4) for model, curve in by_model.items()}
@@ -60,6 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--tune", action="store_true", help="choose step sizes on a validation split instead")
     mode.add_argument("--eta-study", action="store_true", help="common vs per-node eta instead")
+    mode.add_argument("--ordering-study", action="store_true",
+                      help="one-way pushes vs the paired swap vs the reference, on quadratics and digits")
     return parser
 
 

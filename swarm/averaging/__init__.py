@@ -13,7 +13,7 @@ Files:
     allreduce.py   ``mode: allreduce``: synchronous group averaging in rounds, all or nothing
     edges.py       ``mode: dsgd | pdmm_isvr | admm_isvr``: swarm/ecl's nodes as the stage's update, over a
                    graph of the swarm's online peers
-    edge_rpc.py    the edge-message service and ``send_edge_message``, its client
+    edge_rpc.py    the edge-swap service and ``swap_edge_messages``, its client
 
 Importing this package imports nothing (swarm/stage.py uses state.py; the rest pulls in hivemind).
 """

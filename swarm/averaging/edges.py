@@ -16,14 +16,18 @@ the simulation runs) inside a peer, in place of the optimizer:
   step (ECL's proximal primal update, or DSGD's SGD step) on the flattened parameters, written back
   in place. The module stays the source of truth: a best-model adoption or a newcomer's download
   changes it, and the next step starts from there.
-- **Exchange.** Edge (i, j) is due at our local step ``s`` when ``s % K == offset(i, j)``; the message
-  is pushed to j (edge_rpc.py) from the event loop, fire-and-forget, at most one in flight per edge.
-  Nothing ever waits for a neighbour: a slow or departed neighbour only leaves its edge's dual stale
-  until the records drop it from the graph (``timeouts.record_ttl_s``).
-- **Arrivals.** The event loop checks a message (a neighbour in our graph, flat, finite, our size)
-  and queues it; the compute thread applies it at the next step, after a norm check against our own
-  copy. A message that fails a check is rejected, logged and never applied, and the sender is left
-  out of our graph for ``averaging.ban_s``.
+- **Exchange: a swap** (swarm/ecl/pairing.py). The smaller id of edge (i, j) starts it at its own local
+  step ``s`` when ``s % K == offset(i, j)``: its message goes to j (edge_rpc.py) from the event loop,
+  at most one swap in flight per edge, and nothing on the compute thread waits for it. j answers
+  with its own message on that edge, made *before* it applies ours, then applies ours; we apply the
+  reply at our next step, unless the edge was rebuilt meanwhile (``EdgeGenerations``: a reply paired
+  with a reset dual is dropped). A slow or departed neighbour only leaves its edge's dual stale until
+  the records drop it from the graph (``timeouts.record_ttl_s``).
+- **Answers.** The event loop checks a request (a neighbour in our graph that starts this edge, flat,
+  finite, our size), then ``answer_now`` runs on a worker thread under the stage's lock: a norm check
+  against our own copy, our message made, theirs applied. A reply gets the same checks before it is
+  applied. A message that fails a check is rejected, logged and never applied, and its sender is
+  left out of our graph for ``averaging.ban_s``.
 - **Bounded influence.** A message moves its reference by ``w * (message - reference)``: DSGD our
   parameters (``w`` the mixing weight), ECL the edge's dual (``w = theta``; the dual enters the
   primal step divided by ``1/mu + eta E``, so bounding the dual's move bounds the copy's). Before it
@@ -32,8 +36,10 @@ the simulation runs) inside a peer, in place of the optimizer:
   (the message moved toward the reference), and a sender whose budget for the window is spent is
   skipped. Honest messages sit well inside the bounds, so ECL's math is unchanged for them.
 
-Threads: ``set_records`` and ``receive`` run on the event loop; ``_update`` on the compute thread; they
-share only the inbox (under ``_inbox_lock``), the newest graph (a reference swap) and the stats.
+Threads: ``set_records``, ``answer`` and the swaps run on the event loop; ``_update`` on the compute
+thread and ``answer_now`` on a worker thread, both under the stage's lock (so they never overlap); the
+loop and the lock holders share only the inbox (under ``_inbox_lock``), the newest graph (a reference
+swap) and the stats.
 """
 
 from __future__ import annotations
@@ -44,15 +50,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from swarm.averaging.edge_rpc import EdgeRefused, EdgeServicer, send_edge_message
+from swarm.averaging.edge_notices import EdgeStats, lag_warning, notice_text
+from swarm.averaging.edge_rpc import BadReply, EdgeRefused, EdgeServicer, swap_edge_messages
 from swarm.averaging.influence import InfluenceGuard, flat_scales
 from swarm.averaging.rules import BanList
 from swarm.ecl.graph import PeerGraph, build_graph
+from swarm.ecl.pairing import EdgeGenerations, answer_swap, initiates, swaps_due
 from swarm.ecl.updates import ADMM_THETA, PDMM_THETA, BadMessageError, DsgdNode, EclConfig, EclNode, common_eta
 from swarm.records import MemberRecord
 from swarm.runconfig import EDGE_MODES, RunConfig
@@ -66,23 +74,9 @@ INBOX_PER_SENDER = 8  # messages queued per neighbour while we do not step; the 
 NOTICE_S = 30.0
 FIRST_NOTICE_S = 5.0  # the first notice comes early: the user sees at once that the edges work
 LAG_WINDOW = 64  # deliveries over which the lag (our steps from sending to the reply) is measured
-PDMM_MAX_LAG_PERIODS = 2.0  # warn when PDMM's messages lag more than this many periods (docs/ECL.md)
 NORM_FLOOR = 1e-6
 Notify = Callable[[str, str, str], None]  # (level, kind, text)
-Send = Callable[[str, torch.Tensor, int], Any]  # async (peer, message, step) -> None; raises on failure
-
-
-@dataclass(slots=True)
-class EdgeStats:
-    steps: int = 0  # local steps taken by the node
-    sent: int = 0  # messages a neighbour took
-    send_failed: int = 0  # timed out, unreachable, broken
-    skipped: int = 0  # not sent: the previous message on that edge was still on the wire
-    refused: int = 0  # the neighbour answered no (its graph has no edge to us yet, or any more)
-    applied: int = 0  # messages applied to the node
-    rejected: int = 0  # messages refused by our checks
-    clipped: int = 0  # messages applied with a clipped step (swarm/integrity/mixing.py)
-    over_budget: int = 0  # messages dropped: their sender had moved our copy enough within the window
+Send = Callable[[str, torch.Tensor, int], Any]  # async (peer, message, step) -> their message; raises on failure
 
 
 def node_theta(mode: str) -> float:
@@ -114,9 +108,11 @@ class EdgeAveraging:
         self._numels = [p.numel() for p in self._params]
         self.numel = sum(self._numels)
         self.graph = self._build([me])  # the newest graph (loop thread writes, both read)
-        self._current_graph = self.graph  # the graph the node runs on (compute thread)
+        self._current_graph = self.graph  # the graph the node runs on (under the stage's lock)
         self.node = self._make_node(self.graph)
-        self._inbox: dict[str, deque[torch.Tensor]] = {}
+        self.generations = EdgeGenerations()  # under the stage's lock
+        self.generations.update(self.graph.neighbours(me))
+        self._inbox: dict[str, deque[tuple[int, torch.Tensor]]] = {}  # replies, with their edge's generation
         self._inbox_lock = threading.Lock()
         self._sending: dict[str, asyncio.Task] = {}  # loop thread only
         self._records: list[MemberRecord] = []  # the last view, to rebuild from after a rejection (loop thread)
@@ -143,7 +139,7 @@ class EdgeAveraging:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     def servicer(self) -> EdgeServicer:
-        return EdgeServicer(self.receive, run_id=self.run.run_id, swarm=self.swarm, mode=self.mode, numel=self.numel,
+        return EdgeServicer(self.answer, run_id=self.run.run_id, swarm=self.swarm, mode=self.mode, numel=self.numel,
                             traffic=self.traffic)
 
     # ----- the graph (loop thread)
@@ -194,19 +190,56 @@ class EdgeAveraging:
             return 1.0
         return common_eta(self.run.optimizer.lr, graph, self.cfg.graph.eta_scale)
 
-    # ----- arrivals (loop thread)
-    def receive(self, sender: str, message: torch.Tensor, step: int) -> None:
-        """An edge message arrived (edge_rpc.py already checked its size and dtype): queue or refuse it."""
+    # ----- answers (loop thread, then a worker thread under the stage's lock)
+    async def answer(self, sender: str, message: torch.Tensor, step: int) -> torch.Tensor:
+        """A neighbour started a swap (edge_rpc.py already checked size and dtype): our message on that
+        edge, made before theirs is applied; or raises EdgeRefused."""
+        self.check_arrival(sender, message)
+        reply = await self.loop.run_in_executor(None, self.answer_now, sender, message)
+        self._maybe_notice()  # a peer that starts no swap (the largest id of its edges) reports here
+        return reply
+
+    def check_arrival(self, sender: str, message: torch.Tensor) -> None:
+        """Loop thread: refuse a request from a stranger, a banned or wrong-way sender, or with NaNs."""
         if sender in self.banned.active(time.monotonic()):
             raise EdgeRefused("not_neighbour", "this peer is not listening to you after a bad message")
         if sender not in self.graph.neighbours(self.me):
             raise EdgeRefused("not_neighbour", "no edge to you in this peer's graph (views may differ for a "
                                                "heartbeat after a join or leave)")
+        if not initiates(sender, self.me):
+            raise EdgeRefused("not_initiator", "the smaller peer id starts the swaps of an edge (is one of us "
+                                               "running another version?)")
         if not bool(torch.isfinite(message).all()):
             self._reject(sender, "the message holds NaN or infinite values")
             raise EdgeRefused("rejected", "the message holds NaN or infinite values")
-        with self._inbox_lock:
-            self._inbox.setdefault(sender, deque(maxlen=INBOX_PER_SENDER)).append(message)
+
+    def answer_now(self, sender: str, message: torch.Tensor) -> torch.Tensor:
+        """Under the stage's lock: check ``message``, make our message to ``sender``, then apply theirs."""
+        with self.worker.lock:
+            node = self.node
+            graph = self._sync_node(node)
+            if sender not in graph.neighbours(self.me):
+                raise EdgeRefused("not_neighbour", "the edge to you was just removed from this peer's graph")
+            message = message.to(node.params.device)
+            problem = self._norm_problem(node, sender, message)
+            if problem is None:
+                try:
+                    bounded = self._bounded(node, sender, message)
+                    if bounded is None:  # over its budget (DSGD): answer, apply nothing
+                        reply = node.make_message(sender)
+                    else:
+                        reply = answer_swap(node, sender, bounded)
+                        self.stats.applied += 1
+                except BadMessageError as exc:
+                    problem = str(exc)
+            if problem is not None:
+                self._post_reject(sender, problem)
+                raise EdgeRefused("rejected", problem)
+            if isinstance(node, DsgdNode):  # DSGD mixed our copy: write it back like a step
+                self._write_back(node.params)
+                self.worker.stats.param_version += 1
+            self.stats.answered += 1
+            return reply.detach().to("cpu", copy=True)
 
     def _reject(self, sender: str, reason: str) -> None:
         """Loop thread: stop listening to ``sender`` for ``ban_s`` and leave it out of our graph."""
@@ -220,15 +253,22 @@ class EdgeAveraging:
     def _flat_params(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1) for p in self._params])
 
-    def _update(self) -> None:
-        node = self.node
+    def _sync_node(self, node: EclNode | DsgdNode) -> PeerGraph:
+        """Under the stage's lock: the node takes the module's parameters (the source of truth) and the
+        newest graph (new edges start from the neutral dual of the current copy, a new generation)."""
         node.params = self._flat_params()
         graph = self.graph  # one read of the reference the loop thread swaps
         if graph is not self._current_graph:
-            node.set_graph(graph)  # new ECL edges start from the neutral dual of the current copy
+            node.set_graph(graph)
             if isinstance(node, EclNode):
                 node.config = replace(node.config, eta=self._eta(graph))
+            self.generations.update(graph.neighbours(self.me))
             self._current_graph = graph
+        return graph
+
+    def _update(self) -> None:
+        node = self.node
+        graph = self._sync_node(node)
         self._apply_inbox(node, graph)
         grad = torch.cat([p.grad.reshape(-1) for p in self._params])  # StageWorker zero-fills missing grads
         decay = self.run.optimizer.weight_decay
@@ -238,39 +278,44 @@ class EdgeAveraging:
         self._write_back(node.params)
         step = self.stats.steps
         self.stats.steps += 1
-        for peer in graph.neighbours(self.me):
-            if graph.exchanges_at(self.me, peer, step):
-                message = node.make_message(peer).detach().to("cpu", copy=True)
-                self._post(peer, message, step)
+        for peer in swaps_due(graph, self.me, step):
+            message = node.make_message(peer).detach().to("cpu", copy=True)
+            self._post(peer, message, step, self.generations.current(peer))
 
     def _apply_inbox(self, node: EclNode | DsgdNode, graph: PeerGraph) -> None:
+        """The replies that came back since the last step, unless their edge was rebuilt meanwhile."""
         with self._inbox_lock:
             if not self._inbox:  # most steps: nothing arrived
                 return
             inbox, self._inbox = self._inbox, {}
-        neighbours = set(graph.neighbours(self.me))
         device = node.params.device
-        own_norm = max(float(node.params.norm()), NORM_FLOOR)
-        for sender, messages in inbox.items():
-            if sender not in neighbours:  # the graph changed since it arrived: that edge is gone
-                continue
-            if isinstance(node, DsgdNode):  # a DSGD message is a whole copy: the newest one subsumes the rest,
-                messages = [messages[-1]]  # and a flooding sender gets one mixing step per local step
-            bound = self.cfg.max_norm_ratio * max(own_norm, float(node.make_message(sender).norm()))
-            for message in messages:
-                norm = float(message.norm())
-                if norm > bound:
-                    self._post_reject(sender, f"its norm {norm:.3g} is over {self.cfg.max_norm_ratio:g} times ours")
-                    break
+        for sender, replies in inbox.items():
+            current = [reply for generation, reply in replies if self.generations.matches(sender, generation)]
+            self.stats.stale += len(replies) - len(current)
+            if isinstance(node, DsgdNode):  # a DSGD message is a whole copy: the newest one subsumes the rest
+                current = current[-1:]
+            for reply in current:
+                reply = reply.to(device)
+                problem = self._norm_problem(node, sender, reply)
                 try:
-                    bounded = self._bounded(node, sender, message.to(device))
-                    if bounded is None:
-                        continue
-                    node.on_messages({sender: bounded})
+                    bounded = None if problem else self._bounded(node, sender, reply)
+                    if bounded is not None:
+                        node.on_messages({sender: bounded})
+                        self.stats.applied += 1
                 except BadMessageError as exc:
-                    self._post_reject(sender, str(exc))
+                    problem = str(exc)
+                if problem:
+                    self._post_reject(sender, problem)
                     break
-                self.stats.applied += 1
+
+    def _norm_problem(self, node: EclNode | DsgdNode, sender: str, message: torch.Tensor) -> str | None:
+        """Why ``message`` is too large to apply (its norm against our copy and our message), or None."""
+        own_norm = max(float(node.params.norm()), NORM_FLOOR)
+        bound = self.cfg.max_norm_ratio * max(own_norm, float(node.make_message(sender).norm()))
+        norm = float(message.norm())
+        if norm > bound:
+            return f"its norm {norm:.3g} is over {self.cfg.max_norm_ratio:g} times ours"
+        return None
 
     def _bounded(self, node: EclNode | DsgdNode, sender: str, message: torch.Tensor) -> torch.Tensor | None:
         """The message, or one moved toward its reference so its step fits the bounds; None: over budget.
@@ -317,8 +362,8 @@ class EdgeAveraging:
     def _post_reject(self, sender: str, reason: str) -> None:
         self._call_soon(self._reject, sender, reason)
 
-    def _post(self, peer: str, message: torch.Tensor, step: int) -> None:
-        self._call_soon(self._start_send, peer, message, step)
+    def _post(self, peer: str, message: torch.Tensor, step: int, generation: int | None) -> None:
+        self._call_soon(self._start_send, peer, message, step, generation)
 
     def _call_soon(self, callback: Callable[..., None], *args: Any) -> None:
         try:
@@ -326,40 +371,51 @@ class EdgeAveraging:
         except RuntimeError:  # the loop is closing: nothing more to send
             pass
 
-    # ----- sending (loop thread)
-    def _start_send(self, peer: str, message: torch.Tensor, step: int) -> None:
-        if self._closed:
+    # ----- swaps we start (loop thread)
+    def _start_send(self, peer: str, message: torch.Tensor, step: int, generation: int | None) -> None:
+        if self._closed or generation is None:
             return
         running = self._sending.get(peer)
         if running is not None and not running.done():
             self.stats.skipped += 1
             return
-        self._sending[peer] = asyncio.ensure_future(self._deliver(peer, message, step))
+        self._sending[peer] = asyncio.ensure_future(self._swap(peer, message, step, generation))
         self._maybe_notice()
 
-    async def _deliver(self, peer: str, message: torch.Tensor, step: int) -> None:
+    async def _swap(self, peer: str, message: torch.Tensor, step: int, generation: int) -> None:
         try:
-            await self._send(peer, message, step)
-            self._unreachable.discard(peer)
-            self.stats.sent += 1
-            self.lags.append(self.stats.steps - 1 - step)
+            reply = await self._send(peer, message, step)
         except EdgeRefused as exc:
             self.stats.refused += 1
-            level = logging.WARNING if exc.code in ("rejected", "wrong_run") else logging.DEBUG
+            level = logging.WARNING if exc.code in ("rejected", "wrong_run", "not_initiator") else logging.DEBUG
             logger.log(level, "%s did not take our edge message: %s", peer[-8:], exc)
+            return
+        except BadReply as exc:
+            self._reject(peer, str(exc))
+            return
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # timeouts, departed peers, broken streams: the edge's dual waits
             self._unreachable.add(peer)
             self.stats.send_failed += 1
-            logger.info("edge message to %s failed: %s %s", peer[-8:], exc.__class__.__name__, exc)
+            logger.info("edge swap with %s failed: %s %s", peer[-8:], exc.__class__.__name__, exc)
+            return
+        self._unreachable.discard(peer)
+        if not bool(torch.isfinite(reply).all()):
+            self._reject(peer, "its reply holds NaN or infinite values")
+            return
+        with self._inbox_lock:
+            self._inbox.setdefault(peer, deque(maxlen=INBOX_PER_SENDER)).append((generation, reply))
+        self.stats.sent += 1
+        self.lags.append(self.stats.steps - 1 - step)
 
-    async def _send_rpc(self, peer: str, message: torch.Tensor, step: int) -> None:
-        await send_edge_message(self.p2p, peer, self.run, self.swarm, message, step, timeout_s=self.cfg.timeout_s,
-                                wire_dtype=self.cfg.wire_dtype, traffic=self.traffic)
+    async def _send_rpc(self, peer: str, message: torch.Tensor, step: int) -> torch.Tensor:
+        return await swap_edge_messages(self.p2p, peer, self.run, self.swarm, message, step,
+                                        timeout_s=self.cfg.timeout_s, wire_dtype=self.cfg.wire_dtype,
+                                        traffic=self.traffic)
 
     def lag_steps(self) -> float | None:
-        """Median of our local steps between sending a message and its delivery (recent messages)."""
+        """Median of our local steps between starting a swap and its reply (recent swaps)."""
         if not self.lags:
             return None
         ordered = sorted(self.lags)
@@ -369,24 +425,12 @@ class EdgeAveraging:
         now = time.monotonic()
         if now - self._notice_at < NOTICE_S:
             return
-        s, before = self.stats, self._noticed
-        sent, received = s.sent - before.sent, s.applied - before.applied
-        lost = (s.send_failed - before.send_failed) + (s.refused - before.refused)
-        skipped = s.skipped - before.skipped
-        degree = self.graph.degree(self.me)
         lag = self.lag_steps()
-        self.notify("info", "averaged", f"{self.mode}: sent {sent} and applied {received} edge message(s) with "
-                                        f"{degree} neighbour(s) in the last {now - self._counted_since:.0f} s"
-                                        + (f"; delivered within {lag:.0f} step(s)" if lag is not None else "")
-                                        + (f"; {lost} not delivered" if lost else "")
-                                        + (f"; {skipped} skipped while the previous one travelled" if skipped else ""))
+        self.notify("info", "averaged", notice_text(self.mode, self.stats, self._noticed, self.graph.degree(self.me),
+                                                    now - self._counted_since, lag))
         self._notice_at = self._counted_since = now
-        self._noticed = replace(s)
-        period = self.cfg.graph.period_steps
-        if self.mode == "pdmm_isvr" and lag is not None and lag > PDMM_MAX_LAG_PERIODS * period \
-                and not self._lag_warned:
+        self._noticed = replace(self.stats)
+        warning = lag_warning(self.mode, lag, self.cfg.graph.period_steps)
+        if warning and not self._lag_warned:
             self._lag_warned = True
-            self.notify("warning", "averaging",
-                        f"edge messages take {lag:.0f} local steps to arrive, more than the exchange period "
-                        f"({period}): PDMM-ISVR can diverge with stale messages (docs/ECL.md); raise "
-                        f"averaging.graph.period_steps or use averaging.mode admm_isvr")
+            self.notify("warning", "averaging", warning)

@@ -10,6 +10,10 @@ Map:
                 mixing weights, eta helpers (common_eta; reference_eta, the authors' per-node one)
 - gossip.py     baselines as pure functions plus nodes: Dpwa interpolation (constant, clock) and
                 best-model exchange (best peer by loss EMA, adoption margin)
+- pairing.py    how an edge exchange is paired: the smaller id starts a swap at its offset, the answer is
+                made before the request is applied, edge generations drop replies of a rebuilt edge
+- live_sim.py   the orderings a swarm peer runs (one-way pushes, the swap), with per-node step counters
+                (out of phase) and lag, for the comparison with the reference in docs/ECL.md
 - simulate.py   single-process, seeded harness: N nodes, local steps, edge exchanges at offsets,
                 random node speeds, peers leaving (graph rebuilt), per-epoch evaluation
 - models.py     tiny classifiers over one flat parameter vector (softmax regression, MLP)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from swarm.ecl.graph import GraphKind, PeerGraph, build_graph
+from swarm.ecl.live_sim import LiveConfig, simulate_live
 from swarm.ecl.simulate import SimConfig, SimResult, simulate
 from swarm.ecl.updates import PDMM_THETA, DsgdNode, EclConfig, EclNode, common_eta, reference_eta
 
@@ -29,8 +30,11 @@ class QuadraticRun:
     per_node_eta: bool = False
     speed_range: tuple[float, float] | None = None
     departures: Mapping[str, int] = field(default_factory=dict)
+    returns: Mapping[str, int] = field(default_factory=dict)  # live orderings: a departed peer comes back
     delay_ticks: int = 0
     dual_init: str = "neutral"
+    ordering: str = "reference"  # or "oneway", "swap": a swarm peer's ordering (live_sim.py)
+    out_of_phase: bool = False  # live orderings: each node's step counter starts elsewhere
     seed: int = 0
 
 
@@ -57,10 +61,17 @@ def run_quadratic(run: QuadraticRun, eval_every_ticks: int | None = None) -> tup
     nodes = {peer: _node(run, peer, torch.zeros(run.dim, dtype=torch.float64), graph) for peer in peers}
     oracles = {peer: (lambda w, target=b[peer]: (0.5 * float((w - target).square().sum()), w - target))
                for peer in peers}
-    config = SimConfig(ticks=run.ticks, eval_every_ticks=eval_every_ticks or max(run.ticks, 1), seed=run.seed,
+    evaluate = lambda params: optimum_distances(params, b)[0]
+    every = eval_every_ticks or max(run.ticks, 1)
+    if run.ordering != "reference":
+        live = LiveConfig(ticks=run.ticks, eval_every_ticks=every, ordering=run.ordering, lag_ticks=run.delay_ticks,
+                          out_of_phase=run.out_of_phase, seed=run.seed, speed_range=run.speed_range,
+                          departures=run.departures, returns=run.returns)
+        return simulate_live(nodes, oracles, rebuild, evaluate, live), b
+    config = SimConfig(ticks=run.ticks, eval_every_ticks=every, seed=run.seed,
                        speed_range=run.speed_range, departures=run.departures, record_exchanges=True,
                        delay_ticks=run.delay_ticks)
-    result = simulate(nodes, oracles, rebuild, lambda params: optimum_distances(params, b)[0], config)
+    result = simulate(nodes, oracles, rebuild, evaluate, config)
     return result, b
 
 

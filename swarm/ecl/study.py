@@ -21,6 +21,7 @@ import torch
 
 from swarm.ecl.gossip import BestModelExchange, GossipNode, SgdNode
 from swarm.ecl.graph import GraphKind, PeerGraph, build_graph
+from swarm.ecl.live_sim import LiveConfig, simulate_live
 from swarm.ecl.models import FlatClassifier
 from swarm.ecl.simulate import SimConfig, SwarmHook, simulate
 from swarm.ecl.updates import ADMM_THETA, PDMM_THETA, DsgdNode, EclConfig, EclNode, common_eta, reference_eta
@@ -30,6 +31,7 @@ METHODS: tuple[str, ...] = ("reference", "pdmm_isvr", "admm_isvr", "dsgd", "goss
 MODELS: dict[str, tuple[int, ...]] = {"softmax": (64, 10), "mlp": (64, 32, 10)}
 STEP_SIZE_GRID: tuple[float, ...] = (0.1, 0.2, 0.4, 0.8, 1.6)
 VALIDATION_FRACTION = 0.2
+LIVE_METHODS: tuple[str, ...] = ("pdmm_isvr", "admm_isvr", "dsgd")  # the edge modes a swarm runs
 BEST_MODEL_EVERY_EPOCHS = 1  # best-model exchange period, in epochs of a node's shard
 BEST_MODEL_MARGIN = 0.05  # the run config's default (averaging.exchange.margin)
 
@@ -47,6 +49,8 @@ class StudyConfig:
     per_node_eta: bool = False  # ECL: the authors' per-node eta_i instead of one common eta
     dual_init: str = "neutral"  # ECL: a new edge's dual, "neutral" or "zero" (the paper's)
     delay_ticks: int = 0  # messages arrive this many ticks after they were made
+    ordering: str = "reference"  # or a swarm peer's: "oneway", "swap" (live_sim.py; edge methods only)
+    out_of_phase: bool = False  # live orderings: each node's step counter starts elsewhere
     l2: float = 1e-4
     seed: int = 0
 
@@ -147,6 +151,13 @@ def run_method(method: str, model_name: str, step_size: float, problem: Problem,
     if method == "best_model":
         every_samples = BEST_MODEL_EVERY_EPOCHS * ticks_per_epoch * config.batch_size
         hook = BestModelExchange(every_samples, config.batch_size, margin=BEST_MODEL_MARGIN)
+    if config.ordering != "reference":
+        if method not in LIVE_METHODS:
+            raise ValueError(f"the {config.ordering} ordering runs {', '.join(LIVE_METHODS)}, not {method!r}")
+        live = LiveConfig(ticks=config.epochs * ticks_per_epoch, eval_every_ticks=ticks_per_epoch,
+                          ordering=config.ordering, lag_ticks=config.delay_ticks, out_of_phase=config.out_of_phase,
+                          seed=config.seed, speed_range=config.speed_range)
+        return simulate_live(nodes, oracles, rebuild, evaluate, live).metrics
     sim = SimConfig(ticks=config.epochs * ticks_per_epoch, eval_every_ticks=ticks_per_epoch, seed=config.seed,
                     speed_range=config.speed_range, delay_ticks=config.delay_ticks)
     return simulate(nodes, oracles, rebuild, evaluate, sim, hook).metrics
