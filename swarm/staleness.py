@@ -1,0 +1,131 @@
+"""Staleness of asynchronous updates: measured per stage, and a step size that shrinks with it.
+
+Staleness is the number of updates applied to a stage's copy between a micro-batch's forward and its
+backward there: the gradient the backward applies was taken at weights that many updates old. It
+grows with the micro-batches in flight, the number of drivers and the machine's load, and the last
+stage (whose forward and backward are one call) always has 0. The stage records its update counter
+with each saved forward and the difference at the backward (swarm/stage.py); a window of the recent
+values gives the mean, p95 and max that records, status and the dashboard show.
+
+Staleness-aware updates (Zhang, Gupta, Lian & Liu 2016, "Staleness-aware Async-SGD for Distributed
+Deep Learning"): the step of a gradient that is ``tau`` updates stale is divided by ``tau``
+(``optimizer.staleness: divide``), with ``tau`` up to ``optimizer.staleness_tolerance`` taking the
+full step. Stale gradients with momentum are what made SGD with momentum 0.9 diverge on a busy
+machine: momentum already adds an implicit delay, and the stable step size shrinks with the delay
+(Mitliagkas et al. 2016, "Asynchrony begets momentum").
+
+How the factor reaches the step (``StepSize``, the one owner of the optimizer's ``lr``): for SGD it
+scales this update's gradient, so exactly this gradient's share of the momentum buffer shrinks (a
+per-step lr would also rescale the older gradients in the buffer); for Adam and AdamW, which
+normalise the gradient's scale away, it scales this step's lr. The self-healing scale
+(swarm/integrity/heal.py) multiplies in: ``lr = run's lr x heal scale x staleness factor``.
+Edge modes replace the optimizer (``StageWorker.set_update_rule``); their step is left alone.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+STALENESS_WINDOW = 256  # recent updates the mean, p95 and max are taken over
+RULES = ("none", "divide")
+ADAPTIVE_OPTIMIZERS = frozenset({"adam", "adamw"})
+
+
+@dataclass(slots=True, frozen=True)
+class StalenessSummary:
+    """Recent staleness of one copy's updates, in updates."""
+
+    mean: float
+    p95: float
+    max: int
+    count: int  # updates the figures are taken over
+
+
+def percentile(values: list[int], q: float) -> float:
+    """Linear-interpolated percentile of ``values`` (non-empty), ``q`` in [0, 100]."""
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100.0
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return float(ordered[low] + (ordered[high] - ordered[low]) * (position - low))
+
+
+def summarize(values: Iterable[int]) -> StalenessSummary | None:
+    """Mean, p95 and max of the staleness values, or None when there are none."""
+    values = list(values)
+    if not values:
+        return None
+    return StalenessSummary(mean=sum(values) / len(values), p95=percentile(values, 95.0), max=max(values),
+                            count=len(values))
+
+
+def step_factor(staleness: int, rule: str, tolerance: int = 1) -> float:
+    """The factor on the step of a gradient ``staleness`` updates old: 1 up to ``tolerance``, then
+    ``tolerance / staleness`` (rule ``divide``; Zhang et al. 2016 is ``tolerance`` 1); always 1 for ``none``."""
+    if rule not in RULES:
+        raise ValueError(f"optimizer.staleness {rule!r} is not one of {', '.join(RULES)}")
+    if tolerance < 1:
+        raise ValueError(f"optimizer.staleness_tolerance must be at least 1, got {tolerance}")
+    if rule == "none" or staleness <= tolerance:
+        return 1.0
+    return tolerance / staleness
+
+
+class StalenessWindow:
+    """The last ``STALENESS_WINDOW`` staleness values (the compute thread records, the node reads)."""
+
+    def __init__(self, size: int = STALENESS_WINDOW):
+        self._values: deque[int] = deque(maxlen=size)
+        self._lock = threading.Lock()
+
+    def record(self, staleness: int) -> None:
+        with self._lock:
+            self._values.append(max(0, int(staleness)))
+
+    def summary(self) -> StalenessSummary | None:
+        with self._lock:
+            values = list(self._values)
+        return summarize(values)
+
+
+class StepSize:
+    """The one owner of the optimizer's ``lr``: the run's lr x the heal scale x this update's staleness factor."""
+
+    def __init__(self, optimizer: Any, optimizer_name: str, rule: str = "none", tolerance: int = 1):
+        step_factor(0, rule, tolerance)  # validates rule and tolerance
+        self.optimizer = optimizer
+        self.adaptive = optimizer_name in ADAPTIVE_OPTIMIZERS
+        self.rule = rule
+        self.tolerance = tolerance
+        self._base_lrs = [group["lr"] for group in optimizer.param_groups]
+        self.heal_scale = 1.0
+
+    @property
+    def lr(self) -> float:
+        """The step size before any staleness factor (the first group's), for the step ceiling."""
+        return self._base_lrs[0] * self.heal_scale if self._base_lrs else 0.0
+
+    def set_heal_scale(self, scale: float) -> None:
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"a step-size scale must be a positive number, got {scale}")
+        self.heal_scale = scale
+        self._write_lrs(1.0)
+
+    def before_step(self, staleness: int, grads: list[Any]) -> float:
+        """Scale this update by its staleness (grads in place for SGD, this step's lr for Adam); returns the factor."""
+        factor = step_factor(staleness, self.rule, self.tolerance)
+        self._write_lrs(factor if self.adaptive else 1.0)
+        if factor < 1.0 and not self.adaptive and grads:
+            import torch
+
+            torch._foreach_mul_(grads, factor)
+        return factor
+
+    def _write_lrs(self, factor: float) -> None:
+        for group, base in zip(self.optimizer.param_groups, self._base_lrs):
+            group["lr"] = base * self.heal_scale * factor
