@@ -176,3 +176,6 @@ def test_status_and_dashboard_show_each_copys_staleness():
     console.print(figures_table(NodeSnapshot(run_name="s", run_id="s-1", swarm="layer0", peer_id="p1",
                                              state=NodeState.ONLINE)))
     assert "staleness" not in console.export_text()  # not measured yet: no row, the layout is unchanged
+    from volunteer_cli.commands.ctl import render_status
+
+    assert "staleness 3.2 mean, 7 p95, 9 max (updates)" in render_status(snap.to_json())
