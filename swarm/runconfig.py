@@ -82,10 +82,11 @@ class OptimizerConfig(_Strict):
     lr: float = Field(0.001, gt=0.0)
     momentum: float = Field(0.9, ge=0.0, lt=1.0, description="sgd only")
     weight_decay: float = Field(0.0, ge=0.0)
-    staleness: Literal["none", "divide"] = Field("divide", description="divide: the step of a gradient tau "
-                                                 "updates stale (tau > staleness_tolerance) is scaled by "
-                                                 "staleness_tolerance / tau (Zhang et al. 2016, swarm/staleness.py); "
-                                                 "none: every step in full")
+    staleness: Literal["none", "divide", "momentum", "divide_momentum"] = Field(
+        "divide_momentum", description="divide: the step of a gradient tau updates stale (tau > "
+        "staleness_tolerance) is scaled by staleness_tolerance / tau (Zhang et al. 2016); momentum: SGD's momentum "
+        "gives up the share of its horizon the mean staleness takes (Mitliagkas et al. 2016); divide_momentum: "
+        "both; none: every step in full, with the run's momentum (swarm/staleness.py)")
     staleness_tolerance: int = Field(1, ge=1, le=100_000, description="gradients at most this many updates stale "
                                      "take the full step")
 

@@ -280,7 +280,7 @@ class StageWorker:
             grads.append(param.grad)
         grad_scale, grad_norm = self._clip_param_grads(params, grads)
         cosine = self.directions.observe(owner, grads, time.monotonic()) if owner else None
-        factor = 1.0 if self._custom_rule else self.step_size.before_step(staleness, grads)
+        factor = 1.0 if self._custom_rule else self.step_size.before_step(staleness, grads, self.staleness.mean())
         result = self.guard.run(self._update, bound_steps=not self._custom_rule)
         self.staleness.record(staleness)
         self.grad_norms.accept(grad_norm * grad_scale, was_clipped=grad_scale < 1.0)

@@ -32,7 +32,9 @@ from dataclasses import dataclass
 from typing import Any
 
 STALENESS_WINDOW = 256  # recent updates the mean, p95 and max are taken over
-RULES = ("none", "divide")
+RULES = ("none", "divide", "momentum", "divide_momentum")
+DIVIDING_RULES = frozenset({"divide", "divide_momentum"})
+MOMENTUM_RULES = frozenset({"momentum", "divide_momentum"})
 ADAPTIVE_OPTIMIZERS = frozenset({"adam", "adamw"})
 
 
@@ -66,14 +68,25 @@ def summarize(values: Iterable[int]) -> StalenessSummary | None:
 
 def step_factor(staleness: int, rule: str, tolerance: int = 1) -> float:
     """The factor on the step of a gradient ``staleness`` updates old: 1 up to ``tolerance``, then
-    ``tolerance / staleness`` (rule ``divide``; Zhang et al. 2016 is ``tolerance`` 1); always 1 for ``none``."""
+    ``tolerance / staleness`` (rules ``divide*``; Zhang et al. 2016 is ``tolerance`` 1); 1 for the others."""
     if rule not in RULES:
         raise ValueError(f"optimizer.staleness {rule!r} is not one of {', '.join(RULES)}")
     if tolerance < 1:
         raise ValueError(f"optimizer.staleness_tolerance must be at least 1, got {tolerance}")
-    if rule == "none" or staleness <= tolerance:
+    if rule not in DIVIDING_RULES or staleness <= tolerance:
         return 1.0
     return tolerance / staleness
+
+
+def stale_momentum(momentum: float, mean_staleness: float) -> float:
+    """SGD's momentum once staleness takes its share (Mitliagkas et al. 2016, "Asynchrony begets momentum":
+    gradients ``tau`` updates stale already act like momentum). The run's momentum averages over
+    ``1 / (1 - momentum)`` updates; the stale updates take ``mean_staleness`` of that horizon and the
+    momentum keeps the rest: 0.9 with a mean staleness of 5 gives 0.8, of 9 or more gives 0."""
+    if momentum <= 0.0 or not math.isfinite(mean_staleness):
+        return momentum if momentum > 0.0 else 0.0
+    horizon = 1.0 / (1.0 - momentum)
+    return 1.0 - 1.0 / max(1.0, horizon - max(0.0, mean_staleness))
 
 
 class StalenessWindow:
@@ -81,11 +94,21 @@ class StalenessWindow:
 
     def __init__(self, size: int = STALENESS_WINDOW):
         self._values: deque[int] = deque(maxlen=size)
+        self._sum = 0
         self._lock = threading.Lock()
 
     def record(self, staleness: int) -> None:
         with self._lock:
-            self._values.append(max(0, int(staleness)))
+            if len(self._values) == self._values.maxlen:
+                self._sum -= self._values[0]
+            value = max(0, int(staleness))
+            self._values.append(value)
+            self._sum += value
+
+    def mean(self) -> float:
+        """The mean of the window (0 while empty), without sorting: read at every update."""
+        with self._lock:
+            return self._sum / len(self._values) if self._values else 0.0
 
     def summary(self) -> StalenessSummary | None:
         with self._lock:
@@ -103,6 +126,7 @@ class StepSize:
         self.rule = rule
         self.tolerance = tolerance
         self._base_lrs = [group["lr"] for group in optimizer.param_groups]
+        self._base_momenta = [group.get("momentum", 0.0) for group in optimizer.param_groups]
         self.heal_scale = 1.0
 
     @property
@@ -116,10 +140,14 @@ class StepSize:
         self.heal_scale = scale
         self._write_lrs(1.0)
 
-    def before_step(self, staleness: int, grads: list[Any]) -> float:
-        """Scale this update by its staleness (grads in place for SGD, this step's lr for Adam); returns the factor."""
+    def before_step(self, staleness: int, grads: list[Any], mean_staleness: float = 0.0) -> float:
+        """Scale this update by its staleness (grads in place for SGD, this step's lr for Adam), and SGD's
+        momentum by the copy's recent mean staleness (rules ``*momentum``); returns the step factor."""
         factor = step_factor(staleness, self.rule, self.tolerance)
         self._write_lrs(factor if self.adaptive else 1.0)
+        if self.rule in MOMENTUM_RULES and not self.adaptive:
+            for group, base in zip(self.optimizer.param_groups, self._base_momenta):
+                group["momentum"] = stale_momentum(base, mean_staleness)
         if factor < 1.0 and not self.adaptive and grads:
             import torch
 

@@ -14,7 +14,7 @@ import torch
 from swarm.integrity.heal import Healer
 from swarm.runconfig import RunConfig
 from swarm.stage import StageWorker
-from swarm.staleness import StalenessWindow, StepSize, step_factor, summarize
+from swarm.staleness import StalenessWindow, StepSize, stale_momentum, step_factor, summarize
 
 
 def _run(**optimizer) -> RunConfig:
@@ -25,11 +25,19 @@ def _run(**optimizer) -> RunConfig:
 def test_divide_rule_is_zhang_et_al_with_a_tolerance():
     assert [step_factor(t, "divide") for t in (0, 1, 2, 4, 10)] == [1.0, 1.0, 0.5, 0.25, 0.1]
     assert [step_factor(t, "divide", tolerance=4) for t in (0, 4, 8, 16)] == [1.0, 1.0, 0.5, 0.25]
-    assert all(step_factor(t, "none") == 1.0 for t in (0, 3, 1000))
+    assert all(step_factor(t, rule) == 1.0 for t in (0, 3, 1000) for rule in ("none", "momentum"))
+    assert step_factor(4, "divide_momentum") == 0.25
     with pytest.raises(ValueError, match="optimizer.staleness"):
         step_factor(3, "halve")
     with pytest.raises(ValueError, match="staleness_tolerance"):
         step_factor(3, "divide", tolerance=0)
+
+
+def test_staleness_takes_its_share_of_the_momentum_horizon():
+    # 0.9 averages over 10 updates: a mean staleness of 5 leaves 5 (0.8), 9 or more leaves none
+    assert [stale_momentum(0.9, tau) for tau in (0.0, 5.0, 9.0, 40.0)] == pytest.approx([0.9, 0.8, 0.0, 0.0])
+    assert stale_momentum(0.0, 5.0) == 0.0 and stale_momentum(0.5, 0.5) == pytest.approx(1 / 3)
+    assert stale_momentum(0.9, float("nan")) == 0.9
 
 
 def test_window_keeps_the_recent_values_and_summarizes_them():
@@ -39,13 +47,14 @@ def test_window_keeps_the_recent_values_and_summarizes_them():
     for value in (100, 100, 0, 1, 2, 3):  # the two old 100s fall out of the window
         window.record(value)
     summary = window.summary()
-    assert (summary.mean, summary.max, summary.count) == (1.5, 3, 4)
+    assert (summary.mean, summary.max, summary.count) == (1.5, 3, 4) and window.mean() == 1.5
     assert summary.p95 == pytest.approx(2.85)
 
 
 def test_the_default_run_is_robust_and_divides_stale_steps():
     default = RunConfig(name="r").optimizer
-    assert (default.name, default.lr, default.staleness, default.staleness_tolerance) == ("adam", 0.001, "divide", 1)
+    assert (default.name, default.lr, default.staleness, default.staleness_tolerance) == \
+        ("adam", 0.001, "divide_momentum", 1)
     with pytest.raises(ValueError):
         RunConfig(name="r", optimizer={"staleness": "sometimes"})
     with pytest.raises(ValueError):
@@ -63,6 +72,20 @@ def test_sgd_scales_the_stale_gradient_and_leaves_lr_to_the_heal_scale():
     size.set_heal_scale(0.3)
     assert size.before_step(1, [torch.ones(3)]) == 1.0
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.03) and size.lr == pytest.approx(0.03)
+    assert optimizer.param_groups[0]["momentum"] == 0.9  # rule divide leaves the momentum alone
+
+
+def test_sgd_momentum_gives_way_to_a_copys_mean_staleness():
+    param = torch.nn.Parameter(torch.zeros(3))
+    optimizer = torch.optim.SGD([param], lr=0.1, momentum=0.9)
+    size = StepSize(optimizer, "sgd", "divide_momentum")
+    size.before_step(2, [torch.ones(3)], mean_staleness=5.0)
+    assert optimizer.param_groups[0]["momentum"] == pytest.approx(0.8)
+    size.before_step(0, [torch.ones(3)], mean_staleness=0.0)
+    assert optimizer.param_groups[0]["momentum"] == pytest.approx(0.9)  # from the run's value, never compounded
+    adam = torch.optim.Adam([torch.nn.Parameter(torch.zeros(3))], lr=1e-3)
+    StepSize(adam, "adam", "divide_momentum").before_step(2, [torch.ones(3)], mean_staleness=20.0)
+    assert "momentum" not in adam.param_groups[0]  # Adam's betas are left alone
 
 
 def test_adam_scales_this_steps_lr_times_the_heal_scale():
