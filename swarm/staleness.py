@@ -7,12 +7,16 @@ stage (whose forward and backward are one call) always has 0. The stage records 
 with each saved forward and the difference at the backward (swarm/stage.py); a window of the recent
 values gives the mean, p95 and max that records, status and the dashboard show.
 
-Staleness-aware updates (Zhang, Gupta, Lian & Liu 2016, "Staleness-aware Async-SGD for Distributed
-Deep Learning"): the step of a gradient that is ``tau`` updates stale is divided by ``tau``
-(``optimizer.staleness: divide``), with ``tau`` up to ``optimizer.staleness_tolerance`` taking the
-full step. Stale gradients with momentum are what made SGD with momentum 0.9 diverge on a busy
-machine: momentum already adds an implicit delay, and the stable step size shrinks with the delay
-(Mitliagkas et al. 2016, "Asynchrony begets momentum").
+Staleness-aware updates, ``optimizer.staleness``:
+- ``divide`` (Zhang, Gupta, Lian & Liu 2016, "Staleness-aware Async-SGD for Distributed Deep
+  Learning"): the step of a gradient that is ``tau`` updates stale is divided by ``tau``, with ``tau``
+  up to ``optimizer.staleness_tolerance`` taking the full step.
+- ``momentum`` (Mitliagkas, Zhang, Hadjis & Re 2016, "Asynchrony begets momentum"): stale gradients
+  already act like momentum, so SGD's momentum gives up the share of its horizon
+  (``1 / (1 - momentum)`` updates) that the copy's recent mean staleness takes.
+- ``divide_momentum`` (the default): both. Measured (benchmarks/README.md, staleness): dividing alone
+  stopped SGD-momentum's blow-ups with 2 drivers at in_flight 8 but not with 4, where layer1's copy
+  saw a mean staleness of 16.
 
 How the factor reaches the step (``StepSize``, the one owner of the optimizer's ``lr``): for SGD it
 scales this update's gradient, so exactly this gradient's share of the momentum buffer shrinks (a
