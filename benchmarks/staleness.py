@@ -34,6 +34,7 @@ from hostile import HostilePeer  # noqa: E402
 
 STAGES = 4
 START_TIMEOUT_S = 300.0
+RULE_TAGS = {"none": "none", "divide": "div", "momentum": "mom", "divide_momentum": "divmom"}
 FINAL_SAMPLES = 3  # the final accuracy is the mean over this many last samples
 DIVERGED_ACCURACY = 0.5  # chance is 0.1; a converging digits run passes 0.9 within seconds
 SAMPLE_POINTS = (10_000, 20_000, 30_000)  # accuracy at equal samples (run-wide, as evaluations record them)
@@ -101,7 +102,8 @@ def _cell(fleet: Fleet, maddr: str, label: str, drivers: int, busy: int, rule: s
           in_flight: int, train_s: float, sample_s: float) -> dict[str, Any]:
     from swarm.runconfig import RunConfig
 
-    config = run_config(f"stale-{label}-{int(time.time())}", optimizer, rule, in_flight)
+    config = run_config(f"st-{RULE_TAGS[rule]}-{optimizer[:4]}-d{drivers}b{busy}-{int(time.time())}", optimizer, rule,
+                        in_flight)  # run names are at most 48 characters
     run = RunConfig.model_validate(config)
     path = write_run(fleet.workdir / f"{label}.yaml", config)
     counts = {0: drivers, **{k: 1 for k in range(1, STAGES)}}
