@@ -120,7 +120,7 @@ def _run_config(name: str, optimizer: str, heartbeat_s: float = 1.0) -> dict[str
         "timeouts": {"heartbeat_s": heartbeat_s},
     }
     if optimizer == "sgd_momentum":
-        config["optimizer"] = {"name": "sgd", "lr": 0.05, "momentum": 0.9}  # the schema's default optimizer
+        config["optimizer"] = {"name": "sgd", "lr": 0.05, "momentum": 0.9}  # the schema's default optimizer until issue 11 (now adam)
     else:
         config["optimizer"] = {"name": "adam", "lr": 0.001}  # configs/runs/digits-mlp.yaml's
     return config

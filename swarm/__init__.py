@@ -9,6 +9,7 @@ Map:
 - data.py        data sets, train/test split and shards (IID or label-skewed), rarest-first shard choice
 - stage.py       one peer's copy of one stage: forward, backward with the (clipped, guarded) update
 - activations.py saved forward graphs, bounded, an equal share per driver
+- staleness.py   staleness of updates (window: mean, p95, max) and the staleness-aware step size
 - stage_rpc.py   the stage RPCs (server and client call); stage_gate.py: who may ask, fair share, bans
 - integrity/     bounds on what one message can do, health, labels by id (see its __init__)
 - driver.py      the layer0 pipeline driver: lanes of micro-batches (sample ids, never targets)

@@ -25,6 +25,7 @@ class Saved:
     outputs: torch.Tensor
     params: dict[str, torch.Tensor]
     created: float
+    version: int = 0  # updates the stage had applied when this forward ran (its staleness is counted from it)
 
 
 Key = tuple[str, str]  # (owner: the requesting driver, "" for local calls; micro-batch id)

@@ -60,6 +60,10 @@ class PeerMetrics:
     healing: str = ""  # why this copy is sick and healing; "" when healthy
     heals: int = 0
     last_heal_at: float = 0.0
+    # staleness of the recent updates (swarm/staleness.py), in updates; None before the first one
+    staleness_mean: float | None = None
+    staleness_p95: float | None = None
+    staleness_max: int | None = None
 
 
 class SwarmPeer:
@@ -378,6 +382,9 @@ class SwarmPeer:
             param_version=stats.param_version, served=stats.served, bytes_in=self.traffic.bytes_in,
             bytes_out=self.traffic.bytes_out, in_flight=self.in_flight(),
         )
+        stale = worker.staleness.summary()
+        if stale is not None:
+            common.update(staleness_mean=stale.mean, staleness_p95=stale.p95, staleness_max=stale.max)
         heal = self.healer.status() if self.healer is not None else None
         if heal is not None:
             common.update(healing=heal.healing, heals=heal.heals, last_heal_at=heal.last_heal_at)

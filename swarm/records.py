@@ -26,6 +26,7 @@ STATES = ("joining", "syncing", "online", "paused", "finishing", "healing", "off
 ROUTABLE_STATES = frozenset({"online"})
 OWNER_PREFIX = b"[owner:"
 MAX_VERSION_CHARS = 64
+OPTIONAL_FIELDS = frozenset({"staleness_mean", "staleness_p95", "staleness_max"})  # newer than some clients
 
 
 @dataclass(slots=True, frozen=True)
@@ -51,6 +52,11 @@ class MemberRecord:
     eval_at: float = -1.0  # wall time of that evaluation; -1 = none (a reader shows its age)
     eval_version: int = -1  # param_version of this peer's copy when it evaluated; -1 = none
     heals: int = 0  # times this copy was found sick and restored itself (swarm/integrity/heal.py)
+    # staleness of this copy's recent updates, in updates (swarm/staleness.py); -1 = none yet. Records of
+    # clients before these fields parse with the defaults.
+    staleness_mean: float = -1.0
+    staleness_p95: float = -1.0
+    staleness_max: int = -1
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -62,6 +68,13 @@ class MemberRecord:
     @property
     def shard_or_none(self) -> int | None:
         return None if self.shard < 0 else self.shard
+
+    @property
+    def staleness_or_none(self) -> tuple[float, float, int] | None:
+        """(mean, p95, max) of this copy's recent staleness, or None when it has none to report."""
+        if min(self.staleness_mean, self.staleness_p95, self.staleness_max) < 0:
+            return None
+        return self.staleness_mean, self.staleness_p95, self.staleness_max
 
 
 class _MemberValueSchema(pydantic_v1.BaseModel):
@@ -86,6 +99,10 @@ class _MemberValueSchema(pydantic_v1.BaseModel):
     eval_at: pydantic_v1.StrictFloat
     eval_version: pydantic_v1.StrictInt
     heals: pydantic_v1.StrictInt
+    # optional: records of clients before the staleness fields are still valid on this node
+    staleness_mean: Optional[pydantic_v1.StrictFloat] = None
+    staleness_p95: Optional[pydantic_v1.StrictFloat] = None
+    staleness_max: Optional[pydantic_v1.StrictInt] = None
 
     class Config:
         extra = pydantic_v1.Extra.forbid
@@ -135,7 +152,8 @@ def parse_member(subkey: Any, value: Any, now: float) -> MemberRecord | None:
         if not isinstance(value, dict):
             raise ValueError(f"value is a {type(value).__name__}, not a mapping")
         known = {f.name for f in dataclasses.fields(MemberRecord)}
-        record = MemberRecord(**{k: v for k, v in value.items() if k in known})
+        record = MemberRecord(**{k: v for k, v in value.items()
+                                 if k in known and not (v is None and k in OPTIONAL_FIELDS)})
         public_key = public_key_of_subkey(subkey)
         if public_key is None:
             raise ValueError("subkey carries no owner key")
@@ -157,6 +175,9 @@ def parse_member(subkey: Any, value: Any, now: float) -> MemberRecord | None:
             raise ValueError("evaluation time after the heartbeat that publishes it")
         if record.heals < 0 or record.eval_version < -1:
             raise ValueError("negative heals or evaluation version")
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= -1 for v in
+                   (record.staleness_mean, record.staleness_p95, record.staleness_max)):
+            raise ValueError("staleness figures must be finite numbers, -1 for none")
         return record
     except (TypeError, ValueError) as exc:
         logger.warning("skipping a bad membership record: %s", exc)

@@ -86,10 +86,22 @@ class DataConfig(_Strict):
 
 
 class OptimizerConfig(_Strict):
-    name: Literal["sgd", "adam", "adamw"] = "sgd"
-    lr: float = Field(0.05, gt=0.0)
-    momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    """Every stage server steps its copy with this. The default is the robust choice for asynchronous
+    updates: Adam at 1e-3 converged with stale gradients where SGD with momentum 0.9 at 0.05 diverged
+    (in simulation, and in real swarms on a busy CPU: benchmarks/staleness.py); stale steps are scaled
+    down either way (``staleness``)."""
+
+    name: Literal["sgd", "adam", "adamw"] = "adam"
+    lr: float = Field(0.001, gt=0.0)
+    momentum: float = Field(0.9, ge=0.0, lt=1.0, description="sgd only")
     weight_decay: float = Field(0.0, ge=0.0)
+    staleness: Literal["none", "divide", "momentum", "divide_momentum"] = Field(
+        "divide_momentum", description="divide: the step of a gradient tau updates stale (tau > "
+        "staleness_tolerance) is scaled by staleness_tolerance / tau (Zhang et al. 2016); momentum: SGD's momentum "
+        "gives up the share of its horizon the mean staleness takes (Mitliagkas et al. 2016); divide_momentum: "
+        "both; none: every step in full, with the run's momentum (swarm/staleness.py)")
+    staleness_tolerance: int = Field(1, ge=1, le=100_000, description="gradients at most this many updates stale "
+                                     "take the full step")
 
 
 class TrainingConfig(_Strict):

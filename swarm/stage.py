@@ -42,6 +42,7 @@ from swarm.integrity.health import HealthMonitor, SickCopy
 from swarm.local import make_optimizer
 from swarm.models import build_stage, loss_fn, stage_input_spec, target_spec
 from swarm.runconfig import RunConfig
+from swarm.staleness import StalenessWindow, StepSize
 from swarm.wire import WireError, check_tensor
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class StepInfo:
     batch_size: int
     loss: float | None  # the micro-batch's loss, as the last stage computed it
     forward_at: float  # monotonic time of the forward (at this stage) whose gradient was applied
+    staleness: int = 0  # updates applied here between that forward and this update (swarm/staleness.py)
 
 
 @dataclass(slots=True, frozen=True)
@@ -82,6 +84,8 @@ class UpdateReport:
     clip_scale: float  # 1.0 = not clipped; the smaller of the output-gradient and parameter-gradient scales
     cosine: float | None  # with the swarm's direction (swarm/integrity/direction.py); None for local updates
     tensors_scaled: int  # parameter tensors whose move the step bound shortened
+    staleness: int = 0  # updates applied here between this micro-batch's forward and its backward
+    step_factor: float = 1.0  # what the staleness-aware rule scaled this update's step by
 
 
 @dataclass(slots=True)
@@ -105,7 +109,7 @@ class StageStats:
     def __init__(self) -> None:
         self.clock = 0.0  # samples trained into this copy (fractional once merged by averaging)
         self.param_version = 0  # updates applied
-        self.served = 0  # micro-batches whose update we applied
+        self.served = 0  # micro-batches whose update we applied (the update counter staleness is counted on)
         self.loss_ema: float | None = None
         self._window: deque[tuple[float, int]] = deque()
         self._window_lock = threading.Lock()  # the compute thread appends, the node's thread reads
@@ -138,6 +142,10 @@ class StageWorker:
         self.is_last = index == run.model.stages - 1
         self.module: nn.Module = build_stage(run.model, index).to(self.device)
         self.optimizer = make_optimizer(self.module.parameters(), run.optimizer)
+        # the one owner of the optimizer's lr: the run's x the heal scale x each update's staleness factor
+        self.step_size = StepSize(self.optimizer, run.optimizer.name, run.optimizer.staleness,
+                                  run.optimizer.staleness_tolerance)
+        self.staleness = StalenessWindow()
         self.input_spec = stage_input_spec(run.model, index)
         self.target_spec = target_spec(run.model)
         self.max_batch = max(run.training.batch_size, EVAL_BATCH)
@@ -188,7 +196,8 @@ class StageWorker:
         if inputs.is_floating_point() and not self.is_first:
             inputs.requires_grad_(True)  # the previous stage needs this gradient
         outputs = functional_call(self.module, params, (inputs,))
-        return Saved(inputs=inputs, outputs=outputs, params=params, created=time.monotonic())
+        return Saved(inputs=inputs, outputs=outputs, params=params, created=time.monotonic(),
+                     version=self.stats.served)
 
     def forward(self, mb_id: str, x: torch.Tensor, owner: str = "") -> torch.Tensor:
         """Training forward; keeps the graph for a backward of ``owner`` (the requesting driver) that comes back here."""
@@ -266,7 +275,9 @@ class StageWorker:
 
     def _apply(self, saved: Saved, batch_size: int, loss: float | None, owner: str = "", scale: float = 1.0,
                out_rms: float | None = None, junior: bool = False) -> None:
-        """Clip the parameter gradient, step under the guard (nothing non-finite is ever committed), record it."""
+        """Clip the parameter gradient, scale it by its staleness, step under the guard (nothing non-finite is
+        ever committed), record it. A forward recomputed here at the backward is 0 updates stale."""
+        staleness = max(0, self.stats.served - saved.version)
         params = list(self.module.parameters())
         grads = []
         for name, param in self.module.named_parameters():
@@ -275,15 +286,17 @@ class StageWorker:
             grads.append(param.grad)
         grad_scale, grad_norm = self._clip_param_grads(params, grads, junior)
         cosine = self.directions.observe(owner, grads, time.monotonic()) if owner else None
+        factor = 1.0 if self._custom_rule else self.step_size.before_step(staleness, grads, self.staleness.mean())
         result = self.guard.run(self._update, bound_steps=not self._custom_rule)
+        self.staleness.record(staleness)
         if not junior:  # a newcomer's norms would let it lift the bound it is clipped to
             self.grad_norms.accept(grad_norm * grad_scale, was_clipped=grad_scale < 1.0)
             if out_rms is not None:
                 self.grad_out_rms.accept(out_rms, was_clipped=scale < 1.0)
         self.last_update = UpdateReport(clip_scale=min(scale, grad_scale), cosine=cosine,
-                                        tensors_scaled=result.tensors_scaled)
+                                        tensors_scaled=result.tensors_scaled, staleness=staleness, step_factor=factor)
         self.stats.record_update(batch_size, loss, time.monotonic())
-        info = StepInfo(batch_size=batch_size, loss=loss, forward_at=saved.created)
+        info = StepInfo(batch_size=batch_size, loss=loss, forward_at=saved.created, staleness=staleness)
         for hook in self._step_hooks:
             try:
                 hook(info)
@@ -296,7 +309,7 @@ class StageWorker:
         norms = torch.stack(torch._foreach_norm(grads + [p.data for p in params])).double()
         grad_norm = float(norms[: len(grads)].norm())
         param_norm = float(norms[len(grads):].norm())
-        lr = float(self.optimizer.param_groups[0].get("lr", 0.0))
+        lr = self.step_size.lr  # the run's lr x the heal scale (a staleness factor only shrinks the step)
         bound = combined_bound(self.grad_norms.bound(1.0 if junior else None),
                                step_ceiling(param_norm, lr, self.run.integrity.max_step_ratio))
         scale = clip_scale(grad_norm, bound)

@@ -46,7 +46,7 @@ def test_bad_run_config_names_file_field_and_fix(tmp_path, content, expected):
     [
         ("name: r\noptimizer: {name: adam}\naveraging: {mode: pdmm_isvr}\n",
          "averaging.mode, optimizer.name, optimizer.momentum", "set optimizer.name: sgd and optimizer.momentum: 0"),
-        ("name: r\noptimizer: {momentum: 0.5}\naveraging: {mode: dsgd}\n",
+        ("name: r\noptimizer: {name: sgd, momentum: 0.5}\naveraging: {mode: dsgd}\n",
          "averaging.mode, optimizer.name, optimizer.momentum", "(now sgd, momentum 0.5)"),
         ("name: r\nmodel: {kind: transformer, d_model: 130, n_heads: 4}\n",
          "model.d_model, model.n_heads", "must be a multiple of n_heads (4)"),

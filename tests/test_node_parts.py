@@ -133,6 +133,7 @@ def test_our_record_carries_our_figures_and_none_as_minus_one():
     assert (record.test_accuracy, record.test_loss, record.eval_samples) == (-1.0, 0.5, 640)
     # the evaluation says when it ran and on which version of our copy; heals are counted
     assert (record.eval_at, record.eval_version, record.heals) == (NOW_S - 3, 6, 1)
+    assert record.staleness_or_none is None  # not measured: -1 on the wire
     bare = build_record(snap, state="joining", version="0.1.0", started_at_s=NOW_S, now_s=NOW_S, shard=2,
                         metrics=None)
     assert (bare.shard, bare.param_version, bare.test_loss, bare.trained) == (2, 0, -1.0, 0)

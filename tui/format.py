@@ -109,6 +109,13 @@ def format_clock_time(timestamp: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(timestamp))
 
 
+def format_staleness(mean: float | None, p95: float | None, maximum: int | None) -> str:
+    """Updates between a micro-batch's forward and backward here: 'avg 3.2 · p95 7 · max 9' ('–' unmeasured)."""
+    if mean is None or p95 is None or maximum is None:
+        return NO_VALUE
+    return f"avg {mean:.1f} · p95 {p95:.0f} · max {maximum}"
+
+
 def format_evaluation(accuracy: float | None, loss: float | None, age_s: float | None, stale: bool) -> str:
     """The run's last evaluation for a title: 'acc 91.2% · 12s ago', 'acc 91.2% · STALE 3m 10s'; a
     language model's (no accuracy) in bits per byte: 'test 2.01 bits/byte · 12s ago'."""

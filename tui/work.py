@@ -1,5 +1,6 @@
 """'Your work': what this machine contributes (speed and loss with their recent history, samples
-trained, micro-batches served) and what it costs (device, CPU, memory, network)."""
+trained, micro-batches served, how stale the gradients it applies are) and what it costs (device, CPU,
+memory, network)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Sparkline, Static
 
-from tui.format import format_bytes, format_count, format_loss, format_rate
+from tui.format import format_bytes, format_count, format_loss, format_rate, format_staleness
 from volunteer.snapshot import NodeSnapshot
 
 LABEL_WIDTH = 10  # "samples/s " and the figures below line up in one column
@@ -62,6 +63,9 @@ def figures_table(snapshot: NodeSnapshot) -> Table:
     grid.add_column(overflow="ellipsis", no_wrap=True)
     grid.add_row("clock", Text.assemble((format_count(snapshot.clock), "bold"), " samples"))
     grid.add_row("served", Text.assemble((format_count(snapshot.microbatches_served), "bold"), " batches"))
+    if snapshot.staleness_max is not None:  # updates between a micro-batch's forward and its backward here
+        grid.add_row("staleness", Text.assemble(format_staleness(snapshot.staleness_mean, snapshot.staleness_p95,
+                                                                 snapshot.staleness_max), " updates"))
     grid.add_row("device", snapshot.device)
     grid.add_row("cpu, ram", f"{snapshot.cpu_percent:.0f}%, {format_bytes(snapshot.memory_bytes)}")
     if snapshot.gpu_memory_bytes is not None:

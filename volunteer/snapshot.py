@@ -138,6 +138,11 @@ class NodeSnapshot:
     test_at: float | None = None  # wall time of that evaluation (None: its time is unknown)
     eval_every_s: float = 10.0  # the run's evaluation period: a figure older than 2 periods is stale
     heals: int = 0  # times this copy was found sick and restored itself
+    # staleness of this copy's recent updates (updates applied between a micro-batch's forward and its
+    # backward here); None before the first update
+    staleness_mean: float | None = None
+    staleness_p95: float | None = None
+    staleness_max: int | None = None
     # resources
     cpu_percent: float = 0.0
     memory_bytes: int = 0

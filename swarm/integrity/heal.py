@@ -10,7 +10,8 @@ How it works:
   last good snapshot on the compute thread, multiplies the step-size scale by ``heal_lr_scale``
   and resumes. The scale recovers by a factor ``1/sqrt(heal_lr_scale)`` after every ``heal_steps``
   healthy updates, up to 1 (multiplicative decrease, slow increase): a copy that diverges again
-  at some step size settles below it instead of healing in a loop.
+  at some step size settles below it instead of healing in a loop. The scale goes through the
+  stage's ``StepSize`` (swarm/staleness.py), which multiplies it with each update's staleness factor.
 
 Why the snapshot and not a peer's copy: the snapshot is ours and was healthy; a copy served by a
 peer is a stranger's (it could be the reason we are sick). Averaging pulls bring the restored copy
@@ -77,7 +78,6 @@ class Healer:
         self._steps = 0
         self._healthy_steps = 0  # since the last heal or the last raise of the scale
         self._scale = 1.0
-        self._base_lrs = [group["lr"] for group in worker.optimizer.param_groups]
         self._status = HealStatus()
         self._healing = False
 
@@ -120,8 +120,7 @@ class Healer:
 
     def _set_lr_scale(self, scale: float) -> None:
         self._scale = scale
-        for group, base in zip(self.worker.optimizer.param_groups, self._base_lrs):
-            group["lr"] = base * scale
+        self.worker.step_size.set_heal_scale(scale)  # composes with the staleness factor (swarm/staleness.py)
         self._status = HealStatus(healing=self._status.healing, heals=self._status.heals,
                                   last_heal_at=self._status.last_heal_at, lr_scale=scale)
 

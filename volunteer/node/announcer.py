@@ -131,6 +131,8 @@ class Announcer:
             samples_per_s=round(m.samples_per_s, 2), loss=m.loss, clock=m.clock, microbatches_served=m.served,
             bytes_in=m.bytes_in, bytes_out=m.bytes_out, gpu_memory_bytes=gpu_memory_bytes(node.peer.device),
             heals=m.heals, eval_every_s=node.run.training.eval_every_s,
+            staleness_mean=None if m.staleness_mean is None else round(m.staleness_mean, 2),
+            staleness_p95=m.staleness_p95, staleness_max=m.staleness_max,
         )
         if m.test_accuracy is not None or m.test_loss is not None:
             fields.update(test_accuracy=m.test_accuracy, test_loss=m.test_loss,

@@ -41,7 +41,15 @@ def build_record(snap: NodeSnapshot, *, state: str, version: str, started_at_s: 
         eval_at=float(m.eval_at) if m else NO_FIGURE,
         eval_version=int(m.eval_version) if m else -1,
         heals=int(m.heals) if m else 0,
+        **_staleness_fields(m),
     )
+
+
+def _staleness_fields(metrics: Any) -> dict[str, Any]:
+    """Our copy's recent staleness for the record; -1 for each figure not measured yet."""
+    mean, p95, maximum = (getattr(metrics, f"staleness_{k}", None) for k in ("mean", "p95", "max"))
+    return {"staleness_mean": _or(mean, NO_FIGURE), "staleness_p95": _or(p95, NO_FIGURE),
+            "staleness_max": int(maximum) if maximum is not None else -1}
 
 
 def run_evaluation(views: dict[str, list[Any]]) -> dict[str, Any]:

@@ -109,6 +109,9 @@ def render_status(snap: dict) -> str:
             f"{snap.get('microbatches_served', 0)} micro-batches served"]
     if snap.get("loss") is not None:
         work.append(f"loss {snap['loss']:.3f}")
+    if snap.get("staleness_max") is not None:  # updates applied here between a micro-batch's forward and backward
+        work.append(f"staleness {snap.get('staleness_mean') or 0.0:.1f} mean, {snap.get('staleness_p95') or 0.0:.0f} "
+                    f"p95, {snap['staleness_max']} max (updates)")
     if snap.get("test_accuracy") is not None or snap.get("test_loss") is not None:
         from volunteer.snapshot import describe_evaluation
 

@@ -57,13 +57,17 @@ def build_report(run, views: dict, now: float) -> dict:
                 "peer_id": r.peer_id, "state": r.state, "age_s": round(max(0.0, now - r.updated_at), 1),
                 "version": r.version, "throughput": round(r.throughput, 2), "loss": r.loss_or_none,
                 "clock": r.clock, "shard": r.shard_or_none, "served": r.served,
-                "trained": r.trained, "lost": r.lost,
+                "trained": r.trained, "lost": r.lost, "staleness": _staleness(r),
             })
             if name == "layer0" and (r.test_accuracy >= 0 or r.test_loss >= 0):
                 evaluations.append((r.eval_samples, r.updated_at, r))
         online = [r for r in records if r.state == "online"]
+        measured = [r.staleness_or_none for r in online if r.staleness_or_none is not None]
         summary[name] = {"online": len(online), "total": len(records),
-                         "throughput": round(sum(r.throughput for r in online), 2), "empty": not online}
+                         "throughput": round(sum(r.throughput for r in online), 2), "empty": not online,
+                         # the worst copy of the swarm: how old the gradients it applies are, in updates
+                         "staleness_p95": max((s[1] for s in measured), default=None),
+                         "staleness_max": max((s[2] for s in measured), default=None)}
         swarms[name] = rows
     report = {"run_id": run.run_id, "swarms": swarms, "summary": summary}
     if evaluations:
@@ -88,6 +92,14 @@ def build_report(run, views: dict, now: float) -> dict:
     return report
 
 
+def _staleness(record) -> dict | None:
+    figures = record.staleness_or_none
+    if figures is None:
+        return None
+    mean, p95, maximum = figures
+    return {"mean": round(mean, 2), "p95": round(p95, 1), "max": maximum}
+
+
 def render_report(report: dict) -> str:
     lines = [f"run {report['run_id']}"]
     if "evaluation" in report:
@@ -102,9 +114,13 @@ def render_report(report: dict) -> str:
         flag = "  <-- NO ONLINE PEER: the pipeline cannot pass this layer" if s["empty"] else ""
         healed = report.get("heals", {}).get(name, 0)
         flag += f"  ({healed} heal{'s' if healed != 1 else ''} of sick copies)" if healed else ""
-        lines.append(f"{name}: {s['online']} online / {s['total']} peers, {s['throughput']:.1f} samples/s{flag}")
+        stale = (f", staleness p95 {s['staleness_p95']:.0f} max {s['staleness_max']} updates"
+                 if s.get("staleness_max") is not None else "")
+        lines.append(f"{name}: {s['online']} online / {s['total']} peers, {s['throughput']:.1f} samples/s{stale}{flag}")
         for row in rows:
             loss = f"{row['loss']:.3f}" if row["loss"] is not None else "-"
+            st = row.get("staleness")
+            st_text = f"  staleness {st['mean']:.1f}/{st['p95']:.0f}/{st['max']}" if st else ""
             lines.append(f"  {short_id(row['peer_id']):>8}  {row['state']:<9} seen {row['age_s']:>5.1f}s ago  "
-                         f"v{row['version']}  {row['throughput']:.1f}/s  loss {loss}  clock {row['clock']}")
+                         f"v{row['version']}  {row['throughput']:.1f}/s  loss {loss}  clock {row['clock']}{st_text}")
     return "\n".join(lines)
