@@ -85,7 +85,7 @@ class Settings:
 
 QUICK = dict(heavy_stages=2, heavy_width=256, heavy_batch=32, heavy_rows=512, heavy_warmup_s=1.0,
              heavy_window_s=2.0, local_slices=1, local_slice_s=0.3, local_warmup_batches=1, scaling_stages=1,
-             scaling_peers=(4, 2, 1), scaling_warmup_s=1.0, scaling_window_s=2.0, heartbeat_s=0.5, hop_reps=3)
+             scaling_peers=(2, 1), scaling_warmup_s=1.0, scaling_window_s=2.0, heartbeat_s=0.5, hop_reps=3)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = common_parser("pipeline", __doc__,
-                           "tiny sizes and windows, 1-stage scaling: a smoke test, not a measurement")
+                           "tiny sizes and windows, 1-stage scaling with 2 -> 1 peers: a smoke test, not a measurement")
     parser.add_argument("--step-s", type=float, default=0.05, help="simulated accelerator step for the scaling runs")
     parser.add_argument("--scaling-stages", type=int, default=None, help="stages of the scaling runs (default 2)")
     parser.add_argument("--only", choices=("hop", "heavy", "scaling"), action="append",

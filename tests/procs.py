@@ -47,6 +47,7 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.2, what: str =
 class Proc:
     def __init__(self, args: list[str], env: dict[str, str], log_dir: Path, name: str):
         self.name = name
+        self.swarm: str | None = None  # set by Swarm.join
         self.stdout_path = log_dir / f"{name}.out"
         self.stderr_path = log_dir / f"{name}.err"
         self._stdout = open(self.stdout_path, "wb")
@@ -117,6 +118,7 @@ class Swarm:
         self.tag = uuid.uuid4().hex
         self.tmp = tmp_path
         self.procs: list[Proc] = []
+        self.readers: list = []  # swarm_client.Client, closed with the swarm
         self.env = dict(os.environ)
         self.env.update({
             TAG_ENV: self.tag,
@@ -141,8 +143,10 @@ class Swarm:
 
     def join(self, run: Path, swarm: str, maddr: str, *extra: str, name: str | None = None,
              env: dict[str, str] | None = None) -> Proc:
-        return self.start("join", "--run", str(run), "--swarm", swarm, "--initial-peers", maddr,
+        proc = self.start("join", "--run", str(run), "--swarm", swarm, "--initial-peers", maddr,
                           "--listen", LOOPBACK, "--headless", *extra, name=name, env=env)
+        proc.swarm = swarm
+        return proc
 
     def status(self, run: Path, maddr: str, timeout_s: float = 60.0) -> dict:
         proc = subprocess.run(
@@ -152,6 +156,15 @@ class Swarm:
         assert proc.returncode == 0, proc.stderr
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
+    def reader(self, run: Path, maddr: str):
+        """An in-process reader of the run's records (swarm_client.Client), closed with the swarm. Its
+        ``report()`` is what `volunteer status --json` prints; use it to poll, and `status` to check the CLI."""
+        from swarm_client import Client
+
+        client = Client(run, maddr)
+        self.readers.append(client)
+        return client
+
     def leftovers(self, timeout_s: float = 10.0) -> list[int]:
         try:
             wait_until(lambda: not tagged_pids(self.tag), timeout_s, what="test processes to exit")
@@ -160,10 +173,15 @@ class Swarm:
         return []
 
     def close(self) -> list[int]:
-        """Stop everything: all volunteers at once (each drains and leaves on its own), bootstrap peers last."""
+        """Stop everything: the layer0 drivers first (a driver whose stages left first waits on them for
+        seconds), then the other volunteers at once (each drains and leaves on its own), bootstrap peers last."""
+        for reader in self.readers:
+            reader.close()
+        self.readers.clear()
+        drivers = [p for p in self.procs if p.swarm == "layer0"]
         boots = [p for p in self.procs if p.name.startswith("bootstrap")]
-        others = [p for p in self.procs if p not in boots]
-        for group in (others, boots):
+        others = [p for p in self.procs if p not in boots and p not in drivers]
+        for group in (drivers, others, boots):
             for proc in group:
                 proc.signal(signal.SIGTERM)
             for proc in group:

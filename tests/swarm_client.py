@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import torch
 
@@ -41,6 +42,13 @@ class Client:
         self.dht = start_dht(DHTSettings(initial_peers=[maddr], client_mode=True),
                              make_validators(self.run.run_id, self.run.swarm_names, None))
         self.membership = Membership(self.dht, self.run, b"")
+
+    def report(self) -> dict:
+        """What `volunteer status --json` prints, read by this long-lived DHT peer: poll with this, not with the
+        CLI, which starts a process and a DHT of its own on every call."""
+        from volunteer_cli.commands.status import build_report
+
+        return build_report(self.run, self.membership.read_all(), now=time.time())
 
     def online(self, swarm: str) -> dict[str, MemberRecord]:
         return {r.peer_id: r for r in self.membership.read(swarm) if r.state == "online"}

@@ -1,12 +1,58 @@
-"""The foundation slice with real processes on 127.0.0.1: bootstrap, join, status, leave, crash."""
+"""The foundation slice with real processes on 127.0.0.1: bootstrap, join, status, leave, crash.
+
+The last three tests share one bootstrap peer and one in-process reader of the records for the
+module (each `volunteer status` call is a process with a DHT of its own: the CLI is checked once per
+test, the waits poll the reader). The volunteer ``a`` of the three-volunteers test serves the next too.
+"""
 
 from __future__ import annotations
 
+import os
 import signal
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
 
-from procs import tagged_pids, wait_until, write_run
+import pytest
+
+from procs import TAG_ENV, Proc, Swarm, tagged_pids, wait_until, write_run
 
 HEARTBEATS_TO_APPEAR = 8  # seconds: a DHT start plus a few 1 s heartbeats
+
+
+def test_restarted_bootstrap_keeps_its_peer_id(swarm, tmp_path):
+    """First in the file, on its own: the module's swarm starts after it."""
+    identity = tmp_path / "boot-identity.key"
+    first, maddr1 = swarm.bootstrap(identity=identity)
+    first.signal(signal.SIGTERM)
+    assert first.wait(30) == 0
+    _, maddr2 = swarm.bootstrap(identity=identity)
+    assert maddr1.rsplit("/p2p/", 1)[1] == maddr2.rsplit("/p2p/", 1)[1]
+
+
+@dataclass
+class Foundation:
+    harness: Swarm
+    run: Path
+    maddr: str
+    reader: object  # swarm_client.Client of ``run``
+    procs: dict[str, Proc] = field(default_factory=dict)
+
+    def states(self) -> dict[str, str]:
+        return _states(self.reader.report())
+
+
+@pytest.fixture(scope="module")
+def foundation(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("foundation")
+    harness = Swarm(tmp)
+    try:
+        run = write_run(tmp / "run.yaml")
+        _, maddr = harness.bootstrap()
+        yield Foundation(harness, run, maddr, harness.reader(run, maddr))
+    finally:
+        left = harness.close()
+        assert not left, f"processes outlived the tests: {left}"
 
 
 def _peers(report: dict, swarm: str) -> dict[str, dict]:
@@ -25,24 +71,40 @@ def _peer_id(proc) -> str:
     raise AssertionError("no summary line with the peer id")
 
 
-def test_three_volunteers_in_two_swarms_appear_then_leave(swarm, tmp_path):
-    run = write_run(tmp_path / "run.yaml")
-    _, maddr = swarm.bootstrap()
-    joins = [
-        swarm.join(run, "layer0", maddr, "--log-format", "json", name="a"),
-        swarm.join(run, "layer1", maddr, "--log-format", "json", name="b"),
-        swarm.join(run, "layer1", maddr, "--log-format", "json", name="c"),
-    ]
+def test_sigkilled_volunteer_expires_and_leaves_no_process(foundation):
+    """First of the module: the victim starts alone (a busy pipeline next to it slows its start for minutes)."""
+    f = foundation
+    tag = uuid.uuid4().hex  # its own tag: its process tree, apart from the module's other volunteers
+    victim = f.harness.join(f.run, "layer0", f.maddr, "--log-format", "json", name="victim", env={TAG_ENV: tag})
+    try:
+        victim_id = _peer_id(victim)
+        wait_until(lambda: victim_id in f.states(), 30, interval_s=0.5, what="victim online")
+        victim_tree = set(tagged_pids(tag))
+        assert len(victim_tree) >= 4, "main, watchdog, DHT process and p2pd"
+
+        victim.signal(signal.SIGKILL)
+        victim.wait(10)
+        # Its DHT process and p2pd are reaped by the watchdog, not left to hold the port and identity.
+        wait_until(lambda: not tagged_pids(tag), 15, what="the crashed volunteer's helpers to be reaped")
+        # Its record expires after about three heartbeats.
+        wait_until(lambda: victim_id not in f.states(), 30, interval_s=0.5, what="the record to expire")
+    finally:
+        for pid in tagged_pids(tag):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_three_volunteers_in_two_swarms_appear_then_leave(foundation):
+    f = foundation
+    for name, layer in (("a", "layer0"), ("b", "layer1"), ("c", "layer1")):
+        f.procs[name] = f.harness.join(f.run, layer, f.maddr, "--log-format", "json", name=name)
+    joins = [f.procs[name] for name in "abc"]
     ids = [_peer_id(proc) for proc in joins]
-
-    def all_online():
-        report = swarm.status(run, maddr)
-        states = _states(report)
-        return report if all(states.get(pid) == "online" for pid in ids) else None
-
-    report = wait_until(all_online, HEARTBEATS_TO_APPEAR * 3, interval_s=1.0, what="three online records")
+    wait_until(lambda: all(f.states().get(pid) == "online" for pid in ids), HEARTBEATS_TO_APPEAR * 3,
+               interval_s=0.5, what="three online records")
+    report = f.harness.status(f.run, f.maddr)  # the CLI
     assert set(_peers(report, "layer0")) == {ids[0]}
     assert set(_peers(report, "layer1")) == {ids[1], ids[2]}
+    assert all(state == "online" for state in _states(report).values())
     assert report["run_id"].startswith("testrun-")
     row = _peers(report, "layer1")[ids[1]]
     assert row["version"] and 0 <= row["age_s"] < 10
@@ -50,88 +112,35 @@ def test_three_volunteers_in_two_swarms_appear_then_leave(swarm, tmp_path):
     # A clean exit (SIGINT, as Ctrl+C) announces offline at once and leaves nothing behind.
     joins[1].signal(signal.SIGINT)
     assert joins[1].wait(30) == 0
-    report = swarm.status(run, maddr)
-    assert _states(report)[ids[1]] == "offline"
+    assert f.states()[ids[1]] == "offline"
     assert "Traceback" not in joins[1].stderr()
-    assert not [pid for pid in tagged_pids(swarm.tag) if pid == joins[1].pid]
+    assert not [pid for pid in tagged_pids(f.harness.tag) if pid == joins[1].pid]
+    joins[2].signal(signal.SIGINT)  # a stays (the next test uses it), idle: nothing trains next to the next joins
+    assert joins[2].wait(30) == 0
 
 
-def test_sigkilled_volunteer_expires_and_leaves_no_process(swarm, tmp_path):
-    run = write_run(tmp_path / "run.yaml")
-    _, maddr = swarm.bootstrap()
-    victim = swarm.join(run, "layer0", maddr, "--log-format", "json", name="victim")
-    victim_id = _peer_id(victim)
-    wait_until(lambda: victim_id in _states(swarm.status(run, maddr)), 30, interval_s=1.0, what="victim online")
-    victim_tree = set(tagged_pids(swarm.tag)) - _bootstrap_pids(swarm)
-    assert len(victim_tree) >= 4, "main, watchdog, DHT process and p2pd"
-
-    victim.signal(signal.SIGKILL)
-    victim.wait(10)
-    # Its DHT process and p2pd are reaped by the watchdog, not left to hold the port and identity.
-    wait_until(lambda: not (set(tagged_pids(swarm.tag)) & victim_tree), 15,
-               what="the crashed volunteer's helpers to be reaped")
-    # Its record expires after about three heartbeats.
-    wait_until(lambda: victim_id not in _states(swarm.status(run, maddr)), 30, interval_s=1.0,
-               what="the record to expire")
-
-
-def _bootstrap_pids(swarm) -> set[int]:
-    """The bootstrap peer's own process tree (it must stay up)."""
-    boot = swarm.procs[0]
-    pids = set()
-    for pid in tagged_pids(swarm.tag):
-        try:
-            stat = open(f"/proc/{pid}/stat").read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if int(fields[1]) == boot.pid or pid == boot.pid or _ancestor(pid, boot.pid):
-            pids.add(pid)
-    return pids
-
-
-def _ancestor(pid: int, ancestor: int) -> bool:
-    for _ in range(10):
-        try:
-            stat = open(f"/proc/{pid}/stat").read()
-        except OSError:
-            return False
-        pid = int(stat[stat.rfind(")") + 2 :].split()[1])
-        if pid == ancestor:
-            return True
-        if pid <= 1:
-            return False
-    return False
-
-
-def test_different_config_gets_its_own_run_id_and_never_mixes(swarm, tmp_path):
-    run_a = write_run(tmp_path / "a.yaml", name="shared")
-    run_b = tmp_path / "b.yaml"
-    run_b.write_text(run_a.read_text().replace("stages: 2", "stages: 2\n  hidden_dim: 64"))
-    _, maddr = swarm.bootstrap()
-    a = swarm.join(run_a, "layer0", maddr, "--log-format", "json", name="a")
+def test_different_config_gets_its_own_run_id_and_never_mixes(foundation):
+    f = foundation
+    run_b = f.run.parent / "b.yaml"
+    run_b.write_text(f.run.read_text().replace("stages: 2", "stages: 2\n  hidden_dim: 64"))
+    a = f.procs.get("a")
+    if a is None or a.popen.poll() is not None:  # the first test did not leave it running
+        a = f.procs["a"] = f.harness.join(f.run, "layer0", f.maddr, "--log-format", "json", name="a2")
     a_id = _peer_id(a)
-    wait_until(lambda: a_id in _states(swarm.status(run_a, maddr)), 30, interval_s=1.0, what="a online")
-    b = swarm.join(run_b, "layer0", maddr, "--log-format", "json", name="b")
+    wait_until(lambda: f.states().get(a_id) == "online", 30, interval_s=0.5, what="a online")
+    # A data dir of its own: the module's pool of identities would give b a peer id that an earlier test's
+    # volunteer left behind in run a as an offline record (a clean leave stays visible for a minute).
+    b = f.harness.join(run_b, "layer0", f.maddr, "--log-format", "json", name="b-other-config",
+                       env={"VOLUNTEER_DATA_DIR": str(f.run.parent / "data-b")})
     b_id = _peer_id(b)
     # b is told plainly why it will not see a's swarm.
     b.wait_for_output("different config", timeout_s=30)
     assert "model.hidden_dim" in b.stdout()
-    def b_online():
-        report = swarm.status(run_b, maddr)
-        return report if b_id in _states(report) else None
-
-    report_b = wait_until(b_online, 30, interval_s=1.0, what="b online")
-    report_a = swarm.status(run_a, maddr)
+    reader_b = f.harness.reader(run_b, f.maddr)
+    wait_until(lambda: b_id in _states(reader_b.report()), 30, interval_s=0.5, what="b online")
+    report_b = f.harness.status(run_b, f.maddr)  # the CLI
+    report_a = f.reader.report()
     assert report_a["run_id"] != report_b["run_id"]
+    assert b_id in _states(report_b)
     assert b_id not in _states(report_a)
     assert a_id not in _states(report_b)
-
-
-def test_restarted_bootstrap_keeps_its_peer_id(swarm, tmp_path):
-    identity = tmp_path / "boot-identity.key"
-    first, maddr1 = swarm.bootstrap(identity=identity)
-    first.signal(signal.SIGTERM)
-    assert first.wait(30) == 0
-    _, maddr2 = swarm.bootstrap(identity=identity)
-    assert maddr1.rsplit("/p2p/", 1)[1] == maddr2.rsplit("/p2p/", 1)[1]

@@ -1,97 +1,35 @@
-"""Layer-per-swarm training with real processes on 127.0.0.1."""
+"""Layer-per-swarm training with real processes on 127.0.0.1.
+
+The demo and the export run first, each on its own swarm. The other tests share one 3-stage swarm
+for the module and run in file order, each picking up where the one before left it: layer1 starts
+empty and fills (two peers), a middle peer is killed, the driver stops cleanly, then two new layer0
+peers take different shards. Every wait polls an in-process reader of the records (what
+`volunteer status` prints); the CLI itself is checked at the clean stop.
+"""
 
 from __future__ import annotations
 
 import json
 import re
 import signal
+from dataclasses import dataclass
+from pathlib import Path
 
-from procs import wait_until
+import pytest
+
+from procs import Proc, Swarm, wait_until
 
 PIPE_RUN = """\
 name: pipetest
-model: {{stages: 3, hidden_dim: 32}}
-optimizer: {{name: adam, lr: 0.001}}
-training: {{batch_size: 16, in_flight: 4, eval_every_s: 3}}
-timeouts: {{heartbeat_s: 1.0, rpc_s: 5}}
-{extra}
+model: {stages: 3, hidden_dim: 32}
+optimizer: {name: adam, lr: 0.001}
+training: {batch_size: 16, in_flight: 4, eval_every_s: 3}
+timeouts: {heartbeat_s: 1.0, rpc_s: 5}
 """
 
 
-def _run(tmp_path, extra: str = ""):
-    path = tmp_path / "pipe.yaml"
-    path.write_text(PIPE_RUN.format(extra=extra))
-    return path
-
-
-def _rows(report: dict, swarm: str, state: str | None = None) -> list[dict]:
-    return [r for r in report["swarms"][swarm] if state is None or r["state"] == state]
-
-
-def _trained(report: dict) -> int:
-    rows = _rows(report, "layer0")
-    return rows[0]["trained"] if rows else 0
-
-
-def test_killing_a_middle_peer_loses_no_microbatch(swarm, tmp_path):
-    run = _run(tmp_path)
-    _, maddr = swarm.bootstrap()
-    driver = swarm.join(run, "layer0", maddr, name="layer0")
-    middles = [swarm.join(run, "layer1", maddr, name=f"layer1-{i}") for i in range(2)]
-    swarm.join(run, "layer2", maddr, name="layer2")
-
-    def trained(minimum: int, middles_online: int):
-        report = swarm.status(run, maddr)
-        rows = _rows(report, "layer0", "online")
-        if len(_rows(report, "layer1", "online")) == middles_online and rows and rows[0]["trained"] >= minimum:
-            return report
-        return None
-
-    report = wait_until(lambda: trained(2000, 2), 90, interval_s=1.0, what="training through both layer1 peers")
-    served = {r["peer_id"]: r["served"] for r in _rows(report, "layer1")}
-    assert all(count > 0 for count in served.values()), f"both middle peers take work: {served}"
-
-    middles[0].signal(signal.SIGKILL)
-    before = _rows(report, "layer0")[0]["trained"]
-    report = wait_until(lambda: trained(before + 3000, 1), 90, interval_s=1.0, what="training to go on after the kill")
-    assert _rows(report, "layer0")[0]["lost"] == 0
-
-    # A clean stop of the driver: every sample it counts as trained went through every stage exactly once.
-    driver.signal(signal.SIGINT)
-    assert driver.wait(30) == 0
-    final = swarm.status(run, maddr)
-    layer0 = _rows(final, "layer0")[0]
-    assert layer0["state"] == "offline" and layer0["lost"] == 0
-    assert layer0["clock"] == layer0["trained"]
-    assert sum(r["clock"] for r in _rows(final, "layer2")) == layer0["trained"]
-    assert "waiting" not in driver.stdout() or "online peer now" in driver.stdout()
-
-
-def test_an_empty_swarm_is_named_and_training_starts_when_it_fills(swarm, tmp_path):
-    run = _run(tmp_path)
-    _, maddr = swarm.bootstrap()
-    driver = swarm.join(run, "layer0", maddr, name="layer0")
-    swarm.join(run, "layer2", maddr, name="layer2")
-    driver.wait_for_output("waiting: swarm layer1 has no online peer", timeout_s=60)
-    swarm.join(run, "layer1", maddr, name="layer1")
-    driver.wait_for_output("layer1 has an online peer now", timeout_s=60)
-    wait_until(lambda: _trained(swarm.status(run, maddr)) > 0, 60, interval_s=1.0,
-               what="training once layer1 is online")
-
-
-def test_two_layer0_peers_take_different_shards(swarm, tmp_path):
-    run = _run(tmp_path)
-    _, maddr = swarm.bootstrap()
-    first = swarm.join(run, "layer0", maddr, name="first")
-    first.wait_for_output("holding data shard", timeout_s=60)
-    wait_until(lambda: _rows(swarm.status(run, maddr), "layer0", "online"), 30, interval_s=1.0, what="first online")
-    second = swarm.join(run, "layer0", maddr, name="second")
-    second.wait_for_output("holding data shard", timeout_s=60)
-    shards = [int(re.search(r"holding data shard (\d+)", p.stdout()).group(1)) for p in (first, second)]
-    assert shards[0] != shards[1], shards
-
-
 def test_demo_trains_to_the_accuracy_bar_and_cleans_up(swarm):
+    """Before the module's swarm below starts, so that the two never share the CPU."""
     demo = swarm.start("demo", "--json", "--time-limit-s", "240", name="demo")
     assert demo.wait(300) == 0, demo.stderr()[-3000:]
     result = json.loads(demo.stdout().strip().splitlines()[-1])
@@ -101,23 +39,26 @@ def test_demo_trains_to_the_accuracy_bar_and_cleans_up(swarm):
 
 
 def test_export_then_eval_reproduces_the_reported_accuracy(swarm, tmp_path):
-    run = _run(tmp_path)
+    """On its own swarm, one peer per stage: an export takes one copy of each layer, so it reproduces the
+    pipeline's published figure only when that figure was measured through those same copies."""
+    run = tmp_path / "pipe.yaml"
+    run.write_text(PIPE_RUN)
     _, maddr = swarm.bootstrap()
     driver = swarm.join(run, "layer0", maddr, name="layer0")
     for k in (1, 2):
         swarm.join(run, f"layer{k}", maddr, name=f"layer{k}")
-    wait_until(lambda: _trained(swarm.status(run, maddr)) > 3000, 90, interval_s=1.0,
-               what="some training")
+    reader = swarm.reader(run, maddr)
+    wait_until(lambda: _trained(reader.report()) > 3000, 90, interval_s=0.5, what="some training")
     # The driver finishes (drains, evaluates once more, pauses): the swarm's weights stop moving, and the
     # published accuracy is of exactly those weights.
     ctl = swarm.start("ctl", "finish", "--swarm", "layer0", "--json", name="ctl")
     assert ctl.wait(60) == 0, ctl.stderr()
 
     def paused_with_evaluation():
-        rows = _rows(swarm.status(run, maddr), "layer0")
+        rows = _rows(reader.report(), "layer0")
         return rows and rows[0]["state"] == "paused" and "final evaluation" in driver.stdout()
 
-    wait_until(paused_with_evaluation, 60, interval_s=1.0, what="layer0 paused with a final evaluation")
+    wait_until(paused_with_evaluation, 60, interval_s=0.5, what="layer0 paused with a final evaluation")
 
     model = tmp_path / "model.pt"
     export = swarm.start("export", "--run", str(run), "--initial-peers", maddr, "--out", str(model), "--json",
@@ -130,3 +71,108 @@ def test_export_then_eval_reproduces_the_reported_accuracy(swarm, tmp_path):
     assert reported["state"] == "paused"
     assert result["test_accuracy"] == reported["test_accuracy"]
     assert abs(result["test_loss"] - reported["test_loss"]) < 1e-4
+
+
+@dataclass
+class Pipe:
+    harness: Swarm
+    run: Path
+    maddr: str
+    reader: object  # swarm_client.Client
+    tmp: Path
+    procs: dict[str, Proc]
+
+    def report(self) -> dict:
+        return self.reader.report()
+
+    def join(self, swarm: str, name: str, env: dict[str, str] | None = None) -> Proc:
+        self.procs[name] = self.harness.join(self.run, swarm, self.maddr, name=name, env=env)
+        return self.procs[name]
+
+
+@pytest.fixture(scope="module")
+def pipe(tmp_path_factory):
+    """A bootstrap, the layer0 driver and a layer2 peer; layer1 is left empty (the first test fills it)."""
+    tmp = tmp_path_factory.mktemp("pipeline")
+    harness = Swarm(tmp)
+    try:
+        run = tmp / "pipe.yaml"
+        run.write_text(PIPE_RUN)
+        _, maddr = harness.bootstrap()
+        pipe = Pipe(harness, run, maddr, harness.reader(run, maddr), tmp, {})
+        pipe.join("layer0", "layer0")
+        pipe.join("layer2", "layer2")
+        yield pipe
+    finally:
+        left = harness.close()
+        assert not left, f"processes outlived the tests: {left}"
+
+
+def _rows(report: dict, swarm: str, state: str | None = None) -> list[dict]:
+    return [r for r in report["swarms"][swarm] if state is None or r["state"] == state]
+
+
+def _trained(report: dict) -> int:
+    rows = _rows(report, "layer0")
+    return rows[0]["trained"] if rows else 0
+
+
+def test_an_empty_swarm_is_named_and_training_starts_when_it_fills(pipe):
+    driver = pipe.procs["layer0"]
+    driver.wait_for_output("waiting: swarm layer1 has no online peer", timeout_s=60)
+    for i in range(2):
+        pipe.join("layer1", f"layer1-{i}")
+    driver.wait_for_output("layer1 has an online peer now", timeout_s=60)
+    wait_until(lambda: _trained(pipe.report()) > 0, 60, interval_s=0.5, what="training once layer1 is online")
+
+
+def test_killing_a_middle_peer_loses_no_microbatch(pipe):
+    def trained(minimum: int, middles_online: int):
+        report = pipe.report()
+        rows = _rows(report, "layer0", "online")
+        if len(_rows(report, "layer1", "online")) == middles_online and rows and rows[0]["trained"] >= minimum:
+            return report
+        return None
+
+    report = wait_until(lambda: trained(2000, 2), 90, interval_s=0.5, what="training through both layer1 peers")
+    served = {r["peer_id"]: r["served"] for r in _rows(report, "layer1")}
+    assert len(served) == 2 and all(count > 0 for count in served.values()), f"both middle peers take work: {served}"
+
+    pipe.procs["layer1-0"].signal(signal.SIGKILL)
+    before = _rows(report, "layer0")[0]["trained"]
+    report = wait_until(lambda: trained(before + 3000, 1), 90, interval_s=0.5, what="training to go on after the kill")
+    assert _rows(report, "layer0")[0]["lost"] == 0
+
+
+def test_a_clean_stop_of_the_driver_counts_every_sample_once(pipe):
+    """After a middle peer was killed: every sample the driver counts as trained went through every stage
+    exactly once, and `volunteer status` (the CLI) shows it offline with nothing lost."""
+    driver = pipe.procs["layer0"]
+    driver.signal(signal.SIGINT)
+    assert driver.wait(30) == 0
+    final = pipe.harness.status(pipe.run, pipe.maddr)
+    layer0 = _rows(final, "layer0")[0]
+    assert layer0["state"] == "offline" and layer0["lost"] == 0
+    assert layer0["clock"] == layer0["trained"] > 3000
+    assert sum(r["clock"] for r in _rows(final, "layer2")) == layer0["trained"]
+    assert "waiting" not in driver.stdout() or "online peer now" in driver.stdout()
+
+
+def test_two_layer0_peers_take_different_shards(pipe):
+    # A data dir of their own: new identities, not the stopped driver's (nor its checkpoint)
+    env = {"VOLUNTEER_DATA_DIR": str(pipe.tmp / "shards-data")}
+    first = pipe.join("layer0", "first", env)
+    first.wait_for_output("holding data shard", timeout_s=60)
+    first_id = _short_peer_id(first)
+    wait_until(lambda: any(r["peer_id"].endswith(first_id) for r in _rows(pipe.report(), "layer0", "online")), 30,
+               interval_s=0.5, what="first online")
+    second = pipe.join("layer0", "second", env)
+    second.wait_for_output("holding data shard", timeout_s=60)
+    shards = [int(re.search(r"holding data shard (\d+)", p.stdout()).group(1)) for p in (first, second)]
+    assert shards[0] != shards[1], shards
+
+
+def _short_peer_id(proc: Proc) -> str:
+    """The last 8 characters of its peer id, as its log says."""
+    proc.wait_for_output("joined the DHT as", timeout_s=60)
+    return re.search(r"joined the DHT as (\w+)", proc.stdout()).group(1)
