@@ -22,6 +22,9 @@ def run_join(args: argparse.Namespace) -> int:
             f"--swarm {args.swarm}: run {run.name} has no such layer swarm; "
             f"valid: {', '.join(valid)}, or auto"
         )
+    from volunteer_cli.commands.common import check_initial_peers
+
+    check_initial_peers(args.initial_peers)
     initial_peers = args.initial_peers or run.bootstrap_peers
     if not initial_peers:
         raise UserError(

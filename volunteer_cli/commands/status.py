@@ -15,6 +15,9 @@ STATUS_LISTEN = ["/ip4/127.0.0.1/tcp/0"]  # a short-lived reader: nobody needs t
 
 def run_status(args: argparse.Namespace) -> int:
     run, _ = load_run(args.run)
+    from volunteer_cli.commands.common import check_initial_peers
+
+    check_initial_peers(args.initial_peers)
     initial_peers = args.initial_peers or run.bootstrap_peers
     if not initial_peers:
         raise UserError("no bootstrap peers: pass --initial-peers MADDR or list bootstrap_peers in the run config")
