@@ -140,11 +140,27 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
+def kill_group_now(pgid: int, spare: int | None = None, term_grace_s: float = 0.3) -> None:
+    """End every process of group ``pgid`` but ``spare`` at once: SIGTERM (p2pd cleans up), then SIGKILL
+    after ``term_grace_s`` (the DHT process ignores SIGTERM). For an abandoned startup, where nothing
+    was announced that a clean leave would have to take back."""
+    members = [pid for pid in group_members(pgid) if pid != spare]
+    for pid in members:
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + term_grace_s
+    while time.monotonic() < deadline and [pid for pid in group_members(pgid) if pid != spare]:
+        time.sleep(0.05)
+    for pid in group_members(pgid):
+        if pid != spare:
+            _signal(pid, signal.SIGKILL)
+
+
 class ShutdownRequested:
     """Turns SIGINT/SIGTERM into an Event; a second Ctrl+C while shutting down exits at once."""
 
     def __init__(self) -> None:
         self.event = threading.Event()
+        self.signum: int | None = None  # the first signal received
         self._callbacks: list[Callable[[], None]] = []
 
     def install(self) -> "ShutdownRequested":
@@ -159,6 +175,8 @@ class ShutdownRequested:
         if self.event.is_set() and signum == signal.SIGINT:
             print("\nforced exit", file=sys.stderr)
             os._exit(130)
+        if self.signum is None:
+            self.signum = signum
         self.event.set()
         for callback in self._callbacks:
             callback()

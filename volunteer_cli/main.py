@@ -52,6 +52,9 @@ def add_join_arguments(parser: argparse.ArgumentParser) -> None:
                         help="listen multiaddrs (default from preferences: all interfaces, random port)")
     parser.add_argument("--announce", nargs="+", default=None, metavar="MADDR")
     parser.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--new-run", action="store_true",
+                        help="train this config's own run even when another run of the same name is active "
+                             "with a different config (you may train alone)")
     _add_common(parser)
 
 

@@ -68,7 +68,10 @@ def build_report(run, views: dict, now: float) -> dict:
         summary[name] = {"online": len(online), "total": len(records),
                          "throughput": round(sum(r.throughput for r in online), 2), "empty": not online}
         swarms[name] = rows
-    report = {"run_id": run.run_id, "swarms": swarms, "summary": summary}
+    from swarm.membership import idle_reason
+
+    report = {"run_id": run.run_id, "swarms": swarms, "summary": summary,
+              "idle_reason": idle_reason(views, run.swarm_names)}
     if evaluations:
         *_, latest = max(evaluations, key=lambda item: item[:2])
         from volunteer.snapshot import evaluation_is_stale
@@ -88,6 +91,8 @@ def build_report(run, views: dict, now: float) -> dict:
 
 def render_report(report: dict) -> str:
     lines = [f"run {report['run_id']}"]
+    if report.get("idle_reason"):
+        lines.append(f"  NOT TRAINING: {report['idle_reason']}")
     if "evaluation" in report:
         from volunteer.snapshot import describe_evaluation
 
