@@ -112,7 +112,8 @@ def test_different_config_gets_its_own_run_id_and_never_mixes(swarm, tmp_path):
     a = swarm.join(run_a, "layer0", maddr, "--log-format", "json", name="a")
     a_id = _peer_id(a)
     wait_until(lambda: a_id in _states(swarm.status(run_a, maddr)), 30, interval_s=1.0, what="a online")
-    b = swarm.join(run_b, "layer0", maddr, "--log-format", "json", name="b")
+    # --new-run: training alone in its own run is b's explicit choice (without it, b stops: test_run_conflict.py)
+    b = swarm.join(run_b, "layer0", maddr, "--log-format", "json", "--new-run", name="b")
     b_id = _peer_id(b)
     # b is told plainly why it will not see a's swarm.
     b.wait_for_output("different config", timeout_s=30)
