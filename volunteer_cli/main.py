@@ -148,8 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, UserError) as exc:
         print(f"volunteer {args.command}: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt:  # before a command installs its own handler (join: volunteer/hygiene.py)
+        print("stopping… interrupted", file=sys.stderr)
         return 130
 
 

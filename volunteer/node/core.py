@@ -69,6 +69,7 @@ class Node:
         self._stopped = threading.Event()
         self._wake = threading.Event()
         self._serving = threading.Event()  # set once the join is done and the serve loop runs
+        self.stop_requested_at_s: float | None = None  # time.monotonic() of the first quit or stop
         self._thread: threading.Thread | None = None
         self._identity_lock: Any = None
         self._control: Any = None
@@ -85,6 +86,7 @@ class Node:
         """Queue a command; returns a ticket for ``wait_applied``."""
         ticket = self.commands.queue.put(command)
         if command == Command.QUIT:
+            self._note_stop()
             self._stop.set()
         self._wake.set()
         return ticket
@@ -100,8 +102,13 @@ class Node:
         return self._stopped.wait(timeout)
 
     def request_stop(self) -> None:
+        self._note_stop()
         self._stop.set()
         self._wake.set()
+
+    def _note_stop(self) -> None:
+        if self.stop_requested_at_s is None:
+            self.stop_requested_at_s = time.monotonic()
 
     @property
     def started(self) -> bool:

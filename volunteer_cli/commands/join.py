@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import time
 from pathlib import Path
 
 from volunteer_cli.commands.common import exit_now
@@ -76,7 +77,7 @@ def run_join(args: argparse.Namespace) -> int:
             code = _run_headless(node, args.log_format, shutdown)
     finally:
         node.request_stop()
-        if not node.serving and not node.wait_stopped(STARTUP_ABORT_S if node.started else 0):
+        if not node.serving and not node.wait_stopped(_startup_wait_s(node)):
             _abandon_startup(node, watchdog, _interrupted_code(shutdown) if shutdown.signum else code)
         node.wait_stopped(QUIT_GRACE_S)
         watchdog.stop()
@@ -101,6 +102,13 @@ class _Screen:
         print(f"stopping… ({what}; press Ctrl+C again to exit at once)", file=sys.stderr, flush=True)
 
 
+def _startup_wait_s(node) -> float:
+    """What is left of STARTUP_ABORT_S since the first stop request (the dashboard may have waited already)."""
+    if not node.started or node.stop_requested_at_s is None:
+        return 0.0
+    return max(0.0, STARTUP_ABORT_S - (time.monotonic() - node.stop_requested_at_s))
+
+
 def _interrupted_code(shutdown) -> int:
     return EXIT_SIGNAL_BASE + (shutdown.signum or signal.SIGINT)
 
@@ -109,13 +117,19 @@ def _abandon_startup(node, watchdog, code: int) -> None:
     """A stop during startup that the engine could not honour in STARTUP_ABORT_S (it is inside an import,
     the DHT start or a download): nothing was announced online, so nothing needs a clean leave. End the
     DHT process and p2pd now, and exit."""
+    import logging
+    import os
+
     from volunteer.hygiene import kill_group_now
 
     node.abandon()
+    print("stopped before joining the swarm", file=sys.stderr, flush=True)
+    # The engine thread is still loading: what it says as the DHT vanishes under it is noise now.
+    logging.disable(logging.CRITICAL)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
     if watchdog.pgid is not None:
         kill_group_now(watchdog.pgid, spare=watchdog.pid)
     watchdog.stop()
-    print("stopped before joining the swarm", file=sys.stderr, flush=True)
     exit_now(code)
 
 
@@ -124,6 +138,8 @@ def _run_headless(node, log_format: str, shutdown) -> int:
 
     log = EventLog(fmt=log_format)
     node.add_listener(log.on_snapshot, log.on_event)
+    if shutdown.event.is_set():  # Ctrl+C while the command set up: do not start loading at all
+        return 0
     node.start()
     while not node.wait_stopped(POLL_S) and not shutdown.event.is_set():
         pass
