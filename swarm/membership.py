@@ -144,17 +144,22 @@ def summarize(records: list[MemberRecord]) -> tuple[int, float, float | None]:
     return len(online), sum(r.throughput for r in online), (min(losses) if losses else None)
 
 
-def empty_swarms(records_by_swarm: dict[str, list[MemberRecord]], swarm_names: list[str]) -> list[str]:
-    """The swarms with no online peer: while any is empty, no sample can pass the pipeline."""
-    return [name for name in swarm_names if not any(r.state == "online" for r in records_by_swarm.get(name, []))]
+def empty_swarms(records_by_swarm: dict[str, list[MemberRecord]], swarm_names: list[str],
+                 online_here: str = "") -> list[str]:
+    """The swarms with no online peer: while any is empty, no sample can pass the pipeline.
+
+    ``online_here``: the swarm an online node serves itself (its own record in the view may be a
+    heartbeat old, e.g. still "paused" right after a resume)."""
+    return [name for name in swarm_names
+            if name != online_here and not any(r.state == "online" for r in records_by_swarm.get(name, []))]
 
 
-def idle_reason(records_by_swarm: dict[str, list[MemberRecord]], swarm_names: list[str]) -> str:
+def idle_reason(records_by_swarm: dict[str, list[MemberRecord]], swarm_names: list[str], online_here: str = "") -> str:
     """Why the whole run trains nothing (every layer is needed for a sample), in words; "" when no layer is empty.
 
     E.g. "layers 0, 1 and 3 have no online peer: every sample passes every layer, so nothing trains
     until volunteers join them"."""
-    empty = empty_swarms(records_by_swarm, swarm_names)
+    empty = empty_swarms(records_by_swarm, swarm_names, online_here)
     if not empty:
         return ""
     numbers = [name.removeprefix("layer") for name in empty]

@@ -30,6 +30,8 @@ def test_the_reason_names_every_layer_that_has_no_online_peer():
     one = {name: [_record(name)] for name in NAMES if name != "layer1"}
     assert idle_reason(one, NAMES).startswith("layer 1 has no online peer")
     assert idle_reason({name: [_record(name)] for name in NAMES}, NAMES) == ""
+    just_resumed = {**one, "layer1": [_record("me", "paused")]}  # our own record, a heartbeat old
+    assert idle_reason(just_resumed, NAMES, online_here="layer1") == ""
 
 
 def test_the_dashboard_banner_says_why_an_online_node_does_nothing():

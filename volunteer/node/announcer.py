@@ -140,7 +140,7 @@ class Announcer:
             fields.update(run_evaluation(self.views))
         state = node.board.snapshot().state
         throttled = node.governors.throttle_reason()
-        idle = idle_reason(self.views, node.run.swarm_names) if self.views else ""
+        idle = idle_reason(self.views, node.run.swarm_names, node.swarm) if self.views else ""
         if throttled is not None and state == NodeState.ONLINE:
             fields["reason"] = throttled
         elif idle and state == NodeState.ONLINE:  # the root cause: a layer nobody serves
