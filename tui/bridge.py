@@ -19,7 +19,7 @@ from tui.messages import EngineStopped, EventRaised, SnapshotUpdated
 from volunteer.snapshot import Command, Engine, Event, EventLevel, NodeSnapshot, NodeState
 
 POLL_S = 0.2  # how often the command thread checks whether the dashboard or the engine has stopped
-STARTUP_ABORT_S = 1.5  # a quit while joining or syncing waits this long, then the dashboard closes anyway
+STARTUP_ABORT_S = 1.0  # a quit while joining or syncing waits this long, then the dashboard closes anyway
 STARTING_STATES = frozenset({NodeState.JOINING, NodeState.SYNCING})
 
 

@@ -14,7 +14,7 @@ from volunteer.config import load_preferences, load_run
 
 DEFAULT_VOLUNTEER_LISTEN = ["/ip4/0.0.0.0/tcp/0", "/ip4/0.0.0.0/udp/0/quic-v1"]
 QUIT_GRACE_S = 15.0
-STARTUP_ABORT_S = 1.5  # a stop during startup ends the process within this (plus ~0.3 s to end the DHT)
+STARTUP_ABORT_S = 1.0  # a stop during startup ends the process within this (plus ~0.5 s to end the DHT)
 EXIT_SIGNAL_BASE = 128  # a stop by SIGINT exits 130, by SIGTERM 143 (the shell's convention)
 POLL_S = 0.2
 
