@@ -49,17 +49,18 @@ def test_ctrl_c_at_any_point_of_a_headless_start_exits_130_within_two_seconds(sw
 def test_ctrl_c_in_the_dashboard_while_joining_closes_it_at_once_with_130():
     engine = FakeEngine(sample_snapshot(state=NodeState.JOINING, reason="connecting"), stops_on_quit=False)
 
-    async def scenario(app: VolunteerApp, pilot: Pilot) -> None:
-        await pilot.press("ctrl+c")
-        for _ in range(150):
-            if app.return_code is not None:
-                return
-            await pilot.pause(0.02)
+    took_s: list[float] = []
 
-    started = time.monotonic()
+    async def scenario(app: VolunteerApp, pilot: Pilot) -> None:
+        pressed = time.monotonic()
+        await pilot.press("ctrl+c")
+        while app.return_code is None and time.monotonic() - pressed < 10:
+            await pilot.pause(0.02)
+        took_s.append(time.monotonic() - pressed)
+
     app = run_scenario(engine, scenario)
     assert app.return_code == EXIT_INTERRUPTED and engine.commands == [Command.QUIT]
-    assert time.monotonic() - started < 2.5  # not the 30 s leave timeout
+    assert took_s[0] < EXIT_BOUND_S  # the bridge waits STARTUP_ABORT_S, not the 30 s leave timeout
 
 
 def test_q_in_the_dashboard_while_syncing_closes_it_at_once():
@@ -67,7 +68,7 @@ def test_q_in_the_dashboard_while_syncing_closes_it_at_once():
 
     async def scenario(app: VolunteerApp, pilot: Pilot) -> None:
         await pilot.press("q")
-        for _ in range(150):
+        for _ in range(500):
             if app.return_code is not None:
                 return
             await pilot.pause(0.02)
