@@ -135,6 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # before a command installs its own handler (join: volunteer/hygiene.py)
+        print("stopping… interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -148,9 +156,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, UserError) as exc:
         print(f"volunteer {args.command}: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:  # before a command installs its own handler (join: volunteer/hygiene.py)
-        print("stopping… interrupted", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":
