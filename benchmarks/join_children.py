@@ -31,9 +31,9 @@ JOIN_STEPS = [
     ("swarm.dht", "make_validators", "validators"),
     ("swarm.dht", "start_dht", "dht_start"),
     ("swarm.dht", "visible_maddrs", "visible_maddrs"),
-    ("swarm.membership", "conflicting_runs", "run_directory_check"),
-    ("swarm.membership", "publish_run", "run_directory_publish"),
     ("swarm.membership.Membership", "read_all", "read_swarms"),
+    ("swarm.membership", "other_runs", "run_directory_check"),
+    ("swarm.membership", "publish_run", "run_directory_publish"),
     ("volunteer.node.Node", "_start_training", "start_training"),
     ("swarm.membership.Membership", "announce", "announce"),
 ]

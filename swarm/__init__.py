@@ -4,7 +4,9 @@ Map:
 - runconfig.py   the run config schema (the "torrent file") and the run id
 - records.py     signed, schema-validated membership records: wire format and tolerant parsing
 - dht.py         starting a hivemind DHT with this run's validators; key names
-- membership.py  announcing our record on a heartbeat, reading a swarm's records
+- membership.py  announcing our record on a heartbeat, reading a swarm's records, other runs of our
+                 name, why a run trains nothing (a layer with no online peer)
+- maddrs.py      peer addresses checked by hand before anything loads (/ip4/HOST/tcp/PORT/p2p/PEER_ID)
 - models.py      building the stages of a model from the run config
 - data.py        data sets, train/test split and shards (IID or label-skewed), rarest-first shard choice
 - stage.py       one peer's copy of one stage: forward, backward with the (clipped, guarded) update

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from swarm.records import MemberRecord, parse_swarm, swarm_key
@@ -81,13 +82,22 @@ def publish_run(dht: Any, run: RunConfig) -> None:
     _result(future, run.timeouts.rpc_s, default=False)
 
 
-def conflicting_runs(dht: Any, run: RunConfig) -> dict[str, list[str]]:
-    """Other run ids that share our run's name, with the fields where their configs differ."""
+@dataclass(slots=True, frozen=True)
+class OtherRun:
+    """Another run with our run's name: where its config differs from ours, and how many peers it has online."""
+
+    run_id: str
+    differences: list[str]
+    config: dict  # its canonical config, as listed in the run directory
+    online: int = 0
+
+
+def other_run_configs(dht: Any, run: RunConfig) -> dict[str, dict]:
+    """Run id -> canonical config of the other runs listed under our run's name."""
     found = _result(dht.get(RUN_DIRECTORY_PREFIX + run.name, latest=True, return_future=True), run.timeouts.rpc_s, None)
     if found is None or not isinstance(found.value, dict):
         return {}
-    mine = run.canonical()
-    out: dict[str, list[str]] = {}
+    out: dict[str, dict] = {}
     for run_id, item in found.value.items():
         if run_id == run.run_id or not isinstance(run_id, str):
             continue
@@ -98,8 +108,33 @@ def conflicting_runs(dht: Any, run: RunConfig) -> dict[str, list[str]]:
         except (ValueError, TypeError, AttributeError):
             logger.warning("skipping a malformed run directory entry for %r", run_id[:40])
             continue
-        out[run_id] = config_differences(mine, theirs)[:8]
+        out[run_id] = theirs
     return out
+
+
+def conflicting_runs(dht: Any, run: RunConfig) -> dict[str, list[str]]:
+    """Other run ids that share our run's name, with the fields where their configs differ."""
+    mine = run.canonical()
+    return {run_id: config_differences(mine, theirs)[:8] for run_id, theirs in other_run_configs(dht, run).items()}
+
+
+def other_runs(dht: Any, run: RunConfig) -> list[OtherRun]:
+    """The other runs of our name, each with its online peers counted over all its swarms (read concurrently)."""
+    mine = run.canonical()
+    configs = other_run_configs(dht, run)
+    futures = {}
+    for run_id, theirs in configs.items():
+        stages = theirs.get("model", {}).get("stages") if isinstance(theirs.get("model"), dict) else None
+        for k in range(stages if isinstance(stages, int) and 0 < stages <= 64 else 0):
+            futures[(run_id, k)] = dht.get(swarm_key(run_id, f"layer{k}"), latest=True, return_future=True)
+    online: dict[str, int] = dict.fromkeys(configs, 0)
+    now = dht_time()
+    for (run_id, _), future in futures.items():
+        found = _result(future, run.timeouts.rpc_s, None)
+        records = parse_swarm(found.value if found is not None else None, now=now)
+        online[run_id] += sum(1 for r in records if r.state == "online")
+    return [OtherRun(run_id, config_differences(mine, theirs)[:8], theirs, online[run_id])
+            for run_id, theirs in configs.items()]
 
 
 def summarize(records: list[MemberRecord]) -> tuple[int, float, float | None]:
@@ -107,6 +142,31 @@ def summarize(records: list[MemberRecord]) -> tuple[int, float, float | None]:
     online = [r for r in records if r.state == "online"]
     losses = [r.loss for r in records if r.loss >= 0 and r.state in ("online", "paused", "finishing")]
     return len(online), sum(r.throughput for r in online), (min(losses) if losses else None)
+
+
+def empty_swarms(records_by_swarm: dict[str, list[MemberRecord]], swarm_names: list[str],
+                 online_here: str = "") -> list[str]:
+    """The swarms with no online peer: while any is empty, no sample can pass the pipeline.
+
+    ``online_here``: the swarm an online node serves itself (its own record in the view may be a
+    heartbeat old, e.g. still "paused" right after a resume)."""
+    return [name for name in swarm_names
+            if name != online_here and not any(r.state == "online" for r in records_by_swarm.get(name, []))]
+
+
+def idle_reason(records_by_swarm: dict[str, list[MemberRecord]], swarm_names: list[str], online_here: str = "") -> str:
+    """Why the whole run trains nothing (every layer is needed for a sample), in words; "" when no layer is empty.
+
+    E.g. "layers 0, 1 and 3 have no online peer: every sample passes every layer, so nothing trains
+    until volunteers join them"."""
+    empty = empty_swarms(records_by_swarm, swarm_names, online_here)
+    if not empty:
+        return ""
+    numbers = [name.removeprefix("layer") for name in empty]
+    listed = numbers[0] if len(numbers) == 1 else f"{', '.join(numbers[:-1])} and {numbers[-1]}"
+    which = f"layer {listed} has" if len(numbers) == 1 else f"layers {listed} have"
+    them = "it" if len(numbers) == 1 else "them"
+    return f"{which} no online peer: every sample passes every layer, so nothing trains until volunteers join {them}"
 
 
 def age_s(record: MemberRecord, now: float | None = None) -> float:

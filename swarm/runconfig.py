@@ -274,10 +274,14 @@ class RunConfig(_Strict):
 
     @field_validator("bootstrap_peers")
     @classmethod
-    def _maddrs_look_like_maddrs(cls, peers: list[str]) -> list[str]:
+    def _maddrs_are_peer_addresses(cls, peers: list[str]) -> list[str]:
+        from swarm.maddrs import PEER_MADDR_SHAPE, peer_maddr_problem
+
         for maddr in peers:
-            if not maddr.startswith("/") or "/p2p/" not in maddr:
-                raise ValueError(f"{maddr!r} is not a multiaddr with a peer id, like /ip4/1.2.3.4/tcp/31337/p2p/Qm...")
+            problem = peer_maddr_problem(maddr)
+            if problem:
+                raise ValueError(f"{maddr!r} is not a peer address: {problem}. A peer address has the shape "
+                                 f"{PEER_MADDR_SHAPE}; `volunteer bootstrap` prints the one to pass")
         return peers
 
     @model_validator(mode="after")

@@ -130,7 +130,8 @@ def test_different_config_gets_its_own_run_id_and_never_mixes(foundation):
     wait_until(lambda: f.states().get(a_id) == "online", 30, interval_s=0.5, what="a online")
     # A data dir of its own: the module's pool of identities would give b a peer id that an earlier test's
     # volunteer left behind in run a as an offline record (a clean leave stays visible for a minute).
-    b = f.harness.join(run_b, "layer0", f.maddr, "--log-format", "json", name="b-other-config",
+    # --new-run: training alone in its own run is b's explicit choice (without it, b stops: test_run_conflict.py)
+    b = f.harness.join(run_b, "layer0", f.maddr, "--log-format", "json", "--new-run", name="b-other-config",
                        env={"VOLUNTEER_DATA_DIR": str(f.run.parent / "data-b")})
     b_id = _peer_id(b)
     # b is told plainly why it will not see a's swarm.

@@ -17,6 +17,7 @@ from volunteer.service import (
     join_argv,
     quote_arg,
     render_unit,
+    systemd_user_problem,
     uninstall,
     unit_path,
 )
@@ -149,10 +150,23 @@ def test_uninstall_leaves_a_foreign_unit_alone(path):
     assert path.exists()
 
 
-def _cli(tmp_path, *args: str) -> subprocess.CompletedProcess:
+PEER = "/ip4/127.0.0.1/tcp/31337/p2p/QmaypY6rCvw4CcrNw87NrKEqJ2gh92sJjKAYFB85EL7cbK"
+
+
+def _runtime_dir(tmp_path, systemd: bool = True) -> Path:
+    """An XDG_RUNTIME_DIR as a systemd user instance leaves it (its private socket), or without one."""
+    runtime = tmp_path / "runtime"
+    (runtime / "systemd").mkdir(parents=True, exist_ok=True)
+    if systemd:
+        (runtime / "systemd" / "private").touch()
+    return runtime
+
+
+def _cli(tmp_path, *args: str, systemd: bool = True) -> subprocess.CompletedProcess:
     from procs import volunteer_exe
 
-    env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
+    env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "xdg"),
+           "XDG_RUNTIME_DIR": str(_runtime_dir(tmp_path / ("with" if systemd else "without"), systemd))}
     return subprocess.run([volunteer_exe(), "service", *args], env=env, cwd=tmp_path, capture_output=True,
                           text=True, timeout=60)
 
@@ -161,7 +175,7 @@ def test_the_cli_checks_the_join_args_and_makes_paths_absolute(tmp_path):
     (tmp_path / "run.yaml").write_text("name: svc\n")
     (tmp_path / "mine.yaml").write_text("device: cpu\n")
     unit = tmp_path / "xdg" / "systemd" / "user" / "volunteer.service"
-    maddr = "/ip4/127.0.0.1/tcp/31337/p2p/QmPeer"
+    maddr = PEER
 
     done = _cli(tmp_path, "install", "--run", "run.yaml", "--prefs=mine.yaml", "--initial-peers", maddr)
     assert done.returncode == 0, done.stderr
@@ -175,3 +189,28 @@ def test_the_cli_checks_the_join_args_and_makes_paths_absolute(tmp_path):
     assert typo.returncode == 2 and "does not know --swarmm" in typo.stderr and not unit.exists()
     missing = _cli(tmp_path, "install", "--run", "nowhere.yaml")
     assert missing.returncode == 2 and "no such run config file" in missing.stderr and not unit.exists()
+
+
+def test_the_systemd_user_instance_is_found_by_its_private_socket(tmp_path):
+    assert systemd_user_problem({"XDG_RUNTIME_DIR": str(_runtime_dir(tmp_path / "a"))}) is None
+    missing = systemd_user_problem({"XDG_RUNTIME_DIR": str(_runtime_dir(tmp_path / "b", systemd=False))})
+    assert "no systemd user instance" in missing and "volunteer join --headless" in missing
+    assert str(tmp_path / "b" / "runtime" / "systemd" / "private") in missing
+
+
+def test_install_refuses_a_unit_that_could_never_run_and_says_what_is_missing(tmp_path):
+    (tmp_path / "run.yaml").write_text("name: svc\n")
+    unit = tmp_path / "xdg" / "systemd" / "user" / "volunteer.service"
+
+    no_peers = _cli(tmp_path, "install", "--run", "run.yaml")
+    assert no_peers.returncode == 2 and "no bootstrap peers" in no_peers.stderr and "--initial-peers" in no_peers.stderr
+    bad_peer = _cli(tmp_path, "install", "--run", "run.yaml", "--initial-peers", "/ip4/127.0.0.1/tcp/31337")
+    assert bad_peer.returncode == 2 and "/ip4/HOST/tcp/PORT/p2p/PEER_ID" in bad_peer.stderr
+    no_systemd = _cli(tmp_path, "install", "--run", "run.yaml", "--initial-peers", PEER, systemd=False)
+    assert no_systemd.returncode == 2 and "no systemd user instance" in no_systemd.stderr
+    everything = _cli(tmp_path, "install", "--run", "run.yaml", "--swarm", "layer9", systemd=False)
+    assert everything.returncode == 2
+    for missing in ("no bootstrap peers", "--swarm layer9", "no systemd user instance"):
+        assert missing in everything.stderr  # every problem at once, not one per try
+    assert not unit.exists()
+    assert _cli(tmp_path, "install", "--run", "run.yaml", "--initial-peers", PEER).returncode == 0 and unit.exists()

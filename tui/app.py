@@ -21,6 +21,7 @@ STALE_AFTER_S = 15.0  # warn when no snapshot arrived for this long (the engine 
 TICK_S = 1.0  # how often uptime and staleness are redrawn between snapshots
 EXIT_CLEAN = 0
 EXIT_NOT_STOPPED = 1  # the engine did not confirm it stopped in time, or the volunteer would not wait
+EXIT_INTERRUPTED = 130  # ctrl+c before the node was online: the start was abandoned (as a shell's SIGINT)
 
 # Which keys make sense in which state; the others are greyed out in the footer.
 _ACTION_STATES: dict[str, frozenset[NodeState]] = {
@@ -48,7 +49,7 @@ class VolunteerApp(App[int]):
         Binding("r", "resume", "Resume"),
         Binding("q", "quit", "Quit"),
         Binding("question_mark", "help", "Help", key_display="?"),
-        Binding("ctrl+c", "quit", "Quit", show=False, priority=True),
+        Binding("ctrl+c", "interrupt", "Quit", show=False, priority=True),
     ]
 
     def __init__(self, engine: Engine, *, now: Callable[[], float] = time.time,
@@ -62,6 +63,7 @@ class VolunteerApp(App[int]):
         self._snapshot: NodeSnapshot | None = None
         self._snapshot_received_at = 0.0
         self.leaving = False
+        self.interrupted = False  # ctrl+c, not q
         self.dashboard = DashboardScreen()
 
     @property
@@ -87,6 +89,9 @@ class VolunteerApp(App[int]):
         self.dashboard.add_event(message.event)
 
     def on_engine_stopped(self, message: EngineStopped) -> None:
+        if message.during_startup:  # abandoned on purpose; the caller ends what is still loading
+            self._finish_with(EXIT_INTERRUPTED if self.interrupted else EXIT_CLEAN)
+            return
         self._finish_with(EXIT_CLEAN if message.clean else EXIT_NOT_STOPPED)
 
     def _show(self, snapshot: NodeSnapshot) -> None:
@@ -131,6 +136,11 @@ class VolunteerApp(App[int]):
             self.screen.dismiss(None)
         else:
             self.push_screen(HelpScreen())
+
+    async def action_interrupt(self) -> None:
+        """ctrl+c: as q, but a start it abandons exits 130, like a shell's Ctrl+C."""
+        self.interrupted = True
+        await self.action_quit()
 
     async def action_quit(self) -> None:
         """q and ctrl+c: a clean leave; pressed again while leaving, exit without waiting."""

@@ -16,9 +16,11 @@ from collections.abc import Callable
 from textual.message import Message
 
 from tui.messages import EngineStopped, EventRaised, SnapshotUpdated
-from volunteer.snapshot import Command, Engine, Event, EventLevel, NodeSnapshot
+from volunteer.snapshot import Command, Engine, Event, EventLevel, NodeSnapshot, NodeState
 
 POLL_S = 0.2  # how often the command thread checks whether the dashboard or the engine has stopped
+STARTUP_ABORT_S = 1.0  # a quit while joining or syncing waits this long, then the dashboard closes anyway
+STARTING_STATES = frozenset({NodeState.JOINING, NodeState.SYNCING})
 
 
 class EngineBridge:
@@ -77,9 +79,12 @@ class EngineBridge:
 
     def _send(self, command: Command) -> None:
         try:
+            starting = command is Command.QUIT and self._engine.snapshot().state in STARTING_STATES
             self._engine.command(command)
             if command is Command.QUIT:
-                self._deliver(EngineStopped(clean=self._engine.wait_stopped(timeout=self._leave_timeout_s)))
+                timeout_s = min(STARTUP_ABORT_S, self._leave_timeout_s) if starting else self._leave_timeout_s
+                stopped = self._engine.wait_stopped(timeout=timeout_s)
+                self._deliver(EngineStopped(clean=stopped, during_startup=starting))
         except Exception as exc:  # the engine's failure must reach the volunteer, not kill this thread
             text = f"could not {command.value}: {exc}. If this keeps happening, quit and run `volunteer join` again."
             self._deliver(EventRaised(Event(text=text, level=EventLevel.ERROR, kind="error")))

@@ -147,6 +147,8 @@ def not_training_line(snapshot: NodeSnapshot, *, leaving: bool = False, silent_s
     if snapshot.state is not NodeState.ONLINE:
         reason = snapshot.reason or _STATE_DEFAULT_REASONS[snapshot.state]
         parts.append(f"{STATE_LABELS[snapshot.state]}: {reason} ({_STATE_HINTS[snapshot.state]})")
+    elif snapshot.reason:  # online but idle: a layer nobody serves, a bandwidth cap, a driver that waits
+        parts.append(f"ONLINE, NOT TRAINING: {snapshot.reason.removeprefix('waiting: ')} (training starts by itself)")
     if silent_s >= stale_after_s:
         parts.append(f"NO NEWS from the node for {format_duration(silent_s)}: it may be stuck (press q to leave)")
     return " · ".join(parts)

@@ -28,8 +28,12 @@ class EventRaised(Message):
 
 
 class EngineStopped(Message):
-    """The engine stopped (``clean``: after QUIT or on its own) or did not within the leave timeout."""
+    """The engine stopped (``clean``: after QUIT or on its own) or did not within the leave timeout.
 
-    def __init__(self, clean: bool) -> None:
+    ``during_startup``: QUIT came while the node was still joining or syncing; the bridge then waited only
+    ``startup_abort_s`` and the caller ends what is left (nothing was announced online to take back)."""
+
+    def __init__(self, clean: bool, during_startup: bool = False) -> None:
         super().__init__()
         self.clean = clean
+        self.during_startup = during_startup

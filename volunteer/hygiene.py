@@ -140,11 +140,49 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
+def kill_group_now(pgid: int, spare: int | None = None, wait_s: float = 0.5) -> None:
+    """SIGKILL every process of group ``pgid`` but ``spare`` and remove the unix sockets p2pd listened on.
+
+    For an abandoned startup, where nothing was announced that a clean leave would have to take back.
+    SIGKILL, not SIGTERM: the DHT process ignores SIGTERM, and p2pd logs errors while it shuts down;
+    so its sockets (named on its command line, ``/unix/tmp/hivemind-*.sock``) are removed here."""
+    members = [pid for pid in group_members(pgid) if pid != spare]
+    sockets = [path for pid in members for path in _unix_sockets(pid)]
+    for pid in members:
+        _signal(pid, signal.SIGKILL)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and [pid for pid in group_members(pgid) if pid != spare]:
+        time.sleep(0.02)
+    for path in sockets:
+        try:
+            path.unlink()
+        except OSError:
+            continue  # already gone (or never made)
+
+
+def _unix_sockets(pid: int) -> list[Path]:
+    """Hivemind's p2pd sockets in ``pid``'s command line (Linux /proc)."""
+    try:
+        args = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return []
+    found = []
+    for arg in args:
+        text = arg.decode(errors="replace")
+        for part in text.split(","):
+            path = part.split("/unix", 1)[1] if "/unix/" in part else ""
+            if path.endswith(".sock") and Path(path).name.startswith("hivemind-"):
+                found.append(Path(path))
+                found.append(Path(path.replace("hivemind-p2pd-", "hivemind-p2pclient-")))  # the DHT process's end
+    return found
+
+
 class ShutdownRequested:
     """Turns SIGINT/SIGTERM into an Event; a second Ctrl+C while shutting down exits at once."""
 
     def __init__(self) -> None:
         self.event = threading.Event()
+        self.signum: int | None = None  # the first signal received
         self._callbacks: list[Callable[[], None]] = []
 
     def install(self) -> "ShutdownRequested":
@@ -153,12 +191,17 @@ class ShutdownRequested:
         return self
 
     def on_request(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` on the first signal; at once if one already came (while the command set up)."""
         self._callbacks.append(callback)
+        if self.event.is_set():
+            callback()
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.event.is_set() and signum == signal.SIGINT:
             print("\nforced exit", file=sys.stderr)
             os._exit(130)
+        if self.signum is None:
+            self.signum = signum
         self.event.set()
         for callback in self._callbacks:
             callback()

@@ -35,6 +35,21 @@ def unit_path(env: Mapping[str, str] | None = None, home: Path | None = None) ->
     return Path(config_home) / "systemd" / "user" / UNIT_NAME
 
 
+def systemd_user_problem(env: Mapping[str, str] | None = None, uid: int | None = None) -> str | None:
+    """None when a systemd user instance runs for this user (its private socket exists), else what is missing.
+
+    Without one, `systemctl --user` fails and the unit would never start (containers, WSL without
+    systemd, a session over su or ssh without lingering)."""
+    env = os.environ if env is None else env
+    runtime = env.get("XDG_RUNTIME_DIR") or f"/run/user/{os.getuid() if uid is None else uid}"
+    socket = Path(runtime) / "systemd" / "private"
+    if socket.exists():
+        return None
+    return (f"no systemd user instance runs for you (no {socket}), so `systemctl --user` cannot start the unit. "
+            "Log in to a session with systemd (or `loginctl enable-linger` as your user), or run "
+            "`volunteer join --headless` under your own supervisor")
+
+
 def join_argv(join_args: Sequence[str] = (), python: str = sys.executable) -> list[str]:
     """The node's command line; --headless and --swarm auto unless join_args say otherwise."""
     argv = [python, "-m", "volunteer_cli", "join"]

@@ -52,6 +52,9 @@ def add_join_arguments(parser: argparse.ArgumentParser) -> None:
                         help="listen multiaddrs (default from preferences: all interfaces, random port)")
     parser.add_argument("--announce", nargs="+", default=None, metavar="MADDR")
     parser.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--new-run", action="store_true",
+                        help="train this config's own run even when another run of the same name is active "
+                             "with a different config (you may train alone)")
     _add_common(parser)
 
 
@@ -136,6 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # before a command installs its own handler (join: volunteer/hygiene.py)
+        print("stopping… interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -149,9 +160,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, UserError) as exc:
         print(f"volunteer {args.command}: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":

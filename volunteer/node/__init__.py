@@ -11,6 +11,7 @@ Map:
 - checkpoints.py  resume from a checkpoint, save on pause, exit and timer
 - announcer.py    our record on the DHT, heartbeat, reading the swarms, shard rebalancing, the view
 - records.py      pure builders: our MemberRecord, the snapshot's swarm and peer rows
+- runs.py         another run of our name with another config: stop with how to join it (or --new-run)
 
 Parts hold a reference to the node and see each other only through it (``node.board``,
 ``node.set_state``, ``node.peer``); each is tested on its own with a fake node or as pure functions.

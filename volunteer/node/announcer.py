@@ -123,6 +123,7 @@ class Announcer:
         node = self.node
         if node.peer is None:
             return {}
+        from swarm.membership import idle_reason
         from volunteer.device import gpu_memory_bytes
 
         m = node.peer.metrics()
@@ -141,8 +142,11 @@ class Announcer:
             fields.update(run_evaluation(self.views))
         state = node.board.snapshot().state
         throttled = node.governors.throttle_reason()
+        idle = idle_reason(self.views, node.run.swarm_names, node.swarm) if self.views else ""
         if throttled is not None and state == NodeState.ONLINE:
             fields["reason"] = throttled
+        elif idle and state == NodeState.ONLINE:  # the root cause: a layer nobody serves
+            fields["reason"] = f"waiting: {idle}"
         elif m.blocked_reason and state == NodeState.ONLINE:
             fields["reason"] = f"waiting: {m.blocked_reason}"
         elif state == NodeState.ONLINE:

@@ -25,13 +25,12 @@ from volunteer.node.checkpoints import Checkpoints
 from volunteer.node.commands import Commands
 from volunteer.node.governors import Governors
 from volunteer.node.health import Health
-from volunteer.node.options import JoinError, NodeOptions
+from volunteer.node.options import JoinError, NodeOptions, RunConflict
 from volunteer.snapshot import Command, EventLevel, EventListener, NodeSnapshot, NodeState, SnapshotListener
 
 logger = logging.getLogger(__name__)
 
 TICK_S = 1.0  # snapshot refresh; the DHT heartbeat is slower (timeouts.heartbeat_s)
-OFFLINE_TTL_S = 60.0  # a clean leave stays visible as "offline" this long
 LEAVE_DRAIN_S = 5.0  # on quit, in-flight backward passes get this long to finish
 LEAVE_ANNOUNCE_TIMEOUT_S = 10.0  # on quit, the last record waits this long for a DHT peer (none may be left)
 
@@ -51,6 +50,7 @@ class Node:
         self.options = options
         self.run = options.run
         self.error: str | None = None
+        self.error_exit_code = 1  # the process exit status that fits ``error``
         self.swarm = options.swarm if options.swarm != "auto" else ""
         self.dht: Any = None
         self.membership: Any = None
@@ -68,6 +68,8 @@ class Node:
         self._stop = threading.Event()
         self._stopped = threading.Event()
         self._wake = threading.Event()
+        self._serving = threading.Event()  # set once the join is done and the serve loop runs
+        self.stop_requested_at_s: float | None = None  # time.monotonic() of the first quit or stop
         self._thread: threading.Thread | None = None
         self._identity_lock: Any = None
         self._control: Any = None
@@ -84,6 +86,7 @@ class Node:
         """Queue a command; returns a ticket for ``wait_applied``."""
         ticket = self.commands.queue.put(command)
         if command == Command.QUIT:
+            self._note_stop()
             self._stop.set()
         self._wake.set()
         return ticket
@@ -99,8 +102,28 @@ class Node:
         return self._stopped.wait(timeout)
 
     def request_stop(self) -> None:
+        self._note_stop()
         self._stop.set()
         self._wake.set()
+
+    def _note_stop(self) -> None:
+        if self.stop_requested_at_s is None:
+            self.stop_requested_at_s = time.monotonic()
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    @property
+    def serving(self) -> bool:
+        """False while still starting (loading, DHT, sync): a stop then has nothing to hand over."""
+        return self._serving.is_set()
+
+    def abandon(self) -> None:
+        """The process is about to exit during startup without waiting for this thread: remove what
+        would outlive it here (the control socket); the watchdog's group holds the rest."""
+        if self._control is not None:
+            self._control.close()
 
     # ----- for the parts
     def wake(self) -> None:
@@ -118,9 +141,11 @@ class Node:
             self._start_control()
             self._join()
             if not self._stop.is_set():
+                self._serving.set()
                 self._serve()
         except JoinError as exc:
             self.error = str(exc)
+            self.error_exit_code = exc.exit_code
             self.board.emit(str(exc), EventLevel.ERROR, "error")
         except Exception as exc:  # an engine bug: say it plainly, still leave cleanly
             logger.exception("engine failed")
@@ -149,8 +174,10 @@ class Node:
         emit = self.board.emit
         emit("loading the network and training libraries (hivemind, torch)", kind="joining")
         from swarm.dht import DHTStartError, IdentityInUse, claim_identity, make_validators, start_dht, visible_maddrs
-        from swarm.membership import Membership, conflicting_runs, least_served_swarm, publish_run
+        from swarm.membership import Membership, least_served_swarm, publish_run
 
+        if self._stop.is_set():  # stopped while the libraries loaded
+            return
         options, run = self.options, self.run
         if not options.initial_peers:
             raise JoinError(
@@ -174,13 +201,11 @@ class Node:
         self.board.publish(peer_id=peer_id, maddrs=tuple(visible_maddrs(self.dht)))
         emit(f"joined the DHT as {peer_id[-8:]}", kind="joined")
 
-        for other, diffs in conflicting_runs(self.dht, run).items():
-            detail = "; ".join(diffs) if diffs else "unknown fields"
-            emit(f"another run named {run.name!r} is active with a different config (run id {other}); "
-                 f"you will not train together. Differences: {detail}", EventLevel.WARNING, "run_mismatch")
-        publish_run(self.dht, run)
-
+        if self._stop.is_set():
+            return
         self.announcer.read_views()
+        self._check_other_runs(peer_id)
+        publish_run(self.dht, run)
         if not self.swarm:
             self.swarm = least_served_swarm(self.announcer.views, run.swarm_names)
             emit(f"--swarm auto chose {self.swarm} (fewest online peers)", kind="joining")
@@ -191,6 +216,26 @@ class Node:
             return
         self.set_state(NodeState.ONLINE, "")
         emit(f"online in {self.swarm} of run {run.run_id}", kind="online")
+
+    def _check_other_runs(self, me: str) -> None:
+        """Another run of our name with another config: stop with how to join it while ours is empty
+        (unless --new-run), else warn that we will not train together."""
+        from swarm.membership import other_runs
+        from volunteer.node.runs import active_conflict, conflict_message, save_run_config
+
+        run = self.run
+        others = other_runs(self.dht, run)
+        ours_online = sum(1 for records in self.announcer.views.values() for r in records
+                          if r.state == "online" and r.peer_id != me)
+        conflict = active_conflict(ours_online, others, self.options.new_run)
+        if conflict is not None:
+            saved = save_run_config(conflict, run, self.options.data_dir / "runs")
+            raise RunConflict(conflict_message(run, conflict, saved, self.options.initial_peers))
+        for other in others:
+            detail = "; ".join(other.differences) if other.differences else "unknown fields"
+            self.board.emit(f"another run named {run.name!r} has a different config (run id {other.run_id}, "
+                            f"{other.online} online); you will not train together. Differences: {detail}",
+                            EventLevel.WARNING, "run_mismatch")
 
     def _dht_settings(self, identity_path: Any) -> Any:
         from swarm.dht import DHTSettings
@@ -253,7 +298,10 @@ class Node:
             board.publish(**self.announcer.work_fields())
         if self.membership is not None and self.swarm:
             board.publish(state=NodeState.OFFLINE, reason="left the swarm")
-            if self.announcer.announce(ttl_s=max(OFFLINE_TTL_S, run.timeouts.record_ttl_s),
+            # The offline record lives exactly one record lifetime, like a heartbeat: the DHT keeps whichever
+            # entry of a subkey expires later, so a longer-lived offline record would hide our own restart
+            # (its first heartbeat expires sooner) until it ran out; this one always expires first.
+            if self.announcer.announce(ttl_s=run.timeouts.record_ttl_s,
                                        timeout_s=min(LEAVE_ANNOUNCE_TIMEOUT_S, run.timeouts.rpc_s)):
                 board.emit("announced offline", kind="offline")
             else:

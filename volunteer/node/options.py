@@ -12,6 +12,15 @@ from volunteer.prefs import IdlePrefs, ResourcePrefs
 class JoinError(RuntimeError):
     """The node could not join; the message says why and what to try."""
 
+    exit_code = 1
+
+
+class RunConflict(JoinError):
+    """Another run of our name is active with another config (volunteer/node/runs.py): a choice the
+    user must make, so a service must not restart into it (exit status 2, like a config mistake)."""
+
+    exit_code = 2
+
 
 @dataclass(slots=True, kw_only=True)
 class NodeOptions:
@@ -31,4 +40,5 @@ class NodeOptions:
     train: bool = True  # False: announce membership only (no stage, no driver)
     idle: IdlePrefs = field(default_factory=IdlePrefs)  # when to train (idle.enabled: only while the user is away)
     resources: ResourcePrefs = field(default_factory=ResourcePrefs)
+    new_run: bool = False  # train this config's own run even when another run of its name is active
     control_socket: bool = True  # serve `volunteer ctl` at <data_dir>/control/<run_id>-<swarm>.sock

@@ -21,8 +21,10 @@ async def _count_peers(dht, node) -> int:
 
 
 def run_bootstrap(args: argparse.Namespace) -> int:
-    from volunteer_cli.commands.common import setup_process
+    from volunteer_cli.commands.common import check_initial_peers, setup_process
     from volunteer.paths import user_data_dir
+
+    check_initial_peers(args.initial_peers)
 
     watchdog, shutdown = setup_process(args.verbose)
     from swarm.dht import (DHTSettings, DHTStartError, IdentityInUse, claim_identity, make_validators, shutdown_dht,

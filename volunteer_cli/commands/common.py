@@ -35,3 +35,14 @@ def exit_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def check_initial_peers(maddrs: list[str] | None) -> None:
+    """``--initial-peers`` checked before anything loads: a bad address is a UserError (exit 2) with the shape."""
+    from swarm.maddrs import check_peer_maddrs
+    from volunteer_cli.main import UserError
+
+    try:
+        check_peer_maddrs(list(maddrs or []), "--initial-peers")
+    except ValueError as exc:
+        raise UserError(str(exc)) from None

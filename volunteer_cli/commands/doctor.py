@@ -44,7 +44,10 @@ class Check:
 def run_doctor(args: argparse.Namespace) -> int:
     prefs = load_preferences(args.prefs)
     run, _ = load_run(args.run)
+    from volunteer_cli.commands.common import check_initial_peers
     from volunteer.paths import user_data_dir
+
+    check_initial_peers(args.initial_peers)
 
     data_dir = Path(args.data_dir or prefs.data_dir or user_data_dir()).expanduser()
     checks = [*data_dir_checks(data_dir), *idle_checks(prefs)]

@@ -26,6 +26,9 @@ def best_donor(records: list) -> object | None:
 
 def run_export(args: argparse.Namespace) -> int:
     run, _ = load_run(args.run)
+    from volunteer_cli.commands.common import check_initial_peers
+
+    check_initial_peers(args.initial_peers)
     initial_peers = args.initial_peers or run.bootstrap_peers
     if not initial_peers:
         raise UserError("no bootstrap peers: pass --initial-peers MADDR or list bootstrap_peers in the run config")

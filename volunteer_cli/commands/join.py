@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import time
 from pathlib import Path
 
+from volunteer_cli.commands.common import exit_now
 from volunteer_cli.main import UserError
 from volunteer.config import load_preferences, load_run
 
 DEFAULT_VOLUNTEER_LISTEN = ["/ip4/0.0.0.0/tcp/0", "/ip4/0.0.0.0/udp/0/quic-v1"]
 QUIT_GRACE_S = 15.0
+STARTUP_ABORT_S = 1.0  # a stop during startup ends the process within this (plus ~0.5 s to end the DHT)
+EXIT_SIGNAL_BASE = 128  # a stop by SIGINT exits 130, by SIGTERM 143 (the shell's convention)
+POLL_S = 0.2
 
 
 def run_join(args: argparse.Namespace) -> int:
@@ -22,6 +28,9 @@ def run_join(args: argparse.Namespace) -> int:
             f"--swarm {args.swarm}: run {run.name} has no such layer swarm; "
             f"valid: {', '.join(valid)}, or auto"
         )
+    from volunteer_cli.commands.common import check_initial_peers
+
+    check_initial_peers(args.initial_peers)
     initial_peers = args.initial_peers or run.bootstrap_peers
     if not initial_peers:
         raise UserError(
@@ -54,22 +63,74 @@ def run_join(args: argparse.Namespace) -> int:
             process_group=watchdog.pgid,
             idle=prefs.idle,
             resources=prefs.resources,
+            new_run=args.new_run,
         )
     )
+    screen = _Screen()
     shutdown.on_request(node.request_stop)
+    shutdown.on_request(lambda: screen.say_stopping(node))
+    code = EXIT_SIGNAL_BASE + signal.SIGINT  # if the dashboard or the log fails on its way out
     try:
         if not args.headless and sys.stdin.isatty() and sys.stdout.isatty():
-            code = _run_dashboard(node, shutdown)
+            code = _run_dashboard(node, shutdown, screen)
         else:
             code = _run_headless(node, args.log_format, shutdown)
     finally:
         node.request_stop()
+        if not node.serving and not node.wait_stopped(_startup_wait_s(node)):
+            _abandon_startup(node, watchdog, _interrupted_code(shutdown) if shutdown.signum else code)
         node.wait_stopped(QUIT_GRACE_S)
         watchdog.stop()
     if node.error:
         print(f"volunteer join: {node.error}", file=sys.stderr)
-        return 1
+        return node.error_exit_code
+    if shutdown.signum is not None and not node.serving:
+        return _interrupted_code(shutdown)
     return code
+
+
+class _Screen:
+    """Who owns the terminal: a signal's "stopping…" is printed unless the dashboard draws the screen."""
+
+    def __init__(self) -> None:
+        self.dashboard = False
+
+    def say_stopping(self, node) -> None:
+        if self.dashboard:
+            return
+        what = "leaving the swarm" if node.serving else "abandoning the start"
+        print(f"stopping… ({what}; press Ctrl+C again to exit at once)", file=sys.stderr, flush=True)
+
+
+def _startup_wait_s(node) -> float:
+    """What is left of STARTUP_ABORT_S since the first stop request (the dashboard may have waited already)."""
+    if not node.started or node.stop_requested_at_s is None:
+        return 0.0
+    return max(0.0, STARTUP_ABORT_S - (time.monotonic() - node.stop_requested_at_s))
+
+
+def _interrupted_code(shutdown) -> int:
+    return EXIT_SIGNAL_BASE + (shutdown.signum or signal.SIGINT)
+
+
+def _abandon_startup(node, watchdog, code: int) -> None:
+    """A stop during startup that the engine could not honour in STARTUP_ABORT_S (it is inside an import,
+    the DHT start or a download): nothing was announced online, so nothing needs a clean leave. End the
+    DHT process and p2pd now, and exit."""
+    import logging
+    import os
+
+    from volunteer.hygiene import kill_group_now
+
+    node.abandon()
+    print("stopped before joining the swarm", file=sys.stderr, flush=True)
+    # The engine thread is still loading: what it says as the DHT vanishes under it is noise now.
+    logging.disable(logging.CRITICAL)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
+    if watchdog.pgid is not None:
+        kill_group_now(watchdog.pgid, spare=watchdog.pid)
+    watchdog.stop()
+    exit_now(code)
 
 
 def _run_headless(node, log_format: str, shutdown) -> int:
@@ -77,17 +138,24 @@ def _run_headless(node, log_format: str, shutdown) -> int:
 
     log = EventLog(fmt=log_format)
     node.add_listener(log.on_snapshot, log.on_event)
+    if shutdown.event.is_set():  # Ctrl+C while the command set up: do not start loading at all
+        return 0
     node.start()
-    while not node.wait_stopped(0.5):
-        if shutdown.event.is_set():
-            node.request_stop()
+    while not node.wait_stopped(POLL_S) and not shutdown.event.is_set():
+        pass
     return 0
 
 
-def _run_dashboard(node, shutdown) -> int:
+def _run_dashboard(node, shutdown, screen: _Screen) -> int:
     try:
         from tui.app import run_dashboard  # imported here: headless nodes never load textual
     except ImportError:  # textual missing from a broken install: the same engine, headless
         return _run_headless(node, "human", shutdown)
+    if shutdown.event.is_set():  # Ctrl+C while textual loaded: do not take the screen at all
+        return 0
     node.start()
-    return run_dashboard(node)
+    screen.dashboard = True
+    try:
+        return run_dashboard(node)
+    finally:
+        screen.dashboard = False

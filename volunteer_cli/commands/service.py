@@ -1,7 +1,9 @@
 """`volunteer service install|uninstall [join args...]`: run a headless node as a systemd user service.
 
-The join arguments are checked now (a typo must fail here, not in a unit that restarts every 30 s)
-and path arguments are made absolute, because the unit runs in the home directory.
+The join arguments are checked now, as `volunteer join` would check them (a typo, a bad peer
+address or a run without bootstrap peers must fail here, not in a unit that restarts every 30 s or
+stops at once with the reason only in journalctl), and so is the systemd user instance the unit
+needs. Path arguments are made absolute, because the unit runs in the home directory.
 """
 
 from __future__ import annotations
@@ -15,14 +17,20 @@ PATH_OPTIONS = ("--run", "--prefs", "--identity", "--data-dir")
 
 
 def run_service(args: argparse.Namespace) -> int:
-    from volunteer.service import ServiceError, install, uninstall
+    from volunteer.service import ServiceError, install, systemd_user_problem, uninstall
 
     join_args = list(args.join_args)
     if join_args[:1] == ["--"]:
         join_args = join_args[1:]
     try:
         if args.action == "install":
-            message = install(absolute_paths(_checked(join_args)))
+            problems = _problems(join_args)
+            systemd = systemd_user_problem()
+            if systemd:
+                problems.append(systemd)
+            if problems:
+                raise UserError("the unit could never run, so it was not installed:\n  - " + "\n  - ".join(problems))
+            message = install(absolute_paths(join_args))
         else:
             if join_args:
                 raise UserError(f"uninstall takes no join arguments (got {' '.join(join_args)})")
@@ -33,8 +41,9 @@ def run_service(args: argparse.Namespace) -> int:
     return 0
 
 
-def _checked(join_args: list[str]) -> list[str]:
-    """Parse them as `volunteer join` would; a mistake is a UserError naming the argument."""
+def _problems(join_args: list[str]) -> list[str]:
+    """Parse them as `volunteer join` would: a flag it does not know, or a run or preferences file it
+    cannot load, is a UserError at once; the problems it would find before joining are returned."""
     from volunteer_cli.main import add_join_arguments
 
     join = argparse.ArgumentParser(prog="volunteer join", add_help=False, exit_on_error=False)
@@ -48,11 +57,23 @@ def _checked(join_args: list[str]) -> list[str]:
         raise UserError(f"`volunteer join` does not know {' '.join(unknown)}; see `volunteer join --help`")
     from volunteer.config import load_preferences, load_run
 
-    if known.run:
-        load_run(known.run)  # a ConfigError says what is wrong with the file, now
+    run, _ = load_run(known.run)  # a ConfigError says what is wrong with the file, now
     if known.prefs:
         load_preferences(known.prefs)
-    return join_args
+    from swarm.maddrs import check_peer_maddrs
+
+    problems = []
+    try:
+        check_peer_maddrs(list(known.initial_peers or []), "--initial-peers")
+    except ValueError as exc:
+        problems.append(str(exc))
+    if not (known.initial_peers or run.bootstrap_peers):
+        problems.append(f"no bootstrap peers: run {run.name} lists none, so pass --initial-peers "
+                        "/ip4/HOST/tcp/PORT/p2p/PEER_ID (`volunteer bootstrap` prints it)")
+    if known.swarm != "auto" and known.swarm not in run.swarm_names:
+        problems.append(f"--swarm {known.swarm}: run {run.name} has no such layer swarm; valid: "
+                        f"{', '.join(run.swarm_names)}, or auto")
+    return problems
 
 
 def absolute_paths(join_args: list[str]) -> list[str]:

@@ -15,6 +15,9 @@ STATUS_LISTEN = ["/ip4/127.0.0.1/tcp/0"]  # a short-lived reader: nobody needs t
 
 def run_status(args: argparse.Namespace) -> int:
     run, _ = load_run(args.run)
+    from volunteer_cli.commands.common import check_initial_peers
+
+    check_initial_peers(args.initial_peers)
     initial_peers = args.initial_peers or run.bootstrap_peers
     if not initial_peers:
         raise UserError("no bootstrap peers: pass --initial-peers MADDR or list bootstrap_peers in the run config")
@@ -69,7 +72,10 @@ def build_report(run, views: dict, now: float) -> dict:
                          "staleness_p95": max((s[1] for s in measured), default=None),
                          "staleness_max": max((s[2] for s in measured), default=None)}
         swarms[name] = rows
-    report = {"run_id": run.run_id, "swarms": swarms, "summary": summary}
+    from swarm.membership import idle_reason
+
+    report = {"run_id": run.run_id, "swarms": swarms, "summary": summary,
+              "idle_reason": idle_reason(views, run.swarm_names)}
     if evaluations:
         *_, latest = max(evaluations, key=lambda item: item[:2])
         from volunteer.snapshot import evaluation_is_stale
@@ -102,6 +108,8 @@ def _staleness(record) -> dict | None:
 
 def render_report(report: dict) -> str:
     lines = [f"run {report['run_id']}"]
+    if report.get("idle_reason"):
+        lines.append(f"  NOT TRAINING: {report['idle_reason']}")
     if "evaluation" in report:
         from volunteer.snapshot import describe_evaluation
 

@@ -1,0 +1,77 @@
+"""Ctrl+C during startup: "stopping…" at once, the process gone within ~2 s, exit 130 (issue 16).
+
+Before, a Ctrl+C while the libraries loaded was noted and ignored: the node went on to start its
+DHT and exited ~15 s later with status 0 (16-69 s in the dashboard under load).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from fake_engine import FakeEngine, run_scenario, sample_snapshot  # noqa: E402
+from procs import wait_until, write_run  # noqa: E402
+from textual.pilot import Pilot  # noqa: E402
+
+from tui.app import EXIT_CLEAN, EXIT_INTERRUPTED, VolunteerApp  # noqa: E402
+from volunteer.snapshot import Command, NodeState  # noqa: E402
+
+EXIT_BOUND_S = 2.5  # STARTUP_ABORT_S (1.0) + ending the DHT process and p2pd + the exit, on a loaded machine
+# (name, the stdout line after which Ctrl+C is pressed; None: 1 s after start, while the libraries load)
+POINTS = (("loading", None), ("dht", "starting the DHT"), ("joined", "joined the DHT"))
+
+
+def test_ctrl_c_at_any_point_of_a_headless_start_exits_130_within_two_seconds(swarm, tmp_path):
+    run = write_run(tmp_path / "run.yaml")
+    _, maddr = swarm.bootstrap()
+    joins = {name: swarm.join(run, "layer1", maddr, name=f"join-{name}") for name, _ in POINTS}
+    started = time.monotonic()
+    for name, line in POINTS:
+        proc = joins[name]
+        if line is None:
+            wait_until(lambda: time.monotonic() - started >= 1.0, 5, interval_s=0.05)
+        else:
+            proc.wait_for_output(line, timeout_s=90)
+        pressed = time.monotonic()
+        proc.signal(signal.SIGINT)
+        assert proc.wait(EXIT_BOUND_S + 30) == 130, proc.stderr()
+        took_s = time.monotonic() - pressed
+        assert took_s <= EXIT_BOUND_S, f"{name}: {took_s:.1f} s"
+        err = proc.stderr()
+        assert "stopping…" in err and "Traceback" not in err, err
+        assert "online in layer1" not in proc.stdout()  # it never went on to serve
+
+
+def test_ctrl_c_in_the_dashboard_while_joining_closes_it_at_once_with_130():
+    engine = FakeEngine(sample_snapshot(state=NodeState.JOINING, reason="connecting"), stops_on_quit=False)
+
+    took_s: list[float] = []
+
+    async def scenario(app: VolunteerApp, pilot: Pilot) -> None:
+        pressed = time.monotonic()
+        await pilot.press("ctrl+c")
+        while app.return_code is None and time.monotonic() - pressed < 10:
+            await pilot.pause(0.02)
+        took_s.append(time.monotonic() - pressed)
+
+    app = run_scenario(engine, scenario)
+    assert app.return_code == EXIT_INTERRUPTED and engine.commands == [Command.QUIT]
+    assert took_s[0] < EXIT_BOUND_S  # the bridge waits STARTUP_ABORT_S, not the 30 s leave timeout
+
+
+def test_q_in_the_dashboard_while_syncing_closes_it_at_once():
+    engine = FakeEngine(sample_snapshot(state=NodeState.SYNCING, reason="downloading"), stops_on_quit=False)
+
+    async def scenario(app: VolunteerApp, pilot: Pilot) -> None:
+        await pilot.press("q")
+        for _ in range(500):
+            if app.return_code is not None:
+                return
+            await pilot.pause(0.02)
+
+    app = run_scenario(engine, scenario)
+    assert app.return_code == EXIT_CLEAN
