@@ -37,14 +37,18 @@ def format_summary(snap: NodeSnapshot) -> str:
 class EventLog:
     """Listener pair for ``Engine.add_listener`` that writes to a stream (stdout by default)."""
 
-    def __init__(self, stream: TextIO | None = None, fmt: str = "human", summary_every_s: float = 30.0):
+    def __init__(self, stream: TextIO | None = None, fmt: str = "human", summary_every_s: float = 30.0,
+                 skip_kinds: frozenset[str] = frozenset()):
         self.stream = stream or sys.stdout
         self.fmt = fmt
+        self.skip_kinds = skip_kinds  # event kinds someone else prints (join prints the fatal "error" at exit)
         self.summary_every_s = summary_every_s
         self._last_summary = 0.0
         self._lock = threading.Lock()
 
     def on_event(self, event: Event) -> None:
+        if event.kind in self.skip_kinds:
+            return
         if self.fmt == "json":
             self._write(json.dumps({"time": round(event.time, 3), "type": "event", "kind": event.kind,
                                     "level": event.level.value, "text": event.text}))

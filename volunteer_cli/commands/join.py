@@ -136,7 +136,9 @@ def _abandon_startup(node, watchdog, code: int) -> None:
 def _run_headless(node, log_format: str, shutdown) -> int:
     from volunteer.eventlog import EventLog
 
-    log = EventLog(fmt=log_format)
+    # The fatal error that ends the node is printed once, on stderr, as join exits; the human log
+    # leaves it out (JSON lines keep it: a program reading them needs the event).
+    log = EventLog(fmt=log_format, skip_kinds=frozenset({"error"}) if log_format == "human" else frozenset())
     node.add_listener(log.on_snapshot, log.on_event)
     if shutdown.event.is_set():  # Ctrl+C while the command set up: do not start loading at all
         return 0
