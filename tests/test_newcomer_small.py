@@ -55,3 +55,33 @@ def test_the_human_log_still_prints_warnings():
     log = EventLog(stream, skip_kinds=frozenset({"error"}))
     log.on_event(Event(text="peer banned", level=EventLevel.WARNING, kind="banned"))
     assert "warning: peer banned" in stream.getvalue()
+
+
+# ----- 0 samples/s while paused; a steady bottleneck marker
+
+from volunteer.node.records import bottleneck_swarm, shown_samples_per_s  # noqa: E402
+from volunteer.snapshot import NodeState, SwarmRow  # noqa: E402
+
+
+def test_a_paused_node_shows_0_samples_per_s_at_once_not_the_windows_decay():
+    assert shown_samples_per_s(12.5, NodeState.PAUSED) == 0.0
+    assert shown_samples_per_s(12.5, NodeState.HEALING) == 0.0
+    assert shown_samples_per_s(12.5, NodeState.ONLINE) == 12.5
+    assert shown_samples_per_s(12.5, NodeState.FINISHING) == 12.5  # still draining real work
+
+
+def _rows(**throughputs: float) -> list[SwarmRow]:
+    return [SwarmRow(name=n, online=1 if t >= 0 else 0, total=1, throughput=max(t, 0.0), best_loss=None)
+            for n, t in throughputs.items()]
+
+
+def test_the_bottleneck_marker_stays_put_between_swarms_within_1_percent():
+    rows = _rows(layer0=100.0, layer1=100.5, layer2=150.0)
+    assert bottleneck_swarm(rows) == "layer0"
+    assert bottleneck_swarm(rows, previous="layer1") == "layer1"  # 0.5 % apart: no flip
+    assert bottleneck_swarm(_rows(layer0=100.0, layer1=102.0), previous="layer1") == "layer0"  # 2 %: moves
+
+
+def test_a_swarm_with_nobody_online_takes_the_marker_however_close_the_rates():
+    assert bottleneck_swarm(_rows(layer0=100.0, layer1=-1.0), previous="layer0") == "layer1"
+    assert bottleneck_swarm(_rows(layer0=100.0)) is None  # one swarm: no bottleneck to mark

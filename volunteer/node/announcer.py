@@ -15,7 +15,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from volunteer import __version__
-from volunteer.node.records import build_record, run_evaluation, view_fields
+from volunteer.node.records import build_record, run_evaluation, shown_samples_per_s, view_fields
 from volunteer.snapshot import NodeState
 
 if TYPE_CHECKING:
@@ -96,7 +96,8 @@ class Announcer:
         self._history_speed.append(snap.samples_per_s)
         if snap.loss is not None:
             self._history_loss.append(snap.loss)
-        board.publish(**view_fields(self.views, node.run.swarm_names, node.swarm, snap.peer_id, time.time()),
+        marked = next((s.name for s in snap.swarms if s.bottleneck), None)
+        board.publish(**view_fields(self.views, node.run.swarm_names, node.swarm, snap.peer_id, time.time(), marked),
                       **self._resource_fields(), samples_per_s_history=tuple(self._history_speed),
                       loss_history=tuple(self._history_loss))
 
@@ -128,8 +129,9 @@ class Announcer:
 
         m = node.peer.metrics()
         self.metrics = m
+        state = node.board.snapshot().state
         fields: dict[str, Any] = dict(
-            samples_per_s=round(m.samples_per_s, 2), loss=m.loss, clock=m.clock, microbatches_served=m.served,
+            samples_per_s=round(shown_samples_per_s(m.samples_per_s, state), 2), loss=m.loss, clock=m.clock, microbatches_served=m.served,
             bytes_in=m.bytes_in, bytes_out=m.bytes_out, gpu_memory_bytes=gpu_memory_bytes(node.peer.device),
             heals=m.heals, eval_every_s=node.run.training.eval_every_s,
             staleness_mean=None if m.staleness_mean is None else round(m.staleness_mean, 2),
@@ -140,7 +142,6 @@ class Announcer:
                           test_at=m.eval_at if m.eval_at >= 0 else None)
         else:
             fields.update(run_evaluation(self.views))
-        state = node.board.snapshot().state
         throttled = node.governors.throttle_reason()
         idle = idle_reason(self.views, node.run.swarm_names, node.swarm) if self.views else ""
         if throttled is not None and state == NodeState.ONLINE:

@@ -9,9 +9,32 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from volunteer.snapshot import NodeSnapshot, PeerRow, SwarmRow
+from volunteer.snapshot import NodeSnapshot, NodeState, PeerRow, SwarmRow
 
 NO_FIGURE = -1.0  # what a record carries for a figure it does not have (loss, accuracy)
+BOTTLENECK_MARGIN = 0.01  # another swarm must be this much slower to take the bottleneck marker over
+TRAINING_STATES = (NodeState.ONLINE, NodeState.FINISHING)  # the states whose measured rate is shown
+
+
+def shown_samples_per_s(measured: float, state: NodeState) -> float:
+    """Our rate as the snapshot and record show it: 0 at once while paused (or not training), instead of
+    the measured window's slow decay over ``THROUGHPUT_WINDOW_S``."""
+    return measured if state in TRAINING_STATES else 0.0
+
+
+def bottleneck_swarm(swarms: list[SwarmRow], previous: str | None = None,
+                     margin: float = BOTTLENECK_MARGIN) -> str | None:
+    """The swarm to mark as the bottleneck: one with no peer online, else the least throughput. The swarm
+    marked last time keeps the marker while it is within ``margin`` of the weakest (no flipping between
+    swarms that go at the same pace). None for a run of one swarm."""
+    if len(swarms) < 2:
+        return None
+    weakest = min(swarms, key=lambda s: (s.online > 0, s.throughput, s.online))
+    kept = next((s for s in swarms if s.name == previous), None)
+    if (kept is not None and (kept.online > 0) == (weakest.online > 0)
+            and kept.throughput <= weakest.throughput * (1 + margin)):
+        return kept.name
+    return weakest.name
 
 
 def build_record(snap: NodeSnapshot, *, state: str, version: str, started_at_s: float, now_s: float,
@@ -64,8 +87,9 @@ def run_evaluation(views: dict[str, list[Any]]) -> dict[str, Any]:
 
 
 def view_fields(views: dict[str, list[Any]], swarm_names: list[str], swarm: str, me: str,
-                now_s: float) -> dict[str, Any]:
-    """The snapshot's ``swarms`` (with the bottleneck marked) and ``peers`` (our swarm's records)."""
+                now_s: float, previous_bottleneck: str | None = None) -> dict[str, Any]:
+    """The snapshot's ``swarms`` (with the bottleneck marked, see ``bottleneck_swarm``) and ``peers``
+    (our swarm's records)."""
     from swarm.membership import summarize
 
     swarms = []
@@ -73,9 +97,8 @@ def view_fields(views: dict[str, list[Any]], swarm_names: list[str], swarm: str,
         online, throughput, best_loss = summarize(views.get(name, []))
         swarms.append(SwarmRow(name=name, online=online, total=len(views.get(name, [])),
                                throughput=throughput, best_loss=best_loss))
-    if swarms:
-        weakest = min(swarms, key=lambda s: (s.online > 0, s.throughput, s.online))
-        swarms = [replace(s, bottleneck=(s is weakest and len(swarms) > 1)) for s in swarms]
+    marked = bottleneck_swarm(swarms, previous_bottleneck)
+    swarms = [replace(s, bottleneck=(s.name == marked)) for s in swarms]
     peers = tuple(
         PeerRow(
             peer_id=r.peer_id, state=r.state, age_s=round(max(0.0, now_s - r.updated_at), 1), version=r.version,
