@@ -85,3 +85,18 @@ def test_the_bottleneck_marker_stays_put_between_swarms_within_1_percent():
 def test_a_swarm_with_nobody_online_takes_the_marker_however_close_the_rates():
     assert bottleneck_swarm(_rows(layer0=100.0, layer1=-1.0), previous="layer0") == "layer1"
     assert bottleneck_swarm(_rows(layer0=100.0)) is None  # one swarm: no bottleneck to mark
+
+
+# ----- the demo leaves no /tmp/volunteer-demo-* behind unless it failed
+
+def test_the_demo_removes_its_folder_after_a_success_or_ctrl_c_and_keeps_it_after_a_failure(tmp_path):
+    from volunteer_cli.commands.demo import _clean_up
+
+    said: list[str] = []
+    for code, kept in ((0, False), (130, False), (1, True)):
+        workdir = tmp_path / f"volunteer-demo-{code}"
+        (workdir / "data").mkdir(parents=True)
+        (workdir / "layer0-0.log").write_text("log")
+        _clean_up(workdir, code, said.append)
+        assert workdir.exists() == kept
+    assert said == [f"the volunteers' logs are kept in {tmp_path / 'volunteer-demo-1'} (remove it when done)"]

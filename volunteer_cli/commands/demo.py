@@ -3,7 +3,8 @@
 It starts a bootstrap peer and M headless volunteers per layer swarm, watches the swarms through
 the DHT like any other peer would, prints progress until the target (a classifier's test accuracy,
 a language model's test bits per byte) or the time limit,
-then shuts every process down (their DHT processes and p2pd too) on success, failure or Ctrl+C.
+then shuts every process down (their DHT processes and p2pd too) on success, failure or Ctrl+C, and
+removes its /tmp/volunteer-demo-* folder unless the demo failed (then the logs there say why).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,6 +37,23 @@ STOP_TIMEOUT_S = 20.0
 STALL_NOTICE_S = 10.0  # every swarm online and no sample trained for this long: say why
 BLOCKED_MARKER = "no micro-batch flows: "  # what a layer0 driver logs (swarm/hops.py Blockage)
 FLOWING_MARKER = "micro-batches flow again"
+EXIT_INTERRUPTED = 130
+
+
+def keep_workdir(code: int) -> bool:
+    """Keep the demo's folder (logs, checkpoints) only when the demo failed: its logs say why. A success or
+    a Ctrl+C leaves nothing behind in /tmp."""
+    return code not in (0, EXIT_INTERRUPTED)
+
+
+def _clean_up(workdir: Path, code: int, say) -> None:
+    if keep_workdir(code):
+        say(f"the volunteers' logs are kept in {workdir} (remove it when done)")
+        return
+    try:
+        shutil.rmtree(workdir)
+    except OSError as exc:
+        say(f"could not remove {workdir}: {exc}; remove it by hand")
 
 
 class Children:
@@ -123,12 +142,13 @@ def run_demo(args: argparse.Namespace) -> int:
         raise
     except KeyboardInterrupt:
         say("interrupted")
-        code = 130
+        code = EXIT_INTERRUPTED
     finally:
         say("stopping all volunteers and the bootstrap peer")
         children.stop(say)
         watchdog.stop()
         result["seconds"] = round(time.monotonic() - started, 1)
+        _clean_up(workdir, code, say)
     _report(result, target, say)
     if args.json:
         print(json.dumps(result), flush=True)
@@ -200,7 +220,7 @@ def _watch(run, maddr: str, children: Children, shutdown, watchdog, say, target:
                 say(f"time limit of {time_limit_s:.0f} s reached before {target}")
                 return 1, result
         say("interrupted")
-        return 130, result
+        return EXIT_INTERRUPTED, result
     finally:
         shutdown_dht(dht)
 
