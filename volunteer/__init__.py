@@ -19,6 +19,7 @@ Map:
 - eventlog.py   headless output: one line per event and a periodic summary
 - device.py     the torch device and thread count
 - service.py    the systemd user unit that runs a headless node
+- priority.py   a foreground join's low CPU and I/O priority (resources.low_priority)
 """
 
 __version__ = "0.1.0"

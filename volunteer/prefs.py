@@ -71,6 +71,10 @@ class ResourcePrefs(_Strict):
         0.0, ge=0.0, description="0 = no cap; averaged over ~10 s of training traffic (see volunteer/headless.py)"
     )
     checkpoint_interval_s: float = Field(300.0, gt=0.0)
+    low_priority: bool = Field(
+        True, description="join trains at the lowest CPU priority (nice 19) and the idle I/O class, as the "
+        "systemd unit does; false: normal priority (see volunteer/priority.py)"
+    )
 
 
 class Preferences(_Strict):

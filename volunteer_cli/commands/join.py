@@ -42,6 +42,7 @@ def run_join(args: argparse.Namespace) -> int:
     from volunteer.paths import ensure_private_dir, user_data_dir
 
     watchdog, shutdown = setup_process(args.verbose)
+    _lower_priority(prefs.resources.low_priority)  # before the node's threads and DHT process: they inherit it
     from volunteer.node import Node, NodeOptions
 
     data_dir = ensure_private_dir(Path(args.data_dir or prefs.data_dir or user_data_dir()).expanduser())
@@ -87,6 +88,17 @@ def run_join(args: argparse.Namespace) -> int:
     if shutdown.signum is not None and not node.serving:
         return _interrupted_code(shutdown)
     return code
+
+
+def _lower_priority(low_priority: bool) -> None:
+    import logging
+
+    from volunteer.priority import lower_priority
+
+    done = lower_priority(low_priority)
+    if done:
+        logging.getLogger(__name__).info("running at low priority: %s (resources.low_priority: false to turn off)",
+                                         ", ".join(done))
 
 
 class _Screen:
