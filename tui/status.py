@@ -1,4 +1,4 @@
-"""The top of the dashboard: who and where I am (run, swarm, peer), my state and uptime, and,
+"""The top of the dashboard: who and where I am (run, swarm, peer), my state, uptime and client version, and,
 while the node is not training, a banner that says why and what to do."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from textual.containers import Horizontal
 from textual.widgets import Static
 
 from tui.format import format_duration, state_label
+from volunteer import __version__
 from volunteer.snapshot import NodeSnapshot
 
 
@@ -20,7 +21,8 @@ def run_label(snapshot: NodeSnapshot) -> str:
 
 
 class StatusBar(Horizontal):
-    """One line: run, swarm and peer id on the left; state badge and uptime on the right."""
+    """One line: run, swarm and peer id on the left; state badge, uptime and this client's version on the
+    right (the version peers' records carry, to compare when something differs)."""
 
     DEFAULT_CSS = """
     StatusBar {
@@ -67,7 +69,8 @@ class StatusBar(Horizontal):
         badge = self.query_one("#state", Static)
         badge.update(state_label(snapshot.state, leaving=leaving))
         badge.set_classes(f"-{'leaving' if leaving else snapshot.state.value}")
-        self.query_one("#uptime", Static).update(f"up {format_duration(uptime_s)}")
+        self.query_one("#uptime", Static).update(
+            Text.assemble(f"up {format_duration(uptime_s)}", (f"  v{__version__}", "dim")))
 
 
 class NotTrainingBanner(Static):
