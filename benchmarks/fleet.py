@@ -191,6 +191,7 @@ class Fleet:
             "VOLUNTEER_DATA_DIR": str(self.workdir / "data"),
             "VOLUNTEER_CONFIG_DIR": str(self.workdir / "config"),
             "PYTHONUNBUFFERED": "1",
+            "VOLUNTEER_LOW_PRIORITY": "0",  # normal priority, as the figures taken before join lowered itself
         }
         self._watchdog: Any = None
         Fleet._live.append(self)

@@ -125,6 +125,7 @@ class Swarm:
             "VOLUNTEER_DATA_DIR": str(tmp_path / "data"),
             "VOLUNTEER_CONFIG_DIR": str(tmp_path / "config"),
             "PYTHONUNBUFFERED": "1",
+            "VOLUNTEER_LOW_PRIORITY": "0",  # joins at normal priority: test timings on a shared machine
         })
         self.env.pop("HIVEMIND_LOGLEVEL", None)
 

@@ -45,8 +45,18 @@ def test_lowering_applies_to_the_process_and_the_threads_it_starts_later():
         "print(os.getpriority(os.PRIO_PROCESS, 0), seen['nice'], int(psutil.Process().ionice().ioclass))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
-                         env={**os.environ, "PYTHONPATH": os.getcwd()}, check=True).stdout.splitlines()
+                         env={**os.environ, "PYTHONPATH": os.getcwd(), "VOLUNTEER_LOW_PRIORITY": ""},
+                         check=True).stdout.splitlines()
     assert out[0] == "['CPU priority nice 19', 'idle I/O class']"
     import psutil
 
     assert out[1] == f"19 19 {int(psutil.IOPRIO_CLASS_IDLE)}"
+
+
+def test_the_environment_overrides_the_preference_for_tests_demo_and_benchmarks():
+    from volunteer.priority import wanted
+
+    assert wanted(True, {"VOLUNTEER_LOW_PRIORITY": "0"}) is False
+    assert wanted(False, {"VOLUNTEER_LOW_PRIORITY": "1"}) is True
+    assert wanted(True, {}) is True
+    assert wanted(False, {"VOLUNTEER_LOW_PRIORITY": "maybe"}) is False

@@ -4,6 +4,8 @@ BOINC runs all its work at idle priority; the systemd unit already does (``Nice=
 ``IOSchedulingClass=idle`` in service.py). ``lower_priority`` gives a foreground join the same, best
 effort: each step that the OS refuses (or that does not exist here) is skipped with a reason, never
 fatal. Set ``resources.low_priority: false`` in volunteer.yaml to train at normal priority.
+``VOLUNTEER_LOW_PRIORITY=0`` (or 1) overrides the preference for one process tree: the demo, the
+tests and the benchmarks set 0, so their figures on a shared machine stay comparable with earlier ones.
 
 On Linux the nice value and the I/O priority belong to each thread, and a new thread or process takes
 its creator's: call this before the node starts its threads and its DHT process (they inherit it);
@@ -14,10 +16,12 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 LOW_PRIORITY_NICE = 19  # the lowest CPU priority, as the unit's Nice=19
+ENV_OVERRIDE = "VOLUNTEER_LOW_PRIORITY"  # "0" or "1": overrides resources.low_priority
 TASKS_DIR = Path("/proc/self/task")
 
 
@@ -36,8 +40,15 @@ def plan_priority(low_priority: bool, current_nice: int, platform: str = sys.pla
     return PriorityPlan(nice=nice, io_idle=platform.startswith("linux"))
 
 
-def lower_priority(low_priority: bool) -> list[str]:
+def wanted(preference: bool, env: Mapping[str, str]) -> bool:
+    """The preference, unless ``VOLUNTEER_LOW_PRIORITY`` says 0 or 1."""
+    override = env.get(ENV_OVERRIDE, "").strip()
+    return {"0": False, "1": True}.get(override, preference)
+
+
+def lower_priority(preference: bool) -> list[str]:
     """Apply ``plan_priority`` to this process's threads; returns what it did, or why it could not."""
+    low_priority = wanted(preference, os.environ)
     try:
         current = os.getpriority(os.PRIO_PROCESS, 0)
     except (AttributeError, OSError) as exc:  # no getpriority (Windows): nothing to lower with
