@@ -1,4 +1,4 @@
-"""'Events': the node's news in order (joined, synced, averaged, adopted, rolled back, banned) and
+"""'Events': the node's news in order (joined, synced, averaged, adopted, healed, banned) and
 its problems, with ERROR / WARNING written out so they read without colour."""
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ GLOSSARY: tuple[tuple[str, str], ...] = (
     ("bottleneck", "the slowest swarm: the whole run goes at its pace"),
     ("batches", "micro-batches that went through your layer"),
     ("averaged", "blended your weights with peers' copies to stay in step"),
-    ("adopted", "took a better peer's copy of the layer"),
-    ("rolled back", "a new copy made the loss worse and was undone"),
+    ("adopted", "took a peer's copy that scored better on held-out data"),
+    ("healing", "your copy went bad; it restores its last good state"),
     ("banned", "a peer sent bad results and is ignored for a while"),
     ("greyed keys", "do nothing in the current state (r while training)"),
 )

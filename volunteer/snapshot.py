@@ -84,7 +84,7 @@ class Event:
 
     text: str
     level: EventLevel = EventLevel.INFO
-    kind: str = "info"  # machine-readable tag: joined, synced, averaged, adopted, rolled_back, banned, error...
+    kind: str = "info"  # machine-readable tag: joined, synced, averaged, adopted, healed, banned, error...
     time: float = field(default_factory=time.time)
 
 
