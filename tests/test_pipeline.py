@@ -24,7 +24,7 @@ name: pipetest
 model: {stages: 3, hidden_dim: 32}
 optimizer: {name: adam, lr: 0.001}
 training: {batch_size: 16, in_flight: 4, eval_every_s: 3}
-timeouts: {heartbeat_s: 1.0, rpc_s: 5}
+timeouts: {heartbeat_s: 1.0, rpc_s: 5, record_ttl_heartbeats: 10}  # the driver's offline record outlives a status call
 """
 
 
