@@ -147,6 +147,23 @@ def test_an_update_far_above_the_recent_ones_is_clipped_to_the_multiplier():
     assert worker.grad_out_rms.norms[-1] == pytest.approx(bound)
 
 
+def test_zero_updates_never_make_honest_ones_look_non_finite():
+    """Measured: zero-gradient micro-batches filled the history, the median (and bound) became 0, and every
+    later honest update was refused as 'not finite': the driver lost 60-106 micro-batches in 2.5 s."""
+    history = NormHistory(size=16, multiplier=3.0)
+    for _ in range(16):
+        history.accept(0.0, was_clipped=False)
+    assert history.bound() is None
+    assert clip_scale(1e-3, 0.0) == 1.0  # no scale information, not a non-finite norm
+    worker = StageWorker(RUN, 1)
+    _train_worker(worker, 12)
+    for i in range(80):  # a driver sending all-zero output gradients
+        worker.forward(f"z{i}", torch.randn(8, 32), owner="zeros")
+        worker.backward(f"z{i}", torch.zeros(8, 32), None, None, owner="zeros")
+    _train_worker(worker, 3)  # honest updates are still applied
+    assert worker.last_update.clip_scale > 0
+
+
 def test_a_driver_on_probation_is_clipped_to_the_median_and_cannot_lift_the_bound():
     """Measured: gradients x100 from a newcomer, clipped to 3x the median and entering the history, took
     accuracy to 0.86 of the clean run while it held half of the stage's updates."""
