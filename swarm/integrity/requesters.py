@@ -172,8 +172,8 @@ class RequesterBook:
         seniors, juniors, elders = [], [], []
         for r, e in self._book.items():
             if r != requester and (n := self._window(e, now)) >= MIN_COMPETING_UPDATES:
-                (seniors if e.applied >= cfg.probation_updates else juniors).append(n)
-                if e.applied >= cfg.probation_updates and e.first_seen <= entry.first_seen:
+                (seniors if self._established(e) else juniors).append(n)
+                if self._established(e) and e.first_seen <= entry.first_seen:
                     elders.append(n)
         retry = max(0.1, cfg.fair_share_window_s - (now - entry.updates[0]) if entry.updates else 1.0)
         on_probation = entry.applied < cfg.probation_updates
@@ -236,11 +236,13 @@ class RequesterBook:
         with self._lock:
             entry = self._book.get(requester)
             applied = entry.applied if entry is not None else 0
-            return applied < cfg.probation_updates and self._any_senior(requester, now)
+            return applied < cfg.probation_updates and any(
+                r != requester and self._established(e) and self._window(e, now) >= MIN_COMPETING_UPDATES
+                for r, e in self._book.items())
 
-    def _any_senior(self, requester: str, now: float) -> bool:
-        return any(r != requester and e.applied >= self.cfg.probation_updates
-                   and self._window(e, now) >= MIN_COMPETING_UPDATES for r, e in self._book.items())
+    def _established(self, entry: _Requester) -> bool:
+        """Past its probation here."""
+        return entry.applied >= self.cfg.probation_updates
 
     def banned(self, requester: str, now: float) -> bool:
         with self._lock:
