@@ -11,6 +11,7 @@ newcomer downloads its layer in ``start(sync_from=...)`` before it serves or dri
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import math
 import threading
@@ -239,22 +240,40 @@ class SwarmPeer:
             text = f"test loss {loss:.3f}" + (f", accuracy {accuracy:.1%}" if accuracy is not None else "")
             self.notify("info", "evaluated", f"evaluated the pipeline: {text}")
 
-    def evaluate_now(self, timeout_s: float) -> bool:
-        """layer0: one more evaluation of the pipeline (when we finish: our weights have stopped moving)."""
+    def start_final_evaluation(self, deadline_s: float) -> concurrent.futures.Future | None:
+        """layer0, when it finishes (our weights have stopped moving): one more evaluation of the pipeline,
+        run on our loop so the node's engine keeps ticking. Retried until ``deadline_s`` from now (a hop can
+        time out on a busy machine, a stage can be between peers). None when there is nothing to evaluate;
+        else a future of True (published) or False (it could not run: the user was told why)."""
         if self.driver is None or self.driver.stats.trained == 0 or not self._thread.is_alive():
-            return False
-        if self.driver.stats.waiting_for:  # a stage has no online peer: nothing to evaluate through
-            return False
-        try:
-            future = asyncio.run_coroutine_threadsafe(self.driver.evaluate(), self._loop)
-            accuracy, loss = future.result(timeout_s)
-        except Exception as exc:
-            logger.info("final evaluation failed: %s", exc)
-            return False
-        self._stamp_evaluation()
-        text = f"test loss {loss:.3f}" + (f", accuracy {accuracy:.1%}" if accuracy is not None else "")
-        self.notify("info", "evaluated", f"final evaluation of the pipeline: {text}")
-        return True
+            return None
+        return asyncio.run_coroutine_threadsafe(self._final_evaluation(time.monotonic() + deadline_s), self._loop)
+
+    async def _final_evaluation(self, deadline: float) -> bool:
+        attempt, reason = 0, ""
+        while time.monotonic() < deadline:
+            attempt += 1
+            if self.driver.stats.waiting_for:  # a stage has no online peer: nothing to evaluate through
+                reason = f"waiting for a peer of {self.driver.stats.waiting_for}"
+                await asyncio.sleep(1.0)
+                continue
+            try:
+                accuracy, loss = await asyncio.wait_for(self.driver.evaluate(),
+                                                        timeout=max(1.0, deadline - time.monotonic()))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                reason = f"{exc.__class__.__name__}: {exc}" if str(exc) else exc.__class__.__name__
+                logger.info("final evaluation, attempt %d, failed: %s", attempt, reason)
+                await asyncio.sleep(1.0)
+                continue
+            self._stamp_evaluation()
+            text = f"test loss {loss:.3f}" + (f", accuracy {accuracy:.1%}" if accuracy is not None else "")
+            self.notify("info", "evaluated", f"final evaluation of the pipeline: {text}")
+            return True
+        self.notify("warning", "evaluated", f"the final evaluation could not run ({reason or 'no time left'}); "
+                    "the last published figure keeps its age")
+        return False
 
     def _stamp_evaluation(self) -> None:
         """An evaluation carries when it ran, on which version of our copy, and what the run had healed."""

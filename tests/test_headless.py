@@ -73,6 +73,7 @@ class FakePeer:
         self.accepting = True
         self.calls: list[str] = []
         self.traffic = Traffic()
+        self.final_evaluation = None
 
     def pause(self):
         self.accepting = False
@@ -85,8 +86,8 @@ class FakePeer:
     def in_flight(self) -> int:
         return 0
 
-    def evaluate_now(self, timeout_s: float) -> bool:
-        return False
+    def start_final_evaluation(self, deadline_s: float):
+        return self.final_evaluation  # None: nothing to evaluate (not layer0)
 
     def metrics(self):
         return self.traffic
@@ -216,6 +217,37 @@ def test_finish_drains_then_pauses_and_the_policy_leaves_it_alone(node, observer
     assert node.snapshot().state == NodeState.PAUSED and node.snapshot().reason == "finished, paused by you"
     tick(node, clock)
     assert node.snapshot().state == NodeState.PAUSED
+
+
+def test_layer0_finishing_evaluates_without_blocking_then_pauses_and_a_pause_meanwhile_wins(node, observer, clock):
+    """The final evaluation runs on the peer's loop: the engine keeps ticking and says what it waits for."""
+    published = []
+    node.announcer.work_fields = lambda: published.append(1) or {}  # the fake peer has no figures
+    node.peer.final_evaluation = Future()
+    node.command(Command.FINISH)
+    tick(node, clock)
+    node.commands.check_finishing()
+    snap = node.snapshot()
+    assert snap.state == NodeState.FINISHING and snap.reason == "evaluating the pipeline once more, then pausing"
+    node.commands.check_finishing()  # still running: nothing changes
+    assert node.snapshot().state == NodeState.FINISHING
+    node.peer.final_evaluation.set_result(True)
+    node.commands.check_finishing()
+    assert node.snapshot().state == NodeState.PAUSED and node.snapshot().reason == "finished, paused by you"
+    assert published  # the figure of the final evaluation reaches the record at the pause
+
+    observer.user_idle_s = AWAY_S
+    node.command(Command.RESUME)
+    tick(node, clock)
+    assert node.snapshot().state == NodeState.ONLINE
+    node.peer.final_evaluation = Future()
+    node.command(Command.FINISH)
+    tick(node, clock)
+    node.commands.check_finishing()
+    assert node.snapshot().state == NodeState.FINISHING
+    node.command(Command.PAUSE)  # the user does not want to wait for it
+    tick(node, clock)
+    assert node.snapshot().state == NodeState.PAUSED and node.peer.final_evaluation.cancelled()
 
 
 def test_the_bandwidth_budget_throttles_over_the_cap_and_releases_at_half_a_bucket(clock):

@@ -58,7 +58,7 @@ def test_export_then_eval_reproduces_the_reported_accuracy(swarm, tmp_path):
         rows = _rows(reader.report(), "layer0")
         return rows and rows[0]["state"] == "paused" and "final evaluation" in driver.stdout()
 
-    wait_until(paused_with_evaluation, 60, interval_s=0.5, what="layer0 paused with a final evaluation")
+    wait_until(paused_with_evaluation, 90, interval_s=0.5, what="layer0 paused with a final evaluation")
 
     model = tmp_path / "model.pt"
     export = swarm.start("export", "--run", str(run), "--initial-peers", maddr, "--out", str(model), "--json",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 PAUSED_BY_USER = "user"
 PAUSED_BY_POLICY = "policy"
 USER_PAUSE_REASON = "paused by you"
-FINAL_EVAL_TIMEOUT_S = 15.0  # layer0's evaluation when it finishes (drain, evaluate, pause)
+FINAL_EVAL_DEADLINE_S = 60.0  # layer0's evaluation when it finishes (drain, evaluate, pause), retries included
 
 
 class Verdict(Protocol):
@@ -121,13 +122,19 @@ class Commands:
         self.node = node
         self.queue = CommandQueue()
         self.paused_by: str | None = None  # PAUSED_BY_USER or PAUSED_BY_POLICY while not online
+        self._final_eval: Future | None = None  # layer0's last evaluation while finishing
 
     def tick(self, now_s: float) -> None:
         self.apply_pending()
         self.check_finishing()
 
     def close(self) -> None:
-        pass
+        self._drop_final_evaluation()
+
+    def _drop_final_evaluation(self) -> None:
+        if self._final_eval is not None:
+            self._final_eval.cancel()
+            self._final_eval = None
 
     def apply_pending(self) -> None:
         while (command := self.queue.pop()) is not None:
@@ -149,6 +156,8 @@ class Commands:
             node.board.publish(reason=transition.reason)
             return
         self.paused_by = transition.paused_by
+        if transition.state != NodeState.FINISHING:
+            self._drop_final_evaluation()  # a pause or resume while layer0 evaluates at a finish: it wins
         node.set_state(transition.state, transition.reason)
         node.governors.sync_accepting()
         if transition.event:
@@ -157,13 +166,32 @@ class Commands:
             node.checkpoints.save("paused")
 
     def check_finishing(self) -> None:
-        """A finishing node pauses once nothing is in flight (layer0 evaluates first)."""
+        """A finishing node pauses once nothing is in flight; layer0 first evaluates the pipeline once more,
+        without blocking the engine (the node says it is evaluating; a pause or resume meanwhile wins)."""
         node, peer = self.node, self.node.peer
-        if node.board.snapshot().state != NodeState.FINISHING or (peer is not None and peer.in_flight() > 0):
+        if node.board.snapshot().state != NodeState.FINISHING:
+            self._drop_final_evaluation()
             return
-        node.board.emit("finished in-flight work, now paused", kind="paused")
-        if peer is not None and peer.evaluate_now(FINAL_EVAL_TIMEOUT_S):
-            node.board.publish(**node.announcer.work_fields())  # layer0: what the swarm reached, at the pause
+        if peer is not None and peer.in_flight() > 0:
+            return
+        if self._final_eval is None:
+            future = peer.start_final_evaluation(FINAL_EVAL_DEADLINE_S) if peer is not None else None
+            if future is not None:
+                self._final_eval = future
+                node.board.emit("finished in-flight work; evaluating the pipeline once more before pausing",
+                                kind="finishing")
+                node.board.publish(reason="evaluating the pipeline once more, then pausing")
+                return
+            node.board.emit("finished in-flight work, now paused", kind="paused")
+        elif not self._final_eval.done():
+            return
+        else:
+            published = not self._final_eval.cancelled() and self._final_eval.exception() is None \
+                and self._final_eval.result()
+            self._final_eval = None
+            if published:
+                node.board.publish(**node.announcer.work_fields())  # layer0: what the swarm reached, at the pause
+            node.board.emit("finished, now paused", kind="paused")
         node.set_state(NodeState.PAUSED, f"finished, {USER_PAUSE_REASON}")
         node.checkpoints.save("paused")
 
