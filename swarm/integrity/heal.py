@@ -9,8 +9,13 @@ How it works:
   tells the node (state ``healing``: drivers route around it, its own lanes wait), restores the
   last good snapshot on the compute thread, multiplies the step-size scale by ``heal_lr_scale``
   and resumes. The scale recovers by a factor ``1/sqrt(heal_lr_scale)`` after every ``heal_steps``
-  healthy updates, up to 1 (multiplicative decrease, slow increase): a copy that diverges again
-  at some step size settles below it instead of healing in a loop. The scale goes through the
+  healthy updates (multiplicative decrease, slow increase), up to a ceiling: ``sqrt(heal_lr_scale)``
+  times the scale the copy was sick at, so a copy that diverges at some step size settles below it
+  instead of climbing back and healing in a loop; a snapshot that keeps getting sick after being
+  restored (RESTORES_BEFORE_FALLBACK times with no newer one) gives way to the starting copy (a run whose step size is too large for the load
+  finds one that works). The ceiling itself rises the same way every ``CEILING_RECOVERY x heal_steps``
+  healthy updates: a transient cause (a burst of staleness on a busy machine) costs speed for a while,
+  not for good. The scale goes through the
   stage's ``StepSize`` (swarm/staleness.py), which multiplies it with each update's staleness factor.
 
 Why the snapshot and not a peer's copy: the snapshot is ours and was healthy; a copy served by a
@@ -30,12 +35,14 @@ from typing import Any
 
 import torch
 
-from swarm.integrity.health import HealthMonitor
+from swarm.integrity.health import HealthMonitor, batch_spread, collapse_reason, live_share, outputs_collapsed
 
 logger = logging.getLogger(__name__)
 
 CHECK_EVERY_STEPS = 10  # parameter-norm check period (a pass over the parameters)
 WATCH_PERIOD_S = 0.25  # how often the loop looks for a sick copy
+CEILING_RECOVERY = 10  # the step-size ceiling rises once per this many heal_steps of healthy updates
+RESTORES_BEFORE_FALLBACK = 2  # a snapshot restored this often without a newer one: the next heal restores the first
 
 Notify = Callable[[str, str, str], None]  # (level, kind, text)
 
@@ -62,9 +69,14 @@ def lowered_scale(scale: float, heal_lr_scale: float) -> float:
     return scale * heal_lr_scale
 
 
-def raised_scale(scale: float, heal_lr_scale: float) -> float:
-    """The scale after ``heal_steps`` healthy updates: half the decrease of one heal back, at most 1."""
-    return min(1.0, scale / heal_lr_scale**0.5)
+def raised_scale(scale: float, heal_lr_scale: float, ceiling: float = 1.0) -> float:
+    """The scale after ``heal_steps`` healthy updates: half the decrease of one heal back, at most ``ceiling``."""
+    return min(ceiling, 1.0, scale / heal_lr_scale**0.5)
+
+
+def lowered_ceiling(ceiling: float, sick_scale: float, heal_lr_scale: float) -> float:
+    """After a heal: never climb back to the scale the copy was sick at (half a heal's decrease below it)."""
+    return min(ceiling, sick_scale * heal_lr_scale**0.5)
 
 
 class Healer:
@@ -78,27 +90,56 @@ class Healer:
         self._steps = 0
         self._healthy_steps = 0  # since the last heal or the last raise of the scale
         self._scale = 1.0
+        self._ceiling = 1.0  # the scale never rises above this (lowered by each heal, recovering slowly)
+        self._ceiling_steps = 0
+        self._first = None  # the starting copy: the fallback when the last good one keeps getting sick
+        self._restores = 0  # of the current snapshot
         self._status = HealStatus()
         self._healing = False
 
     # ----- compute thread
     def take_snapshot(self) -> None:
-        """Keep the current copy as the last good one; a non-finite copy is never kept (it is sick)."""
+        """Keep the current copy as the last good one; a non-finite or collapsed copy is never kept (it is
+        sick): stage 0 checks its outputs on its last batch of own data first (the update that killed the
+        copy may come right before a snapshot, and a dead snapshot would heal into a dead copy)."""
         with self.worker.lock:
             norm = param_norm(self.worker.module)
             if not math.isfinite(norm):
                 self.health.observe_param_norm(norm)
                 return
+            if self.collapsed():
+                return
             self._snapshot = self.worker.capture(include_optimizer=True)
+            self._first = self._first or self._snapshot
+            self._restores = 0
             self.health.set_baseline(norm)
+
+    def collapsed(self) -> bool:
+        """Stage 0 (under the worker's lock): are the copy's outputs on its last own batch collapsed? Marks it sick."""
+        probe = self.health.probe
+        if probe is None:
+            return False
+        with torch.no_grad():
+            outputs = self.worker.module(probe)
+        live, healthy = live_share(outputs), self.health.healthy_live()
+        if outputs_collapsed(live, batch_spread(probe.float()), healthy):
+            self.health.mark_sick(collapse_reason(live, healthy, outputs[0].numel()))
+            return True
+        return False
 
     def on_step(self, info: Any) -> None:
         self._steps += 1
-        if self._scale < 1.0:
+        heal_steps = max(1, self.cfg.heal_steps)
+        if self._ceiling < 1.0:
+            self._ceiling_steps += 1
+            if self._ceiling_steps >= CEILING_RECOVERY * heal_steps:
+                self._ceiling_steps = 0
+                self._ceiling = raised_scale(self._ceiling, self.cfg.heal_lr_scale)
+        if self._scale < self._ceiling:
             self._healthy_steps += 1
-            if self._healthy_steps >= max(1, self.cfg.heal_steps):
+            if self._healthy_steps >= heal_steps:
                 self._healthy_steps = 0
-                self._set_lr_scale(raised_scale(self._scale, self.cfg.heal_lr_scale))
+                self._set_lr_scale(raised_scale(self._scale, self.cfg.heal_lr_scale, self._ceiling))
         if self._steps % CHECK_EVERY_STEPS == 0:
             self.health.observe_param_norm(param_norm(self.worker.module))
         if self._steps % self.cfg.snapshot_every_steps == 0 and not self.health.sick:
@@ -109,14 +150,20 @@ class Healer:
         reason = self.health.sick_reason or "unknown"
         with self.worker.lock:
             self.worker.cache.clear()
+            self._restores += 1
+            if self._restores > RESTORES_BEFORE_FALLBACK and self._first is not None:
+                self._snapshot, self._restores = self._first, 0  # sick again and again from it: it is not good
             self.worker.restore(self._snapshot)
+            self._ceiling = lowered_ceiling(self._ceiling, self._scale, self.cfg.heal_lr_scale)
+            self._ceiling_steps = 0
             scale = lowered_scale(self._scale, self.cfg.heal_lr_scale)
             self._set_lr_scale(scale)
             self._healthy_steps = 0
             self.health.healed()
         self._status = HealStatus(healing="", heals=self._status.heals + 1, last_heal_at=time.time(), lr_scale=scale)
         return (f"healed: {reason}; restored the last good copy (clock {self._snapshot.clock:.0f}); step size now "
-                f"{scale:.2g}x the run's, recovering every {self.cfg.heal_steps} healthy updates")
+                f"{scale:.2g}x the run's, recovering every {self.cfg.heal_steps} healthy updates up to "
+                f"{self._ceiling:.2g}x")
 
     def _set_lr_scale(self, scale: float) -> None:
         self._scale = scale

@@ -2,10 +2,16 @@
 
 A copy is sick when it produces non-finite values (outputs, input gradients, a loss), when its
 parameter norm has grown far beyond the norm of its last good snapshot (a diverging copy grows
-fast: SGD with momentum on a busy machine reached a loss of ~1e35), or, at the last stage, where the
+fast: SGD with momentum on a busy machine reached a loss of ~1e35), at the last stage, where the
 loss is computed here and not read from the wire, when its loss EMA has exploded relative to the EMA
-at the last good snapshot. A loss reported by a driver is never a health signal: a stranger could
-make a healthy copy heal forever.
+at the last good snapshot, or, at stage 0 on its own driver's data, when it has collapsed: its
+outputs no longer depend on its inputs (fewer than DEAD_LIVE_RATIO of the most output features that
+ever varied over a batch still do). A step too large kills every ReLU of stage 0's first layer
+(SGD lr 0.1, momentum 0.95, 6 micro-batches in flight did it within 10 000 samples): its output is 0
+for every input, every later stage sees the same row, the run's loss sits at chance (ln 10) with a
+zero gradient for stage 0, and nothing else notices: no value is non-finite and no norm grows. A
+loss reported by a driver is never a health signal, and the collapse check runs only on the node's
+own data: a stranger could make a healthy copy heal forever.
 
 Everything here is plain arithmetic over numbers the stage hands in; ``HealthMonitor`` keeps the
 state and is called on the compute thread (under the stage's lock). The healing itself
@@ -23,6 +29,10 @@ from swarm.runconfig import IntegrityConfig
 NORM_EXPLODE_RATIO = 10.0  # sick when ||params|| exceeds this many times the last good snapshot's
 LOSS_EMA_ALPHA = 0.1
 LOSS_WARMUP_UPDATES = 20  # a loss EMA over fewer updates is not yet a signal
+DEAD_LIVE_RATIO = 0.1  # collapsed when the share of output features that still vary falls below this x the healthy share
+LIVE_STD_RATIO = 1e-4  # a feature varies when its std over the batch exceeds this x the outputs' RMS
+DEAD_FORWARDS = 3  # ... in this many forwards in a row (one odd batch is not a verdict)
+LIVE_EMA_ALPHA = 0.05
 
 
 class SickCopy(Exception):
@@ -71,6 +81,43 @@ def loss_exploded(loss_ema: float | None, baseline_loss: float | None, ratio: fl
     return limit is not None and loss_ema > limit
 
 
+def batch_spread(tensor) -> float:
+    """How much a batch's rows differ: the mean over features of the standard deviation across rows."""
+    if tensor is None or tensor.dim() == 0 or tensor.shape[0] < 2:
+        return 0.0
+    rows = tensor.detach().reshape(tensor.shape[0], -1).double()
+    return float(rows.std(dim=0).mean())
+
+
+def live_share(tensor) -> float:
+    """The share of a batch's output features that vary across its rows (a dead ReLU unit is 0 for every row)."""
+    if tensor is None or tensor.dim() == 0 or tensor.shape[0] < 2:
+        return 0.0
+    rows = tensor.detach().reshape(tensor.shape[0], -1).double()
+    rms = float(rows.square().mean().sqrt())
+    if not rms > 0 or not math.isfinite(rms):
+        return 0.0
+    return float((rows.std(dim=0) > LIVE_STD_RATIO * rms).double().mean())
+
+
+def outputs_collapsed(live: float, in_spread: float, healthy_live: float | None) -> bool:
+    """Rows that differ going in, and (almost) no output feature that still varies coming out: the copy's
+    outputs no longer depend on its inputs. Identical inputs give no verdict. Before a healthy share is
+    known, only outputs where no feature varies count."""
+    if not in_spread > 0:
+        return False
+    if healthy_live is None or not healthy_live > 0:
+        return live == 0.0
+    return live < DEAD_LIVE_RATIO * healthy_live
+
+
+def collapse_reason(live: float, healthy: float | None, features: int = 0) -> str:
+    count = f" of {features}" if features else ""
+    was = f" (it was {healthy:.0%})" if healthy else ""
+    return (f"it has collapsed: {live:.0%}{count} of its output features still vary with the input{was}; a step "
+            "size too large for this run kills ReLU units this way")
+
+
 class HealthMonitor:
     """The sick-or-healthy state of one copy, fed by the stage (compute thread) and read by the peer."""
 
@@ -83,6 +130,10 @@ class HealthMonitor:
         self.loss_ema: float | None = None  # of the losses computed here (last stage only)
         self._losses_seen = 0
         self.times_sick = 0
+        self.live_ema: float | None = None  # stage 0: the share of its output features that vary, own batches
+        self.live_peak: float | None = None  # ... the highest that EMA has been
+        self.probe = None  # stage 0: the last batch of its own data (a snapshot is checked on it)
+        self._collapsed_forwards = 0
 
     @property
     def sick_reason(self) -> str | None:
@@ -121,6 +172,30 @@ class HealthMonitor:
             limit = loss_limit(baseline, ratio, self.chance_loss)
             self.mark_sick(f"the loss EMA {self.loss_ema:.3g} exploded (the limit is {limit:.3g})")
 
+    def observe_own_forward(self, inputs, outputs) -> None:
+        """Stage 0, a forward of the node's own data: a copy whose outputs stopped depending on its inputs
+        has collapsed (sick after DEAD_FORWARDS in a row)."""
+        self.probe = inputs.detach()
+        self.observe_live(live_share(outputs), batch_spread(inputs.float()), outputs[0].numel())
+
+    def healthy_live(self) -> float | None:
+        """The reference share: the highest the copy had (units dying a few at a time is the collapse too:
+        the demo's layer0 went 100% -> 12% -> 0% live; a snapshot's share would follow it down)."""
+        return self.live_peak
+
+    def observe_live(self, live: float, in_spread: float, features: int = 0) -> None:
+        healthy = self.healthy_live()
+        if outputs_collapsed(live, in_spread, healthy):
+            self._collapsed_forwards += 1
+            if self._collapsed_forwards >= DEAD_FORWARDS:
+                self.mark_sick(collapse_reason(live, healthy, features))
+            return
+        self._collapsed_forwards = 0
+        if in_spread > 0:
+            a = LIVE_EMA_ALPHA
+            self.live_ema = live if self.live_ema is None else (1 - a) * self.live_ema + a * live
+            self.live_peak = self.live_ema if self.live_peak is None else max(self.live_peak, self.live_ema)
+
     def observe_param_norm(self, norm: float) -> None:
         baseline = self.baseline.param_norm if self.baseline is not None else 0.0
         if norm_exploded(norm, baseline):
@@ -136,3 +211,4 @@ class HealthMonitor:
             self._reason = None
         self.loss_ema = self.baseline.loss_ema if self.baseline is not None else None
         self._losses_seen = 0
+        self._collapsed_forwards = 0
