@@ -112,20 +112,20 @@ def _cell(fleet: Fleet, maddr: str, label: str, drivers: int, busy: int, rule: s
     reader = HostilePeer(run, [maddr], fleet.workdir / f"{label}-reader.key", process_group=fleet._process_group(),
                          heartbeat_s=1.0)
     try:
-        _wait_online(reader, counts, procs)
+        wait_online(reader, counts, procs)
         oracle = CopyOracle(reader)
         samples, t0 = [], time.monotonic()
         while time.monotonic() - t0 < train_s:
             time.sleep(sample_s)
             samples.append(_sample(reader, oracle, time.monotonic() - t0))
-        records = {k: _present(reader, k) for k in range(STAGES)}
+        records = {k: present(reader, k) for k in range(STAGES)}
     finally:
         reader.close()
         fleet.stop(procs + hogs)
     return _figures(samples, records, train_s)
 
 
-def _wait_online(reader: HostilePeer, counts: dict[int, int], procs: list[Any]) -> None:
+def wait_online(reader: HostilePeer, counts: dict[int, int], procs: list[Any]) -> None:
     def ready() -> bool:
         for proc in procs:
             proc.check_running()
@@ -135,27 +135,27 @@ def _wait_online(reader: HostilePeer, counts: dict[int, int], procs: list[Any]) 
     wait_until(ready, START_TIMEOUT_S, "every swarm online and layer0 training", interval_s=1.0)
 
 
-def _present(reader: HostilePeer, k: int) -> list[Any]:
+def present(reader: HostilePeer, k: int) -> list[Any]:
     """The peers of a swarm that have not left (a copy that is healing, or whose heartbeat is late on a busy
     machine, still holds weights to evaluate), ordered by peer id."""
     return [r for r in reader.membership.read(f"layer{k}") if r.state != "offline" and r.peer_id != reader.peer_id]
 
 
 def _sample(reader: HostilePeer, oracle: CopyOracle, t: float) -> dict[str, Any]:
-    drivers = _present(reader, 0)
+    drivers = present(reader, 0)
     published = [(r.eval_samples, r.test_accuracy) for r in drivers if r.test_accuracy >= 0]
     return {"t": t, "trained": sum(r.trained for r in drivers), "lost": sum(r.lost for r in drivers),
-            "evaluations": published, "true": _true_accuracies(reader, oracle)}
+            "evaluations": published, "true": true_accuracies(reader, oracle)}
 
 
-def _true_accuracies(reader: HostilePeer, oracle: CopyOracle) -> list[float]:
+def true_accuracies(reader: HostilePeer, oracle: CopyOracle, stages: int = STAGES) -> list[float]:
     """The pipeline through each driver's layer0 copy and the other swarms' first peer, evaluated here
     (a copy that cannot be pulled right now leaves its chain out of this sample)."""
-    views = {k: _present(reader, k) for k in range(STAGES)}
+    views = {k: present(reader, k) for k in range(stages)}
     out = []
     for driver in views[0]:
-        chain = {"layer0": driver.peer_id, **{f"layer{k}": views[k][0].peer_id for k in range(1, STAGES) if views[k]}}
-        if len(chain) < STAGES:
+        chain = {"layer0": driver.peer_id, **{f"layer{k}": views[k][0].peer_id for k in range(1, stages) if views[k]}}
+        if len(chain) < stages:
             continue
         try:
             oracle.pull(chain, timeout_s=10.0)
