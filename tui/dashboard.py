@@ -77,6 +77,7 @@ class DashboardScreen(Screen[None]):
         self.query_one(SwarmsPanel).show(snapshot, now)
         self.query_one(PeersPanel).show(snapshot)
         self.query_one(EventsLog).add_all(snapshot.events)
+        self.query_one(EventsLog).show_log_path(snapshot.log_path)
 
     def show_status(self, snapshot: NodeSnapshot, *, uptime_s: float, leaving: bool, banner: str) -> None:
         self.query_one(StatusBar).show(snapshot, uptime_s=uptime_s, leaving=leaving)

@@ -132,6 +132,15 @@ class NodeSnapshot:
     microbatches_served: int = 0
     samples_per_s_history: tuple[float, ...] = ()
     loss_history: tuple[float, ...] = ()
+    # this volunteer's contribution to the run (volunteer/contribution.py): this session, and all sessions of
+    # this identity, kept in the data dir across restarts
+    session_samples: int = 0
+    session_online_s: float = 0.0
+    total_microbatches: int = 0
+    total_samples: int = 0
+    total_online_s: float = 0.0
+    total_sessions: int = 0
+    log_path: str = ""  # this session's log file ("" when there is none)
     # run-wide figures published by layer0 evaluators
     test_accuracy: float | None = None
     test_loss: float | None = None

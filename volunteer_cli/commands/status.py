@@ -40,7 +40,7 @@ def run_status(args: argparse.Namespace) -> int:
         if dht is not None:
             shutdown_dht(dht)
         watchdog.stop()
-    report = build_report(run, views, now=time.time())
+    report = build_report(run, views, now=time.time(), this_machine=_this_machine(args, run.run_id))
     print(json.dumps(report) if args.json else render_report(report))
     from volunteer_cli.commands.common import exit_now
 
@@ -48,7 +48,16 @@ def run_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_report(run, views: dict, now: float) -> dict:
+def _this_machine(args: argparse.Namespace, run_id: str):
+    """What the volunteers of this data dir gave the run (volunteer/contribution.py), None if nothing."""
+    from volunteer.contribution import machine_total
+    from volunteer_cli.commands.common import resolve_data_dir
+
+    total = machine_total(resolve_data_dir(args.data_dir, args.prefs), run_id)
+    return total if total.sessions else None
+
+
+def build_report(run, views: dict, now: float, this_machine=None) -> dict:
     swarms = {}
     summary = {}
     evaluations = []
@@ -95,6 +104,8 @@ def build_report(run, views: dict, now: float) -> dict:
                                 "eval_every_s": run.training.eval_every_s}
     heals = {name: sum(r.heals for r in views.get(name, [])) for name in run.swarm_names}
     report["heals"] = heals
+    if this_machine is not None:
+        report["this_machine"] = this_machine.to_json()
     return report
 
 
@@ -131,4 +142,10 @@ def render_report(report: dict) -> str:
             st_text = f"  staleness {st['mean']:.1f}/{st['p95']:.0f}/{st['max']}" if st else ""
             lines.append(f"  {short_id(row['peer_id']):>8}  {row['state']:<9} seen {row['age_s']:>5.1f}s ago  "
                          f"v{row['version']}  {row['throughput']:.1f}/s  loss {loss}  clock {row['clock']}{st_text}")
+    if report.get("this_machine"):
+        from volunteer.contribution import Tally, describe_tally
+
+        mine = Tally.from_json(report["this_machine"])
+        lines.append(f"this machine gave the run {describe_tally(mine)} over {mine.sessions} "
+                     f"session{'s' if mine.sessions != 1 else ''}")
     return "\n".join(lines)
