@@ -24,21 +24,24 @@ def run_status(args: argparse.Namespace) -> int:
     from volunteer_cli.commands.common import setup_process
 
     watchdog, _ = setup_process(args.verbose)
-    from swarm.dht import DHTSettings, DHTStartError, make_validators, shutdown_dht, start_dht
+    from swarm.lightdht import ReaderSettings, light_hivemind, start_reader
+
+    light_hivemind()  # a reader needs hivemind's DHT, not torch: 1-5 s less (swarm/lightdht.py)
+    from swarm.dht import DHTStartError, make_validators
     from swarm.membership import Membership
 
     dht = None
     try:
-        settings = DHTSettings(initial_peers=list(initial_peers), host_maddrs=STATUS_LISTEN, client_mode=True,
-                               start_timeout_s=args.timeout_s, process_group=watchdog.pgid)
+        settings = ReaderSettings(initial_peers=list(initial_peers), host_maddrs=STATUS_LISTEN,
+                                  start_timeout_s=args.timeout_s, process_group=watchdog.pgid)
         try:
-            dht = start_dht(settings, make_validators(run.run_id, run.swarm_names, None))
+            dht = start_reader(settings, make_validators(run.run_id, run.swarm_names, None))
         except DHTStartError as exc:
             raise UserError(str(exc)) from None
         views = Membership(dht, run, b"").read_all()
     finally:
         if dht is not None:
-            shutdown_dht(dht)
+            dht.shutdown()
         watchdog.stop()
     report = build_report(run, views, now=time.time(), this_machine=_this_machine(args, run.run_id))
     print(json.dumps(report) if args.json else render_report(report))
