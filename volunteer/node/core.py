@@ -7,7 +7,7 @@ serves). Everything it waits on is an Event with a timeout, so a quit or a Ctrl+
 within a fraction of a second.
 
 The serve loop ticks its parts in order (``Node.parts``): commands, governors, health, checkpoints,
-contribution, then the announcer. A new part (say, a health guard) is a class with ``tick(now_s)`` and ``close()`` that
+contribution, completion, then the announcer. A new part (say, a health guard) is a class with ``tick(now_s)`` and ``close()`` that
 publishes snapshot fields through ``node.board.publish`` and changes state with ``node.set_state``;
 it is inserted in ``parts`` before the announcer so that its state is in the next heartbeat.
 """
@@ -23,6 +23,7 @@ from volunteer.node.announcer import Announcer
 from volunteer.node.board import Board
 from volunteer.node.checkpoints import Checkpoints
 from volunteer.node.commands import Commands
+from volunteer.node.completion import Completion
 from volunteer.node.contribution import Contribution
 from volunteer.node.governors import Governors
 from volunteer.node.health import Health
@@ -67,8 +68,9 @@ class Node:
         self.announcer = Announcer(self)
         self.health = Health(self)
         self.contribution = Contribution(self)
+        self.completion = Completion(self)
         self.parts: list[Part] = [self.commands, self.governors, self.health, self.checkpoints, self.contribution,
-                                  self.announcer]
+                                  self.completion, self.announcer]
         self._stop = threading.Event()
         self._stopped = threading.Event()
         self._wake = threading.Event()

@@ -86,8 +86,11 @@ def build_report(run, views: dict, now: float, this_machine=None) -> dict:
         swarms[name] = rows
     from swarm.membership import idle_reason
 
+    from swarm.completion import run_complete
+
     report = {"run_id": run.run_id, "swarms": swarms, "summary": summary,
-              "idle_reason": idle_reason(views, run.swarm_names)}
+              "idle_reason": idle_reason(views, run.swarm_names),
+              "complete": run_complete(run.training, views)}  # "" while the run has not reached its end
     if evaluations:
         *_, latest = max(evaluations, key=lambda item: item[:2])
         from volunteer.snapshot import evaluation_is_stale
@@ -122,6 +125,8 @@ def _staleness(record) -> dict | None:
 
 def render_report(report: dict) -> str:
     lines = [f"run {report['run_id']}"]
+    if report.get("complete"):
+        lines.append(f"  RUN COMPLETE: {report['complete']}; its volunteers take no more work")
     if report.get("idle_reason"):
         lines.append(f"  NOT TRAINING: {report['idle_reason']}")
     if "evaluation" in report:
