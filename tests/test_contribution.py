@@ -173,3 +173,15 @@ def test_status_ends_with_what_this_machine_gave_the_run(tmp_path: Path):
     last = render_report(report).splitlines()[-1]
     assert last == "this machine gave the run 9,876 micro-batches (316,032 samples), 11.1 h online over 3 sessions"
     assert "this_machine" not in build_report(run, {}, now=100.0)
+
+
+def test_ctl_status_shows_the_contribution_and_the_log():
+    from volunteer_cli.commands.ctl import render_status
+
+    snap = NodeSnapshot(run_name="r", run_id="r-1", swarm="layer1", peer_id="P", state=NodeState.ONLINE,
+                        session_samples=320, total_microbatches=14, total_samples=448, total_online_s=5400.0,
+                        total_sessions=2, log_path="/data/logs/join-1.log")
+    text = render_status(snap.to_json())
+    assert ("contribution: 320 samples this session; in total 14 micro-batches (448 samples), 1.5 h online over "
+            "2 session(s)") in text
+    assert "log: /data/logs/join-1.log" in text
