@@ -4,7 +4,7 @@ A run without an end trains forever (train loss 0.0000, test loss rising). The r
 ``training.end_at_target`` (the published test evaluation reaches ``target_accuracy``, or for a language
 model ``target_bits_per_byte``) and ``training.sample_budget`` (a layer0 copy has trained that many
 samples). Every volunteer reads the same records, so each decides on its own, within a heartbeat of the
-others, with this pure function; then it finishes its in-flight work, pauses and says why
+others, with this pure function; then it pauses (in-flight work completes) and says why
 (volunteer/node/completion.py), and `volunteer status` says it too.
 """
 

@@ -119,7 +119,7 @@ class TrainingConfig(_Strict):
                                         "loss is this many bits per byte or fewer")
     end_at_target: bool = Field(False, description="the run is complete once a published test evaluation reaches "
                                 "target_accuracy (classifiers) or target_bits_per_byte (language models): every "
-                                "volunteer finishes its work, pauses and says so (swarm/completion.py)")
+                                "volunteer pauses, takes no more work and says so (swarm/completion.py)")
     sample_budget: int = Field(0, ge=0, description="the run is complete once a layer0 copy has trained this many "
                                "samples; 0: no budget")
 

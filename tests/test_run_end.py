@@ -45,15 +45,15 @@ def test_a_language_model_ends_in_bits_per_byte_and_a_budget_in_samples():
     assert run_complete(budget, {"layer0": [_layer0(clock=6400)]}).startswith("a layer0 copy trained 6,400 samples")
 
 
-def test_an_online_node_finishes_and_a_paused_one_says_why_once():
+def test_an_online_node_pauses_and_a_paused_one_says_why_once():
     why = "test accuracy 95.1% reached the run's target 95.0%"
-    finish = completion_step(NodeState.ONLINE, "", why)
-    assert finish.state == NodeState.FINISHING and finish.paused_by == PAUSED_BY_USER
-    assert finish.event.startswith(f"{COMPLETE_PREFIX}{why}")
-    label = completion_step(NodeState.PAUSED, "finished, paused by you", why)
+    stop = completion_step(NodeState.ONLINE, "", why)
+    assert (stop.state, stop.reason, stop.paused_by) == (NodeState.PAUSED, f"{COMPLETE_PREFIX}{why}", PAUSED_BY_USER)
+    assert stop.event.startswith(f"{COMPLETE_PREFIX}{why}") and stop.save_checkpoint
+    label = completion_step(NodeState.PAUSED, "paused by you", why)
     assert (label.state, label.reason, label.event) == (NodeState.PAUSED, f"{COMPLETE_PREFIX}{why}", "")
     assert completion_step(NodeState.PAUSED, label.reason, why) is None
-    assert completion_step(NodeState.FINISHING, "", why) is None  # the finish is under way
+    assert completion_step(NodeState.FINISHING, "", why) is None  # the user's finish goes on
     assert completion_step(NodeState.ONLINE, "", "") is None
 
 
@@ -76,7 +76,7 @@ def test_status_says_the_run_is_complete():
 # ----- a real swarm: 2 stages, a budget of 4 micro-batches
 
 
-def test_volunteers_finish_and_say_the_run_is_complete_when_its_budget_is_spent(swarm, tmp_path):
+def test_volunteers_pause_and_say_the_run_is_complete_when_its_budget_is_spent(swarm, tmp_path):
     from procs import wait_until, write_run
     from swarm_client import events
 
@@ -92,7 +92,7 @@ def test_volunteers_finish_and_say_the_run_is_complete_when_its_budget_is_spent(
         rows = [row for rows in report["swarms"].values() for row in rows]
         return bool(report["complete"]) and len(rows) == 2 and all(row["state"] == "paused" for row in rows)
 
-    wait_until(complete_everywhere, 90, what="both volunteers paused in a complete run")
+    wait_until(complete_everywhere, 60, what="both volunteers paused in a complete run")
     for proc in (last, driver):
         said = [e["text"] for e in events(proc) if e.get("kind") == "complete"]
         assert said and said[0].startswith("run complete: a layer0 copy trained"), proc.stdout()[-2000:]

@@ -1,8 +1,9 @@
 """The run's end: once the run is complete (swarm/completion.py: its target reached or its sample budget
-spent), this node finishes its in-flight work, pauses, and says why, instead of training forever.
+spent), this node pauses (in-flight backward passes still complete) and says why, instead of training
+forever. Not a finish: layer0's final evaluation at a finish needs the other swarms, and they pause too.
 
 Every heartbeat's records are checked. A complete run is final for this node: an online node (a resume,
-the idle policy's, or a newcomer's first tick) finishes again at once, and a paused one carries the
+the idle policy's, or a newcomer's first tick) pauses again at once, and a paused one carries the
 reason "run complete: ..." in its snapshot and record, which the dashboard's banner, the headless log and
 `volunteer ctl status` show. The process keeps running (a service would only restart it); `q` leaves.
 """
@@ -25,9 +26,10 @@ def completion_step(state: NodeState, reason: str, why_complete: str) -> Transit
     if not why_complete:
         return None
     if state == NodeState.ONLINE:
-        return Transition(NodeState.FINISHING, f"{COMPLETE_PREFIX}finishing in-flight work", PAUSED_BY_USER,
-                          event=f"{COMPLETE_PREFIX}{why_complete}. Finishing in-flight work, then taking no more "
-                                "(`volunteer export` saves the model; q leaves)", kind="complete")
+        # A pause, not a finish: a finish's last evaluation would need the other swarms, which pause too.
+        return Transition(NodeState.PAUSED, f"{COMPLETE_PREFIX}{why_complete}", PAUSED_BY_USER, save_checkpoint=True,
+                          event=f"{COMPLETE_PREFIX}{why_complete}. This node takes no more work; in-flight backward "
+                                "passes still complete (`volunteer export` saves the model; q leaves)", kind="complete")
     if state == NodeState.PAUSED and not reason.startswith(COMPLETE_PREFIX):
         return Transition(NodeState.PAUSED, f"{COMPLETE_PREFIX}{why_complete}", PAUSED_BY_USER)
     return None
