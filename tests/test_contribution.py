@@ -185,3 +185,9 @@ def test_ctl_status_shows_the_contribution_and_the_log():
     assert ("contribution: 320 samples this session; in total 14 micro-batches (448 samples), 1.5 h online over "
             "2 session(s)") in text
     assert "log: /data/logs/join-1.log" in text
+
+
+def test_short_sessions_are_counted_in_seconds():
+    from volunteer.contribution import format_hours
+
+    assert (format_hours(35.0), format_hours(150.0), format_hours(5400.0)) == ("35 s", "2 min", "1.5 h")

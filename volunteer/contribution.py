@@ -144,7 +144,9 @@ def machine_total(data_dir: Path, run_id: str) -> Tally:
 
 
 def format_hours(seconds: float) -> str:
-    """'45 min', '3.2 h': the unit volunteers count their time in."""
+    """'40 s', '45 min', '3.2 h': the unit volunteers count their time in."""
+    if seconds < 60:
+        return f"{seconds:.0f} s"
     if seconds < 3600:
         return f"{seconds / 60:.0f} min"
     return f"{seconds / 3600:.1f} h"

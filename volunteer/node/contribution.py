@@ -3,7 +3,7 @@
 Each tick adds the micro-batches and samples served since the last one (and the time, while online) to
 ``Session``; the session plus what earlier sessions of this identity gave the run (read once from
 ``<data_dir>/contribution/<peer id>.json``) is published in the snapshot and saved every
-``SAVE_EVERY_S`` and on leave, so a crash loses at most that much. The file format and the pure fold
+``SAVE_EVERY_S`` (first at the start) and on leave, so a crash loses at most that much. The file format and the pure fold
 live in volunteer/contribution.py.
 """
 
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SAVE_EVERY_S = 60.0
+SAVE_EVERY_S = 30.0
 
 
 class Contribution:
@@ -56,7 +56,7 @@ class Contribution:
         self.path = contribution_path(node.options.data_dir, peer_id)
         self._runs = load_runs(self.path)
         self.session = Session(swarm=node.swarm)
-        self._next_save_s = time.monotonic() + SAVE_EVERY_S
+        self._next_save_s = 0.0  # at once: `volunteer status` counts this session from its start
         return True
 
     def _observe(self, now_s: float) -> None:
