@@ -75,6 +75,9 @@ def test_status_says_the_run_is_complete():
 
 # ----- a real swarm: 2 stages, a budget of 4 micro-batches
 
+JOIN_WAIT_S = 180.0
+COMPLETE_WAIT_S = 60.0  # the budget is 4 micro-batches, then a heartbeat (1 s) to read it
+
 
 def test_volunteers_pause_and_say_the_run_is_complete_when_its_budget_is_spent(swarm, tmp_path):
     from procs import wait_until, write_run
@@ -92,7 +95,10 @@ def test_volunteers_pause_and_say_the_run_is_complete_when_its_budget_is_spent(s
         rows = [row for rows in report["swarms"].values() for row in rows]
         return bool(report["complete"]) and len(rows) == 2 and all(row["state"] == "paused" for row in rows)
 
-    wait_until(complete_everywhere, 60, what="both volunteers paused in a complete run")
+    # generous: at load 12 two joins took 50 s to load and start their DHTs
+    wait_until(lambda: all(reader.report()["swarms"][name] for name in ("layer0", "layer1")), JOIN_WAIT_S,
+               what="both volunteers' records")
+    wait_until(complete_everywhere, COMPLETE_WAIT_S, what="both volunteers paused in a complete run")
     for proc in (last, driver):
         said = [e["text"] for e in events(proc) if e.get("kind") == "complete"]
         assert said and said[0].startswith("run complete: a layer0 copy trained"), proc.stdout()[-2000:]
