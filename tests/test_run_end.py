@@ -103,3 +103,13 @@ def test_volunteers_pause_and_say_the_run_is_complete_when_its_budget_is_spent(s
         said = [e["text"] for e in events(proc) if e.get("kind") == "complete"]
         assert said and said[0].startswith("run complete: a layer0 copy trained"), proc.stdout()[-2000:]
     assert swarm.status(run, maddr)["complete"]  # the CLI says it too
+
+
+def test_the_dashboard_says_the_run_is_complete_without_offering_a_resume():
+    from fake_engine import sample_snapshot
+
+    from tui.format import not_training_line
+
+    line = not_training_line(sample_snapshot(state=NodeState.PAUSED, samples_per_s=0.0,
+                                             reason=f"{COMPLETE_PREFIX}a layer0 copy trained 128 samples"))
+    assert line == "PAUSED: run complete: a layer0 copy trained 128 samples (nothing more to train here; press q to leave)"

@@ -25,6 +25,7 @@ class NodeState(str, enum.Enum):
     OFFLINE = "offline"
 
 
+RUN_COMPLETE_PREFIX = "run complete: "  # a paused node's reason once its run reached its end (volunteer/node/completion.py)
 STALE_EVAL_PERIODS = 2.0  # an evaluation older than this many eval periods is called stale
 
 

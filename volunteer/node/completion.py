@@ -13,12 +13,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from volunteer.node.commands import PAUSED_BY_USER, Transition
+from volunteer.snapshot import RUN_COMPLETE_PREFIX as COMPLETE_PREFIX
 from volunteer.snapshot import NodeState
 
 if TYPE_CHECKING:
     from volunteer.node.core import Node
-
-COMPLETE_PREFIX = "run complete: "
 
 
 def completion_step(state: NodeState, reason: str, why_complete: str) -> Transition | None:
