@@ -77,6 +77,7 @@ def test_status_says_the_run_is_complete():
 
 JOIN_WAIT_S = 180.0
 COMPLETE_WAIT_S = 60.0  # the budget is 4 micro-batches, then a heartbeat (1 s) to read it
+EVENT_WAIT_S = 10.0
 
 
 def test_volunteers_pause_and_say_the_run_is_complete_when_its_budget_is_spent(swarm, tmp_path):
@@ -99,9 +100,10 @@ def test_volunteers_pause_and_say_the_run_is_complete_when_its_budget_is_spent(s
     wait_until(lambda: all(reader.report()["swarms"][name] for name in ("layer0", "layer1")), JOIN_WAIT_S,
                what="both volunteers' records")
     wait_until(complete_everywhere, COMPLETE_WAIT_S, what="both volunteers paused in a complete run")
-    for proc in (last, driver):
-        said = [e["text"] for e in events(proc) if e.get("kind") == "complete"]
-        assert said and said[0].startswith("run complete: a layer0 copy trained"), proc.stdout()[-2000:]
+    for proc in (last, driver):  # the paused record is announced just before the event is printed
+        said = wait_until(lambda: [e["text"] for e in events(proc) if e.get("kind") == "complete"], EVENT_WAIT_S,
+                          what=f"{proc.name} to say the run is complete")
+        assert said[0].startswith("run complete: a layer0 copy trained"), proc.stdout()[-2000:]
     assert swarm.status(run, maddr)["complete"]  # the CLI says it too
 
 
