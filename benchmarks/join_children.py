@@ -40,10 +40,10 @@ JOIN_STEPS = [
 STATUS_STEPS = [
     ("volunteer_cli.commands.status", "load_run", "load_run"),
     ("volunteer_cli.commands.common", "setup_process", "watchdog_and_signals"),
-    ("swarm.dht", "make_validators", "import_hivemind_torch_and_validators"),
-    ("swarm.dht", "start_dht", "dht_start"),
+    ("swarm.dht", "make_validators", "import_hivemind_dht_and_validators"),  # no torch (swarm/lightdht.py)
+    ("swarm.lightdht", "start_reader", "dht_start"),
     ("swarm.membership.Membership", "read_all", "read_all"),
-    ("swarm.dht", "shutdown_dht", "dht_shutdown"),
+    ("swarm.lightdht.LightDHT", "shutdown", "dht_shutdown"),
     ("volunteer_cli.commands.status", "run_status", "run_status_all_of_the_above"),  # may end in os._exit
 ]
 PROBES = {"join": JOIN_STEPS, "status": STATUS_STEPS}

@@ -4,6 +4,8 @@ Map:
 - runconfig.py   the run config schema (the "torrent file") and the run id
 - records.py     signed, schema-validated membership records: wire format and tolerant parsing
 - dht.py         starting a hivemind DHT with this run's validators; key names
+- lightdht.py    a torch-free DHT reader for one-shot commands (`volunteer status`)
+- completion.py  when a run is complete (its target reached or its sample budget spent), from the records
 - membership.py  announcing our record on a heartbeat, reading a swarm's records, other runs of our
                  name, why a run trains nothing (a layer with no online peer)
 - maddrs.py      peer addresses checked by hand before anything loads (/ip4/HOST/tcp/PORT/p2p/PEER_ID)

@@ -179,14 +179,14 @@ def start_dht(settings: DHTSettings, validators: list[Any]) -> Any:
         ) from None
     except Exception as exc:  # hivemind raises plain exceptions for bootstrap failures
         shutdown_dht(dht)
-        raise DHTStartError(_explain_start_failure(exc, settings)) from None
+        raise DHTStartError(explain_start_failure(exc, settings.initial_peers)) from None
     return dht
 
 
-def _explain_start_failure(exc: BaseException, settings: DHTSettings) -> str:
+def explain_start_failure(exc: BaseException, initial_peers: list[str]) -> str:
     text = f"{exc.__class__.__name__}: {exc}"
     if "bootstrap" in text.lower() or "initial" in text.lower() or "connect" in text.lower():
-        peers = ", ".join(settings.initial_peers) or "(none)"
+        peers = ", ".join(initial_peers) or "(none)"
         return (
             f"could not reach any bootstrap peer ({peers}): {text}. Check that a bootstrap peer is running "
             "(`volunteer bootstrap` prints the address to pass), that the address includes /p2p/<peer id>, "

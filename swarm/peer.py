@@ -45,6 +45,7 @@ class PeerMetrics:
     bytes_in: int
     bytes_out: int
     in_flight: int
+    samples: int = 0  # samples in the micro-batches served (what this volunteer computed)
     # layer0 driver only
     sent: int = 0
     trained: int = 0
@@ -398,7 +399,7 @@ class SwarmPeer:
         stats = worker.stats
         common = dict(
             samples_per_s=stats.samples_per_s(time.monotonic()), loss=stats.loss_ema, clock=int(round(stats.clock)),
-            param_version=stats.param_version, served=stats.served, bytes_in=self.traffic.bytes_in,
+            param_version=stats.param_version, served=stats.served, samples=stats.samples, bytes_in=self.traffic.bytes_in,
             bytes_out=self.traffic.bytes_out, in_flight=self.in_flight(),
         )
         stale = worker.staleness.summary()

@@ -18,6 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 RUN_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,47}$"
 HASH_EXCLUDED_FIELDS = frozenset({"bootstrap_peers", "timeouts"})
+# Fields added after runs existed count in the run id only when set: a run that does not use them keeps
+# its id, so clients before and after them still train together.
+HASH_WHEN_SET = {("training", "end_at_target"): False, ("training", "sample_budget"): 0}
 
 
 class CrossFieldError(ValueError):
@@ -114,6 +117,11 @@ class TrainingConfig(_Strict):
                                    "accuracy")
     target_bits_per_byte: float = Field(2.5, gt=0.0, description="language models: the demo stops once the test "
                                         "loss is this many bits per byte or fewer")
+    end_at_target: bool = Field(False, description="the run is complete once a published test evaluation reaches "
+                                "target_accuracy (classifiers) or target_bits_per_byte (language models): every "
+                                "volunteer pauses, takes no more work and says so (swarm/completion.py)")
+    sample_budget: int = Field(0, ge=0, description="the run is complete once a layer0 copy has trained this many "
+                               "samples; 0: no budget")
 
 
 class ExchangeConfig(_Strict):
@@ -318,7 +326,11 @@ class RunConfig(_Strict):
     # ----- identity
     def canonical(self) -> dict:
         """The fields that define what is trained, as plain JSON-able data."""
-        return self.model_dump(mode="json", exclude=set(HASH_EXCLUDED_FIELDS))
+        data = self.model_dump(mode="json", exclude=set(HASH_EXCLUDED_FIELDS))
+        for (section, name), default in HASH_WHEN_SET.items():
+            if data.get(section, {}).get(name) == default:
+                del data[section][name]
+        return data
 
     @property
     def config_hash(self) -> str:

@@ -110,6 +110,7 @@ class StageStats:
         self.clock = 0.0  # samples trained into this copy (fractional once merged by averaging)
         self.param_version = 0  # updates applied
         self.served = 0  # micro-batches whose update we applied (the update counter staleness is counted on)
+        self.samples = 0  # the samples in them (this process's contribution; the clock also merges peers')
         self.loss_ema: float | None = None
         self._window: deque[tuple[float, int]] = deque()
         self._window_lock = threading.Lock()  # the compute thread appends, the node's thread reads
@@ -118,6 +119,7 @@ class StageStats:
         self.clock += batch_size
         self.param_version += 1
         self.served += 1
+        self.samples += batch_size
         if loss is not None and math.isfinite(loss):
             self.loss_ema = loss if self.loss_ema is None else (1 - LOSS_EMA_ALPHA) * self.loss_ema + LOSS_EMA_ALPHA * loss
         with self._window_lock:

@@ -68,6 +68,8 @@ def test_joining_screen_before_any_figure() -> None:
         state=NodeState.JOINING, reason="", device="cpu", samples_per_s=0.0, loss=None, clock=0,
         microbatches_served=0, samples_per_s_history=(), loss_history=(), test_accuracy=None, test_loss=None,
         gpu_memory_bytes=None, bytes_in=0, bytes_out=0, swarms=(), peers=(), events=(),
+        session_samples=0, session_online_s=0.0, total_microbatches=0, total_samples=0, total_online_s=0.0,
+        total_sessions=0,  # a first join: nothing given yet
     )
     check_snapshot("joining_80x24", capture(FakeEngine(joining), (80, 24)))
 

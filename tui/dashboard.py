@@ -72,21 +72,33 @@ class DashboardScreen(Screen[None]):
         yield EventsLog(id="events")
         yield Footer(show_command_palette=False)
 
+    def _torn_down(self) -> bool:
+        """While the app exits, the panels go before the screen: a snapshot or a timer tick that arrives then
+        has nothing to draw on (querying would raise NoMatches)."""
+        return not self.query(StatusBar)
+
     def show(self, snapshot: NodeSnapshot, now: float) -> None:
+        if self._torn_down():
+            return
         self.query_one(WorkPanel).show(snapshot)
         self.query_one(SwarmsPanel).show(snapshot, now)
         self.query_one(PeersPanel).show(snapshot)
         self.query_one(EventsLog).add_all(snapshot.events)
+        self.query_one(EventsLog).show_log_path(snapshot.log_path)
 
     def show_status(self, snapshot: NodeSnapshot, *, uptime_s: float, leaving: bool, banner: str) -> None:
+        if self._torn_down():
+            return
         self.query_one(StatusBar).show(snapshot, uptime_s=uptime_s, leaving=leaving)
         self.query_one(NotTrainingBanner).show(banner)
 
     def add_event(self, event: Event) -> None:
-        self.query_one(EventsLog).add(event)
+        if not self._torn_down():
+            self.query_one(EventsLog).add(event)
 
     def note(self, text: str, when: float) -> None:
-        self.query_one(EventsLog).note(text, when)
+        if not self._torn_down():
+            self.query_one(EventsLog).note(text, when)
 
     def on_screen_resume(self) -> None:
         """Events that arrived behind the help screen could not scroll the log: catch up now."""

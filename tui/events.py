@@ -3,6 +3,7 @@ its problems, with ERROR / WARNING written out so they read without colour."""
 
 from __future__ import annotations
 
+import os
 from collections import deque
 
 from rich.table import Table
@@ -42,6 +43,11 @@ def event_entry(event: Event, *, no_color: bool = False) -> Table:
     return _line(event.time, text)
 
 
+def _home_relative(path: str) -> str:
+    home = os.path.expanduser("~")
+    return "~" + path[len(home):] if home not in ("", "/") and path.startswith(home + os.sep) else path
+
+
 class EventsLog(RichLog):
     """Writes each event once, whether it came as an EventRaised message, in a snapshot's tail, or both."""
 
@@ -65,6 +71,12 @@ class EventsLog(RichLog):
 
     def on_mount(self) -> None:
         self.border_title = "Events"
+
+    def show_log_path(self, path: str) -> None:
+        """Where these events are kept after the dashboard closes (volunteer/logfile.py)."""
+        title = f"Events · log {_home_relative(path)}" if path else "Events"
+        if self.border_title != title:
+            self.border_title = title
 
     def add(self, event: Event) -> None:
         if event in self._seen_set:

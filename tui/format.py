@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from volunteer.snapshot import EventLevel, NodeSnapshot, NodeState, SwarmRow, bits_per_byte
+from volunteer.snapshot import RUN_COMPLETE_PREFIX, EventLevel, NodeSnapshot, NodeState, SwarmRow, bits_per_byte
 
 NO_VALUE = "–"  # shown where a figure is not known yet (no loss before the first batch)
 _BYTE_UNITS = ("B", "kB", "MB", "GB", "TB", "PB")
@@ -134,6 +134,9 @@ def state_label(state: NodeState, *, leaving: bool = False) -> str:
     return "LEAVING" if leaving else STATE_LABELS[state]
 
 
+RUN_COMPLETE_HINT = "nothing more to train here; press q to leave"  # r would only pause again
+
+
 def not_training_line(snapshot: NodeSnapshot, *, leaving: bool = False, silent_s: float = 0.0,
                       stale_after_s: float = float("inf")) -> str:
     """The prominent line shown while the node is not training ('' while it trains normally).
@@ -146,7 +149,8 @@ def not_training_line(snapshot: NodeSnapshot, *, leaving: bool = False, silent_s
     parts: list[str] = []
     if snapshot.state is not NodeState.ONLINE:
         reason = snapshot.reason or _STATE_DEFAULT_REASONS[snapshot.state]
-        parts.append(f"{STATE_LABELS[snapshot.state]}: {reason} ({_STATE_HINTS[snapshot.state]})")
+        hint = RUN_COMPLETE_HINT if reason.startswith(RUN_COMPLETE_PREFIX) else _STATE_HINTS[snapshot.state]
+        parts.append(f"{STATE_LABELS[snapshot.state]}: {reason} ({hint})")
     elif snapshot.reason:  # online but idle: a layer nobody serves, a bandwidth cap, a driver that waits
         parts.append(f"ONLINE, NOT TRAINING: {snapshot.reason.removeprefix('waiting: ')} (training starts by itself)")
     if silent_s >= stale_after_s:

@@ -1,5 +1,5 @@
-"""'Your work': what this machine contributes (speed and loss with their recent history, samples
-trained, micro-batches served, how stale the gradients it applies are) and what it costs (device, CPU,
+"""'Your work': what this machine contributes (speed and loss with their recent history, samples served
+this session and in total across restarts, how stale the gradients it applies are) and what it costs (device, CPU,
 memory, network)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Sparkline, Static
 
-from tui.format import format_bytes, format_count, format_loss, format_rate, format_staleness
+from tui.format import format_bytes, format_count, format_duration, format_loss, format_rate, format_staleness
 from volunteer.snapshot import NodeSnapshot
 
 LABEL_WIDTH = 10  # "samples/s " and the figures below line up in one column
@@ -56,13 +56,22 @@ class Trend(Horizontal):
         sparkline.display = bool(history)  # an empty sparkline draws a flat line that reads as zero
 
 
+def contribution_total(snapshot: NodeSnapshot) -> Text:
+    """'3.16M in 31h 10m': samples and time online over every session of this run on this machine."""
+    if snapshot.total_sessions == 0:
+        return Text("–")
+    return Text.assemble((format_count(snapshot.total_samples), "bold"), f" in {format_duration(snapshot.total_online_s)}")
+
+
 def figures_table(snapshot: NodeSnapshot) -> Table:
     """The label/value grid under the sparklines."""
     grid = Table.grid(padding=(0, 0))
     grid.add_column(style="dim", min_width=LABEL_WIDTH, no_wrap=True)
     grid.add_column(overflow="ellipsis", no_wrap=True)
-    grid.add_row("clock", Text.assemble((format_count(snapshot.clock), "bold"), " samples"))
-    grid.add_row("served", Text.assemble((format_count(snapshot.microbatches_served), "bold"), " batches"))
+    # What this volunteer computed: this session, then all its sessions of the run (kept across restarts).
+    # The copy's clock is in the peers table, on the row marked "you".
+    grid.add_row("served", Text.assemble((format_count(snapshot.session_samples), "bold"), " samples"))
+    grid.add_row("in total", contribution_total(snapshot))
     if snapshot.staleness_max is not None:  # updates between a micro-batch's forward and its backward here
         grid.add_row("staleness", Text.assemble(format_staleness(snapshot.staleness_mean, snapshot.staleness_p95,
                                                                  snapshot.staleness_max), " updates"))

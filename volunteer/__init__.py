@@ -17,7 +17,9 @@ Map:
 - policy.py     when a headless node may train: one pure decision over plain observations
 - idle.py       is the user at this machine (idle sources, other programs' CPU/GPU, battery)
 - eventlog.py   headless output: one line per event and a periodic summary
-- device.py     the torch device and thread count
+- device.py     the torch device and thread count, and its name for the volunteer (CPU model, GPU name)
+- contribution.py what this machine gave a run, kept across restarts; the farewell line
+- logfile.py    the per-session log file of `volunteer join`
 - service.py    the systemd user unit that runs a headless node
 - priority.py   a foreground join's low CPU and I/O priority (resources.low_priority)
 """

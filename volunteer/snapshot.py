@@ -25,6 +25,7 @@ class NodeState(str, enum.Enum):
     OFFLINE = "offline"
 
 
+RUN_COMPLETE_PREFIX = "run complete: "  # a paused node's reason once its run reached its end (volunteer/node/completion.py)
 STALE_EVAL_PERIODS = 2.0  # an evaluation older than this many eval periods is called stale
 
 
@@ -132,6 +133,15 @@ class NodeSnapshot:
     microbatches_served: int = 0
     samples_per_s_history: tuple[float, ...] = ()
     loss_history: tuple[float, ...] = ()
+    # this volunteer's contribution to the run (volunteer/contribution.py): this session, and all sessions of
+    # this identity, kept in the data dir across restarts
+    session_samples: int = 0
+    session_online_s: float = 0.0
+    total_microbatches: int = 0
+    total_samples: int = 0
+    total_online_s: float = 0.0
+    total_sessions: int = 0
+    log_path: str = ""  # this session's log file ("" when there is none)
     # run-wide figures published by layer0 evaluators
     test_accuracy: float | None = None
     test_loss: float | None = None

@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run(status)
     status.add_argument("--json", action="store_true")
     status.add_argument("--timeout-s", type=float, default=30.0)
+    status.add_argument("--data-dir", default=None,
+                        help="where this machine's contribution is kept (default: preferences, then the user data dir)")
+    status.add_argument("--prefs", default=None, help="volunteer.yaml with local preferences")
     _add_common(status)
 
     ctl = sub.add_parser("ctl", help="status, pause, finish, resume or quit the node running on this machine")

@@ -9,6 +9,8 @@ Map:
                   the user or the idle policy)
 - governors.py    the machine comes first: idle policy, bandwidth cap, whether the stage takes work
 - checkpoints.py  resume from a checkpoint, save on pause, exit and timer
+- contribution.py this session's served work and time, plus earlier sessions' (persisted); the farewell
+- completion.py   the run's end: finish and say "run complete" once its target or budget is reached
 - announcer.py    our record on the DHT, heartbeat, reading the swarms, shard rebalancing, the view
 - records.py      pure builders: our MemberRecord, the snapshot's swarm and peer rows
 - runs.py         another run of our name with another config: stop with how to join it (or --new-run)

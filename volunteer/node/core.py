@@ -6,8 +6,8 @@ The engine runs on its own thread; it reports through the board (snapshots and e
 serves). Everything it waits on is an Event with a timeout, so a quit or a Ctrl+C is honoured
 within a fraction of a second.
 
-The serve loop ticks its parts in order (``Node.parts``): commands, governors, checkpoints, then the
-announcer. A new part (say, a health guard) is a class with ``tick(now_s)`` and ``close()`` that
+The serve loop ticks its parts in order (``Node.parts``): commands, governors, health, checkpoints,
+contribution, completion, then the announcer. A new part (say, a health guard) is a class with ``tick(now_s)`` and ``close()`` that
 publishes snapshot fields through ``node.board.publish`` and changes state with ``node.set_state``;
 it is inserted in ``parts`` before the announcer so that its state is in the next heartbeat.
 """
@@ -23,6 +23,8 @@ from volunteer.node.announcer import Announcer
 from volunteer.node.board import Board
 from volunteer.node.checkpoints import Checkpoints
 from volunteer.node.commands import Commands
+from volunteer.node.completion import Completion
+from volunteer.node.contribution import Contribution
 from volunteer.node.governors import Governors
 from volunteer.node.health import Health
 from volunteer.node.options import JoinError, NodeOptions, RunConflict
@@ -58,13 +60,17 @@ class Node:
         self.board = Board(NodeSnapshot(
             run_name=self.run.name, run_id=self.run.run_id, swarm=self.swarm or "auto", peer_id="",
             state=NodeState.JOINING, reason="connecting to the swarm", device=options.device,
+            log_path=str(options.log_path or ""),
         ))
         self.commands = Commands(self)
         self.governors = Governors(self)
         self.checkpoints = Checkpoints(self)
         self.announcer = Announcer(self)
         self.health = Health(self)
-        self.parts: list[Part] = [self.commands, self.governors, self.health, self.checkpoints, self.announcer]
+        self.contribution = Contribution(self)
+        self.completion = Completion(self)
+        self.parts: list[Part] = [self.commands, self.governors, self.health, self.checkpoints, self.contribution,
+                                  self.completion, self.announcer]
         self._stop = threading.Event()
         self._stopped = threading.Event()
         self._wake = threading.Event()
@@ -138,6 +144,8 @@ class Node:
     # ----- lifecycle
     def _main(self) -> None:
         try:
+            if self.options.log_path is not None:
+                self.board.emit(f"log file: {self.options.log_path}", kind="log")
             self._start_control()
             self._join()
             if not self._stop.is_set():
@@ -256,11 +264,12 @@ class Node:
             device = resolve_device(self.options.device)
         except ValueError as exc:
             raise JoinError(str(exc)) from None
-        set_threads(self.options.cpu_threads)
+        threads = set_threads(self.options.cpu_threads)
+        described = describe_device(device, threads)
         self.governors.apply_gpu_memory_fraction(device)
         if self.swarm == "layer0":
             self.announcer.choose_shard()
-        self.board.emit(f"building {self.swarm} on {describe_device(device)}", kind="joining")
+        self.board.emit(f"building {self.swarm} on {described}", kind="joining")
         self.peer = SwarmPeer(self.run, self.dht, self.swarm, device=device, shard=self.announcer.shard,
                               notify=self._on_peer_notice)
         resume = self.checkpoints.prepare_resume()
@@ -272,7 +281,7 @@ class Node:
         self.peer.start(sync_from=sync_from)
         self.checkpoints.finish_resume(resume)
         self.peer.update_views(self.announcer.views)
-        self.board.publish(device=describe_device(device))
+        self.board.publish(device=described)
 
     def _on_peer_notice(self, level: str, kind: str, text: str) -> None:
         self.board.emit(text, EventLevel(level) if level in ("info", "warning", "error") else EventLevel.INFO, kind)

@@ -41,4 +41,5 @@ class NodeOptions:
     idle: IdlePrefs = field(default_factory=IdlePrefs)  # when to train (idle.enabled: only while the user is away)
     resources: ResourcePrefs = field(default_factory=ResourcePrefs)
     new_run: bool = False  # train this config's own run even when another run of its name is active
+    log_path: Path | None = None  # this session's log file (volunteer/logfile.py), shown to the user
     control_socket: bool = True  # serve `volunteer ctl` at <data_dir>/control/<run_id>-<swarm>.sock

@@ -46,3 +46,14 @@ def check_initial_peers(maddrs: list[str] | None) -> None:
         check_peer_maddrs(list(maddrs or []), "--initial-peers")
     except ValueError as exc:
         raise UserError(str(exc)) from None
+
+
+def resolve_data_dir(data_dir: str | None, prefs_path: str | None):
+    """--data-dir, else the preferences' data_dir, else the user data dir (what join uses)."""
+    from pathlib import Path
+
+    from volunteer.config import load_preferences
+    from volunteer.paths import user_data_dir
+
+    prefs_dir = load_preferences(prefs_path).data_dir if not data_dir else None
+    return Path(data_dir or prefs_dir or user_data_dir()).expanduser()

@@ -121,6 +121,14 @@ def render_status(snap: dict) -> str:
     swarms = snap.get("swarms") or []
     if swarms:
         lines.append("swarms: " + "  ".join(f"{s['name']} {s['online']} online" for s in swarms))
+    if snap.get("total_sessions"):  # what this identity gave the run, all sessions (volunteer/contribution.py)
+        from volunteer.contribution import format_hours
+
+        lines.append(f"contribution: {snap.get('session_samples', 0):,} samples this session; in total "
+                     f"{snap.get('total_microbatches', 0):,} micro-batches ({snap.get('total_samples', 0):,} samples), "
+                     f"{format_hours(snap.get('total_online_s', 0.0))} online over {snap['total_sessions']} session(s)")
+    if snap.get("log_path"):
+        lines.append(f"log: {snap['log_path']}")
     lines.append(f"up {_duration(snap.get('uptime_s', 0.0))}")
     return "\n".join(lines)
 

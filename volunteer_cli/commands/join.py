@@ -47,6 +47,9 @@ def run_join(args: argparse.Namespace) -> int:
 
     data_dir = ensure_private_dir(Path(args.data_dir or prefs.data_dir or user_data_dir()).expanduser())
     identity = args.identity or prefs.identity_path
+    from volunteer.logfile import open_session_log
+
+    session_log = open_session_log(data_dir)
     node = Node(
         NodeOptions(
             run=run,
@@ -65,14 +68,19 @@ def run_join(args: argparse.Namespace) -> int:
             idle=prefs.idle,
             resources=prefs.resources,
             new_run=args.new_run,
+            log_path=session_log.path if session_log is not None else None,
         )
     )
+    if session_log is not None:
+        file_log = session_log.event_log()
+        node.add_listener(file_log.on_snapshot, file_log.on_event)
     screen = _Screen()
     shutdown.on_request(node.request_stop)
     shutdown.on_request(lambda: screen.say_stopping(node))
     code = EXIT_SIGNAL_BASE + signal.SIGINT  # if the dashboard or the log fails on its way out
+    dashboard = not args.headless and sys.stdin.isatty() and sys.stdout.isatty()
     try:
-        if not args.headless and sys.stdin.isatty() and sys.stdout.isatty():
+        if dashboard:
             code = _run_dashboard(node, shutdown, screen)
         else:
             code = _run_headless(node, args.log_format, shutdown)
@@ -82,12 +90,27 @@ def run_join(args: argparse.Namespace) -> int:
             _abandon_startup(node, watchdog, _interrupted_code(shutdown) if shutdown.signum else code)
         node.wait_stopped(QUIT_GRACE_S)
         watchdog.stop()
+        _say_farewell(node, session_log, json_lines=not dashboard and args.log_format == "json")
     if node.error:
         print(f"volunteer join: {node.error}", file=sys.stderr)
         return node.error_exit_code
     if shutdown.signum is not None and not node.serving:
         return _interrupted_code(shutdown)
     return code
+
+
+def _say_farewell(node, session_log, json_lines: bool) -> None:
+    """What this node gave the run, this session and in total, on stdout (after the dashboard let go of the
+    screen; a JSON line for --log-format json) and in the log; nothing if it never served."""
+    import json
+
+    text = node.contribution.farewell()
+    if text:
+        print(json.dumps(node.contribution.farewell_json()) if json_lines else text, flush=True)
+    if session_log is not None:
+        if text:
+            session_log.stream.write(text + "\n")
+        session_log.close()
 
 
 def _lower_priority(low_priority: bool) -> None:

@@ -24,23 +24,26 @@ def run_status(args: argparse.Namespace) -> int:
     from volunteer_cli.commands.common import setup_process
 
     watchdog, _ = setup_process(args.verbose)
-    from swarm.dht import DHTSettings, DHTStartError, make_validators, shutdown_dht, start_dht
+    from swarm.lightdht import ReaderSettings, light_hivemind, start_reader
+
+    light_hivemind()  # a reader needs hivemind's DHT, not torch: 1-5 s less (swarm/lightdht.py)
+    from swarm.dht import DHTStartError, make_validators
     from swarm.membership import Membership
 
     dht = None
     try:
-        settings = DHTSettings(initial_peers=list(initial_peers), host_maddrs=STATUS_LISTEN, client_mode=True,
-                               start_timeout_s=args.timeout_s, process_group=watchdog.pgid)
+        settings = ReaderSettings(initial_peers=list(initial_peers), host_maddrs=STATUS_LISTEN,
+                                  start_timeout_s=args.timeout_s, process_group=watchdog.pgid)
         try:
-            dht = start_dht(settings, make_validators(run.run_id, run.swarm_names, None))
+            dht = start_reader(settings, make_validators(run.run_id, run.swarm_names, None))
         except DHTStartError as exc:
             raise UserError(str(exc)) from None
         views = Membership(dht, run, b"").read_all()
     finally:
         if dht is not None:
-            shutdown_dht(dht)
+            dht.shutdown()
         watchdog.stop()
-    report = build_report(run, views, now=time.time())
+    report = build_report(run, views, now=time.time(), this_machine=_this_machine(args, run.run_id))
     print(json.dumps(report) if args.json else render_report(report))
     from volunteer_cli.commands.common import exit_now
 
@@ -48,7 +51,16 @@ def run_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_report(run, views: dict, now: float) -> dict:
+def _this_machine(args: argparse.Namespace, run_id: str):
+    """What the volunteers of this data dir gave the run (volunteer/contribution.py), None if nothing."""
+    from volunteer.contribution import machine_total
+    from volunteer_cli.commands.common import resolve_data_dir
+
+    total = machine_total(resolve_data_dir(args.data_dir, args.prefs), run_id)
+    return total if total.sessions else None
+
+
+def build_report(run, views: dict, now: float, this_machine=None) -> dict:
     swarms = {}
     summary = {}
     evaluations = []
@@ -74,8 +86,11 @@ def build_report(run, views: dict, now: float) -> dict:
         swarms[name] = rows
     from swarm.membership import idle_reason
 
+    from swarm.completion import run_complete
+
     report = {"run_id": run.run_id, "swarms": swarms, "summary": summary,
-              "idle_reason": idle_reason(views, run.swarm_names)}
+              "idle_reason": idle_reason(views, run.swarm_names),
+              "complete": run_complete(run.training, views)}  # "" while the run has not reached its end
     if evaluations:
         *_, latest = max(evaluations, key=lambda item: item[:2])
         from volunteer.snapshot import evaluation_is_stale
@@ -95,6 +110,8 @@ def build_report(run, views: dict, now: float) -> dict:
                                 "eval_every_s": run.training.eval_every_s}
     heals = {name: sum(r.heals for r in views.get(name, [])) for name in run.swarm_names}
     report["heals"] = heals
+    if this_machine is not None:
+        report["this_machine"] = this_machine.to_json()
     return report
 
 
@@ -108,6 +125,8 @@ def _staleness(record) -> dict | None:
 
 def render_report(report: dict) -> str:
     lines = [f"run {report['run_id']}"]
+    if report.get("complete"):
+        lines.append(f"  RUN COMPLETE: {report['complete']}; its volunteers take no more work")
     if report.get("idle_reason"):
         lines.append(f"  NOT TRAINING: {report['idle_reason']}")
     if "evaluation" in report:
@@ -131,4 +150,10 @@ def render_report(report: dict) -> str:
             st_text = f"  staleness {st['mean']:.1f}/{st['p95']:.0f}/{st['max']}" if st else ""
             lines.append(f"  {short_id(row['peer_id']):>8}  {row['state']:<9} seen {row['age_s']:>5.1f}s ago  "
                          f"v{row['version']}  {row['throughput']:.1f}/s  loss {loss}  clock {row['clock']}{st_text}")
+    if report.get("this_machine"):
+        from volunteer.contribution import Tally, describe_tally
+
+        mine = Tally.from_json(report["this_machine"])
+        lines.append(f"this machine gave the run {describe_tally(mine)} over {mine.sessions} "
+                     f"session{'s' if mine.sessions != 1 else ''}")
     return "\n".join(lines)
