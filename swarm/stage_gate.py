@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 SERVED_OPS = frozenset({"forward", "backward", "forward_backward", "infer", "evaluate"})
 UPDATE_OPS = frozenset({"backward", "forward_backward"})
+DRAINING_OPS = frozenset({"backward", "infer", "evaluate"})  # what a paused or finishing driver may still ask
 REFRESH_MIN_INTERVAL_S = 1.0
 UNKNOWN_DRIVER_RETRY_S = 2.0
 
@@ -91,13 +92,18 @@ class StageGate:
         now = time.monotonic()
         if self.book.banned(requester, now):
             return self.book.admit(requester, False, now)  # the ban refusal, with its remaining time
-        finishing = op == "backward" and requester in self.view.draining  # a paused driver completes its micro-batches
-        if not self.view.knows(requester) and not finishing:
+        if not self.view.knows(requester) and not self._draining_may(requester, op):
             await self._refresh()
-            if not self.view.knows(requester) and not (op == "backward" and requester in self.view.draining):
+            if not self.view.knows(requester) and not self._draining_may(requester, op):
                 return Refusal("unknown_driver", "only online layer0 peers of this run may ask: no record of you "
                                "in this peer's view yet", UNKNOWN_DRIVER_RETRY_S)
         return self.book.admit(requester, op in UPDATE_OPS, time.monotonic())
+
+    def _draining_may(self, requester: str, op: object) -> bool:
+        """A paused or finishing driver completes its micro-batches (backward) and evaluates the pipeline one
+        last time (infer, evaluate: they apply nothing). Refusing its evaluation made every finish pause
+        without a final figure once its record said finishing (the CI failure of test_export_then_eval)."""
+        return op in DRAINING_OPS and requester in self.view.draining
 
     def settle(self, requester: str, outcome: Outcome) -> None:
         """After an admitted request: free its slot, count its update, and hand out strikes and bans."""

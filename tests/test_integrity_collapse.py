@@ -107,3 +107,4 @@ def test_a_snapshot_that_keeps_getting_sick_gives_way_to_the_starting_copy():
     worker.health.mark_sick("test")
     healer.heal()
     assert all(torch.equal(t, start[k]) for k, t in worker.module.state_dict().items())
+

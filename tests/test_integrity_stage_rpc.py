@@ -122,3 +122,22 @@ def test_huge_and_ascent_gradients_are_bounded_and_the_flood_is_refused(run_with
         assert all(bool(torch.isfinite(p).all()) for p in peer.worker.module.parameters())
     assert codes.count("ok") <= 2 * 15 + 1, codes  # fair share: twice the honest driver's updates in the window
     assert {"busy", "banned"} & set(codes), codes
+
+
+def test_a_finishing_driver_may_still_evaluate_but_not_train():
+    """Its record says finishing (not online) while it evaluates the pipeline one last time: infer and evaluate
+    apply nothing and are served; a forward (new work) is not (the CI failure of test_export_then_eval)."""
+    import asyncio
+
+    from swarm.records import MemberRecord
+    from swarm.runconfig import IntegrityConfig
+    from swarm.stage_gate import StageGate
+
+    async def main() -> dict[str, object]:
+        gate = StageGate(IntegrityConfig())
+        gate.set_drivers([MemberRecord("done", "finishing", "v", 0.0, 0.0, shard=0)])
+        return {op: await gate.admit("done", op) for op in ("infer", "evaluate", "backward", "forward")}
+
+    answers = asyncio.run(main())
+    assert answers["infer"] is None and answers["evaluate"] is None and answers["backward"] is None
+    assert answers["forward"] is not None and answers["forward"].code == "unknown_driver"
