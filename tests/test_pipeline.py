@@ -2,9 +2,10 @@
 
 The demo runs first, on its own swarm. The other tests share one 3-stage swarm for the module and run
 in file order, each picking up where the one before left it: layer1 starts empty and fills (two
-peers), a middle peer is killed, the driver finishes and the swarm is exported and evaluated, the
-driver stops cleanly, then two new layer0 peers take different shards. Every wait polls an in-process
-reader of the records (what `volunteer status` prints); the CLI itself is checked at the clean stop.
+peers), a middle peer is killed, `volunteer status` shows each copy's staleness, the driver finishes
+and the swarm is exported and evaluated, the driver stops cleanly, then two new layer0 peers take
+different shards. Every wait polls an in-process reader of the records (what `volunteer status`
+prints); the CLI itself is checked at the staleness test and the clean stop.
 """
 
 from __future__ import annotations
@@ -18,14 +19,17 @@ from pathlib import Path
 import pytest
 
 from procs import Proc, Swarm, wait_until
+from swarm.staleness import STALENESS_WINDOW
 
+IN_FLIGHT = 4
+BATCH = 16
 PIPE_RUN = """\
 name: pipetest
 model: {stages: 3, hidden_dim: 32}
 optimizer: {name: adam, lr: 0.001}
-training: {batch_size: 16, in_flight: 4, eval_every_s: 3}
+training: {batch_size: %d, in_flight: %d, eval_every_s: 3}
 timeouts: {heartbeat_s: 1.0, rpc_s: 5, record_ttl_heartbeats: 10}  # the driver's offline record outlives a status call
-"""
+""" % (BATCH, IN_FLIGHT)
 
 DEMO_BAR = 0.8
 
@@ -113,6 +117,27 @@ def test_killing_a_middle_peer_loses_no_microbatch(pipe):
     assert _rows(report, "layer0")[0]["lost"] == 0
 
 
+def test_status_shows_each_copys_staleness(pipe):
+    """One peer per stage since the kill above: once layer0 has applied a whole window of updates after it
+    (a micro-batch the kill delayed waited many updates), `volunteer status` shows layer0's staleness (its
+    lanes' backward passes come back after other lanes' updates) and 0 at the last stage (forward and
+    backward in one call)."""
+    clean_from = _trained(pipe.report()) + (STALENESS_WINDOW + IN_FLIGHT) * BATCH
+
+    def measured(report: dict) -> bool:
+        rows = [_rows(report, name, "online") for name in ("layer0", "layer2")]
+        return all(len(r) == 1 and r[0]["staleness"] for r in rows) and _trained(report) >= clean_from
+
+    wait_until(lambda: measured(pipe.report()), 90, interval_s=0.5, what="a window of updates after the kill")
+    report = pipe.harness.status(pipe.run, pipe.maddr)  # the CLI
+    assert measured(report), report["swarms"]
+    first, last = _rows(report, "layer0")[0]["staleness"], _rows(report, "layer2")[0]["staleness"]
+    assert 1 <= first["max"] <= 3 * IN_FLIGHT  # other lanes' updates land between a forward and its backward
+    assert 0 < first["mean"] <= first["p95"] <= first["max"]
+    assert last == {"mean": 0.0, "p95": 0.0, "max": 0}
+    assert report["summary"]["layer0"]["staleness_max"] == first["max"]
+
+
 def test_export_then_eval_reproduces_the_reported_accuracy(pipe):
     """One peer per stage now (the killed middle peer's record expired): an export takes one copy of each
     layer, so it reproduces the pipeline's published figure only when that figure was measured through those
@@ -129,6 +154,8 @@ def test_export_then_eval_reproduces_the_reported_accuracy(pipe):
         return rows and rows[0]["state"] == "paused" and "final evaluation" in driver.stdout()
 
     wait_until(paused_with_evaluation, 90, interval_s=0.5, what="layer0 paused with a final evaluation")
+    # (or with "the final evaluation could not run": then the published figure is of weights that moved since)
+    assert "final evaluation of the pipeline:" in driver.stdout(), driver.stdout()[-2000:]
 
     model = pipe.tmp / "model.pt"
     export = pipe.harness.start("export", "--run", str(pipe.run), "--initial-peers", pipe.maddr, "--out", str(model),
