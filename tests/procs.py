@@ -149,7 +149,7 @@ class Swarm:
         proc.swarm = swarm
         return proc
 
-    def status(self, run: Path, maddr: str, timeout_s: float = 60.0) -> dict:
+    def status(self, run: Path, maddr: str, timeout_s: float = 120.0) -> dict:
         proc = subprocess.run(
             [volunteer_exe(), "status", "--run", str(run), "--initial-peers", maddr, "--json"],
             env=self.env, capture_output=True, text=True, timeout=timeout_s,

@@ -4,6 +4,8 @@ One scenario (processes are the expensive part): bootstrap + layer0 + layer1. Pa
 it stops taking work within 2 s, its record and ctl say why, and the driver loses no micro-batch.
 Resume: training goes on. Malformed requests get an error and the node lives on. SIGKILL layer1 and
 start it again: it resumes from its checkpoint (at most one checkpoint interval back), not from 0.
+The waits ask the node's socket in-process (`node`); every action and the checks of what a user reads
+go through `volunteer ctl` and `volunteer status` (the CLI).
 """
 
 from __future__ import annotations
@@ -33,11 +35,18 @@ def ctl_json(swarm, action: str, layer: str) -> dict:
     return json.loads(done.stdout)
 
 
-def record(swarm, run: Path, maddr: str, layer: str) -> dict:
-    """The one record of this layer's swarm ({} before it appears)."""
-    rows = swarm.status(run, maddr)["swarms"][layer]
-    assert len(rows) <= 1, rows
-    return rows[0] if rows else {}
+def node(swarm, layer: str) -> dict:
+    """What `ctl status --swarm LAYER --json` prints, asked in-process (no interpreter per poll); {} while
+    no node of this layer answers."""
+    from volunteer.control import live_nodes
+
+    found = [snap for _, snap in live_nodes(swarm.env["VOLUNTEER_DATA_DIR"]) if snap.get("swarm") == layer]
+    assert len(found) <= 1, found
+    return found[0] if found else {}
+
+
+def answer(swarm, layer: str, timeout_s: float = 30.0) -> dict:
+    return wait_until(lambda: node(swarm, layer), timeout_s, what=f"{layer}'s node to answer on its socket")
 
 
 def ask_raw(path: str, payload: bytes) -> dict:
@@ -53,22 +62,23 @@ def test_ctl_pauses_and_resumes_a_training_node_and_a_restart_resumes_its_checkp
     prefs = tmp_path / "volunteer.yaml"
     prefs.write_text(f"device: cpu\nresources:\n  checkpoint_interval_s: {CHECKPOINT_INTERVAL_S}\n")
     _, maddr = swarm.bootstrap()
+    reader = swarm.reader(run, maddr)
     layer0 = swarm.join(run, "layer0", maddr, "--prefs", str(prefs), name="layer0")
     layer1 = swarm.join(run, "layer1", maddr, "--prefs", str(prefs), name="layer1")
 
     # Both nodes serve a control socket in the shared data dir: ctl asks which one when unsure.
-    wait_until(lambda: ctl(swarm, "status", "--swarm", "layer1").returncode == 0, 60, what="layer1's socket")
+    wait_until(lambda: node(swarm, "layer1"), 60, what="layer1's socket")
     ambiguous = ctl(swarm, "status")
     assert ambiguous.returncode == 2 and "--swarm" in ambiguous.stderr
     assert "layer0" in ambiguous.stderr and "layer1" in ambiguous.stderr
     # layer1 trains only on the micro-batches of layer0's driver.
-    wait_until(lambda: ctl_json(swarm, "status", "layer1")["clock"] > 0, 90, interval_s=0.5,
+    wait_until(lambda: node(swarm, "layer1").get("clock", 0) > 0, 90, interval_s=0.5,
                what="the pipeline to train")
 
     paused = ctl_json(swarm, "pause", "layer1")
     assert paused["state"] == "paused" and paused["reason"] == "paused by you"
     time.sleep(PAUSE_TAKES_EFFECT_S)
-    clock_after_pause = ctl_json(swarm, "status", "layer1")["clock"]
+    clock_after_pause = answer(swarm, "layer1")["clock"]
     while_paused = swarm.status(run, maddr)["swarms"]
     assert [row["state"] for row in while_paused["layer1"]] == ["paused"]
     assert ctl_json(swarm, "status", "layer1")["clock"] == clock_after_pause, "a paused node took new work"
@@ -85,15 +95,16 @@ def test_ctl_pauses_and_resumes_a_training_node_and_a_restart_resumes_its_checkp
 
     resumed = ctl_json(swarm, "resume", "layer1")
     assert resumed["state"] == "online" and resumed["reason"] == ""
-    wait_until(lambda: ctl_json(swarm, "status", "layer1")["clock"] > clock_after_pause, 30, interval_s=0.5,
+    wait_until(lambda: node(swarm, "layer1").get("clock", 0) > clock_after_pause, 30, interval_s=0.5,
                what="training to go on after the resume")
-    (driver,) = swarm.status(run, maddr)["swarms"]["layer0"]
     (driver_while_paused,) = while_paused["layer0"]
-    assert driver["trained"] > driver_while_paused["trained"]
+    (driver,) = wait_until(lambda: [r for r in reader.report()["swarms"]["layer0"]
+                                    if r["trained"] > driver_while_paused["trained"]], 30, interval_s=0.5,
+                           what="the driver's record to count the samples trained after the resume")
     assert driver["lost"] == 0, "the pause cost micro-batches"
 
     # A crash: at most one checkpoint interval of progress is lost.
-    clock_before_crash = ctl_json(swarm, "status", "layer1")["clock"]
+    clock_before_crash = answer(swarm, "layer1")["clock"]
     time.sleep(2 * CHECKPOINT_INTERVAL_S + 0.5)
     layer1.signal(signal.SIGKILL)
     layer1.wait(10)
@@ -101,7 +112,7 @@ def test_ctl_pauses_and_resumes_a_training_node_and_a_restart_resumes_its_checkp
     again.wait_for_output("resuming from the checkpoint at clock", timeout_s=60)
     restored = int(re.search(r"resuming from the checkpoint at clock (\d+)", again.stdout()).group(1))
     assert restored >= clock_before_crash > 0
-    wait_until(lambda: ctl(swarm, "status", "--swarm", "layer1").returncode == 0, 30, what="the restarted socket")
+    wait_until(lambda: node(swarm, "layer1"), 30, what="the restarted socket")
     assert ctl_json(swarm, "status", "layer1")["clock"] >= restored
 
     # quit: a clean leave (the driver first, so nothing waits on a missing layer1)

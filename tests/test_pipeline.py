@@ -1,10 +1,11 @@
 """Layer-per-swarm training with real processes on 127.0.0.1.
 
-The demo and the export run first, each on its own swarm. The other tests share one 3-stage swarm
-for the module and run in file order, each picking up where the one before left it: layer1 starts
-empty and fills (two peers), a middle peer is killed, the driver stops cleanly, then two new layer0
-peers take different shards. Every wait polls an in-process reader of the records (what
-`volunteer status` prints); the CLI itself is checked at the clean stop.
+The demo runs first, on its own swarm. The other tests share one 3-stage swarm for the module and run
+in file order, each picking up where the one before left it: layer1 starts empty and fills (two
+peers), a middle peer is killed, `volunteer status` shows each copy's staleness, the driver finishes
+and the swarm is exported and evaluated, the driver stops cleanly, then two new layer0 peers take
+different shards. Every wait polls an in-process reader of the records (what `volunteer status`
+prints); the CLI itself is checked at the staleness test and the clean stop.
 """
 
 from __future__ import annotations
@@ -18,59 +19,31 @@ from pathlib import Path
 import pytest
 
 from procs import Proc, Swarm, wait_until
+from swarm.staleness import STALENESS_WINDOW
 
+IN_FLIGHT = 4
+BATCH = 16
 PIPE_RUN = """\
 name: pipetest
 model: {stages: 3, hidden_dim: 32}
 optimizer: {name: adam, lr: 0.001}
-training: {batch_size: 16, in_flight: 4, eval_every_s: 3}
+training: {batch_size: %d, in_flight: %d, eval_every_s: 3}
 timeouts: {heartbeat_s: 1.0, rpc_s: 5, record_ttl_heartbeats: 10}  # the driver's offline record outlives a status call
-"""
+""" % (BATCH, IN_FLIGHT)
+
+DEMO_BAR = 0.8
 
 
 def test_demo_trains_to_the_accuracy_bar_and_cleans_up(swarm):
-    """Before the module's swarm below starts, so that the two never share the CPU."""
-    demo = swarm.start("demo", "--json", "--time-limit-s", "240", name="demo")
+    """Before the module's swarm below starts, so that the two never share the CPU. The shipped run (4 stages,
+    digits) with a bar of 80 % (chance: 10 %), reached at its second evaluation: the shipped 95 % takes a third
+    (~10 s more, measured: 60.7 %, 91.6 %, 96.1 % at 10 s intervals)."""
+    demo = swarm.start("demo", "--json", "--time-limit-s", "240", "--target-accuracy", str(DEMO_BAR), name="demo")
     assert demo.wait(300) == 0, demo.stderr()[-3000:]
     result = json.loads(demo.stdout().strip().splitlines()[-1])
-    assert result["test_accuracy"] >= 0.95
+    assert result["test_accuracy"] >= DEMO_BAR
     assert result["lost_microbatches"] == 0 and result["samples"] > 0
     assert "final report" in demo.stderr()
-
-
-def test_export_then_eval_reproduces_the_reported_accuracy(swarm, tmp_path):
-    """On its own swarm, one peer per stage: an export takes one copy of each layer, so it reproduces the
-    pipeline's published figure only when that figure was measured through those same copies."""
-    run = tmp_path / "pipe.yaml"
-    run.write_text(PIPE_RUN)
-    _, maddr = swarm.bootstrap()
-    driver = swarm.join(run, "layer0", maddr, name="layer0")
-    for k in (1, 2):
-        swarm.join(run, f"layer{k}", maddr, name=f"layer{k}")
-    reader = swarm.reader(run, maddr)
-    wait_until(lambda: _trained(reader.report()) > 3000, 90, interval_s=0.5, what="some training")
-    # The driver finishes (drains, evaluates once more, pauses): the swarm's weights stop moving, and the
-    # published accuracy is of exactly those weights.
-    ctl = swarm.start("ctl", "finish", "--swarm", "layer0", "--json", name="ctl")
-    assert ctl.wait(60) == 0, ctl.stderr()
-
-    def paused_with_evaluation():
-        rows = _rows(reader.report(), "layer0")
-        return rows and rows[0]["state"] == "paused" and "final evaluation" in driver.stdout()
-
-    wait_until(paused_with_evaluation, 90, interval_s=0.5, what="layer0 paused with a final evaluation")
-
-    model = tmp_path / "model.pt"
-    export = swarm.start("export", "--run", str(run), "--initial-peers", maddr, "--out", str(model), "--json",
-                         name="export")
-    assert export.wait(120) == 0, export.stderr()
-    reported = json.loads(export.stdout().strip().splitlines()[-1])["reported"]
-    evaluated = swarm.start("eval", "--model", str(model), "--json", name="eval")
-    assert evaluated.wait(120) == 0, evaluated.stderr()
-    result = json.loads(evaluated.stdout().strip().splitlines()[-1])
-    assert reported["state"] == "paused"
-    assert result["test_accuracy"] == reported["test_accuracy"]
-    assert abs(result["test_loss"] - reported["test_loss"]) < 1e-4
 
 
 @dataclass
@@ -144,9 +117,62 @@ def test_killing_a_middle_peer_loses_no_microbatch(pipe):
     assert _rows(report, "layer0")[0]["lost"] == 0
 
 
+def test_status_shows_each_copys_staleness(pipe):
+    """One peer per stage since the kill above: once layer0 has applied a whole window of updates after it
+    (a micro-batch the kill delayed waited many updates), `volunteer status` shows layer0's staleness (its
+    lanes' backward passes come back after other lanes' updates) and 0 at the last stage (forward and
+    backward in one call)."""
+    clean_from = _trained(pipe.report()) + (STALENESS_WINDOW + IN_FLIGHT) * BATCH
+
+    def measured(report: dict) -> bool:
+        rows = [_rows(report, name, "online") for name in ("layer0", "layer2")]
+        return all(len(r) == 1 and r[0]["staleness"] for r in rows) and _trained(report) >= clean_from
+
+    wait_until(lambda: measured(pipe.report()), 90, interval_s=0.5, what="a window of updates after the kill")
+    report = pipe.harness.status(pipe.run, pipe.maddr)  # the CLI
+    assert measured(report), report["swarms"]
+    first, last = _rows(report, "layer0")[0]["staleness"], _rows(report, "layer2")[0]["staleness"]
+    assert 1 <= first["max"] <= 3 * IN_FLIGHT  # other lanes' updates land between a forward and its backward
+    assert 0 < first["mean"] <= first["p95"] <= first["max"]
+    assert last == {"mean": 0.0, "p95": 0.0, "max": 0}
+    assert report["summary"]["layer0"]["staleness_max"] == first["max"]
+
+
+def test_export_then_eval_reproduces_the_reported_accuracy(pipe):
+    """One peer per stage now (the killed middle peer's record expired): an export takes one copy of each
+    layer, so it reproduces the pipeline's published figure only when that figure was measured through those
+    same copies. The driver finishes (drains, evaluates once more, pauses): the swarm's weights stop moving,
+    and the published accuracy is of exactly those weights."""
+    driver = pipe.procs["layer0"]
+    wait_until(lambda: [len(_rows(pipe.report(), f"layer{k}", "online")) for k in (1, 2)] == [1, 1], 30,
+               interval_s=0.5, what="one online peer in layer1 and in layer2")
+    ctl = pipe.harness.start("ctl", "finish", "--swarm", "layer0", "--json", name="ctl")
+    assert ctl.wait(60) == 0, ctl.stderr()
+
+    def paused_with_evaluation():
+        rows = _rows(pipe.report(), "layer0")
+        return rows and rows[0]["state"] == "paused" and "final evaluation" in driver.stdout()
+
+    wait_until(paused_with_evaluation, 90, interval_s=0.5, what="layer0 paused with a final evaluation")
+    # (or with "the final evaluation could not run": then the published figure is of weights that moved since)
+    assert "final evaluation of the pipeline:" in driver.stdout(), driver.stdout()[-2000:]
+
+    model = pipe.tmp / "model.pt"
+    export = pipe.harness.start("export", "--run", str(pipe.run), "--initial-peers", pipe.maddr, "--out", str(model),
+                                "--json", name="export")
+    assert export.wait(120) == 0, export.stderr()
+    reported = json.loads(export.stdout().strip().splitlines()[-1])["reported"]
+    evaluated = pipe.harness.start("eval", "--model", str(model), "--json", name="eval")
+    assert evaluated.wait(120) == 0, evaluated.stderr()
+    result = json.loads(evaluated.stdout().strip().splitlines()[-1])
+    assert reported["state"] == "paused"
+    assert result["test_accuracy"] == reported["test_accuracy"]
+    assert abs(result["test_loss"] - reported["test_loss"]) < 1e-4
+
+
 def test_a_clean_stop_of_the_driver_counts_every_sample_once(pipe):
-    """After a middle peer was killed: every sample the driver counts as trained went through every stage
-    exactly once, and `volunteer status` (the CLI) shows it offline with nothing lost."""
+    """After a middle peer was killed and the driver finished: every sample the driver counts as trained went
+    through every stage exactly once, and `volunteer status` (the CLI) shows it offline with nothing lost."""
     driver = pipe.procs["layer0"]
     driver.signal(signal.SIGINT)
     assert driver.wait(30) == 0

@@ -88,7 +88,7 @@ def test_dashboard_shows_the_swarm_and_q_leaves_cleanly(swarm, tmp_path):
 
         term.press(b"q")
         assert term.proc.wait(60) == 0
-        reported = swarm.status(run, maddr)
+        reported = swarm.reader(run, maddr).report()  # what `volunteer status` prints (the CLI: test_foundation)
         # offline, or already gone (the offline record lives one record lifetime: 3 s here)
         assert all(row["state"] == "offline" for row in reported["swarms"]["layer0"])
     finally:
