@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import finish, machine_notes, parser, ratio, rounded, say, write_run
+from benchmarks.common import finish, machine_notes, parser, ratio, rounded, say, wait_until, write_run
 from benchmarks.fleet import Fleet
 from benchmarks.staleness import present, true_accuracies, wait_online
 
@@ -141,11 +141,16 @@ def _cell(fleet: Fleet, maddr: str, label: str, config: dict[str, Any], peers: i
     run = RunConfig.model_validate(config)
     path = write_run(fleet.workdir / f"{label}.yaml", config)
     counts = {k: peers for k in range(stages)}
-    procs = [fleet.join(f"{label}-layer{k}-{m}", path, f"layer{k}", maddr) for k, n in counts.items() for m in range(n)]
     hogs = [fleet.start(f"{label}-busy{i}", [sys.executable, "-c", "while True: pass"]) for i in range(busy)]
     reader = HostilePeer(run, [maddr], fleet.workdir / f"{label}-reader.key", process_group=fleet._process_group(),
                          heartbeat_s=1.0)
+    # the other swarms fill first and the drivers start together: a driver that trained alone while 15 processes
+    # started on 2 cores put the first sample past 100k samples, and the 10k point out of reach
+    procs = [fleet.join(f"{label}-layer{k}-{m}", path, f"layer{k}", maddr) for k in range(1, stages) for m in range(peers)]
     try:
+        wait_until(lambda: all(len(reader.online(f"layer{k}")) >= peers for k in range(1, stages)), START_TIMEOUT_S,
+                   "the swarms after layer0 online", interval_s=1.0)
+        procs += [fleet.join(f"{label}-layer0-{m}", path, "layer0", maddr) for m in range(peers)]
         wait_online(reader, counts, procs)
         oracle = CopyOracle(reader)
         curve, t0 = [], time.monotonic()
@@ -166,7 +171,14 @@ def _cell(fleet: Fleet, maddr: str, label: str, config: dict[str, Any], peers: i
     return {"curve": curve, "final_accuracy_min": curve[-1][1] if curve else None,
             "trained": sum(r.trained for r in drivers), "lost": sum(r.lost for r in drivers),
             "heals": sum(r.heals for rows in records.values() for r in rows),
-            "samples_per_s": curve[-1][0] / curve[-1][2] if curve and curve[-1][2] else None}
+            "samples_per_s": _rate(curve)}
+
+
+def _rate(curve: list[tuple[int, float, float]]) -> float | None:
+    """Samples per second between the first and the last sample (training began before the first one)."""
+    if len(curve) < 2 or curve[-1][2] <= curve[0][2]:
+        return None
+    return (curve[-1][0] - curve[0][0]) / (curve[-1][2] - curve[0][2])
 
 
 class LocalBaseline:

@@ -32,7 +32,9 @@ def honest(run: RunConfig, k: int) -> Callable:
         if op in ("backward", "forward_backward"):
             # tiny: the same gradient every time never stops pushing, and a larger one overflowed the real layer0
             # copy within a few hundred updates (its guard then refused them, as it should)
-            grad = torch.full(tuple(d or batch for d in stage_input_spec(run.model, k).shape), 1e-4)
+            # and zero-mean: a constant one pushed every output of layer0 down until each of its ReLUs died (its
+            # collapse rule then, rightly, called the copy sick)
+            grad = 1e-4 * torch.randn(tuple(d or batch for d in stage_input_spec(run.model, k).shape))
             return [grad], {"ok": True, "loss": 0.5} if op == "forward_backward" else {"ok": True}
         if op == "evaluate":
             return [], {"ok": True, "loss_sum": 0.5 * batch, "correct": batch // 2, "count": batch}

@@ -147,7 +147,7 @@ def test_exchange_adopts_the_copy_that_scores_better_here_never_the_liar_that_cl
     # wide here (test_averaging_poison.py tests them). The liar serves random weights and claims a
     # loss of 0.01 and 10^6 samples; "good" serves a trained copy and claims nothing special.
     run = _run("avgval", {"mode": "dpwa", "fetch_probability": 0.0,
-                          "exchange": {"every_samples": 1000, "margin": 0.02, "candidates": 2},
+                          "exchange": {"every_samples": 256, "margin": 0.02, "candidates": 2},
                           "influence": {"max_distance_ratio": 100.0, "max_step_ratio": 1.0}})
     pipe = Pipeline(run)
     try:
@@ -167,7 +167,10 @@ def test_exchange_adopts_the_copy_that_scores_better_here_never_the_liar_that_cl
         # Until an exchange has decided (it counts itself before it scores the copies, which takes a while
         # on a loaded machine): waiting on ``exchanges`` alone asserted before the decision.
         stats = honest.averaging.stats
-        pipe.train_until(driver, 1000, lambda: stats.adopted + stats.kept_own >= 1)
+        # The first exchange comes after 256 samples: a seeded copy trained on 1000 samples behind a trained layer0
+        # came within 5 % of "good" (validation loss 0.255 vs 0.270 in one run, 0.252 vs 0.235 in another), a
+        # coin flip and not the rule under test.
+        pipe.train_until(driver, 256, lambda: stats.adopted + stats.kept_own >= 1)
         assert stats.exchanges >= 1 and stats.adopted >= 1, stats
         adoptions = [text for _, kind, text in honest.events if kind == "adopted"]
         assert adoptions and all(good_id[-8:] in text for text in adoptions), adoptions
