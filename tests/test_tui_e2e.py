@@ -76,7 +76,8 @@ def test_dashboard_shows_the_swarm_and_q_leaves_cleanly(swarm, tmp_path):
     try:
         def dashboard_ready():
             screen = term.text()
-            return "ONLINE" in screen and "layer1" in screen and "samples/s" in screen
+            # my own row in the peers table ("you") comes with the first read of my own record, after the rest
+            return "ONLINE" in screen and "layer1" in screen and "samples/s" in screen and "you" in screen
 
         try:
             wait_until(dashboard_ready, 90, interval_s=0.5, what="the dashboard to show the online swarm")
