@@ -158,6 +158,8 @@ def _cell(fleet: Fleet, maddr: str, label: str, config: dict[str, Any], peers: i
             time.sleep(args.sample_s)
             drivers = present(reader, 0)
             trained = sum(r.trained for r in drivers)
+            if curve:  # a driver whose record is late drops out of the sum for a read: samples never go back
+                trained = max(trained, curve[-1][0])
             accuracies = true_accuracies(reader, oracle, stages)
             if accuracies:
                 curve.append((trained, min(accuracies), round(time.monotonic() - t0, 1)))
