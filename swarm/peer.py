@@ -238,8 +238,7 @@ class SwarmPeer:
                             f"{exc}); the last published figure keeps its age")
                 continue
             self._stamp_evaluation()
-            text = f"test loss {loss:.3f}" + (f", accuracy {accuracy:.1%}" if accuracy is not None else "")
-            self.notify("info", "evaluated", f"evaluated the pipeline: {text}")
+            self.notify("info", "evaluated", f"evaluated the pipeline: {_evaluation_text(accuracy, loss)}")
 
     def start_final_evaluation(self, deadline_s: float) -> concurrent.futures.Future | None:
         """layer0, when it finishes (our weights have stopped moving): one more evaluation of the pipeline,
@@ -269,8 +268,7 @@ class SwarmPeer:
                 await asyncio.sleep(1.0)
                 continue
             self._stamp_evaluation()
-            text = f"test loss {loss:.3f}" + (f", accuracy {accuracy:.1%}" if accuracy is not None else "")
-            self.notify("info", "evaluated", f"final evaluation of the pipeline: {text}")
+            self.notify("info", "evaluated", f"final evaluation of the pipeline: {_evaluation_text(accuracy, loss)}")
             return True
         self.notify("warning", "evaluated", f"the final evaluation could not run ({reason or 'no time left'}); "
                     "the last published figure keeps its age")
@@ -415,3 +413,7 @@ class SwarmPeer:
                            waiting_for=d.waiting_for, blocked_reason=d.blocked_reason, test_accuracy=d.eval_accuracy,
                            test_loss=d.eval_loss, eval_samples=d.eval_at_samples, eval_at=self._eval_at,
                            eval_version=self._eval_version)
+
+
+def _evaluation_text(accuracy: float | None, loss: float) -> str:
+    return f"test loss {loss:.3f}" + (f", accuracy {accuracy:.1%}" if accuracy is not None else "")

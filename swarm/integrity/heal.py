@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from swarm.integrity.health import HealthMonitor, batch_spread, collapse_reason, live_share, outputs_collapsed
+from swarm.integrity.health import HealthMonitor
 
 logger = logging.getLogger(__name__)
 
@@ -120,12 +120,7 @@ class Healer:
         if probe is None:
             return False
         with torch.no_grad():
-            outputs = self.worker.module(probe)
-        live, healthy = live_share(outputs), self.health.healthy_live()
-        if outputs_collapsed(live, batch_spread(probe.float()), healthy):
-            self.health.mark_sick(collapse_reason(live, healthy, outputs[0].numel()))
-            return True
-        return False
+            return self.health.judge_collapse(probe, self.worker.module(probe))
 
     def on_step(self, info: Any) -> None:
         self._steps += 1

@@ -183,6 +183,14 @@ class HealthMonitor:
         the demo's layer0 went 100% -> 12% -> 0% live; a snapshot's share would follow it down)."""
         return self.live_peak
 
+    def judge_collapse(self, inputs, outputs) -> bool:
+        """One batch of our own data, now (a snapshot about to be kept): collapsed outputs make the copy sick."""
+        live, healthy = live_share(outputs), self.healthy_live()
+        if outputs_collapsed(live, batch_spread(inputs.float()), healthy):
+            self.mark_sick(collapse_reason(live, healthy, outputs[0].numel()))
+            return True
+        return False
+
     def observe_live(self, live: float, in_spread: float, features: int = 0) -> None:
         healthy = self.healthy_live()
         if outputs_collapsed(live, in_spread, healthy):
