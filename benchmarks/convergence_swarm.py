@@ -21,6 +21,10 @@ classes per shard).
     python -m benchmarks.convergence_swarm --json [--quick] [--optimizers adam] [--busy 0,2]
         [--peers 1,2,4] [--modes none,dpwa] [--partitions iid] [--plot curves.png]
 
+Sampling starts with the first driver that trains (the others may still be joining on a busy machine); a
+sample evaluates only the chains of drivers that have trained. A curve row is (run-wide samples, worst
+chain's accuracy, seconds since the first driver trained, chains evaluated).
+
 Prints one JSON object: per cell the curve, the accuracy and ratio at each point, heals and lost
 micro-batches; ``diverged_cells`` (final true accuracy of some chain at or below 0.5: chance is 0.1)
 and ``worst_accuracy_ratio`` (the worst cell's ratio at the last point it reached). ``--quick`` runs one
@@ -38,7 +42,7 @@ from typing import Any
 
 from benchmarks.common import finish, machine_notes, parser, ratio, rounded, say, wait_until, write_run
 from benchmarks.fleet import Fleet
-from benchmarks.staleness import present, true_accuracies, wait_online
+from benchmarks.staleness import present, true_accuracies, wait_first_driver
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from copies import CopyOracle  # noqa: E402
@@ -151,7 +155,9 @@ def _cell(fleet: Fleet, maddr: str, label: str, config: dict[str, Any], peers: i
         wait_until(lambda: all(len(reader.online(f"layer{k}")) >= peers for k in range(1, stages)), START_TIMEOUT_S,
                    "the swarms after layer0 online", interval_s=1.0)
         procs += [fleet.join(f"{label}-layer0-{m}", path, "layer0", maddr) for m in range(peers)]
-        wait_online(reader, counts, procs)
+        # sampling starts with the first driver that trains, not the last: on 2 busy cores the drivers come online
+        # tens of seconds apart, and the first one alone put the first sample past 24k-153k samples
+        wait_first_driver(reader, procs)
         oracle = CopyOracle(reader)
         curve, t0 = [], time.monotonic()
         while time.monotonic() - t0 < args.cell_limit_s:
@@ -160,9 +166,9 @@ def _cell(fleet: Fleet, maddr: str, label: str, config: dict[str, Any], peers: i
             trained = sum(r.trained for r in drivers)
             if curve:  # a driver whose record is late drops out of the sum for a read: samples never go back
                 trained = max(trained, curve[-1][0])
-            accuracies = true_accuracies(reader, oracle, stages)
+            accuracies = true_accuracies(reader, oracle, stages, trained_only=True)
             if accuracies:
-                curve.append((trained, min(accuracies), round(time.monotonic() - t0, 1)))
+                curve.append((trained, min(accuracies), round(time.monotonic() - t0, 1), len(accuracies)))
             if trained >= points[-1] and curve and curve[-1][0] >= points[-1]:
                 break
         records = {k: present(reader, k) for k in range(stages)}
@@ -176,7 +182,7 @@ def _cell(fleet: Fleet, maddr: str, label: str, config: dict[str, Any], peers: i
             "samples_per_s": _rate(curve)}
 
 
-def _rate(curve: list[tuple[int, float, float]]) -> float | None:
+def _rate(curve: list[tuple[int, float, float, int]]) -> float | None:
     """Samples per second between the first and the last sample (training began before the first one)."""
     if len(curve) < 2 or curve[-1][2] <= curve[0][2]:
         return None
@@ -211,9 +217,9 @@ def _compare(cell: dict[str, Any], config: dict[str, Any], points: tuple[int, ..
         later = [row for row in cell["curve"] if row[0] >= point]
         if not later:
             continue
-        samples, accuracy, _ = later[0]
+        samples, accuracy, _, chains = later[0]
         local = baseline.accuracy(config, samples)
-        out["at"][str(point)] = {"samples": samples, "swarm": accuracy, "local": local}
+        out["at"][str(point)] = {"samples": samples, "swarm": accuracy, "local": local, "chains": chains}
         out["ratios"][str(point)] = ratio(accuracy, local)
     return out
 

@@ -135,6 +135,16 @@ def wait_online(reader: HostilePeer, counts: dict[int, int], procs: list[Any]) -
     wait_until(ready, START_TIMEOUT_S, "every swarm online and layer0 training", interval_s=1.0)
 
 
+def wait_first_driver(reader: HostilePeer, procs: list[Any]) -> None:
+    """Until one layer0 driver is online and has trained (the others may still be joining)."""
+    def ready() -> bool:
+        for proc in procs:
+            proc.check_running()
+        return any(r.trained > 0 for r in reader.online("layer0"))
+
+    wait_until(ready, START_TIMEOUT_S, "a layer0 driver online and training", interval_s=0.5)
+
+
 def present(reader: HostilePeer, k: int) -> list[Any]:
     """The peers of a swarm that have not left (a copy that is healing, or whose heartbeat is late on a busy
     machine, still holds weights to evaluate), ordered by peer id."""
@@ -148,12 +158,16 @@ def _sample(reader: HostilePeer, oracle: CopyOracle, t: float) -> dict[str, Any]
             "evaluations": published, "true": true_accuracies(reader, oracle)}
 
 
-def true_accuracies(reader: HostilePeer, oracle: CopyOracle, stages: int = STAGES) -> list[float]:
+def true_accuracies(reader: HostilePeer, oracle: CopyOracle, stages: int = STAGES, *,
+                    trained_only: bool = False) -> list[float]:
     """The pipeline through each driver's layer0 copy and the other swarms' first peer, evaluated here
-    (a copy that cannot be pulled right now leaves its chain out of this sample)."""
+    (a copy that cannot be pulled right now leaves its chain out of this sample). ``trained_only``: only
+    drivers that have trained a sample (one still joining or syncing holds no copy of its own yet)."""
     views = {k: present(reader, k) for k in range(stages)}
     out = []
     for driver in views[0]:
+        if trained_only and (driver.state in ("joining", "syncing") or driver.trained <= 0):
+            continue
         chain = {"layer0": driver.peer_id, **{f"layer{k}": views[k][0].peer_id for k in range(1, stages) if views[k]}}
         if len(chain) < stages:
             continue
