@@ -172,7 +172,8 @@ class HostilePeer:
         """Announce (and keep announcing every heartbeat) a signed record of ours in ``swarm``."""
         from volunteer import __version__
 
-        record = MemberRecord(peer_id=self.peer_id, state=state, version=__version__,
+        fields.setdefault("version", __version__)
+        record = MemberRecord(peer_id=self.peer_id, state=state,
                               started_at=float(self._started_at), updated_at=float(time.time()), shard=shard,
                               **fields)
         self._record = (swarm, record)

@@ -29,6 +29,26 @@ class UserError(Exception):
     """A mistake the user can fix; printed without a traceback, exit status 2."""
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0-65535; 0 picks a free one)") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is outside 0-65535 (0 picks a free one)")
+    return port
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a positive number of seconds")
+    return value
+
+
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logs (-vv: debug)")
 
@@ -82,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run(status)
     status.add_argument("--json", action="store_true")
     status.add_argument("--timeout-s", type=float, default=30.0)
+    status.add_argument("--serve", type=_port, default=None, metavar="PORT",
+                        help="keep reading and serve the run health page on this port (0: a free one) until Ctrl+C")
+    status.add_argument("--serve-host", default="127.0.0.1",
+                        help="address the page listens on (default 127.0.0.1; 0.0.0.0 shows it to others)")
+    status.add_argument("--every-s", type=_positive, default=5.0, help="--serve: seconds between reads of the DHT")
     status.add_argument("--data-dir", default=None,
                         help="where this machine's contribution is kept (default: preferences, then the user data dir)")
     status.add_argument("--prefs", default=None, help="volunteer.yaml with local preferences")

@@ -1,4 +1,5 @@
-"""`volunteer status`: every swarm of a run, read from the DHT."""
+"""`volunteer status`: every swarm of a run, read from the DHT (``--serve PORT``: the run health page,
+volunteer_cli/commands/status_serve.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def run_status(args: argparse.Namespace) -> int:
         raise UserError("no bootstrap peers: pass --initial-peers MADDR or list bootstrap_peers in the run config")
     from volunteer_cli.commands.common import setup_process
 
-    watchdog, _ = setup_process(args.verbose)
+    watchdog, shutdown = setup_process(args.verbose)
     from swarm.lightdht import ReaderSettings, light_hivemind, start_reader
 
     light_hivemind()  # a reader needs hivemind's DHT, not torch: 1-5 s less (swarm/lightdht.py)
@@ -38,7 +39,14 @@ def run_status(args: argparse.Namespace) -> int:
             dht = start_reader(settings, make_validators(run.run_id, run.swarm_names, None))
         except DHTStartError as exc:
             raise UserError(str(exc)) from None
-        views = Membership(dht, run, b"").read_all()
+        membership = Membership(dht, run, b"")
+        if args.serve is not None:
+            from volunteer_cli.commands.status_serve import serve
+
+            serve(lambda: build_report(run, membership.read_all(), now=time.time()), args.serve_host, args.serve,
+                  args.every_s, shutdown.event, announce=lambda text: print(text, flush=True))
+            return 0
+        views = membership.read_all()
     finally:
         if dht is not None:
             dht.shutdown()
