@@ -24,6 +24,7 @@ import asyncio
 import itertools
 import logging
 import math
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 
 from swarm.data import Dataset, MicroBatches
+from swarm.depth import DepthController
 from swarm.hops import (  # noqa: F401  (DriverStats, DriverStopped, HopGivenUp: re-exported for callers)
     Blockage,
     CallStage,
@@ -49,6 +51,14 @@ from swarm.stage import EVAL_BATCH, StageWorker
 from swarm.stage_rpc import Traffic, call_stage
 
 logger = logging.getLogger(__name__)
+
+
+def lanes_cap(run: RunConfig) -> int:
+    """Lanes a driver runs: ``in_flight``, or with ``auto`` the most it may use (``in_flight_max``, and no
+    more than a stage serves one driver at once)."""
+    if run.training.in_flight != "auto":
+        return int(run.training.in_flight)
+    return max(1, min(run.training.in_flight_max, run.integrity.max_in_flight_per_requester))
 
 REFUSED_BACKOFF_BASE_S = 0.2
 SICK_POLL_S = 0.5
@@ -85,6 +95,11 @@ class PipelineDriver:
         self._refused_streak = 0
         self._bugs_seen: set[str] = set()
         self.in_flight = 0
+        self._started = 0  # micro-batches started so far (a round trip was alone if none started meanwhile)
+        cap = lanes_cap(run)
+        self.depth = DepthController(cap=cap) if run.training.in_flight == "auto" else None
+        self.allowed = self.depth.depth if self.depth is not None else cap  # lanes that may take work now
+        self._depth_changed: asyncio.Event | None = None  # set (and replaced) whenever ``allowed`` changes
 
     # ----- control (called in the loop thread)
     def cover_shards(self, unheld: Any) -> None:
@@ -117,20 +132,25 @@ class PipelineDriver:
     def stop(self) -> None:
         self._stopping = True
         self._running.set()
+        self._set_allowed(lanes_cap(self.run))  # waiting lanes wake and see the stop
 
     # ----- training
     async def run_forever(self) -> None:
-        lanes = [asyncio.create_task(self._lane()) for _ in range(self.run.training.in_flight)]
+        self._depth_changed = asyncio.Event()
+        lanes = [asyncio.create_task(self._lane(i)) for i in range(lanes_cap(self.run))]
         try:
             await asyncio.gather(*lanes)
         finally:
             for lane in lanes:
                 lane.cancel()
 
-    async def _lane(self) -> None:
-        """Micro-batches one after another; nothing a peer sends, and no bug in one micro-batch, ends it."""
+    async def _lane(self, index: int = 0) -> None:
+        """Micro-batches one after another; nothing a peer sends, and no bug in one micro-batch, ends it.
+        Lane ``index`` takes work only while fewer lanes than ``allowed`` would be busy (``in_flight: auto``)."""
         while not self._stopping:
             await self._running.wait()
+            while index >= self.allowed and not self._stopping and self._depth_changed is not None:
+                await self._depth_changed.wait()
             if self._stopping:
                 return
             x, ids = self.batches.next_with_ids()
@@ -151,6 +171,8 @@ class PipelineDriver:
         batch = int(x.shape[0])
         self.stats.sent += batch
         self.in_flight += 1
+        self._started += 1
+        started_at, started_n, alone = time.monotonic(), self._started, self.in_flight == 1
         try:
             if stages == 1:
                 loss, _ = await self._own(self.worker.forward_backward, mb, x, self.dataset.y_train[ids])
@@ -164,6 +186,7 @@ class PipelineDriver:
             self.in_flight -= 1
         self.stats.trained += batch
         self.stats.microbatches += 1
+        self._completed(started_at, alone and self._started == started_n)
         self.stats.last_loss = loss
         self._refused_streak = 0
         self.blockage.clear()
@@ -211,6 +234,27 @@ class PipelineDriver:
                     if self._stopping:
                         raise DriverStopped() from None
                     await asyncio.sleep(SICK_POLL_S)
+
+    def _completed(self, started_at: float, alone: bool) -> None:
+        """``in_flight: auto``: feed the round trip to the depth controller; wake lanes when it allows more."""
+        if self.depth is None:
+            return
+        now = time.monotonic()
+        self.depth.completed(now, now - started_at, alone)
+        allowed = self.depth.decide(now)
+        self.stats.depth = allowed
+        if allowed != self.allowed:
+            if allowed != 1 and self.allowed != 1:  # not the brief probes of the shortest round trip
+                logger.info("micro-batches in flight: %d -> %d (round trip %.0f ms, %.1f micro-batches/s)",
+                            self.allowed, allowed, (self.depth.rtt_s or 0) * 1000, self.depth.rate_per_s)
+            self._set_allowed(allowed)
+
+    def _set_allowed(self, allowed: int) -> None:
+        """Change the lanes that may work, and wake the waiting ones to look (in the loop thread)."""
+        self.allowed = allowed
+        if self._depth_changed is not None:
+            woken, self._depth_changed = self._depth_changed, asyncio.Event()
+            woken.set()
 
     async def _refused(self, exc: Refused) -> None:
         """A stage refused a micro-batch: count it, say why, back off (exponential, capped)."""

@@ -84,6 +84,7 @@ class DriverStats:
     eval_loss: float | None = None
     eval_at_samples: int = 0
     hop_ms: dict[str, float] = field(default_factory=dict)
+    depth: int = 0  # in_flight auto: the lanes allowed to work now (0: a fixed in_flight)
 
 
 class Blockage:

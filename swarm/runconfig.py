@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -20,7 +20,7 @@ RUN_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,47}$"
 HASH_EXCLUDED_FIELDS = frozenset({"bootstrap_peers", "timeouts"})
 # Fields added after runs existed count in the run id only when set: a run that does not use them keeps
 # its id, so clients before and after them still train together.
-HASH_WHEN_SET = {("training", "end_at_target"): False, ("training", "sample_budget"): 0}
+HASH_WHEN_SET = {("training", "end_at_target"): False, ("training", "sample_budget"): 0, ("training", "in_flight_max"): 16}
 
 
 class CrossFieldError(ValueError):
@@ -109,7 +109,20 @@ class OptimizerConfig(_Strict):
 
 class TrainingConfig(_Strict):
     batch_size: int = Field(32, ge=1, le=65536)
-    in_flight: int = Field(4, ge=1, le=256, description="micro-batches in flight per driver")
+    in_flight: Annotated[int, Field(ge=1, le=256)] | Literal["auto"] = Field(
+        4, description="micro-batches in flight per driver; auto: enough to cover the measured round trip x "
+        "throughput, up to in_flight_max (swarm/depth.py)")
+    in_flight_max: int = Field(16, ge=1, le=256, description="in_flight auto: at most this many (memory and "
+                               "staleness bound; a stage also serves one driver at most "
+                               "integrity.max_in_flight_per_requester at once)")
+
+    @field_validator("in_flight", mode="before")
+    @classmethod
+    def _in_flight(cls, value: object) -> object:
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 256):
+            return value
+        raise ValueError("in_flight is a whole number from 1 to 256 or 'auto'; write e.g. 4, or "
+                         "auto to let the driver cover the measured round trip")
     wire_dtype: Literal["float32", "float16"] = "float32"
     max_payload_mb: float = Field(256.0, gt=0.0, description="largest tensor payload a stage accepts")
     eval_every_s: float = Field(10.0, gt=0.0)
