@@ -89,7 +89,19 @@ def summarize_run(samples: list[Sample], attack_at: float, attack_s: float, afte
         "stale_eval_unlabelled_s": longest_unlabelled_stale_s(samples),
         "killed": bool(stalled or (final_accuracy is not None and final_accuracy <= KILLED_ACCURACY)),
         "samples": len(samples),
+        "curve": [(s.trained, s.true_accuracy) for s in samples if s.true_accuracy is not None],
     }
+
+
+def equal_samples_ratio(run: dict[str, Any], base: dict[str, Any]) -> float | None:
+    """The run's final true accuracy over the clean run's at the first sample that had trained as many
+    samples (None if the clean run never got there). A run the machine slowed down (busy loops, an attacker's
+    CPU) trains fewer samples in the same time; this says whether it learned as much from each one."""
+    if not run.get("curve") or not base.get("curve"):
+        return None
+    trained, accuracy = run["curve"][-1]
+    later = [acc for done, acc in base["curve"] if done >= trained]
+    return _ratio(accuracy, later[0]) if later else None
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -106,6 +118,7 @@ def summary(results: dict[str, dict[str, Any]], clean: dict[tuple, dict[str, Any
         after = _ratio(run["accuracy_after"], base["accuracy_after"])
         run["accuracy_ratio_during"], run["accuracy_ratio_after"] = during, after
         run["throughput_ratio_during"] = _ratio(run["rate_during"], base["rate_during"])
+        run["accuracy_ratio_equal_samples"] = equal_samples_ratio(run, base)
         ratios = [r for r in (during, after) if r is not None]
         report[f"{name}_accuracy_ratio"] = min(ratios) if ratios else None
     refusals = {n: r.get("refused_after_s") for n, r in results.items() if "refused_after_s" in r}
@@ -117,6 +130,7 @@ def summary(results: dict[str, dict[str, Any]], clean: dict[tuple, dict[str, Any
     stale = {n: r["stale_eval_unlabelled_s"] for n, r in results.items()}
     report["stale_eval_unlabelled"] = any(v > 2 * EVAL_EVERY_S for v in stale.values())
     report["stale_eval_unlabelled_s"] = stale
+    report["equal_samples_ratio"] = {n: r["accuracy_ratio_equal_samples"] for n, r in results.items()}
     report["attacks"] = results
     report["clean"] = {"-".join(map(str, k)): v for k, v in clean.items()}
     return report

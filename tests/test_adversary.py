@@ -198,3 +198,12 @@ def test_the_benchmark_flags_a_stale_evaluation_and_a_stalled_run():
     assert figures["killed"] and figures["accuracy_after"] == pytest.approx(0.1)
     dated = [dataclasses.replace(s, published_labelled=True) for s in series]
     assert longest_unlabelled_stale_s(dated) == 0.0, "an evaluation that says its age is not hidden staleness"
+
+
+def test_a_slowed_run_is_also_compared_at_equal_samples():
+    from benchmarks.adversary_metrics import equal_samples_ratio
+
+    clean = {"curve": [(1000, 0.5), (4000, 0.8), (9000, 0.9)]}
+    slowed = {"curve": [(500, 0.3), (3000, 0.76)]}  # a third of the samples in the same time
+    assert equal_samples_ratio(slowed, clean) == pytest.approx(0.76 / 0.8)
+    assert equal_samples_ratio({"curve": [(20000, 0.9)]}, clean) is None  # the clean run never trained as many
