@@ -26,7 +26,8 @@ STATES = ("joining", "syncing", "online", "paused", "finishing", "healing", "off
 ROUTABLE_STATES = frozenset({"online"})
 OWNER_PREFIX = b"[owner:"
 MAX_VERSION_CHARS = 64
-OPTIONAL_FIELDS = frozenset({"staleness_mean", "staleness_p95", "staleness_max"})  # newer than some clients
+# newer than some clients: a record without them parses with the defaults
+OPTIONAL_FIELDS = frozenset({"staleness_mean", "staleness_p95", "staleness_max", "mbps_in", "mbps_out"})
 
 
 @dataclass(slots=True, frozen=True)
@@ -57,6 +58,9 @@ class MemberRecord:
     staleness_mean: float = -1.0
     staleness_p95: float = -1.0
     staleness_max: int = -1
+    # this peer's traffic over its last heartbeat, Mb/s (swarm/traffic.py); -1 = not published
+    mbps_in: float = -1.0
+    mbps_out: float = -1.0
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -103,6 +107,8 @@ class _MemberValueSchema(pydantic_v1.BaseModel):
     staleness_mean: Optional[pydantic_v1.StrictFloat] = None
     staleness_p95: Optional[pydantic_v1.StrictFloat] = None
     staleness_max: Optional[pydantic_v1.StrictInt] = None
+    mbps_in: Optional[pydantic_v1.StrictFloat] = None
+    mbps_out: Optional[pydantic_v1.StrictFloat] = None
 
     class Config:
         extra = pydantic_v1.Extra.forbid
@@ -178,6 +184,9 @@ def parse_member(subkey: Any, value: Any, now: float) -> MemberRecord | None:
         if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= -1 for v in
                    (record.staleness_mean, record.staleness_p95, record.staleness_max)):
             raise ValueError("staleness figures must be finite numbers, -1 for none")
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) and -1 <= v < 1e6
+                   for v in (record.mbps_in, record.mbps_out)):
+            raise ValueError("traffic figures must be finite Mb/s below 10^6, -1 for none")
         return record
     except (TypeError, ValueError) as exc:
         logger.warning("skipping a bad membership record: %s", exc)

@@ -43,6 +43,7 @@ from swarm.integrity.health import SickCopy
 from swarm.integrity.labels import WrongShard
 from swarm.stage import NeedInput, StageWorker
 from swarm.stage_gate import SERVED_OPS, UPDATE_OPS, Outcome, StageGate
+from swarm.traffic import Traffic  # noqa: F401  (re-exported: the RPC modules count their bytes in it)
 from swarm.wire import (
     UNARY_LIMIT_BYTES,
     WireError,
@@ -71,12 +72,6 @@ class StageError(RuntimeError):
         self.code = code
 
 
-@dataclass(slots=True)
-class Traffic:
-    bytes_in: int = 0
-    bytes_out: int = 0
-
-
 class StageServicer(ServicerBase):
     """Serves one stage worker. Built with no arguments it only lends its signatures to stubs."""
 
@@ -93,22 +88,23 @@ class StageServicer(ServicerBase):
         self.active = 0  # requests being served right now (a leaving peer waits for these)
 
     async def rpc_call(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        self.traffic.bytes_in += sum(len(t.buffer) for t in request.tensors)
+        remote = str(context.remote_id)
+        self.traffic.count(remote, inbound=sum(len(t.buffer) for t in request.tensors))
         tensors, meta = await self._handle(list(request.tensors), request.metadata, context)
         serialized = encode_tensors(tensors, self.wire_dtype)
-        self.traffic.bytes_out += sum(len(t.buffer) for t in serialized)
+        self.traffic.count(remote, outbound=sum(len(t.buffer) for t in serialized))
         return runtime_pb2.ExpertResponse(tensors=serialized, metadata=pack_metadata(meta))
 
     async def rpc_call_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                               context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         try:
             serialized, metadata = await join_stream(requests, self.max_bytes)
-            self.traffic.bytes_in += sum(len(t.buffer) for t in serialized)
+            self.traffic.count(str(context.remote_id), inbound=sum(len(t.buffer) for t in serialized))
             tensors, meta = await self._handle(serialized, metadata, context)
         except WireError as exc:
             tensors, meta = [], _refusal("rejected", str(exc))
         out = encode_tensors(tensors, self.wire_dtype)
-        self.traffic.bytes_out += sum(len(t.buffer) for t in out)
+        self.traffic.count(str(context.remote_id), outbound=sum(len(t.buffer) for t in out))
         for message in split_message(out, pack_metadata(meta), runtime_pb2.ExpertResponse):
             yield message
 
@@ -269,8 +265,7 @@ async def call_stage(p2p: Any, peer_id: str, namespace: str, op: str, tensors: l
     elapsed = time.perf_counter() - started
     reply_meta = unpack_metadata(out_meta)
     if traffic is not None:
-        traffic.bytes_out += sent
-        traffic.bytes_in += sum(len(t.buffer) for t in out_serialized)
+        traffic.count(peer_id, inbound=sum(len(t.buffer) for t in out_serialized), outbound=sent)
     if not reply_meta:
         raise StageError("broken", f"{peer_id[-8:]} sent a reply without metadata (did it fail mid-reply?)")
     if reply_meta.get("ok") is not True:

@@ -11,9 +11,10 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import Sparkline, Static
 
 from tui.format import format_bytes, format_count, format_duration, format_loss, format_rate, format_staleness
-from volunteer.snapshot import NodeSnapshot
+from volunteer.snapshot import NodeSnapshot, short_id
 
 LABEL_WIDTH = 10  # "samples/s " and the figures below line up in one column
+LINKS_SHOWN = 3  # the busiest links under "Mb/s" (ctl status --json has up to 8)
 VALUE_WIDTH = 8  # "12,345" or "0.3201" right-aligned, one space before the sparkline
 
 
@@ -80,6 +81,10 @@ def figures_table(snapshot: NodeSnapshot) -> Table:
     if snapshot.gpu_memory_bytes is not None:
         grid.add_row("gpu mem", format_bytes(snapshot.gpu_memory_bytes))
     grid.add_row("in, out", f"{format_bytes(snapshot.bytes_in)}, {format_bytes(snapshot.bytes_out)}")
+    if snapshot.mbps_in > 0 or snapshot.mbps_out > 0:  # over the last heartbeat
+        grid.add_row("Mb/s", f"{snapshot.mbps_in:.2f} in, {snapshot.mbps_out:.2f} out")
+    for link in snapshot.links[:LINKS_SHOWN]:
+        grid.add_row(f"  {short_id(link.peer_id)}", f"{link.mbps_in:.2f} in, {link.mbps_out:.2f} out")
     return grid
 
 

@@ -105,6 +105,15 @@ class PeerRow:
 
 
 @dataclass(slots=True, frozen=True)
+class LinkRow:
+    """This node's traffic with one remote peer over the last heartbeat."""
+
+    peer_id: str
+    mbps_in: float
+    mbps_out: float
+
+
+@dataclass(slots=True, frozen=True)
 class SwarmRow:
     """Totals of one layer swarm."""
 
@@ -159,6 +168,9 @@ class NodeSnapshot:
     gpu_memory_bytes: int | None = None
     bytes_in: int = 0
     bytes_out: int = 0
+    mbps_in: float = 0.0  # over the last heartbeat (swarm/traffic.py)
+    mbps_out: float = 0.0
+    links: tuple[LinkRow, ...] = ()  # the busiest links over the last heartbeat, busiest first
     # the run
     swarms: tuple[SwarmRow, ...] = ()
     peers: tuple[PeerRow, ...] = ()  # my swarm's peers

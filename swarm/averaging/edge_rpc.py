@@ -77,20 +77,21 @@ class EdgeServicer(ServicerBase):
         self.traffic = traffic or Traffic()
 
     async def rpc_edge(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        self.traffic.bytes_in += sum(len(t.buffer) for t in request.tensors)
-        reply, tensors = await self._handle(list(request.tensors), request.metadata, str(context.remote_id))
-        self.traffic.bytes_out += sum(len(t.buffer) for t in tensors)
+        remote = str(context.remote_id)
+        self.traffic.count(remote, inbound=sum(len(t.buffer) for t in request.tensors))
+        reply, tensors = await self._handle(list(request.tensors), request.metadata, remote)
+        self.traffic.count(remote, outbound=sum(len(t.buffer) for t in tensors))
         return runtime_pb2.ExpertResponse(tensors=tensors, metadata=pack_metadata(reply))
 
     async def rpc_edge_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                               context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         try:
             serialized, metadata = await join_stream(requests, self._max_bytes())
-            self.traffic.bytes_in += sum(len(t.buffer) for t in serialized)
+            self.traffic.count(str(context.remote_id), inbound=sum(len(t.buffer) for t in serialized))
             reply, tensors = await self._handle(serialized, metadata, str(context.remote_id))
         except WireError as exc:
             reply, tensors = _refusal("rejected", str(exc)), []
-        self.traffic.bytes_out += sum(len(t.buffer) for t in tensors)
+        self.traffic.count(str(context.remote_id), outbound=sum(len(t.buffer) for t in tensors))
         for part in split_message(tensors, pack_metadata(reply), runtime_pb2.ExpertResponse):
             yield part
 
@@ -180,8 +181,7 @@ async def swap_edge_messages(p2p: Any, peer_id: str, run: Any, swarm: str, messa
     except Exception as exc:  # p2pd and stream errors come in many classes; callers need one
         raise ConnectionError(f"edge swap with {peer_id[-8:]} failed: {exc.__class__.__name__}: {exc}") from exc
     if traffic is not None:
-        traffic.bytes_out += sent
-        traffic.bytes_in += sum(len(t.buffer) for t in tensors)
+        traffic.count(peer_id, inbound=sum(len(t.buffer) for t in tensors), outbound=sent)
     reply = unpack_metadata(raw)
     if not reply.get("ok"):
         raise EdgeRefused(str(reply.get("code", "error"))[:40], str(reply.get("error", ""))[:500])

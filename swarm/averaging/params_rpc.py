@@ -90,7 +90,7 @@ class ParamsServicer(ServicerBase):
             })
             tensors = [(t, str(meta.get("wire_dtype"))) for t in state.params.values()]
             tensors += [(t, "float32") for t in optimizer.values()]  # float16 would flush Adam's 2nd moments
-            async for message in _stream(tensors, reply, self.traffic):
+            async for message in _stream(tensors, reply, self.traffic, str(context.remote_id)):
                 yield message
             self.served += 1
         finally:
@@ -113,7 +113,7 @@ class ParamsServicer(ServicerBase):
 
 
 async def _stream(tensors: list[tuple[torch.Tensor, str]], metadata: bytes,
-                  traffic: Traffic) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+                  traffic: Traffic, peer: str) -> AsyncIterator[runtime_pb2.ExpertResponse]:
     """Serialize tensor by tensor while the previous ones are on the wire; the metadata rides first."""
     from hivemind.utils.streaming import split_for_streaming
 
@@ -123,7 +123,7 @@ async def _stream(tensors: list[tuple[torch.Tensor, str]], metadata: bytes,
             (serialized,) = await asyncio.to_thread(encode_tensors, [tensor], wire_dtype)
         else:
             (serialized,) = encode_tensors([tensor], wire_dtype)
-        traffic.bytes_out += len(serialized.buffer)
+        traffic.count(peer, outbound=len(serialized.buffer))
         for part in split_for_streaming(serialized, PULL_CHUNK_BYTES):
             yield runtime_pb2.ExpertResponse(tensors=[part], metadata=metadata if first else b"")
             first = False
@@ -168,7 +168,7 @@ async def fetch_params(p2p: Any, peer_id: str, run: Any, swarm: str, timeout_s: 
         raise ConnectionError(f"pulling {swarm} from {peer_id[-8:]} failed: {exc.__class__.__name__}: {exc}") from exc
     received = sum(len(t.buffer) for t in serialized)
     if traffic is not None:
-        traffic.bytes_in += received
+        traffic.count(peer_id, inbound=received)
     reply = unpack_metadata(raw, MAX_PARAMS_METADATA_BYTES)
     if not reply.get("ok"):
         raise ParamsRefused(str(reply.get("code", "error"))[:40], str(reply.get("error", ""))[:500])

@@ -37,6 +37,9 @@ class Announcer:
         self._process: Any = None
         self._history_speed: deque[float] = deque(maxlen=SPARKLINE_POINTS)
         self._history_loss: deque[float] = deque(maxlen=SPARKLINE_POINTS)
+        from swarm.traffic import LinkRates
+
+        self.rates = LinkRates()
 
     def tick(self, now_s: float) -> None:
         if now_s >= self.next_beat_s:
@@ -83,7 +86,7 @@ class Announcer:
 
     def heartbeat(self) -> None:
         node, board = self.node, self.node.board
-        board.publish(**self.work_fields())
+        board.publish(**self.work_fields(), **self.traffic_fields())
         self.announce()
         try:
             self.read_views()
@@ -100,6 +103,18 @@ class Announcer:
         board.publish(**view_fields(self.views, node.run.swarm_names, node.swarm, snap.peer_id, time.time(), marked),
                       **self._resource_fields(), samples_per_s_history=tuple(self._history_speed),
                       loss_history=tuple(self._history_loss))
+
+    def traffic_fields(self) -> dict[str, Any]:
+        """Mb/s in and out since the last heartbeat, in all and on the busiest links (swarm/traffic.py)."""
+        peer = self.node.peer
+        if peer is None:
+            return {}
+        from volunteer.snapshot import LinkRow
+
+        self.rates.update(time.monotonic(), peer.traffic)
+        return {"mbps_in": round(self.rates.mbps_in, 3), "mbps_out": round(self.rates.mbps_out, 3),
+                "links": tuple(LinkRow(r.peer_id, round(r.mbps_in, 3), round(r.mbps_out, 3))
+                               for r in self.rates.busiest)}
 
     def rebalance_shard(self) -> None:
         """layer0: leave a shard another peer also holds for one nobody holds (peers that joined together)."""

@@ -65,6 +65,8 @@ def build_record(snap: NodeSnapshot, *, state: str, version: str, started_at_s: 
         eval_version=int(m.eval_version) if m else -1,
         heals=int(m.heals) if m else 0,
         **_staleness_fields(m),
+        mbps_in=round(float(snap.mbps_in), 3),
+        mbps_out=round(float(snap.mbps_out), 3),
     )
 
 

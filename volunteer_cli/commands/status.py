@@ -81,6 +81,7 @@ def build_report(run, views: dict, now: float, this_machine=None) -> dict:
                 "version": r.version, "throughput": round(r.throughput, 2), "loss": r.loss_or_none,
                 "clock": r.clock, "shard": r.shard_or_none, "served": r.served,
                 "trained": r.trained, "lost": r.lost, "staleness": _staleness(r),
+                "mbps_in": r.mbps_in if r.mbps_in >= 0 else None, "mbps_out": r.mbps_out if r.mbps_out >= 0 else None,
             })
             if name == "layer0" and (r.test_accuracy >= 0 or r.test_loss >= 0):
                 evaluations.append((r.eval_samples, r.updated_at, r))
@@ -90,7 +91,10 @@ def build_report(run, views: dict, now: float, this_machine=None) -> dict:
                          "throughput": round(sum(r.throughput for r in online), 2), "empty": not online,
                          # the worst copy of the swarm: how old the gradients it applies are, in updates
                          "staleness_p95": max((s[1] for s in measured), default=None),
-                         "staleness_max": max((s[2] for s in measured), default=None)}
+                         "staleness_max": max((s[2] for s in measured), default=None),
+                         # Mb/s through the swarm's online peers (each counts what it sent and received)
+                         "mbps_in": round(sum(max(0.0, r.mbps_in) for r in online), 3),
+                         "mbps_out": round(sum(max(0.0, r.mbps_out) for r in online), 3)}
         swarms[name] = rows
     from swarm.membership import idle_reason
 
@@ -156,6 +160,8 @@ def render_report(report: dict) -> str:
             loss = f"{row['loss']:.3f}" if row["loss"] is not None else "-"
             st = row.get("staleness")
             st_text = f"  staleness {st['mean']:.1f}/{st['p95']:.0f}/{st['max']}" if st else ""
+            if row.get("mbps_in") is not None:
+                st_text += f"  {row['mbps_in']:.2f}/{row['mbps_out']:.2f} Mb/s in/out"
             lines.append(f"  {short_id(row['peer_id']):>8}  {row['state']:<9} seen {row['age_s']:>5.1f}s ago  "
                          f"v{row['version']}  {row['throughput']:.1f}/s  loss {loss}  clock {row['clock']}{st_text}")
     if report.get("this_machine"):
