@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             seen.add(label)
             say(f"cell {label}")
-            config = cell_config(label, optimizer, mode, partition, peers, args.stages)
+            config = cell_config(label, optimizer, mode, partition, peers, args.stages, _in_flight(args.in_flight))
             try:
                 cell = _cell(fleet, maddr, label, config, peers, args.stages, busy, points, args)
                 cell.update(_compare(cell, config, points, baseline))
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         "diverged_cells": [c["label"] for c in cells if (c.get("final_accuracy_min") or 0.0) <= DIVERGED_ACCURACY],
         "worst_accuracy_ratio": min((_last_ratio(c) for c in reached), default=None),
         "worst_cell": min(reached, key=_last_ratio)["label"] if reached else None,
-        "settings": {"stages": args.stages, "points": list(points), "sample_s": args.sample_s,
+        "settings": {"stages": args.stages, "in_flight": args.in_flight, "points": list(points), "sample_s": args.sample_s,
                      "cell_limit_s": args.cell_limit_s, "cores": os.cpu_count()},
         "machine": machine_notes(),
     }
@@ -115,13 +115,19 @@ def _parser() -> Any:
     out.add_argument("--modes", default=",".join(MODES))
     out.add_argument("--partitions", default="iid,label_skewed")
     out.add_argument("--stages", type=int, default=2)
+    out.add_argument("--in-flight", default="4", help="micro-batches in flight per driver, or auto")
     out.add_argument("--sample-s", type=float, default=1.0, help="seconds between true-accuracy samples")
     out.add_argument("--cell-limit-s", type=float, default=240.0, help="a cell ends here even short of its last point")
     out.add_argument("--plot", default="", help="write the curves to this PNG (needs the `plots` extra: matplotlib)")
     return out
 
 
-def cell_config(label: str, optimizer: str, mode: str, partition: str, peers: int, stages: int) -> dict[str, Any]:
+def _in_flight(text: str) -> int | str:
+    return text if text == "auto" else int(text)
+
+
+def cell_config(label: str, optimizer: str, mode: str, partition: str, peers: int, stages: int,
+                in_flight: int | str = 4) -> dict[str, Any]:
     averaging: dict[str, Any] = {"mode": "dpwa" if mode == "exchange" else mode}
     if mode == "exchange":
         averaging["exchange"] = {"every_samples": 2000}
@@ -133,7 +139,7 @@ def cell_config(label: str, optimizer: str, mode: str, partition: str, peers: in
         "data": {"partition": partition, "classes_per_shard": 5, "shards": max(2, peers)},
         "optimizer": dict(OPTIMIZERS[optimizer]),
         "averaging": averaging,
-        "training": {"batch_size": 32, "in_flight": 4, "eval_every_s": 5.0},
+        "training": {"batch_size": 32, "in_flight": in_flight, "eval_every_s": 5.0},
         "timeouts": {"heartbeat_s": 1.0},
     }
 

@@ -133,6 +133,8 @@ def run_demo(args: argparse.Namespace) -> int:
         say(f"demo of run {run.run_id} ({run_path}): 1 bootstrap peer + {args.per_swarm} volunteer(s) "
             f"per swarm x {run.model.stages} swarms, logs in {workdir}")
         maddr = _start_bootstrap(children, workdir, shutdown)
+        say(f"bootstrap peer at {maddr}; from another terminal, `volunteer status --run {demo_run} --initial-peers "
+            f"{maddr}` reads the run, and with `--serve 8080` serves its health page on http://127.0.0.1:8080/")
         for k in range(run.model.stages):
             for m in range(args.per_swarm):
                 children.start(f"layer{k}-{m}", ["join", "--run", str(demo_run), "--swarm", f"layer{k}",
