@@ -46,11 +46,11 @@ class Membership:
         found = _result(future, self.run.timeouts.rpc_s, default=None)
         return parse_swarm(found.value if found is not None else None, now=dht_time())
 
-    def read_all(self) -> dict[str, list[MemberRecord]]:
-        """All swarms at once: the gets run concurrently inside the DHT process."""
+    def read_all(self, names: list[str] | None = None) -> dict[str, list[MemberRecord]]:
+        """Every swarm (or ``names``) at once: the gets run concurrently inside the DHT process."""
         futures = {
             name: self.dht.get(swarm_key(self.run.run_id, name), latest=True, return_future=True)
-            for name in self.run.swarm_names
+            for name in (self.run.swarm_names if names is None else names)
         }
         now = dht_time()
         out: dict[str, list[MemberRecord]] = {}
@@ -62,6 +62,16 @@ class Membership:
                 found = None
             out[name] = parse_swarm(found.value if found is not None else None, now=now)
         return out
+
+
+def swarms_to_read(swarm_names: list[str], own: str, drives: bool, beat: int, others_every: int) -> list[str]:
+    """The swarms a heartbeat reads. A driver routes through every swarm: all of them, every beat. A peer that
+    only serves needs its own swarm's records (averaging partners, its peers table) every beat and the others
+    (the dashboard's swarm table, the run's end) every ``others_every`` beats: a DHT get costs CPU on the
+    reader and on the nodes that store the key, and most peers of a large run drive nothing."""
+    if drives or beat % max(1, others_every) == 0 or own not in swarm_names:
+        return list(swarm_names)
+    return [own]
 
 
 def _result(future: Any, timeout_s: float, default: Any) -> Any:

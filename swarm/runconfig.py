@@ -261,6 +261,8 @@ class IntegrityConfig(_Strict):
 class TimeoutsConfig(_Strict):
     heartbeat_s: float = Field(5.0, gt=0.0, le=600.0)
     record_ttl_heartbeats: float = Field(3.0, ge=1.5, le=20.0)
+    others_every_heartbeats: int = Field(5, ge=1, le=100, description="a peer that drives nothing reads the "
+                                         "other swarms' records every this many heartbeats (its own every one)")
     dht_start_s: float = Field(60.0, gt=0.0)
     rpc_s: float = Field(30.0, gt=0.0)
     join_s: float = Field(60.0, gt=0.0, description="how long to look for the swarm before giving up")

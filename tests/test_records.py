@@ -98,3 +98,18 @@ def test_an_evaluation_from_the_future_or_negative_heals_are_skipped():
     assert parse_member(subkey, good.to_wire(), now) == good
     for bad in ({"eval_at": now + 3600}, {"eval_at": float("nan")}, {"heals": -1_000_000}):
         assert parse_member(subkey, {**good.to_wire(), **bad}, now) is None, bad
+
+
+def test_a_peer_that_drives_nothing_reads_the_other_swarms_every_few_heartbeats():
+    from swarm.membership import swarms_to_read
+
+    names = ["layer0", "layer1", "layer2", "layer3"]
+    server = [swarms_to_read(names, "layer2", False, beat, 5) for beat in range(10)]
+    assert server[0] == server[5] == names  # every fifth heartbeat: the dashboard's swarm table and the run's end
+    assert all(server[b] == ["layer2"] for b in (1, 2, 3, 4, 6, 7, 8, 9))  # its own swarm: partners, peers table
+    assert all(swarms_to_read(names, "layer0", True, beat, 5) == names for beat in range(10))  # a driver routes
+    assert swarms_to_read(names, "layer2", False, 3, 1) == names
+    # per heartbeat, 8 volunteers (2 per swarm, 2 drivers) read 2 x 4 + 6 x (1 + 3/5) = 17.6 swarms, not 32
+    per_beat = sum(len(swarms_to_read(names, own, own == "layer0", beat, 5)) for beat in range(5)
+                   for own in names for _ in range(2)) / 5
+    assert per_beat == pytest.approx(17.6)

@@ -1,7 +1,7 @@
 """The node's voice on the DHT: announce our record, heartbeat, read the swarms, publish what we see.
 
-Each heartbeat (``timeouts.heartbeat_s``) refreshes our signed MemberRecord, re-reads every swarm
-of the run, moves a layer0 node off a shared data shard, and publishes the view (swarms, peers,
+Each heartbeat (``timeouts.heartbeat_s``) refreshes our signed MemberRecord, re-reads the swarms
+it needs (a driver all of them, a server its own, and the others every few heartbeats), moves a layer0 node off a shared data shard, and publishes the view (swarms, peers,
 run evaluation, resources, sparklines) in the snapshot; between heartbeats only our own work
 figures are refreshed. The record and the view are built by pure functions in records.py.
 """
@@ -40,6 +40,7 @@ class Announcer:
         from swarm.traffic import LinkRates
 
         self.rates = LinkRates()
+        self._beats = 0  # heartbeats that read the swarms
 
     def tick(self, now_s: float) -> None:
         if now_s >= self.next_beat_s:
@@ -54,8 +55,18 @@ class Announcer:
     def close(self) -> None:
         pass
 
-    def read_views(self) -> None:
-        self.views = self.node.membership.read_all()
+    def read_views(self, every_swarm: bool = False) -> None:
+        """Read the swarms this heartbeat needs (swarm/membership.py:swarms_to_read); the rest keep their
+        last read. ``every_swarm``: all of them (joining, choosing a swarm)."""
+        from swarm.membership import swarms_to_read
+
+        node = self.node
+        names = node.run.swarm_names
+        if not every_swarm and self.views:
+            drives = node.swarm == "layer0" and node.peer is not None
+            names = swarms_to_read(names, node.swarm, drives, self._beats, node.run.timeouts.others_every_heartbeats)
+        self._beats += 1
+        self.views = {**self.views, **node.membership.read_all(names)}
 
     def choose_shard(self) -> None:
         """layer0, when joining: the shard held by the fewest online layer0 peers (rarest first)."""

@@ -211,7 +211,7 @@ class Node:
 
         if self._stop.is_set():
             return
-        self.announcer.read_views()
+        self.announcer.read_views(every_swarm=True)
         self._check_other_runs(peer_id)
         publish_run(self.dht, run)
         if not self.swarm:
