@@ -60,6 +60,7 @@ def lanes_cap(run: RunConfig) -> int:
         return int(run.training.in_flight)
     return max(1, min(run.training.in_flight_max, run.integrity.max_in_flight_per_requester))
 
+
 REFUSED_BACKOFF_BASE_S = 0.2
 SICK_POLL_S = 0.5
 
