@@ -121,15 +121,14 @@ def claim_identity(explicit: Path | None, data_dir: Path) -> tuple[Path, Identit
 
 
 def make_validators(run_id: str | None, swarm_names: list[str], identity_path: Path | None) -> list[Any]:
-    from hivemind.dht.crypto import RSASignatureValidator
-    from hivemind.dht.schema import SchemaValidator
-
     from swarm.records import membership_schema
+    from swarm.validators import validator_classes
 
+    signature_class, schema_class = validator_classes()
     key = load_identity_key(identity_path) if identity_path is not None else None
-    validators: list[Any] = [RSASignatureValidator(key)]
+    validators: list[Any] = [signature_class(key)]
     if run_id is not None:
-        validators.append(SchemaValidator(membership_schema(swarm_names), allow_extra_keys=True, prefix=run_id))
+        validators.append(schema_class(membership_schema(swarm_names), allow_extra_keys=True, prefix=run_id))
     return validators
 
 
