@@ -162,9 +162,9 @@ class HopCaller:
         try:
             out, reply, elapsed = await self.call(
                 self.p2p, peer, stage_namespace(self.run.run_id, swarm), op, tensors, meta,
-                timeout_s=router.timeout_s(op, peer), wire_dtype=self.run.training.wire_dtype,
-                max_bytes=int(self.run.training.max_payload_mb * 2**20), traffic=self.traffic,
-                expect_bytes=tensors[0].numel() * 4,
+                timeout_s=router.timeout_s(op, peer), codec=self.run.training.codec,
+                rank=self.run.training.wire_rank, max_bytes=int(self.run.training.max_payload_mb * 2**20),
+                traffic=self.traffic, expect_bytes=tensors[0].numel() * 4,
             )
             out, reply = check_reply(self.run.model, k, op, batch, out, reply, self.run.timeouts.reply_max_abs)
         except asyncio.CancelledError:
