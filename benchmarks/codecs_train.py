@@ -35,8 +35,16 @@ class WireTally:
     cpu_s: float = 0.0
     crossings: int = 0  # boundary crossings coded (one per boundary, direction and micro-batch)
     errors: list[float] = field(default_factory=list)  # relative error of each coded tensor
+    feedback: frozenset[str] = frozenset()  # ablation: "activations"/"gradients" carry residuals across micro-batches
+    residuals: dict[tuple[int, bool], torch.Tensor] = field(default_factory=dict)
 
-    def send(self, tensor: torch.Tensor, codec: str, rank: int, hops: int, gradient: bool) -> torch.Tensor:
+    def send(self, tensor: torch.Tensor, codec: str, rank: int, hops: int, gradient: bool, boundary: int = 0,
+             ) -> torch.Tensor:
+        key = (boundary, gradient)
+        carried = self.residuals.get(key)
+        if ("gradients" if gradient else "activations") in self.feedback and carried is not None \
+                and carried.shape == tensor.shape:
+            tensor = tensor + carried  # naive error feedback: the last micro-batch's residual (other samples)
         started = time.process_time()
         serialized = encode_tensors([tensor], codec, rank)
         (out,) = decode_tensors(serialized, MAX_BYTES, coded=True)
@@ -47,6 +55,7 @@ class WireTally:
             self.gradient_bytes += size
         else:
             self.activation_bytes += size
+        self.residuals[key] = tensor.float() - out
         norm = float(tensor.norm())
         if norm > 0:
             self.errors.append(float((out - tensor.float()).norm()) / norm)
@@ -55,14 +64,15 @@ class WireTally:
 
 class _Boundary(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, tally, codec, rank, hops):
-        ctx.meta = (tally, codec, rank, hops)
-        return tally.send(x.detach(), codec, rank, hops, gradient=False)
+    def forward(ctx, x, tally, codecs, rank, hops, boundary):
+        ctx.meta = (tally, codecs[1], rank, hops, boundary)
+        return tally.send(x.detach(), codecs[0], rank, hops, gradient=False, boundary=boundary)
 
     @staticmethod
     def backward(ctx, grad):
-        tally, codec, rank, hops = ctx.meta
-        return tally.send(grad.detach().contiguous(), codec, rank, hops, gradient=True), None, None, None, None
+        tally, codec, rank, hops, boundary = ctx.meta
+        out = tally.send(grad.detach().contiguous(), codec, rank, hops, gradient=True, boundary=boundary)
+        return out, None, None, None, None, None
 
 
 @dataclass
@@ -81,10 +91,13 @@ class CodedResult:
         return (self.tally.activation_bytes + self.tally.gradient_bytes) / max(self.samples, 1)
 
 
-def _forward(stages: list[torch.nn.Module], x: torch.Tensor, tally: WireTally, codec: str, rank: int) -> torch.Tensor:
+def _forward(stages: list[torch.nn.Module], x: torch.Tensor, tally: WireTally, codec: str | tuple[str, str],
+             rank: int) -> torch.Tensor:
+    """``codec``: one for both directions, or (activations', gradients') for the ablation."""
+    pair = (codec, codec) if isinstance(codec, str) else codec
     h = stages[0](x)
     for k, stage in enumerate(stages[1:], start=1):
-        h = _Boundary.apply(h, tally, codec, rank, 1 if k == 1 else 2)
+        h = _Boundary.apply(h, tally, pair, rank, 1 if k == 1 else 2, k)
         h = stage(h)
     return h
 
@@ -104,9 +117,10 @@ def _coded_test_loss(stages, dataset, run: RunConfig, codec: str, rank: int) -> 
     return loss_sum / count
 
 
-def train_coded(run: RunConfig, codec: str, rank: int, num_samples: int, seed: int = 0,
-                dataset=None) -> CodedResult:
-    """Train the run's stages for ``num_samples`` samples with ``codec`` at every boundary."""
+def train_coded(run: RunConfig, codec: str | tuple[str, str], rank: int, num_samples: int, seed: int = 0,
+                dataset=None, feedback: frozenset[str] = frozenset()) -> CodedResult:
+    """Train the run's stages for ``num_samples`` samples with ``codec`` at every boundary (a pair: activations'
+    and gradients' codecs; ``feedback``: which directions carry residuals to the next micro-batch)."""
     data = dataset if dataset is not None else load_dataset(run.data, run.model)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -114,7 +128,7 @@ def train_coded(run: RunConfig, codec: str, rank: int, num_samples: int, seed: i
         optimizers = [make_optimizer(stage.parameters(), run.optimizer) for stage in stages]
         batches = MicroBatches(data.x_train, data.y_train, np.arange(len(data.x_train)),
                                run.training.batch_size, seed)
-        tally, losses, seen = WireTally(), [], 0
+        tally, losses, seen = WireTally(feedback=feedback), [], 0
         while seen < num_samples:
             x, y = next(batches)
             loss = loss_fn(run.model, _forward(stages, x, tally, codec, rank), y)
@@ -128,5 +142,5 @@ def train_coded(run: RunConfig, codec: str, rank: int, num_samples: int, seed: i
         accuracy, plain = evaluate(stages, data, run.model)
         coded = _coded_test_loss(stages, data, run, codec, rank)
     tail = losses[-max(1, len(losses) // 10):]
-    return CodedResult(codec=codec, rank=rank, samples=seen, test_loss=coded, test_loss_plain=plain,
+    return CodedResult(codec=str(codec), rank=rank, samples=seen, test_loss=coded, test_loss_plain=plain,
                        accuracy=accuracy, train_loss_tail=sum(tail) / len(tail), tally=tally)
