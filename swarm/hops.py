@@ -26,7 +26,7 @@ from swarm.replies import HEDGED_OPS, BadReply, check_reply
 from swarm.routing import BAD_REPLY_BAN_S, SwarmRouter, retry_delay_s
 from swarm.runconfig import RunConfig
 from swarm.stage_rpc import StageError, Traffic, call_stage, stage_namespace
-from swarm.wire import WireError
+from swarm.wire import WireError, coded_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +164,8 @@ class HopCaller:
                 self.p2p, peer, stage_namespace(self.run.run_id, swarm), op, tensors, meta,
                 timeout_s=router.timeout_s(op, peer), codec=self.run.training.codec,
                 rank=self.run.training.wire_rank, max_bytes=int(self.run.training.max_payload_mb * 2**20),
-                traffic=self.traffic, expect_bytes=tensors[0].numel() * 4,
+                traffic=self.traffic,
+                expect_bytes=coded_bytes(tuple(tensors[0].shape), self.run.training.codec, self.run.training.wire_rank),
             )
             out, reply = check_reply(self.run.model, k, op, batch, out, reply, self.run.timeouts.reply_max_abs)
         except asyncio.CancelledError:

@@ -74,6 +74,23 @@ def encode_tensors(tensors: list[torch.Tensor], codec: str = "float32", rank: in
     return out
 
 
+def coded_bytes(shape: tuple[int, ...], codec: str, rank: int = DEFAULT_RANK) -> int:
+    """About how many bytes a float tensor of ``shape`` takes on the wire in ``codec`` (to choose unary or stream
+    for a reply of that shape before it exists)."""
+    numel = math.prod(shape)
+    if codec == "float16":
+        return 2 * numel
+    if codec not in FRAMED_CODECS or not shape:
+        return 4 * numel
+    framed = codecs.int8_size(numel)
+    cols = shape[-1]
+    rows = numel // max(cols, 1)
+    rank = min(rank, rows, cols)
+    if codec == "lowrank" and len(shape) >= 2 and codecs.lowrank_pays(rows, cols, rank):
+        framed = codecs.int8_size(rows * rank) + codecs.int8_size(rank * cols)
+    return framed + 8 + 4 * len(shape)
+
+
 def decode_tensors(serialized: list[Any], max_bytes: int, *, coded: bool = False) -> list[torch.Tensor]:
     """Deserialize untrusted tensors, checking declared sizes before allocating anything; with ``coded``,
     framed codec payloads (uint8) are accepted and decoded to float32."""

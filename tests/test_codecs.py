@@ -209,3 +209,12 @@ def test_a_bad_or_contradictory_codec_names_the_fields_and_the_choices():
         RunConfig(name="x", training={"wire_codec": "int8", "wire_dtype": "float16"})
     assert "training.wire_dtype (float16)" in str(caught.value) and "remove training.wire_dtype" in str(caught.value)
     assert issubclass(CrossFieldError, ValueError)
+
+
+@pytest.mark.parametrize("codec", ["float32", "float16", "int8", "lowrank"])
+@pytest.mark.parametrize("shape", [(32, 128), (32, 64, 128), (5,)])
+def test_the_size_estimate_that_picks_unary_or_stream_is_within_a_percent(codec, shape):
+    from swarm.wire import coded_bytes
+
+    (item,) = encode_tensors([torch.randn(*shape)], codec, 8)
+    assert abs(coded_bytes(shape, codec, 8) - len(item.buffer)) <= 0.01 * len(item.buffer) + 16
