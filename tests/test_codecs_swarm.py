@@ -94,6 +94,7 @@ def test_a_swarm_learns_through_a_lossy_codec_and_sends_fewer_bytes(codec, max_b
             peer.stop()
         for dht in dhts:
             shutdown_dht(dht)
+    print(f"{codec}: accuracy {before:.3f} -> {after:.3f}, {bytes_per_sample:.0f} B per sample")
     assert before < 0.3, f"an untrained model is near chance, got {before:.2f}"
     assert after > 0.6, f"{codec}: test accuracy {before:.2f} -> {after:.2f} after {MICROBATCHES * BATCH} samples"
     assert bytes_per_sample < max_bytes_ratio * FLOAT32_BYTES_PER_SAMPLE, bytes_per_sample
