@@ -64,9 +64,9 @@ class WireTally:
 
 class _Boundary(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, tally, codecs, rank, hops, boundary):
-        ctx.meta = (tally, codecs[1], rank, hops, boundary)
-        return tally.send(x.detach(), codecs[0], rank, hops, gradient=False, boundary=boundary)
+    def forward(ctx, x, tally, codecs, ranks, hops, boundary):
+        ctx.meta = (tally, codecs[1], ranks[1], hops, boundary)
+        return tally.send(x.detach(), codecs[0], ranks[0], hops, gradient=False, boundary=boundary)
 
     @staticmethod
     def backward(ctx, grad):
@@ -95,9 +95,10 @@ def _forward(stages: list[torch.nn.Module], x: torch.Tensor, tally: WireTally, c
              rank: int) -> torch.Tensor:
     """``codec``: one for both directions, or (activations', gradients') for the ablation."""
     pair = (codec, codec) if isinstance(codec, str) else codec
+    ranks = (rank, rank) if isinstance(rank, int) else rank
     h = stages[0](x)
     for k, stage in enumerate(stages[1:], start=1):
-        h = _Boundary.apply(h, tally, pair, rank, 1 if k == 1 else 2, k)
+        h = _Boundary.apply(h, tally, pair, ranks, 1 if k == 1 else 2, k)
         h = stage(h)
     return h
 
