@@ -97,7 +97,10 @@ def _goals(cells: dict) -> dict:
     int8 = cells["int8"]
     framed = {k: v for k, v in cells.items() if k.startswith("lowrank")}
     small = {k: v for k, v in framed.items() if v["bytes_ratio"] <= BEST_GOAL[0]}
-    best = min(small, key=lambda k: small[k]["loss_increase"]) if small else min(framed, key=lambda k: framed[k]["bytes_ratio"])
+    if small:
+        best = min(small, key=lambda k: small[k]["loss_increase"])
+    else:
+        best = min(framed, key=lambda k: framed[k]["bytes_ratio"])
     return {
         "int8_bytes_ratio": int8["bytes_ratio"], "int8_loss_increase": int8["loss_increase"],
         "int8_met": int8["bytes_ratio"] <= INT8_GOAL[0] and int8["loss_increase"] <= INT8_GOAL[1],
@@ -121,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in (["digits-mlp"] if args.quick else args.runs):
         samples, seeds, ranks = QUICK_PLAN if args.quick else PLANS[name]
         seeds, ranks = tuple(args.seeds or seeds), tuple(args.ranks or ranks)
-        report["runs"][name] = measure_run(name, samples, seeds, ranks, ablation=name in args.ablation and not args.quick)
+        ablation = name in args.ablation and not args.quick
+        report["runs"][name] = measure_run(name, samples, seeds, ranks, ablation)
     goals = [r["goals"] for r in report["runs"].values()]
     report["int8_bytes_ratio"] = max(g["int8_bytes_ratio"] for g in goals)
     report["best_codec_bytes_ratio"] = max(g["best_codec_bytes_ratio"] for g in goals)

@@ -118,7 +118,8 @@ class TrainingConfig(_Strict):
     wire_codec: Literal["float32", "float16", "int8", "lowrank"] | None = Field(
         None, description="how activations and gradients cross stage boundaries: float32, float16, int8 (blockwise "
         "absmax, ~1/4 of float32's bytes) or lowrank (rank-wire_rank int8 factors per micro-batch); unset: wire_dtype")
-    wire_rank: int = Field(DEFAULT_WIRE_RANK, ge=1, le=4096, description="lowrank: the rank of the factors sent per micro-batch")
+    wire_rank: int = Field(DEFAULT_WIRE_RANK, ge=1, le=4096, description="lowrank: the rank of the factors sent "
+                           "per micro-batch")
     max_payload_mb: float = Field(256.0, gt=0.0, description="largest tensor payload a stage accepts")
     eval_every_s: float = Field(10.0, gt=0.0)
     target_accuracy: float = Field(0.95, gt=0.0, le=1.0, description="classifiers: the demo stops at this test "
