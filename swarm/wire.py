@@ -130,6 +130,8 @@ def _decode_framed(item: Any, max_bytes: int) -> torch.Tensor:
         raise WireError(f"malformed coded tensor: {exc}") from None
     except Exception as exc:  # a hostile buffer can fail in many ways; all of them are a rejection
         raise WireError(f"malformed coded tensor ({exc.__class__.__name__})") from None
+    if not bool(torch.isfinite(tensor).all()):  # finite factors can still multiply past float32's range
+        raise WireError("malformed coded tensor: it decodes to non-finite values")
     setattr(tensor, _RELAY_ATTR, item)
     return tensor
 

@@ -154,6 +154,17 @@ def test_malformed_payloads_are_rejected_with_a_wire_error(name):
         decode_tensors([_item(HOSTILE[name])], MAX_BYTES, coded=True)
 
 
+def test_finite_factors_whose_product_overflows_are_rejected():
+    p = _int8_body(32 * 4, unit=1e36)
+    b = _int8_body(4 * 64, unit=1e36)
+    codes_p, codes_b = bytearray(p), bytearray(b)
+    for codes, numel in ((codes_p, 32 * 4), (codes_b, 4 * 64)):
+        codes[-numel:] = bytes([127]) * numel  # every code at its largest
+    payload = _frame(codecs.LOWRANK, [32, 64], 4, bytes(codes_p) + bytes(codes_b))
+    with pytest.raises(WireError, match="non-finite"):
+        decode_tensors([_item(payload)], MAX_BYTES, coded=True)
+
+
 def test_a_payload_that_decodes_past_the_stage_limit_is_refused_before_decoding():
     big = _frame(codecs.LOWRANK, [4096, 4096], 1, _int8_body(4096) + _int8_body(4096))  # 8 KiB -> 64 MiB
     with pytest.raises(WireError, match="larger than"):
