@@ -229,3 +229,16 @@ def test_the_size_estimate_that_picks_unary_or_stream_is_within_a_percent(codec,
 
     (item,) = encode_tensors([torch.randn(*shape)], codec, 8)
     assert abs(coded_bytes(shape, codec, 8) - len(item.buffer)) <= 0.01 * len(item.buffer) + 16
+
+
+def test_the_loader_says_which_field_is_wrong_and_what_is_allowed(tmp_path):
+    from volunteer.config import ConfigError, load_run
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: badcodec\ntraining:\n  wire_codec: zstd\n")
+    with pytest.raises(ConfigError, match=r"training\.wire_codec: Input should be 'float32', 'float16', 'int8' or "
+                                          r"'lowrank' \(got 'zstd'\)"):
+        load_run(str(bad))
+    bad.write_text("name: badcodec\ntraining:\n  wire_codec: int8\n  wire_dtype: float16\n")
+    with pytest.raises(ConfigError, match=r"training\.wire_codec, training\.wire_dtype: .*remove training\.wire_dtype"):
+        load_run(str(bad))
