@@ -48,7 +48,7 @@ from swarm.wire import (
     UNARY_LIMIT_BYTES,
     WireError,
     decode_tensors,
-    encode_tensors,
+    encode_off_loop,
     join_stream,
     pack_metadata,
     split_message,
@@ -97,7 +97,7 @@ class StageServicer(ServicerBase):
     async def rpc_call(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         self.traffic.bytes_in += sum(len(t.buffer) for t in request.tensors)
         tensors, meta = await self._handle(list(request.tensors), request.metadata, context)
-        serialized = encode_tensors(tensors, self.codec, self.rank)
+        serialized = await encode_off_loop(tensors, self.codec, self.rank)
         self.traffic.bytes_out += sum(len(t.buffer) for t in serialized)
         return runtime_pb2.ExpertResponse(tensors=serialized, metadata=pack_metadata(meta))
 
@@ -109,7 +109,7 @@ class StageServicer(ServicerBase):
             tensors, meta = await self._handle(serialized, metadata, context)
         except WireError as exc:
             tensors, meta = [], _refusal("rejected", str(exc))
-        out = encode_tensors(tensors, self.codec, self.rank)
+        out = await encode_off_loop(tensors, self.codec, self.rank)
         self.traffic.bytes_out += sum(len(t.buffer) for t in out)
         for message in split_message(out, pack_metadata(meta), runtime_pb2.ExpertResponse):
             yield message
@@ -250,11 +250,12 @@ def _expect(tensors: list[torch.Tensor], count: int, op: str) -> list[torch.Tens
 
 async def call_stage(p2p: Any, peer_id: str, namespace: str, op: str, tensors: list[torch.Tensor], meta: dict,
                      *, timeout_s: float, codec: str, max_bytes: int, expect_bytes: int = 0,
-                     traffic: Traffic | None = None, rank: int = DEFAULT_RANK) -> tuple[list[torch.Tensor], dict, float]:
+                     traffic: Traffic | None = None, rank: int = DEFAULT_RANK,
+                     ) -> tuple[list[torch.Tensor], dict, float]:
     """One hop: (tensors, reply metadata, seconds). Raises StageError (with ``retry_after_s``), WireError for a
     malformed reply, or a transport error/timeout. The reply's contents are checked by swarm/replies.py."""
     stub = StageServicer.get_stub(p2p, PeerID.from_base58(peer_id), namespace=namespace)
-    serialized = encode_tensors(tensors, codec, rank)
+    serialized = await encode_off_loop(tensors, codec, rank)
     metadata = pack_metadata({**meta, "op": op})
     sent = sum(len(t.buffer) for t in serialized)
     started = time.perf_counter()

@@ -36,6 +36,7 @@ MAX_METADATA_BYTES = 64 * 1024
 MAX_TENSORS = 8
 WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 FRAMED_CODECS = frozenset({"int8", "lowrank"})
+OFF_LOOP_VALUES = 65536  # a framed tensor this large is coded on a worker thread, not the RPC loop
 _RELAY_ATTR = "_wire_payload"
 _ALLOWED_DTYPES = {"float32", "float16", "int64", "bfloat16"}
 
@@ -72,6 +73,16 @@ def encode_tensors(tensors: list[torch.Tensor], codec: str = "float32", rank: in
             compression = runtime_pb2.CompressionType.FLOAT16
         out.append(serialize_torch_tensor(tensor, compression))
     return out
+
+
+async def encode_off_loop(tensors: list[torch.Tensor], codec: str = "float32", rank: int = DEFAULT_RANK) -> list[Any]:
+    """``encode_tensors`` on a worker thread when coding would hold the RPC loop (a lowrank charlm activation
+    takes ~15 ms to code), inline otherwise."""
+    import asyncio
+
+    if codec in FRAMED_CODECS and sum(t.numel() for t in tensors) >= OFF_LOOP_VALUES:
+        return await asyncio.to_thread(encode_tensors, tensors, codec, rank)
+    return encode_tensors(tensors, codec, rank)
 
 
 def coded_bytes(shape: tuple[int, ...], codec: str, rank: int = DEFAULT_RANK) -> int:

@@ -242,3 +242,26 @@ def test_the_loader_says_which_field_is_wrong_and_what_is_allowed(tmp_path):
     bad.write_text("name: badcodec\ntraining:\n  wire_codec: int8\n  wire_dtype: float16\n")
     with pytest.raises(ConfigError, match=r"training\.wire_codec, training\.wire_dtype: .*remove training\.wire_dtype"):
         load_run(str(bad))
+
+
+def test_large_tensors_are_coded_off_the_rpc_loop_to_the_same_bytes():
+    import asyncio
+    import threading
+
+    from swarm import wire
+
+    big = torch.randn(64, 64, 32)  # 131 072 values: over OFF_LOOP_VALUES
+    threads = []
+    real = wire.encode_tensors
+
+    def spy(*args):
+        threads.append(threading.current_thread())
+        return real(*args)
+
+    wire.encode_tensors = spy
+    try:
+        coded = asyncio.run(wire.encode_off_loop([big], "lowrank", 8))
+    finally:
+        wire.encode_tensors = real
+    assert threads and threads[0] is not threading.main_thread()
+    assert coded[0].buffer == real([big], "lowrank", 8)[0].buffer
