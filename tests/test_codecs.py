@@ -265,3 +265,23 @@ def test_large_tensors_are_coded_off_the_rpc_loop_to_the_same_bytes():
         wire.encode_tensors = real
     assert threads and threads[0] is not threading.main_thread()
     assert coded[0].buffer == real([big], "lowrank", 8)[0].buffer
+
+
+def test_a_coded_payload_over_the_unary_limit_survives_streaming():
+    import asyncio
+
+    from hivemind.proto import runtime_pb2
+
+    from swarm.wire import join_stream, split_message
+
+    x = torch.randn(1024, 1024)  # int8: 1 MiB, streamed in parts
+    messages = list(split_message(encode_tensors([x], "int8"), b"meta", runtime_pb2.ExpertRequest))
+    assert len(messages) > 1
+
+    async def stream():
+        for message in messages:
+            yield message
+
+    serialized, metadata = asyncio.run(join_stream(stream(), 8 * 2**20))
+    (out,) = decode_tensors(serialized, 8 * 2**20, coded=True)
+    assert metadata == b"meta" and _rel(out, x) < 0.01
