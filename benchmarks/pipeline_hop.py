@@ -137,7 +137,7 @@ async def _one_hop(p2p: Any, peer: Any, local: Any, run: Any, x: Any, mb: str, s
         try:
             (y,), _, rpc_s = await stage_rpc.call_stage(
                 p2p, str(peer.dht.peer_id), stage_rpc.stage_namespace(run.run_id, "layer1"), "forward", [x],
-                {"mb": mb}, timeout_s=HOP_TIMEOUT_S, wire_dtype="float32",
+                {"mb": mb}, timeout_s=HOP_TIMEOUT_S, codec="float32",
                 max_bytes=int(run.training.max_payload_mb * MIB), expect_bytes=size)
         except Exception as exc:
             raise BenchmarkError(f"hop {mb} ({size} bytes, {transport}) failed: {exc.__class__.__name__}: {exc}") from exc

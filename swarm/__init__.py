@@ -15,6 +15,8 @@ Map:
 - activations.py saved forward graphs, bounded, an equal share per driver
 - staleness.py   staleness of updates (window: mean, p95, max) and the staleness-aware step size
 - stage_rpc.py   the stage RPCs (server and client call); stage_gate.py: who may ask, fair share, bans
+- wire.py        tensors on the wire: (de)serialization in the run's codec, streaming, checks on arrival
+- codecs.py      boundary codecs (int8 blockwise, lowrank int8 factors): framing and hostile-payload checks
 - integrity/     bounds on what one message can do, health, labels by id (see its __init__)
 - driver.py      the layer0 pipeline driver: lanes of micro-batches (sample ids, never targets)
 - hops.py        one hop of the driver: timed out, hedged, retried, refusal codes, blocked_reason

@@ -26,7 +26,7 @@ from swarm.replies import HEDGED_OPS, BadReply, check_reply
 from swarm.routing import BAD_REPLY_BAN_S, SwarmRouter, retry_delay_s
 from swarm.runconfig import RunConfig
 from swarm.stage_rpc import StageError, Traffic, call_stage, stage_namespace
-from swarm.wire import WireError
+from swarm.wire import WireError, coded_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -159,13 +159,14 @@ class HopCaller:
         swarm = f"layer{k}"
         router = self.routers[swarm]
         batch = int(tensors[0].shape[0])
+        training = self.run.training
         router.begin(peer)
         try:
             out, reply, elapsed = await self.call(
                 self.p2p, peer, stage_namespace(self.run.run_id, swarm), op, tensors, meta,
-                timeout_s=router.timeout_s(op, peer), wire_dtype=self.run.training.wire_dtype,
-                max_bytes=int(self.run.training.max_payload_mb * 2**20), traffic=self.traffic,
-                expect_bytes=tensors[0].numel() * 4,
+                timeout_s=router.timeout_s(op, peer), codec=training.codec, rank=training.wire_rank,
+                max_bytes=int(training.max_payload_mb * 2**20), traffic=self.traffic,
+                expect_bytes=coded_bytes(tuple(tensors[0].shape), training.codec, training.wire_rank),
             )
             out, reply = check_reply(self.run.model, k, op, batch, out, reply, self.run.timeouts.reply_max_abs)
         except asyncio.CancelledError:

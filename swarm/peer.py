@@ -126,8 +126,8 @@ class SwarmPeer:
         self.gate = await self._make_gate()
         self._servicer = make_servicer(
             self.worker, self.executor, max_bytes=int(self.run.training.max_payload_mb * 2**20),
-            wire_dtype=self.run.training.wire_dtype, is_accepting=lambda: self._accepting, traffic=self.traffic,
-            gate=self.gate,
+            codec=self.run.training.codec, rank=self.run.training.wire_rank, is_accepting=lambda: self._accepting,
+            traffic=self.traffic, gate=self.gate,
         )
         await self._servicer.add_p2p_handlers(self.p2p, namespace=stage_namespace(self.run.run_id, self.swarm))
         await self._start_averaging(sync_from)

@@ -20,7 +20,10 @@ RUN_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,47}$"
 HASH_EXCLUDED_FIELDS = frozenset({"bootstrap_peers", "timeouts"})
 # Fields added after runs existed count in the run id only when set: a run that does not use them keeps
 # its id, so clients before and after them still train together.
-HASH_WHEN_SET = {("training", "end_at_target"): False, ("training", "sample_budget"): 0, ("training", "in_flight_max"): 16}
+HASH_WHEN_SET = {("training", "end_at_target"): False, ("training", "sample_budget"): 0,
+                 ("training", "in_flight_max"): 16, ("training", "wire_codec"): None, ("training", "wire_rank"): 8}
+DEFAULT_WIRE_RANK = HASH_WHEN_SET[("training", "wire_rank")]
+WIRE_CODECS = ("float32", "float16", "int8", "lowrank")  # swarm/codecs.py, swarm/wire.py
 
 
 class CrossFieldError(ValueError):
@@ -115,15 +118,13 @@ class TrainingConfig(_Strict):
     in_flight_max: int = Field(16, ge=1, le=256, description="in_flight auto: at most this many (memory and "
                                "staleness bound; a stage also serves one driver at most "
                                "integrity.max_in_flight_per_requester at once)")
-
-    @field_validator("in_flight", mode="before")
-    @classmethod
-    def _in_flight(cls, value: object) -> object:
-        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 256):
-            return value
-        raise ValueError("in_flight is a whole number from 1 to 256 or 'auto'; write e.g. 4, or "
-                         "auto to let the driver cover the measured round trip")
-    wire_dtype: Literal["float32", "float16"] = "float32"
+    wire_dtype: Literal["float32", "float16"] = Field("float32", description="older name of wire_codec for its "
+                                                      "float codecs; kept so that older configs keep their run id")
+    wire_codec: Literal["float32", "float16", "int8", "lowrank"] | None = Field(
+        None, description="how activations and gradients cross stage boundaries: float32, float16, int8 (blockwise "
+        "absmax, ~1/4 of float32's bytes) or lowrank (rank-wire_rank int8 factors per micro-batch); unset: wire_dtype")
+    wire_rank: int = Field(DEFAULT_WIRE_RANK, ge=1, le=4096, description="lowrank: the rank of the factors sent "
+                           "per micro-batch")
     max_payload_mb: float = Field(256.0, gt=0.0, description="largest tensor payload a stage accepts")
     eval_every_s: float = Field(10.0, gt=0.0)
     target_accuracy: float = Field(0.95, gt=0.0, le=1.0, description="classifiers: the demo stops at this test "
@@ -135,6 +136,39 @@ class TrainingConfig(_Strict):
                                 "volunteer pauses, takes no more work and says so (swarm/completion.py)")
     sample_budget: int = Field(0, ge=0, description="the run is complete once a layer0 copy has trained this many "
                                "samples; 0: no budget")
+
+    @field_validator("in_flight", mode="before")
+    @classmethod
+    def _in_flight(cls, value: object) -> object:
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 256):
+            return value
+        raise ValueError("in_flight is a whole number from 1 to 256 or 'auto'; write e.g. 4, or "
+                         "auto to let the driver cover the measured round trip")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_codec(cls, data: object) -> object:
+        """wire_codec float32/float16 is stored as wire_dtype (one run id for both spellings); wire_dtype
+        float16 with a framed wire_codec is a contradiction the user resolves."""
+        if not isinstance(data, dict) or data.get("wire_codec") is None:
+            return data
+        codec, dtype = data["wire_codec"], data.get("wire_dtype", "float32")
+        if codec in ("float32", "float16"):
+            if dtype not in (codec, "float32"):  # the shipped configs spell out the default
+                raise CrossFieldError(("wire_codec", "wire_dtype"), f"training.wire_codec ({codec}) and "
+                                      f"training.wire_dtype ({dtype}) disagree: remove training.wire_dtype "
+                                      "(wire_codec replaces it)")
+            return {**data, "wire_dtype": codec, "wire_codec": None}
+        if dtype != "float32":
+            raise CrossFieldError(("wire_codec", "wire_dtype"), f"training.wire_codec ({codec}) and "
+                                  f"training.wire_dtype ({dtype}) disagree: remove training.wire_dtype "
+                                  "(wire_codec replaces it)")
+        return data
+
+    @property
+    def codec(self) -> str:
+        """The codec in effect: wire_codec, or wire_dtype for configs that predate it."""
+        return self.wire_codec or self.wire_dtype
 
 
 class ExchangeConfig(_Strict):

@@ -45,10 +45,11 @@ from swarm.stage import NeedInput, StageWorker
 from swarm.stage_gate import SERVED_OPS, UPDATE_OPS, Outcome, StageGate
 from swarm.traffic import Traffic  # noqa: F401  (re-exported: the RPC modules count their bytes in it)
 from swarm.wire import (
+    DEFAULT_RANK,
     UNARY_LIMIT_BYTES,
     WireError,
     decode_tensors,
-    encode_tensors,
+    encode_off_loop,
     join_stream,
     pack_metadata,
     split_message,
@@ -76,13 +77,14 @@ class StageServicer(ServicerBase):
     """Serves one stage worker. Built with no arguments it only lends its signatures to stubs."""
 
     def __init__(self, worker: StageWorker | None = None, executor: Executor | None = None, *, max_bytes: int = 0,
-                 wire_dtype: str = "float32", is_accepting: Callable[[], bool] = lambda: True,
+                 codec: str = "float32", rank: int = DEFAULT_RANK, is_accepting: Callable[[], bool] = lambda: True,
                  traffic: Traffic | None = None, gate: StageGate | None = None):
         self.worker = worker
         self.gate = gate
         self.executor = executor
         self.max_bytes = max_bytes
-        self.wire_dtype = wire_dtype
+        self.codec = codec  # activations and gradients leave in the run's codec (swarm/codecs.py)
+        self.rank = rank
         self.is_accepting = is_accepting
         self.traffic = traffic or Traffic()
         self.active = 0  # requests being served right now (a leaving peer waits for these)
@@ -91,7 +93,7 @@ class StageServicer(ServicerBase):
         remote = str(context.remote_id)
         self.traffic.count(remote, inbound=sum(len(t.buffer) for t in request.tensors))
         tensors, meta = await self._handle(list(request.tensors), request.metadata, context)
-        serialized = encode_tensors(tensors, self.wire_dtype)
+        serialized = await encode_off_loop(tensors, self.codec, self.rank)
         self.traffic.count(remote, outbound=sum(len(t.buffer) for t in serialized))
         return runtime_pb2.ExpertResponse(tensors=serialized, metadata=pack_metadata(meta))
 
@@ -103,7 +105,7 @@ class StageServicer(ServicerBase):
             tensors, meta = await self._handle(serialized, metadata, context)
         except WireError as exc:
             tensors, meta = [], _refusal("rejected", str(exc))
-        out = encode_tensors(tensors, self.wire_dtype)
+        out = await encode_off_loop(tensors, self.codec, self.rank)
         self.traffic.count(str(context.remote_id), outbound=sum(len(t.buffer) for t in out))
         for message in split_message(out, pack_metadata(meta), runtime_pb2.ExpertResponse):
             yield message
@@ -130,7 +132,7 @@ class StageServicer(ServicerBase):
                 return [], _refusal(refusal.code, refusal.error, refusal.retry_after_s)
         outcome = Outcome()
         try:
-            tensors = decode_tensors(serialized, self.max_bytes)
+            tensors = decode_tensors(serialized, self.max_bytes, coded=True)
             loop = asyncio.get_running_loop()
             request = Request(requester=requester, gate=self.gate)
             out, reply, outcome = await loop.run_in_executor(self.executor, _run, self.worker, op, tensors, meta, request)
@@ -178,9 +180,10 @@ def _run(worker: StageWorker, op: Any, tensors: list[torch.Tensor], meta: dict,
     return out, reply, Outcome(applied=True, clip_scale=report.clip_scale, cosine=report.cosine)
 
 
-def make_servicer(worker: StageWorker, executor: Executor, *, max_bytes: int, wire_dtype: str,
-                  is_accepting: Callable[[], bool], traffic: Traffic, gate: StageGate | None = None) -> StageServicer:
-    return StageServicer(worker, executor, max_bytes=max_bytes, wire_dtype=wire_dtype, is_accepting=is_accepting,
+def make_servicer(worker: StageWorker, executor: Executor, *, max_bytes: int, codec: str,
+                  is_accepting: Callable[[], bool], traffic: Traffic, gate: StageGate | None = None,
+                  rank: int = DEFAULT_RANK) -> StageServicer:
+    return StageServicer(worker, executor, max_bytes=max_bytes, codec=codec, rank=rank, is_accepting=is_accepting,
                          traffic=traffic, gate=gate)
 
 
@@ -242,12 +245,13 @@ def _expect(tensors: list[torch.Tensor], count: int, op: str) -> list[torch.Tens
 
 
 async def call_stage(p2p: Any, peer_id: str, namespace: str, op: str, tensors: list[torch.Tensor], meta: dict,
-                     *, timeout_s: float, wire_dtype: str, max_bytes: int, expect_bytes: int = 0,
-                     traffic: Traffic | None = None) -> tuple[list[torch.Tensor], dict, float]:
+                     *, timeout_s: float, codec: str, max_bytes: int, expect_bytes: int = 0,
+                     traffic: Traffic | None = None, rank: int = DEFAULT_RANK,
+                     ) -> tuple[list[torch.Tensor], dict, float]:
     """One hop: (tensors, reply metadata, seconds). Raises StageError (with ``retry_after_s``), WireError for a
     malformed reply, or a transport error/timeout. The reply's contents are checked by swarm/replies.py."""
     stub = StageServicer.get_stub(p2p, PeerID.from_base58(peer_id), namespace=namespace)
-    serialized = encode_tensors(tensors, wire_dtype)
+    serialized = await encode_off_loop(tensors, codec, rank)
     metadata = pack_metadata({**meta, "op": op})
     sent = sum(len(t.buffer) for t in serialized)
     started = time.perf_counter()
@@ -270,7 +274,7 @@ async def call_stage(p2p: Any, peer_id: str, namespace: str, op: str, tensors: l
         raise StageError("broken", f"{peer_id[-8:]} sent a reply without metadata (did it fail mid-reply?)")
     if reply_meta.get("ok") is not True:
         raise refusal_error(reply_meta)
-    return decode_tensors(out_serialized, max_bytes), reply_meta, elapsed
+    return decode_tensors(out_serialized, max_bytes, coded=True), reply_meta, elapsed
 
 
 def refusal_error(reply_meta: dict) -> StageError:

@@ -7,6 +7,12 @@ ones are streamed in ``STREAM_CHUNK_BYTES`` parts (cheaper in CPU from there; p2
 Everything that arrives is untrusted: ``decode`` checks the declared sizes before touching the
 buffers and raises ``WireError`` (never anything else) for a malformed or oversized message;
 ``check_tensor`` then checks dtype, shape and finiteness against what the stage expects.
+
+Float tensors travel in the run's codec (swarm/codecs.py: float32, float16, int8, lowrank). A
+framed codec (int8, lowrank) sends one uint8 tensor per float tensor; only callers that pass
+``coded=True`` (the stage RPCs) accept those. A tensor decoded from a framed payload remembers it,
+and ``encode_tensors`` relays that payload unchanged: the driver forwards a stage's output to the
+next stage without coding it a second time.
 """
 
 from __future__ import annotations
@@ -17,7 +23,10 @@ from typing import Any
 
 import torch
 
+from swarm import codecs
 from swarm.models import TensorSpec
+from swarm.runconfig import DEFAULT_WIRE_RANK as DEFAULT_RANK
+from swarm.runconfig import WIRE_CODECS
 
 # Above this, stream: p2pd's persistent-connection (unary) path costs 1.6-2x the CPU of a stream from
 # 1 MiB up, while below ~256 KiB a unary call is as cheap or cheaper (benchmarks/README.md, finding 2).
@@ -26,6 +35,9 @@ STREAM_CHUNK_BYTES = 1024 * 1024
 MAX_METADATA_BYTES = 64 * 1024
 MAX_TENSORS = 8
 WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+FRAMED_CODECS = frozenset({"int8", "lowrank"})
+OFF_LOOP_VALUES = 65536  # a framed tensor this large is coded on a worker thread, not the RPC loop
+_RELAY_ATTR = "_wire_payload"
 _ALLOWED_DTYPES = {"float32", "float16", "int64", "bfloat16"}
 
 
@@ -37,43 +49,111 @@ def payload_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def encode_tensors(tensors: list[torch.Tensor], wire_dtype: str = "float32") -> list[Any]:
-    """Serialize; floating tensors travel as ``wire_dtype`` (float16 halves the bytes)."""
+def encode_tensors(tensors: list[torch.Tensor], codec: str = "float32", rank: int = DEFAULT_RANK) -> list[Any]:
+    """Serialize; floating tensors travel in ``codec`` (float16 halves the bytes, int8 quarters them,
+    lowrank sends rank-``rank`` int8 factors); other tensors (sample ids) travel as they are."""
     from hivemind.compression import serialize_torch_tensor
     from hivemind.proto import runtime_pb2
 
+    if codec not in WIRE_CODECS:
+        raise ValueError(f"codec must be one of {', '.join(WIRE_CODECS)}, got {codec!r}")
     out = []
     for tensor in tensors:
+        relayed = getattr(tensor, _RELAY_ATTR, None)
+        if relayed is not None and codec in FRAMED_CODECS:
+            out.append(relayed)
+            continue
         tensor = tensor.detach().cpu()
+        if tensor.is_floating_point() and codec in FRAMED_CODECS and tensor.dim() >= 1 and tensor.numel():
+            buffer = codecs.encode(tensor, codec, rank)
+            out.append(runtime_pb2.Tensor(buffer=buffer, size=[len(buffer)], dtype="uint8", requires_grad=False))
+            continue
         compression = runtime_pb2.CompressionType.NONE
-        if tensor.is_floating_point() and wire_dtype == "float16" and tensor.dtype == torch.float32:
+        if tensor.is_floating_point() and codec == "float16" and tensor.dtype == torch.float32:
             compression = runtime_pb2.CompressionType.FLOAT16
         out.append(serialize_torch_tensor(tensor, compression))
     return out
 
 
-def decode_tensors(serialized: list[Any], max_bytes: int) -> list[torch.Tensor]:
-    """Deserialize untrusted tensors, checking declared sizes before allocating anything."""
-    from hivemind.compression import deserialize_torch_tensor
+async def encode_off_loop(tensors: list[torch.Tensor], codec: str = "float32", rank: int = DEFAULT_RANK) -> list[Any]:
+    """``encode_tensors`` on a worker thread when coding would hold the RPC loop (a lowrank charlm activation
+    takes ~15 ms to code), inline otherwise."""
+    import asyncio
 
+    if codec in FRAMED_CODECS and sum(t.numel() for t in tensors) >= OFF_LOOP_VALUES:
+        return await asyncio.to_thread(encode_tensors, tensors, codec, rank)
+    return encode_tensors(tensors, codec, rank)
+
+
+def coded_bytes(shape: tuple[int, ...], codec: str, rank: int = DEFAULT_RANK) -> int:
+    """About how many bytes a float tensor of ``shape`` takes on the wire in ``codec`` (to choose unary or stream
+    for a reply of that shape before it exists)."""
+    numel = math.prod(shape)
+    if codec == "float16":
+        return 2 * numel
+    if codec not in FRAMED_CODECS or not shape:
+        return 4 * numel
+    framed = codecs.int8_size(numel)
+    cols = shape[-1]
+    rows = numel // max(cols, 1)
+    rank = min(rank, rows, cols)
+    if codec == "lowrank" and len(shape) >= 2 and codecs.lowrank_pays(rows, cols, rank):
+        framed = codecs.int8_size(rows * rank) + codecs.int8_size(rank * cols)
+    return framed + 8 + 4 * len(shape)
+
+
+def decode_tensors(serialized: list[Any], max_bytes: int, *, coded: bool = False) -> list[torch.Tensor]:
+    """Deserialize untrusted tensors, checking declared sizes before allocating anything; with ``coded``,
+    framed codec payloads (uint8) are accepted and decoded to float32."""
     if len(serialized) > MAX_TENSORS:
         raise WireError(f"too many tensors ({len(serialized)} > {MAX_TENSORS})")
     total = 0
     tensors = []
     for item in serialized:
-        if item.dtype not in _ALLOWED_DTYPES:
+        framed = coded and item.dtype == "uint8"
+        if item.dtype not in _ALLOWED_DTYPES and not framed:
             raise WireError(f"dtype {item.dtype!r} is not accepted")
         if any(dim < 0 for dim in item.size) or len(item.size) > 8:
             raise WireError("malformed tensor shape")
-        numel = math.prod(item.size)
-        total += numel * 4
+        total += _declared_bytes(item, framed)
         if total > max_bytes:
             raise WireError(f"payload larger than the {max_bytes / 2**20:.0f} MiB this stage accepts")
-        try:
-            tensors.append(deserialize_torch_tensor(item).detach())
-        except Exception as exc:  # a hostile buffer can fail in many ways; all of them are a rejection
-            raise WireError(f"malformed tensor ({exc.__class__.__name__})") from None
+        tensors.append(_decode_framed(item, max_bytes) if framed else _decode_plain(item))
     return tensors
+
+
+def _declared_bytes(item: Any, framed: bool) -> int:
+    """Bytes the item becomes in float32, from what it declares (a framed payload: from its header)."""
+    if not framed:
+        return math.prod(item.size) * 4
+    if item.compression != 0 or list(item.size) != [len(item.buffer)]:
+        raise WireError("malformed coded tensor (compressed, or its size is not its buffer's length)")
+    try:
+        return codecs.decoded_numel(item.buffer) * 4
+    except codecs.CodecError as exc:
+        raise WireError(f"malformed coded tensor: {exc}") from None
+
+
+def _decode_framed(item: Any, max_bytes: int) -> torch.Tensor:
+    try:
+        tensor = codecs.decode(item.buffer, max_bytes)
+    except codecs.CodecError as exc:
+        raise WireError(f"malformed coded tensor: {exc}") from None
+    except Exception as exc:  # a hostile buffer can fail in many ways; all of them are a rejection
+        raise WireError(f"malformed coded tensor ({exc.__class__.__name__})") from None
+    if not bool(torch.isfinite(tensor).all()):  # finite factors can still multiply past float32's range
+        raise WireError("malformed coded tensor: it decodes to non-finite values")
+    setattr(tensor, _RELAY_ATTR, item)
+    return tensor
+
+
+def _decode_plain(item: Any) -> torch.Tensor:
+    from hivemind.compression import deserialize_torch_tensor
+
+    try:
+        return deserialize_torch_tensor(item).detach()
+    except Exception as exc:  # a hostile buffer can fail in many ways; all of them are a rejection
+        raise WireError(f"malformed tensor ({exc.__class__.__name__})") from None
 
 
 def check_tensor(tensor: torch.Tensor, spec: TensorSpec, what: str, max_batch: int) -> torch.Tensor:

@@ -84,8 +84,8 @@ class FakeSwarm:
         self.service_s = service_s
         self.calls: list[tuple[str, str, list[torch.Tensor], dict, float]] = []
 
-    async def call(self, p2p, peer_id, namespace, op, tensors, meta, *, timeout_s, wire_dtype, max_bytes,
-                   expect_bytes=0, traffic=None):
+    async def call(self, p2p, peer_id, namespace, op, tensors, meta, *, timeout_s, codec, max_bytes,
+                   expect_bytes=0, traffic=None, rank=8):
         swarm = namespace.rsplit(".", 1)[1]
         behaviour = self.peers[swarm][peer_id]
         self.calls.append((peer_id, op, tensors, dict(meta), time.monotonic()))

@@ -264,7 +264,7 @@ class HostilePeer:
 
         worker = StageWorker(self.run, int(swarm.removeprefix("layer")))
         worker.module.load_state_dict(params)
-        servicer = stage_rpc.make_servicer(worker, ThreadPoolExecutor(max_workers=1), wire_dtype="float32",
+        servicer = stage_rpc.make_servicer(worker, ThreadPoolExecutor(max_workers=1), codec="float32",
                                            max_bytes=int(self.run.training.max_payload_mb * 2**20),
                                            is_accepting=lambda: True, traffic=stage_rpc.Traffic())
         self.on_loop(servicer.add_p2p_handlers(self.p2p, namespace=stage_rpc.stage_namespace(self.run.run_id, swarm)))

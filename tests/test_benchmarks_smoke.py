@@ -45,3 +45,19 @@ def test_pipeline_benchmark_quick_prints_its_figures(swarm):
                        "hop_overhead_ms_64k", "hop_overhead_ms_4m"))
     assert sorted(report["scaling"]["per_swarm"]) == ["1", "2"]
     assert report["quick"] is True
+
+
+def test_codecs_benchmark_quick_prints_its_figures():
+    import os
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    report = _quick("benchmarks.codecs", env)
+    cells = report["runs"]["digits-mlp"]["codecs"]
+    assert sorted(cells) == ["float16", "float32", "int8", "lowrank_r8"]
+    for cell in cells.values():
+        _positive(cell, ("bytes_per_sample", "test_loss", "cpu_ms_per_microbatch"))
+    # the byte counts are deterministic: each codec sends what it promises, whatever the machine's load
+    assert 0.45 < cells["float16"]["bytes_ratio"] < 0.51
+    assert 0.25 < cells["int8"]["bytes_ratio"] < 0.26
+    assert cells["lowrank_r8"]["bytes_ratio"] < 0.1
+    _positive(report, ("int8_bytes_ratio", "best_codec_bytes_ratio"))

@@ -59,7 +59,7 @@ def run_with_attacker():
 
 async def _hop(p2p, peer, op, tensors, meta):
     return await call_stage(p2p, str(peer.dht.peer_id), stage_namespace(RUN.run_id, peer.swarm), op, tensors, meta,
-                            timeout_s=10, wire_dtype="float32", max_bytes=2**24)
+                            timeout_s=10, codec="float32", max_bytes=2**24)
 
 
 async def _train_honestly(p2p, layer1, layer2, worker0, dataset, ids_pool, steps: int, tag: str) -> torch.Tensor:

@@ -88,7 +88,7 @@ def _with_driver(dht0, peers, body):
 
 async def _hop(p2p, peer, op, tensors, meta):
     return await call_stage(p2p, str(peer.dht.peer_id), stage_namespace(RUN.run_id, peer.swarm), op, tensors, meta,
-                            timeout_s=10, wire_dtype="float32", max_bytes=MAX_BYTES)
+                            timeout_s=10, codec="float32", max_bytes=MAX_BYTES)
 
 
 def test_remote_gradients_equal_local_gradients(stage_servers):
@@ -144,10 +144,10 @@ def test_stage_rejects_bad_requests_and_applies_nothing(stage_servers, tensors, 
     async def body(driver, p2p, dataset):
         with pytest.raises(StageError) as caught:
             await call_stage(p2p, str(layer1.dht.peer_id), stage_namespace(RUN.run_id, "layer1"), meta.pop("op"),
-                             tensors, meta, timeout_s=10, wire_dtype="float32", max_bytes=10 * MAX_BYTES)
+                             tensors, meta, timeout_s=10, codec="float32", max_bytes=10 * MAX_BYTES)
         # the server is still up and serves a good request
         (out,), _, _ = await call_stage(p2p, str(layer1.dht.peer_id), stage_namespace(RUN.run_id, "layer1"),
-                                        "infer", [torch.zeros(4, 32)], {}, timeout_s=10, wire_dtype="float32",
+                                        "infer", [torch.zeros(4, 32)], {}, timeout_s=10, codec="float32",
                                         max_bytes=MAX_BYTES)
         return caught.value, out
 
@@ -213,7 +213,7 @@ def test_float16_wire_halves_the_bytes_and_keeps_values_close(stage_servers):
         for dtype in ("float32", "float16"):
             before = driver.traffic.bytes_out
             (out,), _, _ = await call_stage(p2p, str(layer1.dht.peer_id), stage_namespace(RUN.run_id, "layer1"),
-                                            "infer", [x], {}, timeout_s=10, wire_dtype=dtype, max_bytes=MAX_BYTES,
+                                            "infer", [x], {}, timeout_s=10, codec=dtype, max_bytes=MAX_BYTES,
                                             traffic=driver.traffic)
             results[dtype] = (out, driver.traffic.bytes_out - before)
         return results
@@ -239,7 +239,7 @@ def test_large_payloads_are_streamed_both_ways():
             try:
                 x = torch.randn(512, 2048)
                 (out,), _, _ = await call_stage(p2p, str(dht.peer_id), stage_namespace(wide.run_id, "layer1"), "infer",
-                                                [x], {}, timeout_s=30, wire_dtype="float32", max_bytes=64 * 2**20,
+                                                [x], {}, timeout_s=30, codec="float32", max_bytes=64 * 2**20,
                                                 expect_bytes=x.numel() * 4)
                 return x, out
             finally:
