@@ -103,6 +103,7 @@ def _default_run(path: Path) -> Path:
     run, _ = load_run(None)
     config = run.model_dump(mode="json")
     config["timeouts"]["heartbeat_s"] = 1.0  # local timing only: not part of the run id
+    config["training"]["eval_every_s"] = 5.0  # the target is seen sooner (a run id of its own)
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
 
