@@ -108,8 +108,8 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, dela
         try:
             while chunk := await reader.read(CHUNK_BYTES):
                 await queue.put((time.monotonic() + delay_s, chunk))
-        except OSError:
-            pass  # the peer reset: end this direction like an EOF
+        except OSError as exc:  # the peer reset: end this direction like an EOF
+            logger.debug("a relayed connection ended: %s", exc)
         await queue.put((time.monotonic() + delay_s, b""))
 
     reading = asyncio.ensure_future(read())
