@@ -45,7 +45,7 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.2, what: str =
 
 
 class Proc:
-    def __init__(self, args: list[str], env: dict[str, str], log_dir: Path, name: str):
+    def __init__(self, args: list[str], env: dict[str, str], log_dir: Path, name: str, prefix: list[str] = ()):
         self.name = name
         self.swarm: str | None = None  # set by Swarm.join
         self.stdout_path = log_dir / f"{name}.out"
@@ -53,7 +53,7 @@ class Proc:
         self._stdout = open(self.stdout_path, "wb")
         self._stderr = open(self.stderr_path, "wb")
         self.popen = subprocess.Popen(
-            [volunteer_exe(), *args], env=env, stdout=self._stdout, stderr=self._stderr,
+            [*prefix, volunteer_exe(), *args], env=env, stdout=self._stdout, stderr=self._stderr,
             stdin=subprocess.DEVNULL, start_new_session=True,
         )
 
@@ -129,9 +129,12 @@ class Swarm:
         })
         self.env.pop("HIVEMIND_LOGLEVEL", None)
 
-    def start(self, *args: str, name: str | None = None, env: dict[str, str] | None = None) -> Proc:
+    def start(self, *args: str, name: str | None = None, env: dict[str, str] | None = None,
+              prefix: list[str] = ()) -> Proc:
+        """`volunteer ARGS`; prefix goes before it (a network lab host's `ip netns exec NS`, which execs
+        the command, so the process's pid is the volunteer's)."""
         name = name or f"p{len(self.procs)}-{args[0]}"
-        proc = Proc(list(args), {**self.env, **(env or {})}, self.tmp, name)
+        proc = Proc(list(args), {**self.env, **(env or {})}, self.tmp, name, prefix)
         self.procs.append(proc)
         return proc
 

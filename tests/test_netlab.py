@@ -1,0 +1,141 @@
+"""Volunteers on separate hosts: the network lab (benchmarks/netlab.py) and a swarm trained across it.
+
+Each host is a network namespace with its own address on a private bridge (10.77.S.0/24), its link
+rate-limited by tbf and delayed by the lab's relay. Skips where namespaces cannot be made (not root,
+no iproute2): the reason says which.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from benchmarks.netlab import Lab, Link, lab_unavailable, remove_stale_labs
+from procs import wait_until
+
+UNAVAILABLE = lab_unavailable()
+pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=UNAVAILABLE or "")
+
+PROBE = str(Path(__file__).resolve().parent.parent / "benchmarks" / "netlab_probe.py")
+RATE_MBIT_S = 20.0
+TRANSFER_BYTES = 2_500_000  # 1 s at 20 Mbit/s: the tbf burst (32 KiB) is ~1 % of it
+DELAY_MS = (10.0, 15.0)
+PROBE_TIMEOUT_S = 30.0
+SWARM_TIMEOUT_S = 150.0  # the default run to its target: ~30 s on an idle machine, bounded for a loaded one
+
+
+def _ns_and_links() -> str:
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    return netns + links
+
+
+def _server(lab: Lab, host, mode: str, port: int) -> subprocess.Popen:
+    proc = lab.popen(host, [sys.executable, PROBE, mode, host.address, str(port)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def lab():
+    with Lab([Link(RATE_MBIT_S, DELAY_MS[0]), Link(RATE_MBIT_S, DELAY_MS[1]), Link()]) as built:
+        yield built
+
+
+def test_hosts_have_their_own_addresses_and_reach_each_other(lab):
+    a, b, c = lab.hosts
+    assert len({a.address, b.address, c.address}) == 3
+    own = lab.run(a, ["ip", "-4", "-o", "addr", "show", "dev", "eth0"], PROBE_TIMEOUT_S).stdout
+    assert a.address in own and b.address not in own
+    sink = _server(lab, c, "sink", 5001)
+    lab.run(a, [sys.executable, PROBE, "send", c.address, "5001", "1000"], PROBE_TIMEOUT_S)
+    assert json.loads(sink.stdout.readline())["bytes"] == 1000
+
+
+def test_a_host_link_runs_at_its_rate(lab):
+    a, b, _ = lab.hosts
+    sink = _server(lab, b, "sink", 5002)
+    lab.run(a, [sys.executable, PROBE, "send", b.address, "5002", str(TRANSFER_BYTES)], PROBE_TIMEOUT_S)
+    got = json.loads(sink.stdout.readline())
+    assert got["bytes"] == TRANSFER_BYTES
+    rate_mbit_s = got["bytes"] * 8 / got["seconds"] / 1e6
+    # a shaper never runs faster than its rate (bar the burst); a loaded machine may run slower
+    assert 0.4 * RATE_MBIT_S < rate_mbit_s < 1.1 * RATE_MBIT_S, rate_mbit_s
+
+
+def test_the_relay_adds_both_links_delays_to_the_round_trip(lab):
+    a, b, _ = lab.hosts
+    _server(lab, b, "echo", 5003)
+    _, _, ip, _, port = lab.expose(b, 5003).split("/")
+    rtts = json.loads(lab.run(a, [sys.executable, PROBE, "ping", ip, port, "5"], PROBE_TIMEOUT_S).stdout)["rtt_ms"]
+    expected_ms = 2 * sum(DELAY_MS)
+    assert min(rtts) >= expected_ms, rtts
+    assert min(rtts) < expected_ms + 200, rtts  # bounded: the relay queues nothing else
+
+
+def test_a_closed_lab_leaves_nothing_and_a_stale_one_is_removed(tmp_path):
+    lab = Lab([Link(), Link()]).start()
+    names = [h.netns for h in lab.hosts] + [lab.bridge]
+    sleeper = lab.popen(lab.hosts[0], ["sleep", "60"])
+    lab.close()
+    lab.close()  # idempotent
+    assert sleeper.poll() is not None
+    assert not any(name in _ns_and_links() for name in names)
+    # a lab whose process was SIGKILLed: its names carry a pid that no longer runs
+    stale = "vlab-4194304-a-h0"  # above any pid this kernel hands out by default
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    assert stale in remove_stale_labs()
+    assert stale not in _ns_and_links()
+
+
+# ----- a swarm across hosts
+
+
+def _default_run(path: Path) -> Path:
+    from volunteer.config import load_run
+
+    run, _ = load_run(None)
+    config = run.model_dump(mode="json")
+    config["timeouts"]["heartbeat_s"] = 1.0  # local timing only: not part of the run id
+    config["training"]["eval_every_s"] = 5.0  # the target is seen sooner (a run id of its own)
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def test_a_bootstrap_peer_and_four_volunteers_on_five_hosts_train_to_the_demo_target(swarm, tmp_path):
+    """The default run (4 stages) with the default preferences plus network.listen, one host each."""
+    from volunteer_cli.commands.demo import demo_target, latest_evaluation, target_reached
+
+    run_path = _default_run(tmp_path / "run.yaml")
+    with Lab([Link(rate_mbit_s=100.0)] * 5) as lab:
+        boot_host, *hosts = lab.hosts
+        boot = swarm.start("bootstrap", "--listen", boot_host.maddr(), "--json", "--identity",
+                           str(tmp_path / "boot.key"), name="bootstrap", prefix=boot_host.exec_prefix())
+        maddr = boot.first_json_line()["maddrs"][0]
+        assert maddr.startswith(f"/ip4/{boot_host.address}/"), maddr
+        for k, host in enumerate(hosts):
+            prefs = tmp_path / f"prefs{k}.yaml"
+            prefs.write_text(yaml.safe_dump({"network": {"listen": [host.maddr()]}}))
+            proc = swarm.start("join", "--run", str(run_path), "--swarm", f"layer{k}", "--initial-peers", maddr,
+                               "--prefs", str(prefs), "--headless", name=f"layer{k}", prefix=host.exec_prefix())
+            proc.swarm = f"layer{k}"
+        reader = swarm.reader(run_path, maddr)
+        target = demo_target(reader.run, None, None)
+        started = time.monotonic()
+
+        def reached():
+            for proc in swarm.procs:
+                if proc.popen.poll() is not None:
+                    raise RuntimeError(f"{proc.name} exited {proc.popen.returncode}: {proc.stderr()[-1500:]}")
+            accuracy, loss = latest_evaluation(reader.membership.read("layer0"))
+            return (accuracy, loss) if target_reached(target, accuracy, loss) else None
+
+        accuracy, _ = wait_until(reached, SWARM_TIMEOUT_S, interval_s=1.0, what=f"{target} across the lab's hosts")
+        print(f"{target} reached ({accuracy:.3f}) in {time.monotonic() - started:.0f} s")
+        swarm.close()  # before the namespaces go
