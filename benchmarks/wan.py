@@ -58,6 +58,7 @@ class Cell:
     warmup_s: float = 15.0
     window_s: float = 25.0
     heartbeat_s: float = 2.0  # records live 3 heartbeats: 1 s ones expired behind a saturated 20 Mbit/s link
+    in_flight: int | str | None = None  # training.in_flight for every run (None: the run's own)
 
 
 QUICK = Cell(warmup_s=3.0, window_s=5.0)
@@ -66,6 +67,8 @@ QUICK = Cell(warmup_s=3.0, window_s=5.0)
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     cell = QUICK if args.quick else Cell()
+    if args.in_flight:
+        cell.in_flight = args.in_flight if args.in_flight == "auto" else int(args.in_flight)
     runs, profiles = args.runs.split(","), args.profiles.split(",")
     for name in runs:
         if name not in RUNS:
@@ -94,6 +97,8 @@ def _parser() -> argparse.ArgumentParser:
     out.add_argument("--runs", default=",".join(RUNS))
     out.add_argument("--profiles", default=",".join(PROFILES))
     out.add_argument("--lock", default=None, help="hold an exclusive flock on this file during each cell")
+    out.add_argument("--in-flight", default="", help="training.in_flight for every run: a number or auto "
+                     "(default: each run's own)")
     return out
 
 
@@ -139,15 +144,19 @@ def ratios(cells: dict[str, dict[str, Any]]) -> dict[str, float | None]:
 # ----- one cell
 
 
-def _run_path(run: str, fleet: Fleet, heartbeat_s: float) -> tuple[Path, Any]:
+def _run_path(run: str, fleet: Fleet, heartbeat_s: float, in_flight: int | str | None = None) -> tuple[Path, Any]:
     if run == "heavy":
-        return _heavy_run(fleet, Settings(heartbeat_s=heartbeat_s))
-    from volunteer.config import load_run
+        path, _ = _heavy_run(fleet, Settings(heartbeat_s=heartbeat_s))
+        config = load_run_config(path).model_dump(mode="json")
+    else:
+        from volunteer.config import load_run
 
-    loaded, _ = load_run(SHIPPED[run])
-    config = loaded.model_dump(mode="json")
-    config["timeouts"]["heartbeat_s"] = heartbeat_s
-    config["training"]["eval_every_s"] = 1e6  # no evaluation in the window
+        loaded, _ = load_run(SHIPPED[run])
+        config = loaded.model_dump(mode="json")
+        config["timeouts"]["heartbeat_s"] = heartbeat_s
+        config["training"]["eval_every_s"] = 1e6  # no evaluation in the window
+    if in_flight is not None:
+        config["training"]["in_flight"] = in_flight
     path = write_run(fleet.workdir / f"{run}.yaml", config)
     return path, load_run_config(path)
 
@@ -156,7 +165,7 @@ def _cell(run: str, link: Link | None, cell: Cell) -> dict[str, Any]:
     """One swarm, its throughput measured. The lab (if any) outlives the fleet: processes stop before their hosts go."""
     with Lab([link] * (_stages(run) + 1)) if link else nullcontext() as lab, \
             Fleet(prefix=f"volunteer-bench-wan-{run}-") as fleet:
-        run_path, config = _run_path(run, fleet, cell.heartbeat_s)
+        run_path, config = _run_path(run, fleet, cell.heartbeat_s, cell.in_flight)
         stages = config.model.stages
         procs: dict[str, list[Proc]] = {}
         try:
