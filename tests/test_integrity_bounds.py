@@ -315,6 +315,10 @@ def test_allowed_shards_are_the_own_shard_and_every_unheld_one():
     assert view.allowed("a", 4) == {0, 1, 2, 3} and view.knows("b")
     view.update([record("a", 1)])
     assert not view.knows("b") and view.allowed("a", 4) == {0, 1, 2, 3}
+    # b's record missed by one read: its shard stays closed to others for that heartbeat
+    view.update([record("a", 0), record("b", 1)])
+    view.update([record("a", 0)])
+    assert view.allowed("a", 4) == {0, 2, 3} and view.allowed("stranger", 4) == {2, 3}
 
 
 def test_targets_are_looked_up_by_id_and_checked():

@@ -79,7 +79,12 @@ class DriverView:
         return len(set(self.current) | set(self.previous))
 
     def allowed(self, requester: str, num_shards: int) -> set[int]:
-        return allowed_shards(requester, self.current, num_shards) | allowed_shards(requester, self.previous, num_shards)
+        """A shard is held if either view shows a driver on it: a record missing from one read (a late
+        heartbeat, a DHT read that missed it) does not open that driver's shard to everyone."""
+        both = {**self.previous, **self.current}
+        others = {peer: shard for peer, shard in both.items() if peer != requester}
+        own = {s % num_shards for s in (self.current.get(requester, -1), self.previous.get(requester, -1)) if s >= 0}
+        return (allowed_shards(requester, others, num_shards)) | own
 
 
 class LabelSource:
