@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import importlib.util
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,11 +109,28 @@ def validation_split(y: np.ndarray, train: np.ndarray, fraction: float, seed: in
 
 
 # ----- classification sources
-def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
-    from sklearn.datasets import load_digits  # bundled with scikit-learn: never downloads
+def _digits_file() -> Path | None:
+    """scikit-learn's bundled digits.csv.gz, found without importing scikit-learn (0.6 s of CPU at every
+    volunteer's start)."""
+    spec = importlib.util.find_spec("sklearn")
+    for root in (spec.submodule_search_locations or []) if spec is not None else []:
+        file = Path(root) / "datasets" / "data" / "digits.csv.gz"
+        if file.is_file():
+            return file
+    return None
 
-    digits = load_digits()
-    return (digits.data / DIGITS_PIXEL_MAX).astype(np.float32), digits.target.astype(np.int64)
+
+def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    file = _digits_file()
+    if file is not None:  # the same rows load_digits() reads: 64 pixels, then the label
+        table = np.loadtxt(file, delimiter=",")
+        data, target = table[:, :-1], table[:, -1]
+    else:
+        from sklearn.datasets import load_digits  # bundled with scikit-learn: never downloads
+
+        digits = load_digits()
+        data, target = digits.data, digits.target
+    return (data / DIGITS_PIXEL_MAX).astype(np.float32), target.astype(np.int64)
 
 
 def _npz_arrays(path: str | None) -> tuple[np.ndarray, np.ndarray]:

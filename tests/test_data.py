@@ -130,3 +130,14 @@ def test_a_shared_shard_is_left_for_an_unheld_one_by_the_larger_peer_id():
     for i in range(20):
         me, other = f"peer{i}b", f"peer{i}a"
         assert rebalance_shard(2, 0, me, {other: 0}) == 1
+
+
+def test_digits_are_read_without_importing_scikit_learn_and_match_load_digits():
+    from sklearn.datasets import load_digits
+
+    from swarm import data as data_module
+
+    x, y = data_module._digits_arrays()
+    reference = load_digits()
+    assert data_module._digits_file() is not None
+    assert np.array_equal(y, reference.target) and np.allclose(x * data_module.DIGITS_PIXEL_MAX, reference.data)
