@@ -266,3 +266,21 @@ def test_many_clients_at_once(server, engine):
     for client in clients:
         client.join(5)
     assert replies == [True] * 12
+
+
+def test_a_data_dir_too_deep_for_a_socket_path_gets_a_short_private_dir_that_ctl_finds(tmp_path, engine, monkeypatch):
+    from volunteer.control import control_dir, live_nodes, serve_node, short_control_root
+
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    deep = tmp_path / ("d" * 100) / "data"
+    server = serve_node(deep, "testrun-0123abcd", "layer1", engine)
+    try:
+        assert server.path.parent == control_dir(deep) and server.path.parent.parent == short_control_root()
+        assert stat.S_IMODE(server.path.parent.stat().st_mode) == 0o700
+        assert stat.S_IMODE(short_control_root().stat().st_mode) == 0o700
+        [(found, snapshot)] = live_nodes(deep)
+        assert found == server.path and snapshot["swarm"] == engine.snapshot().swarm
+    finally:
+        server.close()
+    assert not server.path.parent.exists(), "the hashed dir is removed with its last socket"
+    assert control_dir(tmp_path / "data") == tmp_path / "data" / "control" or len(str(tmp_path)) > 50

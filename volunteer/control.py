@@ -13,12 +13,15 @@ too slow) gets an error reply; each connection has its own thread and deadline, 
 never blocks the others or the server.
 
 Where: ``<data_dir>/control/<run_id>-<swarm>.sock`` (``auto`` until the node has chosen its swarm;
-``-2``, ``-3``... when another live node of the same run and swarm holds the name). ``volunteer
+``-2``, ``-3``... when another live node of the same run and swarm holds the name). A socket's path
+has at most 107 bytes: for a deeper data dir the sockets live in ``$XDG_RUNTIME_DIR/volunteer/<hash of
+the data dir>/`` (or ``<temp dir>/volunteer-<uid>/<hash>/``), which ctl computes the same way. ``volunteer
 ctl`` finds the nodes of a data dir by asking every socket there (``live_nodes``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -27,6 +30,7 @@ import selectors
 import socket
 import stat
 import struct
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -53,6 +57,7 @@ APPLY_WAIT_S = 2.0  # how long a reply waits for the engine to apply the command
 CONTROL_DIR_NAME = "control"
 SOCKET_SUFFIX = ".sock"
 MAX_SOCKETS_PER_SWARM = 16  # volunteers of one run and swarm sharing one data dir
+SOCKET_NAME_ALLOWANCE = 48  # bytes kept for '/<run_id>-<swarm>-N.sock' before the short dir is used
 
 
 class ControlError(Exception):
@@ -146,6 +151,11 @@ class ControlServer:
                 self.path.unlink()
         except FileNotFoundError:
             pass
+        if self.path.parent.parent == short_control_root():  # a deep data dir's hashed dir: leave no litter
+            try:
+                self.path.parent.rmdir()
+            except OSError:
+                pass  # another node of this data dir still listens there
 
     def _serve(self) -> None:
         with selectors.DefaultSelector() as selector:
@@ -321,8 +331,16 @@ def _check_path_length(path: Path) -> None:
 
 
 def _prepare_private_dir(directory: Path) -> None:
+    if directory.parent == short_control_root():  # in a shared temp dir: its parent must be ours and private too
+        _prepare_private_dir_itself(directory.parent)
+    _prepare_private_dir_itself(directory)
+
+
+def _prepare_private_dir_itself(directory: Path) -> None:
     directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-    info = directory.stat()
+    info = directory.lstat()
+    if not stat.S_ISDIR(info.st_mode):
+        raise ControlError(f"{directory} is not a directory; move it away so the node can listen there")
     if info.st_uid != os.getuid():
         raise ControlError(f"{directory} belongs to uid {info.st_uid}, not you; choose a data dir of your own")
     if stat.S_IMODE(info.st_mode) & 0o077:
@@ -357,7 +375,23 @@ def _remove_stale_socket(path: Path) -> None:
 
 
 def control_dir(data_dir: str | os.PathLike) -> Path:
-    return Path(data_dir) / CONTROL_DIR_NAME
+    """``<data_dir>/control``, or where that is too long for a socket's path (a deep home or temp dir),
+    a private dir named by a hash of the data dir under $XDG_RUNTIME_DIR (or the temp dir): node and
+    ctl compute the same place from the data dir alone."""
+    home = Path(data_dir) / CONTROL_DIR_NAME
+    if len(os.fsencode(home.absolute())) + SOCKET_NAME_ALLOWANCE <= MAX_SOCKET_PATH_BYTES:
+        return home
+    digest = hashlib.sha256(os.fsencode(home.absolute())).hexdigest()[:16]
+    return short_control_root() / digest
+
+
+def short_control_root() -> Path:
+    """Our own dir for control sockets when a data dir is too deep: $XDG_RUNTIME_DIR/volunteer (per user,
+    0700 by systemd) or <temp dir>/volunteer-<uid>."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and Path(runtime).is_dir():
+        return Path(runtime) / "volunteer"
+    return Path(tempfile.gettempdir()) / f"volunteer-{os.getuid()}"
 
 
 def socket_path(data_dir: str | os.PathLike, run_id: str, swarm: str, index: int = 0) -> Path:
