@@ -31,7 +31,7 @@ demo: install
 	$(VENV)/bin/volunteer demo $(DEMO_ARGS)
 
 # Two workers, a module at a time each: most of a swarm test is waiting on processes and heartbeats, so
-# the second worker fills the idle half of a 2-core machine (9 min 50 s -> about 7 min). PYTEST_ARGS adds options.
+# the second worker fills the idle half of a 2-core machine (9 min 50 s -> 7 min 13 s at load 2-5). PYTEST_ARGS adds options.
 PYTEST_WORKERS ?= 2
 test: install
 	$(PY) -m pytest -q --timeout=600 -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)

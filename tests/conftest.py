@@ -23,9 +23,9 @@ def swarm(tmp_path: Path):
 # workers, one module at a time each (--dist loadfile, so a module's swarm is started once): starting the
 # long modules first keeps one worker from finishing them alone at the end. Measured with --durations=0.
 HEAVY_FIRST = (
-    "test_pipeline", "test_adversary", "test_foundation", "test_benchmarks_smoke", "test_edges_swarm",
-    "test_ctl", "test_averaging_swarm", "test_netlab", "test_driver_swarm", "test_run_end", "test_tui_e2e",
-    "test_health_page", "test_startup_interrupt", "test_doctor", "test_averaging_train",
+    "test_pipeline", "test_benchmarks_smoke", "test_netlab", "test_foundation", "test_edges_swarm",
+    "test_adversary", "test_run_end", "test_tui_e2e", "test_driver_swarm", "test_ctl", "test_driver_hops",
+    "test_averaging_swarm", "test_health_page", "test_startup_interrupt", "test_doctor",
 )
 
 
