@@ -67,13 +67,16 @@ def loads_from(capacities: Mapping[str, Sequence[float]]) -> dict[str, SwarmLoad
 
 
 SERVING_OR_ARRIVING = frozenset({"online", "joining", "syncing", "healing"})
+MAX_TIMES_MEDIAN = 16.0  # a published capacity counts at most this many times the run's median
 
 
 def loads_from_records(views: Mapping[str, Sequence[Any]], names: Sequence[str], *, me: str = "",
                        my_swarm: str = "", my_capacity: float | None = None) -> dict[str, SwarmLoad]:
     """Each swarm's load from its membership records: peers serving or arriving, each at its published
-    ``capacity``; one without a figure (a newcomer, an old client) counts as its swarm's median, or the
-    run's where the swarm has none, or 1 where nobody has one (then loads are peer counts). With ``me``,
+    ``capacity``, at most ``MAX_TIMES_MEDIAN`` x the run's median (a record is a stranger's word: one
+    liar weighs as much as that many typical peers, not as a swarm); one without a figure (a newcomer, an
+    old client) counts as its swarm's median, or the run's where the swarm has none, or 1 where nobody
+    has one (then loads are peer counts). With ``me``,
     our own record is replaced by ``my_capacity`` in ``my_swarm``."""
     members = {name: [r for r in views.get(name, ()) if r.state in SERVING_OR_ARRIVING and r.peer_id != me]
                for name in names}
@@ -81,11 +84,16 @@ def loads_from_records(views: Mapping[str, Sequence[Any]], names: Sequence[str],
     if my_capacity is not None and my_capacity > 0:
         known.append(my_capacity)
     run_typical = statistics.median(known) if known else 1.0
+    ceiling = MAX_TIMES_MEDIAN * run_typical  # a stranger's figure weighs at most this much
+
+    def figure(record: Any) -> float:
+        return min(record.capacity, ceiling)
+
     loads = {}
     for name in names:
-        figures = [r.capacity for r in members[name] if r.capacity > 0]
+        figures = [figure(r) for r in members[name] if r.capacity > 0]
         typical = statistics.median(figures) if figures else run_typical
-        total = sum(r.capacity if r.capacity > 0 else typical for r in members[name])
+        total = sum(figure(r) if r.capacity > 0 else typical for r in members[name])
         count = len(members[name])
         if me and name == my_swarm:
             total += my_capacity if my_capacity is not None and my_capacity > 0 else typical

@@ -40,6 +40,13 @@ def test_loads_count_serving_and_arriving_peers_and_fill_missing_figures_with_th
     assert counts == {"layer0": SwarmLoad(2.0, 2), "layer1": SwarmLoad(1.0, 1)}  # no figures: peer counts
 
 
+def test_a_lying_capacity_weighs_at_most_sixteen_typical_peers():
+    views = {"layer0": [record(f"p{i}", capacity=10.0) for i in range(3)] + [record("liar", capacity=9e8)],
+             "layer1": [record("q", capacity=10.0)]}
+    loads = loads_from_records(views, ["layer0", "layer1"])
+    assert loads["layer0"].capacity == 30.0 + 160.0
+
+
 def test_a_newcomer_joins_the_swarm_with_the_least_capacity_not_the_fewest_peers():
     views = {"layer0": [record("a", capacity=100.0)], "layer1": [record("b", capacity=5.0), record("c", capacity=5.0)]}
     assert least_served_swarm(views, ["layer0", "layer1"]) == "layer1"
