@@ -184,8 +184,12 @@ def age_s(record: MemberRecord, now: float | None = None) -> float:
 
 
 def least_served_swarm(records_by_swarm: dict[str, list[MemberRecord]], swarm_names: list[str]) -> str:
-    """``--swarm auto``: the swarm with the fewest online peers; ties go to the lowest index."""
-    def online(name: str) -> int:
-        return sum(1 for r in records_by_swarm.get(name, []) if r.state == "online")
+    """``--swarm auto`` at join: the swarm with the least capacity among its peers that serve or are
+    arriving (joining, syncing, healing: a burst of newcomers must not all pick the swarm that looked
+    emptiest). Capacities are the records' own figures, a peer without one counting as its swarm's
+    median (swarm/rebalance.py ``loads_from_records``); with no figures at all, the fewest peers. Ties go
+    to the fewest peers, then the lowest index."""
+    from swarm.rebalance import loads_from_records
 
-    return min(swarm_names, key=lambda name: (online(name), swarm_names.index(name)))
+    loads = loads_from_records(records_by_swarm, swarm_names)
+    return min(swarm_names, key=lambda name: (loads[name].capacity, loads[name].peers, swarm_names.index(name)))

@@ -66,6 +66,7 @@ class PeerMetrics:
     staleness_mean: float | None = None
     staleness_p95: float | None = None
     staleness_max: int | None = None
+    capacity: float | None = None  # samples/s at full use (StageStats.capacity); None until measured
 
 
 class SwarmPeer:
@@ -398,7 +399,7 @@ class SwarmPeer:
         common = dict(
             samples_per_s=stats.samples_per_s(time.monotonic()), loss=stats.loss_ema, clock=int(round(stats.clock)),
             param_version=stats.param_version, served=stats.served, samples=stats.samples, bytes_in=self.traffic.bytes_in,
-            bytes_out=self.traffic.bytes_out, in_flight=self.in_flight(),
+            bytes_out=self.traffic.bytes_out, in_flight=self.in_flight(), capacity=stats.capacity(time.monotonic()),
         )
         stale = worker.staleness.summary()
         if stale is not None:

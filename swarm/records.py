@@ -27,7 +27,9 @@ ROUTABLE_STATES = frozenset({"online"})
 OWNER_PREFIX = b"[owner:"
 MAX_VERSION_CHARS = 64
 # newer than some clients: a record without them parses with the defaults
-OPTIONAL_FIELDS = frozenset({"staleness_mean", "staleness_p95", "staleness_max", "mbps_in", "mbps_out"})
+OPTIONAL_FIELDS = frozenset({"staleness_mean", "staleness_p95", "staleness_max", "mbps_in", "mbps_out", "capacity",
+                             "movable"})
+MAX_CAPACITY = 1e9  # samples/s: a figure above this is a lie or a bug
 
 
 @dataclass(slots=True, frozen=True)
@@ -61,6 +63,10 @@ class MemberRecord:
     # this peer's traffic over its last heartbeat, Mb/s (swarm/traffic.py); -1 = not published
     mbps_in: float = -1.0
     mbps_out: float = -1.0
+    # samples/s this copy could train at if it computed all the time (swarm/stage.py StageStats.capacity);
+    # -1 = not measured yet. movable: a `--swarm auto` volunteer that rebalancing may move (swarm/rebalance.py)
+    capacity: float = -1.0
+    movable: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -109,6 +115,8 @@ class _MemberValueSchema(pydantic_v1.BaseModel):
     staleness_max: Optional[pydantic_v1.StrictInt] = None
     mbps_in: Optional[pydantic_v1.StrictFloat] = None
     mbps_out: Optional[pydantic_v1.StrictFloat] = None
+    capacity: Optional[pydantic_v1.StrictFloat] = None
+    movable: Optional[pydantic_v1.StrictBool] = None
 
     class Config:
         extra = pydantic_v1.Extra.forbid
@@ -187,6 +195,11 @@ def parse_member(subkey: Any, value: Any, now: float) -> MemberRecord | None:
         if not all(isinstance(v, (int, float)) and math.isfinite(v) and -1 <= v < 1e6
                    for v in (record.mbps_in, record.mbps_out)):
             raise ValueError("traffic figures must be finite Mb/s below 10^6, -1 for none")
+        if not (isinstance(record.capacity, (int, float)) and math.isfinite(record.capacity)
+                and (record.capacity == -1 or 0 < record.capacity < MAX_CAPACITY)):
+            raise ValueError("capacity must be finite samples/s above 0 and below 10^9, -1 for none")
+        if not isinstance(record.movable, bool):
+            raise ValueError("movable must be true or false")
         return record
     except (TypeError, ValueError) as exc:
         logger.warning("skipping a bad membership record: %s", exc)

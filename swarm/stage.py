@@ -26,7 +26,8 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,7 @@ logger = logging.getLogger(__name__)
 EVAL_BATCH = 512
 LOSS_EMA_ALPHA = 0.1
 THROUGHPUT_WINDOW_S = 10.0
+MIN_BUSY_FOR_CAPACITY_S = 0.05  # of compute in the window before a capacity is published
 
 
 SIMULATED_STEP_ENV = "VOLUNTEER_SIMULATED_STEP_S"
@@ -113,6 +115,7 @@ class StageStats:
         self.samples = 0  # the samples in them (this process's contribution; the clock also merges peers')
         self.loss_ema: float | None = None
         self._window: deque[tuple[float, int]] = deque()
+        self._busy: deque[tuple[float, float]] = deque()  # (monotonic end, seconds computing) per request
         self._window_lock = threading.Lock()  # the compute thread appends, the node's thread reads
 
     def record_update(self, batch_size: int, loss: float | None, now: float) -> None:
@@ -124,6 +127,31 @@ class StageStats:
             self.loss_ema = loss if self.loss_ema is None else (1 - LOSS_EMA_ALPHA) * self.loss_ema + LOSS_EMA_ALPHA * loss
         with self._window_lock:
             self._window.append((now, batch_size))
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        """Time one request's compute (forward, backward, inference) for ``capacity``."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            with self._window_lock:
+                self._busy.append((time.monotonic(), time.perf_counter() - started))
+
+    def capacity(self, now: float) -> float | None:
+        """Samples/s this copy could train at if it computed all the time: the samples of the window's
+        updates over the seconds it spent computing (their forwards, backwards and any inference). None
+        until it has computed a little (rebalancing compares peers by it, swarm/rebalance.py)."""
+        with self._window_lock:
+            while self._busy and now - self._busy[0][0] > THROUGHPUT_WINDOW_S:
+                self._busy.popleft()
+            while self._window and now - self._window[0][0] > THROUGHPUT_WINDOW_S:
+                self._window.popleft()
+            seconds = sum(s for _, s in self._busy)
+            samples = sum(n for _, n in self._window)
+        if seconds < MIN_BUSY_FOR_CAPACITY_S or samples == 0:
+            return None
+        return samples / seconds
 
     def samples_per_s(self, now: float) -> float:
         with self._window_lock:
@@ -203,7 +231,7 @@ class StageWorker:
 
     def forward(self, mb_id: str, x: torch.Tensor, owner: str = "") -> torch.Tensor:
         """Training forward; keeps the graph for a backward of ``owner`` (the requesting driver) that comes back here."""
-        with self.lock:
+        with self.lock, self.stats.busy():
             self._refuse_if_sick()
             saved = self._graph(x)
             self._check_emitted(saved.outputs, "outputs")
@@ -216,7 +244,7 @@ class StageWorker:
 
     @torch.no_grad()
     def infer(self, x: torch.Tensor) -> torch.Tensor:
-        with self.lock:
+        with self.lock, self.stats.busy():
             self._refuse_if_sick()
             was_training = self.module.training
             self.module.eval()
@@ -238,7 +266,7 @@ class StageWorker:
     def backward(self, mb_id: str, grad_out: torch.Tensor, x: torch.Tensor | None, loss: float | None,
                  owner: str = "") -> torch.Tensor | None:
         """Apply this micro-batch's update; return the gradient of the input (None for stage 0)."""
-        with self.lock:
+        with self.lock, self.stats.busy():
             self._refuse_if_sick()
             junior = bool(owner) and self.on_probation(owner)
             grad_out, out_scale, out_rms = self._clip_grad_out(grad_out, junior)
@@ -256,7 +284,7 @@ class StageWorker:
 
     def forward_backward(self, mb_id: str, x: torch.Tensor, y: torch.Tensor, owner: str = "") -> tuple[float, torch.Tensor | None]:
         """Last stage: loss and input gradient of one micro-batch, with the update applied."""
-        with self.lock:
+        with self.lock, self.stats.busy():
             self._refuse_if_sick()
             saved = self._graph(x)
             loss = loss_fn(self.run.model, saved.outputs, y.to(self.device))

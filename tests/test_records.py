@@ -80,6 +80,9 @@ def test_auto_swarm_is_least_served_with_ties_to_lowest():
     assert least_served_swarm({}, names) == "layer0"
     views["layer1"].append(_record("p6"))
     assert least_served_swarm(views, names) == "layer2"
+    # a newcomer still downloading counts: the next newcomer goes elsewhere
+    views["layer2"].append(_record("p7", state="syncing"))
+    assert least_served_swarm(views, names) == "layer0"
 
 
 def test_an_evaluation_from_the_future_or_negative_heals_are_skipped():

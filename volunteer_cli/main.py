@@ -61,7 +61,11 @@ def _add_run(parser: argparse.ArgumentParser) -> None:
 
 def add_join_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `volunteer join` (also checked by `volunteer service install`)."""
-    parser.add_argument("--swarm", default="auto", help="layerK, or auto: the swarm with the fewest online peers")
+    parser.add_argument("--swarm", default="auto", help="layerK, or auto: the swarm that most needs capacity, "
+                        "and later the one that becomes the bottleneck (see --rebalance-s)")
+    parser.add_argument("--rebalance-s", type=float, default=60.0, metavar="S",
+                        help="with --swarm auto: reconsider the swarm every S seconds and move to the bottleneck "
+                        "swarm when it is short (0: stay where joined; default 60)")
     _add_run(parser)
     parser.add_argument("--headless", action="store_true", help="log lines instead of the terminal dashboard")
     parser.add_argument("--log-format", choices=("human", "json"), default="human")

@@ -80,7 +80,7 @@ class Announcer:
     def record(self, state: str) -> Any:
         return build_record(self.node.board.snapshot(), state=state, version=__version__,
                             started_at_s=self.started_at_s, now_s=time.time(), shard=self.shard,
-                            metrics=self.metrics)
+                            metrics=self.metrics, movable=self.node.rebalancer.enabled)
 
     def announce(self, ttl_s: float | None = None, timeout_s: float | None = None) -> bool:
         node = self.node

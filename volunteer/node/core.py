@@ -7,7 +7,7 @@ serves). Everything it waits on is an Event with a timeout, so a quit or a Ctrl+
 within a fraction of a second.
 
 The serve loop ticks its parts in order (``Node.parts``): commands, governors, health, checkpoints,
-contribution, completion, then the announcer. A new part (say, a health guard) is a class with ``tick(now_s)`` and ``close()`` that
+contribution, completion, the rebalancer (`--swarm auto`: ``move_to`` the bottleneck swarm), then the announcer. A new part (say, a health guard) is a class with ``tick(now_s)`` and ``close()`` that
 publishes snapshot fields through ``node.board.publish`` and changes state with ``node.set_state``;
 it is inserted in ``parts`` before the announcer so that its state is in the next heartbeat.
 """
@@ -28,6 +28,7 @@ from volunteer.node.contribution import Contribution
 from volunteer.node.governors import Governors
 from volunteer.node.health import Health
 from volunteer.node.options import JoinError, NodeOptions, RunConflict
+from volunteer.node.rebalancer import Rebalancer
 from volunteer.snapshot import Command, EventLevel, EventListener, NodeSnapshot, NodeState, SnapshotListener
 
 logger = logging.getLogger(__name__)
@@ -69,8 +70,9 @@ class Node:
         self.health = Health(self)
         self.contribution = Contribution(self)
         self.completion = Completion(self)
+        self.rebalancer = Rebalancer(self)
         self.parts: list[Part] = [self.commands, self.governors, self.health, self.checkpoints, self.contribution,
-                                  self.completion, self.announcer]
+                                  self.completion, self.rebalancer, self.announcer]
         self._stop = threading.Event()
         self._stopped = threading.Event()
         self._wake = threading.Event()
@@ -294,6 +296,41 @@ class Node:
             wait_s = min(self.announcer.until_heartbeat_s(time.monotonic()), TICK_S)
             self._wake.wait(timeout=wait_s)
             self._wake.clear()
+
+    def move_to(self, target: str, why: str) -> None:
+        """Rebalancing (volunteer/node/rebalancer.py): serve ``target`` instead of our swarm. Like a leave
+        and a join without the DHT: take no new work, let in-flight work finish, announce offline in the
+        old swarm, checkpoint it, then download the new layer from its peers (syncing) and go online."""
+        board, old = self.board, self.swarm
+        board.emit(f"moving from {old} to {target}: {why}", kind="rebalance")
+        self.set_state(NodeState.SYNCING, f"moving to {target}: finishing the work in flight here")
+        if self.peer is not None:
+            self.peer.pause()
+            if not self.peer.drain(LEAVE_DRAIN_S):
+                board.emit("moved with micro-batches in flight; their drivers retry them elsewhere", kind="rebalance")
+            board.publish(**self.announcer.work_fields())
+        board.publish(state=NodeState.OFFLINE, reason=f"moved to {target}")
+        self.announcer.announce(ttl_s=self.run.timeouts.record_ttl_s,
+                                timeout_s=min(LEAVE_ANNOUNCE_TIMEOUT_S, self.run.timeouts.rpc_s))
+        if self.peer is not None:
+            self.checkpoints.save(f"moving to {target}")
+            self.peer.stop()
+            self.peer = None
+        self.checkpoints.close()
+        self.checkpoints.checkpointer = None
+        self.swarm, self.announcer.shard = target, None
+        board.publish(swarm=target)
+        self.set_state(NodeState.SYNCING, f"moving to {target}: downloading it from its peers")  # counted there now
+        self.announcer.read_views(every_swarm=True)
+        if self._stop.is_set():
+            return
+        try:
+            self._start_training()
+        except JoinError as exc:
+            raise JoinError(f"could not serve {target} after moving from {old}: {exc}") from None
+        if not self._stop.is_set():
+            self.set_state(NodeState.ONLINE, "")
+            board.emit(f"online in {target} (moved from {old})", kind="online")
 
     def _leave(self) -> None:
         """Take no new work (drivers get "paused" and route around us), let in-flight work finish, announce

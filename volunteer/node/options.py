@@ -42,4 +42,5 @@ class NodeOptions:
     resources: ResourcePrefs = field(default_factory=ResourcePrefs)
     new_run: bool = False  # train this config's own run even when another run of its name is active
     log_path: Path | None = None  # this session's log file (volunteer/logfile.py), shown to the user
+    rebalance_s: float = 60.0  # --swarm auto: reconsider the swarm this often (swarm/rebalance.py); 0 = never move
     control_socket: bool = True  # serve `volunteer ctl` at <data_dir>/control/<run_id>-<swarm>.sock

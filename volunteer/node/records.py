@@ -38,7 +38,7 @@ def bottleneck_swarm(swarms: list[SwarmRow], previous: str | None = None,
 
 
 def build_record(snap: NodeSnapshot, *, state: str, version: str, started_at_s: float, now_s: float,
-                 shard: int | None, metrics: Any) -> Any:
+                 shard: int | None, metrics: Any, movable: bool = False) -> Any:
     """Our membership record from the snapshot and the stage's last metrics (None before training)."""
     from swarm.records import MemberRecord
 
@@ -67,7 +67,14 @@ def build_record(snap: NodeSnapshot, *, state: str, version: str, started_at_s: 
         **_staleness_fields(m),
         mbps_in=round(float(snap.mbps_in), 3),
         mbps_out=round(float(snap.mbps_out), 3),
+        capacity=_capacity(m),
+        movable=bool(movable),
     )
+
+
+def _capacity(metrics: Any) -> float:
+    capacity = getattr(metrics, "capacity", None)
+    return round(float(capacity), 3) if capacity is not None and 0 < capacity < 1e9 else NO_FIGURE
 
 
 def _staleness_fields(metrics: Any) -> dict[str, Any]:

@@ -82,6 +82,7 @@ def build_report(run, views: dict, now: float, this_machine=None) -> dict:
                 "clock": r.clock, "shard": r.shard_or_none, "served": r.served,
                 "trained": r.trained, "lost": r.lost, "staleness": _staleness(r),
                 "mbps_in": r.mbps_in if r.mbps_in >= 0 else None, "mbps_out": r.mbps_out if r.mbps_out >= 0 else None,
+                "capacity": round(r.capacity, 1) if r.capacity > 0 else None, "movable": r.movable,
             })
             if name == "layer0" and (r.test_accuracy >= 0 or r.test_loss >= 0):
                 evaluations.append((r.eval_samples, r.updated_at, r))
