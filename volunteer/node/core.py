@@ -218,7 +218,8 @@ class Node:
         publish_run(self.dht, run)
         if not self.swarm:
             self.swarm = least_served_swarm(self.announcer.views, run.swarm_names)
-            emit(f"--swarm auto chose {self.swarm} (fewest online peers)", kind="joining")
+            emit(f"--swarm auto chose {self.swarm} (the least capacity among its serving and arriving peers)",
+                 kind="joining")
         self.board.publish(swarm=self.swarm)
         if options.train:
             self._start_training()

@@ -62,8 +62,10 @@ class Rebalancer:
         move = self.decide(epoch)
         if move is not None:
             self.moves += 1
+            gain = ("nothing trains until it has a peer" if move.gain == float("inf")
+                    else f"the pipeline's slowest swarm would gain x{move.gain:.2f}")
             node.move_to(move.target, f"rebalancing: {node.swarm} has capacity to spare and {move.target} is "
-                                      f"short (the pipeline's slowest swarm would gain x{move.gain:.2f})")
+                                      f"short ({gain})")
 
     def decide(self, epoch: int) -> Any:
         from swarm.rebalance import loads_from_records, plan_move
