@@ -47,6 +47,7 @@ class SimConfig:
     sigma: float = 1.0  # log-normal spread of capacities (1.0: the fastest of 1,000 is ~20x the median)
     sync_periods: int = 1  # a download takes this many periods
     substeps: int = 10
+    arrival_waves: int = 20  # a period's newcomers arrive in this many waves; one wave reads the same records
     rebalance: bool = True
     policy: RebalancePolicy = field(default_factory=RebalancePolicy)
     seed: int = 0
@@ -79,8 +80,11 @@ class Simulation:
         self.period = 0
         self.moves = 0
         self.views: dict[str, dict[int, MemberRecord]] = {name: {} for name in self.names}  # the DHT's records
-        for _ in range(config.peers):  # the run fills up: each newcomer reads the records of those before it
-            self._arrive(ready_at=0)
+        per_wave = math.ceil(config.peers / 1000)  # the run fills up: newcomers read the records of those before
+        for start in range(0, config.peers, per_wave):
+            swarm = least_served_swarm(self._view(), self.names)
+            for _ in range(min(per_wave, config.peers - start)):
+                self._arrive(ready_at=0, swarm=swarm)
         for peer in self.peers.values():
             peer.newcomer = False
             self._publish(peer)
@@ -99,8 +103,8 @@ class Simulation:
     def _view(self) -> dict[str, list[MemberRecord]]:
         return {name: list(records.values()) for name, records in self.views.items()}
 
-    def _arrive(self, ready_at: int) -> None:
-        swarm = least_served_swarm(self._view(), self.names)  # what `--swarm auto` does at join
+    def _arrive(self, ready_at: int, swarm: str | None = None) -> None:
+        swarm = swarm or least_served_swarm(self._view(), self.names)  # what `--swarm auto` does at join
         peer = SimPeer(self.next_pid, self.rng.lognormvariate(0.0, self.config.sigma), swarm, ready_at)
         self.peers[peer.pid] = peer
         self.next_pid += 1
@@ -121,8 +125,12 @@ class Simulation:
         leaving = self.rng.sample(sorted(self.peers), k=int(round(config.churn * len(self.peers))))
         for pid in leaving:
             self._leave(pid)
-        for _ in leaving:
-            self._arrive(ready_at=self.period + config.sync_periods)
+        waves = min(len(leaving), config.arrival_waves)
+        for wave in range(waves):  # newcomers of one wave read the same records (they arrive together)
+            size = len(leaving) // waves + (1 if wave < len(leaving) % waves else 0)
+            swarm = least_served_swarm(self._view(), self.names)
+            for _ in range(size):
+                self._arrive(ready_at=self.period + config.sync_periods, swarm=swarm)
         if config.rebalance:
             self._rebalance()
         serving = dict.fromkeys(self.names, 0.0)

@@ -61,3 +61,13 @@ def test_codecs_benchmark_quick_prints_its_figures():
     assert 0.25 < cells["int8"]["bytes_ratio"] < 0.26
     assert cells["lowrank_r8"]["bytes_ratio"] < 0.1
     _positive(report, ("int8_bytes_ratio", "best_codec_bytes_ratio"))
+
+
+def test_scale_benchmark_quick_prints_its_figures():
+    import os
+
+    report = _quick("benchmarks.scale", {**os.environ, "PYTHONPATH": str(ROOT)})
+    _positive(report, ("rebalancing_vs_optimal", "placement_only_vs_optimal"))
+    assert report["rebalancing_vs_optimal"] > report["placement_only_vs_optimal"] - 0.05
+    assert {(c["churn"], c["rebalance"]) for c in report["cells"]} == {(0.0, False), (0.0, True), (0.02, False),
+                                                                       (0.02, True)}
