@@ -109,7 +109,9 @@ def _kill_one(fleet: Fleet, reader: HostilePeer, procs: dict[str, list[Any]], pa
     victim.kill()
     killed_at = time.monotonic()
     procs[swarm].remove(victim)
-    procs[swarm].append(fleet.join(f"{label}-{swarm}-r{index}", path, swarm, maddr))
+    # a new volunteer, not the victim restarted: its own identity (it would take the victim's free slot)
+    name = f"{label}-{swarm}-r{index}"
+    procs[swarm].append(fleet.join(name, path, swarm, maddr, "--identity", str(fleet.workdir / f"{name}.key")))
     rates, unlisted_s = [], None
     while time.monotonic() - killed_at < 15.0:
         rates.append(_rate(reader, seen, 5.0))

@@ -116,6 +116,7 @@ class StageStats:
         self.loss_ema: float | None = None
         self._window: deque[tuple[float, int]] = deque()
         self._busy: deque[tuple[float, float]] = deque()  # (monotonic end, seconds computing) per request
+        self._last_capacity: float | None = None
         self._window_lock = threading.Lock()  # the compute thread appends, the node's thread reads
 
     def record_update(self, batch_size: int, loss: float | None, now: float) -> None:
@@ -141,7 +142,9 @@ class StageStats:
     def capacity(self, now: float) -> float | None:
         """Samples/s this copy could train at if it computed all the time: the samples of the window's
         updates over the seconds it spent computing (their forwards, backwards and any inference). None
-        until it has computed a little (rebalancing compares peers by it, swarm/rebalance.py)."""
+        until it has computed a little (rebalancing compares peers by it, swarm/rebalance.py). A copy with
+        no work in the window keeps its last figure: when the pipeline stalls (a swarm lost its peers),
+        rebalancing needs capacities most, and nothing is measured then."""
         with self._window_lock:
             while self._busy and now - self._busy[0][0] > THROUGHPUT_WINDOW_S:
                 self._busy.popleft()
@@ -149,9 +152,9 @@ class StageStats:
                 self._window.popleft()
             seconds = sum(s for _, s in self._busy)
             samples = sum(n for _, n in self._window)
-        if seconds < MIN_BUSY_FOR_CAPACITY_S or samples == 0:
-            return None
-        return samples / seconds
+            if seconds >= MIN_BUSY_FOR_CAPACITY_S and samples > 0:
+                self._last_capacity = samples / seconds
+            return self._last_capacity
 
     def samples_per_s(self, now: float) -> float:
         with self._window_lock:

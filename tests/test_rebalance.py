@@ -114,6 +114,7 @@ def test_a_stage_publishes_its_capacity_from_the_time_it_computes():
         stats.record_update(32, 1.0, time.monotonic())
     capacity = stats.capacity(time.monotonic())
     assert capacity is not None and 128 / 0.2 < capacity <= 128 / 0.08  # samples over seconds computing
+    assert stats.capacity(time.monotonic() + 60.0) == capacity  # idle (a stalled pipeline): the last figure
 
 
 def test_the_simulation_with_churn_and_uneven_peers_stays_near_the_optimum_only_with_rebalancing():
