@@ -77,6 +77,18 @@ def _benchmark(fleet: Fleet, period_s: float, after_s: float) -> dict[str, Any]:
             return online == DRIVERS + AUTO and _drivers(reader)["trained"] > 2000
 
         wait_until(all_online, START_TIMEOUT_S, "all 8 volunteers online and training", interval_s=1.0)
+        # the placement settles first (auto volunteers may rebalance among themselves): no move for 2 periods
+        last_moves, quiet_since = -1, time.monotonic()
+
+        def settled() -> bool:
+            nonlocal last_moves, quiet_since
+            moves_now = sum(p.stdout().count(": rebalancing:") for p in autos)
+            if moves_now != last_moves:
+                last_moves, quiet_since = moves_now, time.monotonic()
+            return time.monotonic() - quiet_since >= 2 * period_s and all_online()
+
+        wait_until(settled, 20 * period_s + 60, "the placement to settle (no move for 2 periods)", interval_s=1.0)
+        moves_before_kill = last_moves
         counts = {k: len(reader.online(f"layer{k}")) for k in range(STAGES)}
         victim = min(range(1, STAGES), key=lambda k: (counts[k], k))
         victims = [p for p in autos if _serves(p) == f"layer{victim}"]
@@ -89,8 +101,11 @@ def _benchmark(fleet: Fleet, period_s: float, after_s: float) -> dict[str, Any]:
         at_kill = _drivers(reader)
         movers = [p for p in autos if p not in victims]
 
-        def moving() -> Any:
-            return next((p for p in movers if f"to layer{victim}: rebalancing" in p.stdout()), None)
+        seen_lines = {p.name: p.stdout().count(f"to layer{victim}: rebalancing") for p in movers}
+
+        def moving() -> Any:  # a move to the victim swarm decided after the kill
+            return next((p for p in movers if p.stdout().count(f"to layer{victim}: rebalancing") > seen_lines[p.name]),
+                        None)
 
         wait_until(lambda: moving() is not None, 10 * period_s + 60, f"an auto volunteer moving to layer{victim}",
                    interval_s=0.25)
@@ -105,12 +120,13 @@ def _benchmark(fleet: Fleet, period_s: float, after_s: float) -> dict[str, Any]:
         rate_after = _rate(reader, after_s)
         after = _drivers(reader)
         expiry_s = HEARTBEAT_S * TTL_HEARTBEATS
-        moves = sum(p.stdout().count(": rebalancing:") for p in movers)
+        moves = sum(p.stdout().count(": rebalancing:") for p in movers)  # movers: the autos not killed
         return {
             "benchmark": "rebalance_live", "volunteers": DRIVERS + AUTO, "stages": STAGES, "rebalance_s": period_s,
             "placed": placed, "peers_per_swarm": counts, "killed_swarm": f"layer{victim}", "killed": len(victims),
             "move_s": round(move_s, 1), "move_periods_after_expiry": round(max(0.0, move_s - expiry_s) / period_s, 2),
-            "mover_online_s": round(online_s, 1), "moves": moves,
+            "mover_online_s": round(online_s, 1), "moves_before_kill": moves_before_kill,
+            "moves_after_kill": moves - (moves_before_kill - _moves_of(victims)),
             "lost_before_kill": before["lost"], "lost_kill_to_move": at_move["lost"] - at_kill["lost"],
             "lost_after_move": after["lost"] - at_move["lost"],
             "samples_per_s_before": round(rate_before, 1), "samples_per_s_after": round(rate_after, 1),
@@ -120,6 +136,10 @@ def _benchmark(fleet: Fleet, period_s: float, after_s: float) -> dict[str, Any]:
     finally:
         reader.close()
         fleet.stop(procs)
+
+
+def _moves_of(procs: list[Any]) -> int:
+    return sum(p.stdout().count(": rebalancing:") for p in procs)
 
 
 def _serves(proc: Any) -> str:

@@ -17,8 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 from volunteer.snapshot import NodeState
 
+COOLDOWN_PERIODS = 2  # after a move, sit out this many periods: capacities measured on a busy machine
+# are noisy, and the moved copy's new figure (another layer) needs a period to settle
+
 if TYPE_CHECKING:
     from volunteer.node.core import Node
+
 
 def my_rank(views: dict[str, list[Any]], my_swarm: str, me: str, epoch: int) -> int:
     """Our place in this period's mover order among our swarm's online movable peers (us included)."""
@@ -40,6 +44,7 @@ class Rebalancer:
         self._decide_at: float | None = None  # monotonic time of this period's decision
         self._epoch = -1  # the period (wall time // period_s) decided in
         self.moves = 0
+        self._settled_epoch = -1  # the first period we may move in again after a move
 
     def tick(self, now_s: float) -> None:
         node = self.node
@@ -59,9 +64,12 @@ class Rebalancer:
         if epoch == self._epoch:
             return
         self._epoch = epoch
+        if epoch < self._settled_epoch:  # we moved lately: let the records show it before judging again
+            return
         move = self.decide(epoch)
         if move is not None:
             self.moves += 1
+            self._settled_epoch = epoch + 1 + COOLDOWN_PERIODS
             gain = ("nothing trains until it has a peer" if move.gain == float("inf")
                     else f"the pipeline's slowest swarm would gain x{move.gain:.2f}")
             node.move_to(move.target, f"rebalancing: {node.swarm} has capacity to spare and {move.target} is "
