@@ -15,6 +15,7 @@ the same config trains as long with no churn, as the baseline. Measured, each in
 from __future__ import annotations
 
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -104,7 +105,8 @@ def _kill_one(fleet: Fleet, reader: HostilePeer, procs: dict[str, list[Any]], pa
               rng: random.Random, seen: dict, index: int) -> dict[str, Any]:
     swarm = rng.choice(sorted(name for name in procs if name != "layer0"))
     victim = rng.choice(procs[swarm])
-    victim_id = next((r.peer_id for r in reader.online(swarm) if r.peer_id[-8:] in victim.stdout()), None)
+    joined = re.search(r"joined the DHT as (\w+)", victim.stdout())  # its own id (its log names others too)
+    victim_id = next((r.peer_id for r in reader.online(swarm) if joined and r.peer_id.endswith(joined.group(1))), None)
     rate_before = _rate(reader, seen, 10.0)
     victim.kill()
     killed_at = time.monotonic()
