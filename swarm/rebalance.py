@@ -102,6 +102,22 @@ def loads_from_records(views: Mapping[str, Sequence[Any]], names: Sequence[str],
     return loads
 
 
+def layer_costs(views: Mapping[str, Sequence[Any]], names: Sequence[str]) -> dict[str, float]:
+    """Each layer's compute per sample relative to the run's, estimated from the records: a swarm whose
+    peers publish half the run's median capacity holds a layer that costs twice as much (peers differ,
+    but a swarm's median over peers is a fair proxy). 1 for a swarm with no figure. ``plan_move`` uses
+    it to convert a mover's capacity into the target layer's samples/s."""
+    medians = {}
+    for name in names:
+        figures = [r.capacity for r in views.get(name, ()) if r.state in SERVING_OR_ARRIVING and r.capacity > 0]
+        if figures:
+            medians[name] = statistics.median(figures)
+    if not medians:
+        return {name: 1.0 for name in names}
+    typical = statistics.median(medians.values())
+    return {name: typical / medians[name] if name in medians else 1.0 for name in names}
+
+
 def pipeline_throughput(loads: Mapping[str, SwarmLoad]) -> float:
     return min((load.capacity for load in loads.values()), default=0.0)
 

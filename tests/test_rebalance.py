@@ -93,6 +93,16 @@ def test_layers_of_different_cost_are_compared_in_compute():
     assert move is not None and move.target == "layer1" and move.gain == pytest.approx(2.0)
 
 
+def test_layer_costs_come_from_the_swarms_median_capacities():
+    from swarm.rebalance import layer_costs
+
+    views = {"layer0": [record("a", capacity=100.0), record("b", capacity=300.0)],
+             "layer1": [record("c", capacity=50.0)], "layer2": [record("d")]}
+    costs = layer_costs(views, ["layer0", "layer1", "layer2"])
+    assert costs == {"layer0": pytest.approx(125 / 200), "layer1": pytest.approx(125 / 50), "layer2": 1.0}
+    assert layer_costs({}, ["layer0"]) == {"layer0": 1.0}
+
+
 def test_mover_order_is_shared_and_changes_each_period():
     ids = [f"peer{i}" for i in range(20)]
     assert mover_order(ids, 7) == mover_order(list(reversed(ids)), 7)

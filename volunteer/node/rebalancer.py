@@ -76,7 +76,7 @@ class Rebalancer:
                                       f"short ({gain})")
 
     def decide(self, epoch: int) -> Any:
-        from swarm.rebalance import loads_from_records, plan_move
+        from swarm.rebalance import layer_costs, loads_from_records, plan_move
 
         node = self.node
         capacity = node.peer.metrics().capacity if node.peer is not None else None
@@ -85,7 +85,9 @@ class Rebalancer:
         me = node.board.snapshot().peer_id
         loads = loads_from_records(node.announcer.views, node.run.swarm_names, me=me, my_swarm=node.swarm,
                                    my_capacity=capacity)
-        return plan_move(loads, node.swarm, capacity, my_rank(node.announcer.views, node.swarm, me, epoch), self.policy)
+        cost = layer_costs(node.announcer.views, node.run.swarm_names)  # layers differ: a mover's speed there
+        return plan_move(loads, node.swarm, capacity, my_rank(node.announcer.views, node.swarm, me, epoch), self.policy,
+                         cost=cost)
 
     def close(self) -> None:
         pass
