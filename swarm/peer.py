@@ -156,7 +156,7 @@ class SwarmPeer:
             return await loop.run_in_executor(None, reader.read, "layer0")
 
         gate = StageGate(gate_config(self.run.integrity, self.run.data.partition), labels=labels, refresh=read_drivers, notify=self.notify,
-                         cache=self.worker.cache, swarm=self.swarm, grace_s=self.run.timeouts.heartbeat_s)
+                         cache=self.worker.cache, swarm=self.swarm)
         self.worker.on_probation = lambda owner: gate.book.on_probation(owner, time.monotonic())
         return gate
 

@@ -46,11 +46,10 @@ class Outcome:
 
 class StageGate:
     def __init__(self, cfg: IntegrityConfig, *, labels: LabelSource | None = None, refresh: Refresh | None = None,
-                 notify: Notify | None = None, cache: ActivationCache | None = None, swarm: str = "",
-                 grace_s: float = 1.0):
+                 notify: Notify | None = None, cache: ActivationCache | None = None, swarm: str = ""):
         self.cfg = cfg
         self.labels = labels
-        self.view = DriverView(grace_s)  # grace_s: the run's heartbeat
+        self.view = DriverView()
         self.book = RequesterBook(cfg)
         self._refresh_records = refresh
         self._notify = notify or (lambda level, kind, text: None)

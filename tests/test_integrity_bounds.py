@@ -308,21 +308,22 @@ def test_the_direction_of_a_gradient_ascent_newcomer_opposes_the_swarm():
 def test_allowed_shards_are_the_own_shard_and_every_unheld_one():
     assert allowed_shards("a", {"a": 0, "b": 1}, num_shards=4) == {0, 2, 3}
     assert allowed_shards("stranger", {"a": 0, "b": 1}, num_shards=4) == {2, 3}
-    view = DriverView(grace_s=1.0)
+    view = DriverView()
     record = lambda pid, shard: MemberRecord(pid, "online", "v", 0.0, 0.0, shard=shard)  # noqa: E731
-    view.update([record("a", 0), record("b", 1)], now=0.0)
-    view.update([record("a", 1)], now=2.0)  # a moved to shard 1, b left: the old view still counts for a heartbeat
-    assert view.allowed("a", 4, now=2.0) == {0, 1, 2, 3} and view.knows("b")
-    view.update([record("a", 1)], now=4.0)
-    assert not view.knows("b") and view.allowed("a", 4, now=4.0) == {0, 1, 2, 3}
+    view.update([record("a", 0), record("b", 1)])
+    view.update([record("a", 1)])  # a moved to shard 1, b left: the old view still counts for a heartbeat
+    assert view.allowed("a", 4) == {0, 1, 2, 3} and view.knows("b")
+    view.update([record("a", 1)])
+    assert not view.knows("b") and view.allowed("a", 4) == {0, 1, 2, 3}
     # b's record missed by one read: its shard stays closed to others for that heartbeat
-    view.update([record("a", 0), record("b", 1)], now=6.0)
-    view.update([record("a", 0)], now=8.0)
-    assert view.allowed("a", 4, now=8.0) == {0, 2, 3} and view.allowed("stranger", 4, now=8.0) == {2, 3}
+    view.update([record("a", 0), record("b", 1)])
+    view.update([record("a", 0)])
+    assert view.allowed("a", 4) == {0, 2, 3} and view.allowed("stranger", 4) == {2, 3}
     # c takes shard 2: a, which covered the unheld shard 2, may finish with it for a heartbeat
-    view.update([record("a", 0), record("b", 1), record("c", 2)], now=10.0)
-    assert view.allowed("a", 4, now=10.5) == {0, 2, 3}
-    assert view.allowed("a", 4, now=11.0) == {0, 3} and view.allowed("c", 4, now=11.0) == {2, 3}
+    view.update([record("a", 0), record("b", 1), record("c", 2)])
+    assert view.allowed("a", 4) == {0, 2, 3}
+    view.update([record("a", 0), record("b", 1), record("c", 2)])
+    assert view.allowed("a", 4) == {0, 3} and view.allowed("c", 4) == {2, 3}
 
 
 def test_targets_are_looked_up_by_id_and_checked():

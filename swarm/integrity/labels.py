@@ -15,7 +15,6 @@ or the driver running the last stage itself).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 
 import numpy as np
@@ -48,12 +47,12 @@ def allowed_shards(requester: str, view: dict[str, int], num_shards: int) -> set
 class DriverView:
     """Online layer0 peers and their shards: the latest view and the one before it (a heartbeat's grace)."""
 
-    def __init__(self, grace_s: float = 1.0) -> None:
-        self.grace_s = grace_s  # a heartbeat: how long a newly seen driver's shard stays open to coverers
+    def __init__(self) -> None:
         self.current: dict[str, int] = {}
         self.previous: dict[str, int] = {}
         self.draining: set[str] = set()  # paused or finishing drivers: their in-flight backward passes still count
-        self.first_seen: dict[str, float] = {}  # driver -> monotonic time a view first showed it (while it stays)
+        self.updates = 0  # views taken (update calls)
+        self.first_seen: dict[str, int] = {}  # driver -> the update that first showed it (while it stays in view)
 
     @staticmethod
     def _online(records: Iterable[MemberRecord]) -> dict[str, int]:
@@ -63,24 +62,24 @@ class DriverView:
     def _draining(records: Iterable[MemberRecord]) -> set[str]:
         return {r.peer_id for r in records if r.state in DRAINING_STATES}
 
-    def update(self, records: Iterable[MemberRecord], now: float | None = None) -> None:
+    def update(self, records: Iterable[MemberRecord]) -> None:
         """A new view from the heartbeat: the current one becomes the grace view."""
         records = list(records)
         self.previous, self.current = self.current, self._online(records)
         self.draining = self._draining(records)
-        self._note_first_seen(now)
+        self.updates += 1
+        self._note_first_seen()
 
-    def _note_first_seen(self, now: float | None) -> None:
-        now = now if now is not None else time.monotonic()
+    def _note_first_seen(self) -> None:
         known = set(self.current) | set(self.previous)
-        self.first_seen = {peer: self.first_seen.get(peer, now) for peer in known}
+        self.first_seen = {peer: self.first_seen.get(peer, self.updates) for peer in known}
 
-    def merge(self, records: Iterable[MemberRecord], now: float | None = None) -> None:
+    def merge(self, records: Iterable[MemberRecord]) -> None:
         """Records read on demand (an unknown requester): add them, drop nothing."""
         records = list(records)
         self.current = {**self.current, **self._online(records)}
         self.draining |= self._draining(records)
-        self._note_first_seen(now)
+        self._note_first_seen()
 
     def knows(self, requester: str) -> bool:
         return requester in self.current or requester in self.previous
@@ -88,16 +87,15 @@ class DriverView:
     def drivers(self) -> int:
         return len(set(self.current) | set(self.previous))
 
-    def allowed(self, requester: str, num_shards: int, now: float | None = None) -> set[int]:
+    def allowed(self, requester: str, num_shards: int) -> set[int]:
         """The requester's shards (in either view) and every shard no other *established* driver holds in
         either view. Both halves of the heartbeat's grace: a driver missing from one read (a late
         heartbeat, a DHT read that missed it) keeps its shard closed to others, and a driver first seen
-        less than ``grace_s`` (a heartbeat) ago does not yet close its shard, so the drivers that covered
-        it while nobody held it are not cut off before their own next read tells them."""
+        in the latest view does not yet close its shard, so the drivers that covered it while nobody held
+        it are not cut off before their own next read tells them."""
         both = {**self.previous, **self.current}
-        settled = (now if now is not None else time.monotonic()) - self.grace_s
         others = {peer: shard for peer, shard in both.items()
-                  if peer != requester and self.first_seen.get(peer, float("inf")) <= settled}
+                  if peer != requester and self.first_seen.get(peer, self.updates) < self.updates}
         own = {s % num_shards for s in (self.current.get(requester, -1), self.previous.get(requester, -1)) if s >= 0}
         return allowed_shards(requester, others, num_shards) | own
 
