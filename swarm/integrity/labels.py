@@ -51,8 +51,6 @@ class DriverView:
         self.current: dict[str, int] = {}
         self.previous: dict[str, int] = {}
         self.draining: set[str] = set()  # paused or finishing drivers: their in-flight backward passes still count
-        self.updates = 0  # views taken (update calls)
-        self.first_seen: dict[str, int] = {}  # driver -> the update that first showed it (while it stays in view)
 
     @staticmethod
     def _online(records: Iterable[MemberRecord]) -> dict[str, int]:
@@ -67,19 +65,12 @@ class DriverView:
         records = list(records)
         self.previous, self.current = self.current, self._online(records)
         self.draining = self._draining(records)
-        self.updates += 1
-        self._note_first_seen()
-
-    def _note_first_seen(self) -> None:
-        known = set(self.current) | set(self.previous)
-        self.first_seen = {peer: self.first_seen.get(peer, self.updates) for peer in known}
 
     def merge(self, records: Iterable[MemberRecord]) -> None:
         """Records read on demand (an unknown requester): add them, drop nothing."""
         records = list(records)
         self.current = {**self.current, **self._online(records)}
         self.draining |= self._draining(records)
-        self._note_first_seen()
 
     def knows(self, requester: str) -> bool:
         return requester in self.current or requester in self.previous
@@ -88,16 +79,12 @@ class DriverView:
         return len(set(self.current) | set(self.previous))
 
     def allowed(self, requester: str, num_shards: int) -> set[int]:
-        """The requester's shards (in either view) and every shard no other *established* driver holds in
-        either view. Both halves of the heartbeat's grace: a driver missing from one read (a late
-        heartbeat, a DHT read that missed it) keeps its shard closed to others, and a driver first seen
-        in the latest view does not yet close its shard, so the drivers that covered it while nobody held
-        it are not cut off before their own next read tells them."""
+        """A shard is held if either view shows a driver on it: a record missing from one read (a late
+        heartbeat, a DHT read that missed it) does not open that driver's shard to everyone."""
         both = {**self.previous, **self.current}
-        others = {peer: shard for peer, shard in both.items()
-                  if peer != requester and self.first_seen.get(peer, self.updates) < self.updates}
+        others = {peer: shard for peer, shard in both.items() if peer != requester}
         own = {s % num_shards for s in (self.current.get(requester, -1), self.previous.get(requester, -1)) if s >= 0}
-        return allowed_shards(requester, others, num_shards) | own
+        return (allowed_shards(requester, others, num_shards)) | own
 
 
 class LabelSource:
