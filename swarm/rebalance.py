@@ -61,13 +61,23 @@ class SwarmLoad:
     peers: int
 
 
-def loads_from(capacities: Mapping[str, Sequence[float]]) -> dict[str, SwarmLoad]:
-    """Each swarm's load from its peers' capacities."""
-    return {name: SwarmLoad(float(sum(caps)), len(caps)) for name, caps in capacities.items()}
-
-
 SERVING_OR_ARRIVING = frozenset({"online", "joining", "syncing", "healing"})
 MAX_TIMES_MEDIAN = 16.0  # a published capacity counts at most this many times the run's median
+
+
+def _members(views: Mapping[str, Sequence[Any]], names: Sequence[str], me: str,
+             my_capacity: float | None) -> tuple[dict[str, list[Any]], dict[str, list[float]], float]:
+    """Each swarm's records that serve or arrive (ours left out), each swarm's published capacities
+    clamped to ``MAX_TIMES_MEDIAN`` x the run's median, and that median (1 where nobody has a figure)."""
+    members = {name: [r for r in views.get(name, ()) if r.state in SERVING_OR_ARRIVING and r.peer_id != me]
+               for name in names}
+    known = [r.capacity for records in members.values() for r in records if r.capacity > 0]
+    if my_capacity is not None and my_capacity > 0:
+        known.append(my_capacity)
+    run_typical = statistics.median(known) if known else 1.0
+    ceiling = MAX_TIMES_MEDIAN * run_typical  # a stranger's figure weighs at most this much
+    figures = {name: [min(r.capacity, ceiling) for r in members[name] if r.capacity > 0] for name in names}
+    return members, figures, run_typical
 
 
 def loads_from_records(views: Mapping[str, Sequence[Any]], names: Sequence[str], *, me: str = "",
@@ -76,25 +86,14 @@ def loads_from_records(views: Mapping[str, Sequence[Any]], names: Sequence[str],
     ``capacity``, at most ``MAX_TIMES_MEDIAN`` x the run's median (a record is a stranger's word: one
     liar weighs as much as that many typical peers, not as a swarm); one without a figure (a newcomer, an
     old client) counts as its swarm's median, or the run's where the swarm has none, or 1 where nobody
-    has one (then loads are peer counts). With ``me``,
-    our own record is replaced by ``my_capacity`` in ``my_swarm``."""
-    members = {name: [r for r in views.get(name, ()) if r.state in SERVING_OR_ARRIVING and r.peer_id != me]
-               for name in names}
-    known = [r.capacity for records in members.values() for r in records if r.capacity > 0]
-    if my_capacity is not None and my_capacity > 0:
-        known.append(my_capacity)
-    run_typical = statistics.median(known) if known else 1.0
-    ceiling = MAX_TIMES_MEDIAN * run_typical  # a stranger's figure weighs at most this much
-
-    def figure(record: Any) -> float:
-        return min(record.capacity, ceiling)
-
+    has one (then loads are peer counts). With ``me``, our own record is replaced by ``my_capacity`` in
+    ``my_swarm``."""
+    members, figures, run_typical = _members(views, names, me, my_capacity)
     loads = {}
     for name in names:
-        figures = [figure(r) for r in members[name] if r.capacity > 0]
-        typical = statistics.median(figures) if figures else run_typical
-        total = sum(figure(r) if r.capacity > 0 else typical for r in members[name])
-        count = len(members[name])
+        typical = statistics.median(figures[name]) if figures[name] else run_typical
+        unmeasured = sum(1 for r in members[name] if r.capacity <= 0)
+        total, count = sum(figures[name]) + unmeasured * typical, len(members[name])
         if me and name == my_swarm:
             total += my_capacity if my_capacity is not None and my_capacity > 0 else typical
             count += 1
@@ -105,21 +104,15 @@ def loads_from_records(views: Mapping[str, Sequence[Any]], names: Sequence[str],
 def layer_costs(views: Mapping[str, Sequence[Any]], names: Sequence[str]) -> dict[str, float]:
     """Each layer's compute per sample relative to the run's, estimated from the records: a swarm whose
     peers publish half the run's median capacity holds a layer that costs twice as much (peers differ,
-    but a swarm's median over peers is a fair proxy). 1 for a swarm with no figure. ``plan_move`` uses
-    it to convert a mover's capacity into the target layer's samples/s."""
-    medians = {}
-    for name in names:
-        figures = [r.capacity for r in views.get(name, ()) if r.state in SERVING_OR_ARRIVING and r.capacity > 0]
-        if figures:
-            medians[name] = statistics.median(figures)
+    but a swarm's median over peers is a fair proxy). 1 for a swarm with no figure. The figures are the
+    clamped ones of ``loads_from_records``, so a liar moves a cost at most 16x. ``plan_move`` uses it
+    to convert a mover's capacity into the target layer's samples/s."""
+    _, figures, _ = _members(views, names, "", None)
+    medians = {name: statistics.median(found) for name, found in figures.items() if found}
     if not medians:
         return {name: 1.0 for name in names}
     typical = statistics.median(medians.values())
     return {name: typical / medians[name] if name in medians else 1.0 for name in names}
-
-
-def pipeline_throughput(loads: Mapping[str, SwarmLoad]) -> float:
-    return min((load.capacity for load in loads.values()), default=0.0)
 
 
 def mover_order(peer_ids: Iterable[str], epoch: int) -> list[str]:

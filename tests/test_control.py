@@ -7,6 +7,7 @@ import os
 import socket
 import stat
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -283,4 +284,4 @@ def test_a_data_dir_too_deep_for_a_socket_path_gets_a_short_private_dir_that_ctl
     finally:
         server.close()
     assert not server.path.parent.exists(), "the hashed dir is removed with its last socket"
-    assert control_dir(tmp_path / "data") == tmp_path / "data" / "control" or len(str(tmp_path)) > 50
+    assert control_dir(Path("/tmp/d")) == Path("/tmp/d/control")  # a data dir short enough keeps its sockets

@@ -101,6 +101,10 @@ def test_layer_costs_come_from_the_swarms_median_capacities():
     costs = layer_costs(views, ["layer0", "layer1", "layer2"])
     assert costs == {"layer0": pytest.approx(125 / 200), "layer1": pytest.approx(125 / 50), "layer2": 1.0}
     assert layer_costs({}, ["layer0"]) == {"layer0": 1.0}
+    # a lone liar in layer1 claiming 10^8 samples/s moves its layer's cost at most 16x, not 10^6x
+    lied = layer_costs({"layer0": [record("a", capacity=100.0), record("b", capacity=100.0)],
+                        "layer1": [record("liar", capacity=1e8)]}, ["layer0", "layer1"])
+    assert lied["layer0"] / lied["layer1"] == pytest.approx(16.0)
 
 
 def test_mover_order_is_shared_and_changes_each_period():

@@ -49,6 +49,16 @@ def _positive(text: str) -> float:
     return value
 
 
+def _seconds_or_zero(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (0 turns it off)") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be 0 (off) or a positive number of seconds")
+    return value
+
+
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logs (-vv: debug)")
 
@@ -63,7 +73,7 @@ def add_join_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `volunteer join` (also checked by `volunteer service install`)."""
     parser.add_argument("--swarm", default="auto", help="layerK, or auto: the swarm that most needs capacity, "
                         "and later the one that becomes the bottleneck (see --rebalance-s)")
-    parser.add_argument("--rebalance-s", type=float, default=60.0, metavar="S",
+    parser.add_argument("--rebalance-s", type=_seconds_or_zero, default=60.0, metavar="S",
                         help="with --swarm auto: reconsider the swarm every S seconds and move to the bottleneck "
                         "swarm when it is short (0: stay where joined; default 60)")
     _add_run(parser)

@@ -27,8 +27,10 @@ class Checkpoints:
             self.save(f"every {self.checkpointer.interval_s:g} s", periodic=True)
 
     def close(self) -> None:
+        """Release our checkpoint slot (on leave, or before a move claims the next swarm's)."""
         if self.checkpointer is not None:
             self.checkpointer.close()
+            self.checkpointer = None
 
     def prepare_resume(self) -> Any:
         """Before the stage is built: read our checkpoint and decide whether to continue from it."""

@@ -305,20 +305,8 @@ class Node:
         board, old = self.board, self.swarm
         board.emit(f"moving from {old} to {target}: {why}", kind="rebalance")
         self.set_state(NodeState.SYNCING, f"moving to {target}: finishing the work in flight here")
-        if self.peer is not None:
-            self.peer.pause()
-            if not self.peer.drain(LEAVE_DRAIN_S):
-                board.emit("moved with micro-batches in flight; their drivers retry them elsewhere", kind="rebalance")
-            board.publish(**self.announcer.work_fields())
-        board.publish(state=NodeState.OFFLINE, reason=f"moved to {target}")
-        self.announcer.announce(ttl_s=self.run.timeouts.record_ttl_s,
-                                timeout_s=min(LEAVE_ANNOUNCE_TIMEOUT_S, self.run.timeouts.rpc_s))
-        if self.peer is not None:
-            self.checkpoints.save(f"moving to {target}")
-            self.peer.stop()
-            self.peer = None
-        self.checkpoints.close()
-        self.checkpoints.checkpointer = None
+        self._stand_down(f"moved to {target}", f"moving to {target}", "rebalance")
+        self.checkpoints.close()  # the next swarm claims its own checkpoint slot
         self.swarm, self.announcer.shard = target, None
         board.publish(swarm=target)
         self.set_state(NodeState.SYNCING, f"moving to {target}: downloading it from its peers")  # counted there now
@@ -333,31 +321,38 @@ class Node:
             self.set_state(NodeState.ONLINE, "")
             board.emit(f"online in {target} (moved from {old})", kind="online")
 
-    def _leave(self) -> None:
-        """Take no new work (drivers get "paused" and route around us), let in-flight work finish, announce
-        offline with final figures, checkpoint, then stop the stage and the DHT."""
-        self.governors.close()  # first: no policy verdict may resume a leaving node
+    def _stand_down(self, reason: str, checkpoint_why: str, kind: str) -> None:
+        """Stop serving our swarm (a leave, or a move to another): take no new work (drivers get "paused"
+        and route around us), let in-flight work finish, announce offline with final figures,
+        checkpoint, stop the stage."""
         board, run = self.board, self.run
         if self.peer is not None:
             self.peer.pause()
             if not self.peer.drain(LEAVE_DRAIN_S):
-                board.emit("left with micro-batches in flight; their drivers retry them elsewhere", kind="offline")
+                board.emit("stopped with micro-batches in flight; their drivers retry them elsewhere", kind=kind)
             board.publish(**self.announcer.work_fields())
         if self.membership is not None and self.swarm:
-            board.publish(state=NodeState.OFFLINE, reason="left the swarm")
+            board.publish(state=NodeState.OFFLINE, reason=reason)
             # The offline record lives exactly one record lifetime, like a heartbeat: the DHT keeps whichever
             # entry of a subkey expires later, so a longer-lived offline record would hide our own restart
             # (its first heartbeat expires sooner) until it ran out; this one always expires first.
             if self.announcer.announce(ttl_s=run.timeouts.record_ttl_s,
                                        timeout_s=min(LEAVE_ANNOUNCE_TIMEOUT_S, run.timeouts.rpc_s)):
-                board.emit("announced offline", kind="offline")
+                board.emit(f"announced offline in {self.swarm}", kind=kind)
             else:
                 board.emit(f"could not announce offline (no DHT peer answered in {LEAVE_ANNOUNCE_TIMEOUT_S:.0f} s); "
-                           f"our record expires within {run.timeouts.record_ttl_s:.0f} s", kind="offline")
+                           f"our record expires within {run.timeouts.record_ttl_s:.0f} s", kind=kind)
         if self.peer is not None:
-            self.checkpoints.save("exit")
+            self.checkpoints.save(checkpoint_why)
             self.peer.stop()
             self.peer = None
+
+    def _leave(self) -> None:
+        """Take no new work (drivers get "paused" and route around us), let in-flight work finish, announce
+        offline with final figures, checkpoint, then stop the stage and the DHT."""
+        self.governors.close()  # first: no policy verdict may resume a leaving node
+        board = self.board
+        self._stand_down("left the swarm", "exit", "offline")
         for part in self.parts:
             part.close()
         if self.dht is not None:

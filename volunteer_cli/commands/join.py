@@ -54,7 +54,7 @@ def run_join(args: argparse.Namespace) -> int:
         NodeOptions(
             run=run,
             swarm=args.swarm,
-            rebalance_s=max(0.0, args.rebalance_s),
+            rebalance_s=args.rebalance_s,
             initial_peers=list(initial_peers),
             data_dir=data_dir,
             identity_path=Path(identity).expanduser() if identity else None,
