@@ -20,6 +20,15 @@ classes per shard).
 
     python -m benchmarks.convergence_swarm --json [--quick] [--optimizers adam] [--busy 0,2]
         [--peers 1,2,4] [--modes none,dpwa] [--partitions iid] [--plot curves.png]
+        [--run charlm] [--repeats 3] [--step-s 0.03] [--fetch-probability 0.1]
+
+``--run charlm`` runs the shipped byte-level transformer (configs/runs/charlm.yaml, cut into ``--stages``
+stages, IID, AdamW): each chain's test loss in bits per byte against one process at equal sequences
+(``worst_loss_ratio``, the worst cell's; goal <= 1.05). ``--repeats`` runs every cell again and reports
+the mean ratio and its range: one run of a cell varies by a few points. ``--step-s`` simulates an
+accelerator (each forward and backward takes at least that long): on quiet CPUs 30k digits samples take
+about 10 s, so without it a cell measures the swarm's first seconds (joins, first syncs, first DHT
+reads) rather than its steady state.
 
 Sampling starts with the first driver that trains (the others may still be joining on a busy machine); a
 sample evaluates only the chains of drivers that have trained. A curve row is (run-wide samples, worst
@@ -54,20 +63,28 @@ OPTIMIZERS = {
     "sgd_momentum": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
     "adam": {"name": "adam", "lr": 0.001},
     "sgd": {"name": "sgd", "lr": 0.05, "momentum": 0.0},  # the edge modes' (configs/runs/digits-ecl.yaml)
+    "adamw": {"name": "adamw", "lr": 0.002, "weight_decay": 0.01},  # charlm's (configs/runs/charlm.yaml)
 }
 POINTS = (10_000, 30_000)
+CHARLM_POINTS = (3_000, 8_000)  # sequences of 64 bytes; one process: ~2.9 bits/byte at 3k, ~2.4 at 8k
 QUICK_POINTS = (1_000, 3_000)
 DIVERGED_ACCURACY = 0.5
+DIVERGED_BPB = 7.5  # charlm starts at ~8.1 bits per byte (uniform over 256 bytes: 8)
 START_TIMEOUT_S = 300.0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    points = QUICK_POINTS if args.quick else POINTS
+    lm = args.run == "charlm"
+    points = QUICK_POINTS if args.quick else CHARLM_POINTS if lm else POINTS
+    if args.points:
+        points = tuple(int(v) for v in args.points.split(","))
     axes = [args.optimizers.split(","), [int(v) for v in args.busy.split(",")], [int(v) for v in args.peers.split(",")],
             args.modes.split(","), args.partitions.split(",")]
     if args.quick:
-        axes = [["adam"], [0], [1], ["none"], ["iid"]]
+        axes = [["adamw" if lm else "adam"], [0], [1], ["none"], ["iid"]]
+    if lm:  # a language model has no labels to skew
+        axes[4] = ["iid"]
     cells, seen = [], set()
     started = time.monotonic()
     baseline = LocalBaseline()
@@ -79,25 +96,36 @@ def main(argv: list[str] | None = None) -> int:
             if label in seen:
                 continue
             seen.add(label)
-            say(f"cell {label}")
-            config = cell_config(label, optimizer, mode, partition, peers, args.stages, _in_flight(args.in_flight))
-            try:
-                cell = _cell(fleet, maddr, label, config, peers, args.stages, busy, points, args)
-                cell.update(_compare(cell, config, points, baseline))
-            except Exception as exc:  # one cell the harness could not run must not lose the others
-                cell = {"error": f"{exc.__class__.__name__}: {exc}"[:400]}
+            runs = []
+            for repeat in range(args.repeats):
+                say(f"cell {label}" + (f", run {repeat + 1} of {args.repeats}" if args.repeats > 1 else ""))
+                config = cell_config(label, optimizer, mode, partition, peers, args.stages, _in_flight(args.in_flight),
+                                     fetch_probability=args.fetch_probability, run=args.run)
+                try:
+                    one = _cell(fleet, maddr, label, config, peers, args.stages, busy, points, args)
+                    one.update(_compare(one, config, points, baseline))
+                except Exception as exc:  # one cell the harness could not run must not lose the others
+                    one = {"error": f"{exc.__class__.__name__}: {exc}"[:400]}
+                runs.append(one)
+            cell = combine(runs)
             cell.update(label=label, optimizer=optimizer, busy=busy, peers=peers, mode=mode, partition=partition)
-            say(f"cell {label}: " + ", ".join(f"{k}={rounded(cell.get(k))}" for k in ("ratios", "final_accuracy_min",
-                                                                                     "heals", "lost")))
+            shown = ("ratios", "final_accuracy_min", "final_bits_per_byte_max", "heals", "lost", "error")
+            say(f"cell {label}: " + ", ".join(f"{k}={rounded(cell[k])}" for k in shown if k in cell))
             cells.append(cell)
     reached = [c for c in cells if c.get("ratios")]
     report = {
         "cells": cells,
-        "diverged_cells": [c["label"] for c in cells if (c.get("final_accuracy_min") or 0.0) <= DIVERGED_ACCURACY],
-        "worst_accuracy_ratio": min((_last_ratio(c) for c in reached), default=None),
-        "worst_cell": min(reached, key=_last_ratio)["label"] if reached else None,
-        "settings": {"stages": args.stages, "in_flight": args.in_flight, "points": list(points), "sample_s": args.sample_s,
-                     "cell_limit_s": args.cell_limit_s, "cores": os.cpu_count()},
+        "diverged_cells": [c["label"] for c in cells if "error" not in c and _diverged(c, lm)],
+        "error_cells": [c["label"] for c in cells if "error" in c],  # the harness could not run them
+        # digits: the worst cell's accuracy over one process's; charlm: the worst cell's test loss over one
+        # process's (bits per byte, higher is worse; goal <= 1.05)
+        "worst_accuracy_ratio": None if lm else min((_last_ratio(c) for c in reached), default=None),
+        "worst_loss_ratio": max((_last_ratio(c) for c in reached), default=None) if lm else None,
+        "worst_cell": (max if lm else min)(reached, key=_last_ratio)["label"] if reached else None,
+        "settings": {"run": args.run, "stages": args.stages, "in_flight": args.in_flight, "points": list(points),
+                     "sample_s": args.sample_s,
+                     "cell_limit_s": args.cell_limit_s, "cores": os.cpu_count(),
+                     "fetch_probability": args.fetch_probability, "step_s": args.step_s},
         "machine": machine_notes(),
     }
     if args.plot:
@@ -114,6 +142,17 @@ def _parser() -> Any:
     out.add_argument("--peers", default="1,2,4", help="peers in every swarm")
     out.add_argument("--modes", default=",".join(MODES))
     out.add_argument("--partitions", default="iid,label_skewed")
+    out.add_argument("--run", choices=("digits", "charlm"), default="digits", help="digits: the MLP, by test "
+                     "accuracy; charlm: the byte-level transformer (configs/runs/charlm.yaml, iid only, optimizer "
+                     "adamw), by test loss in bits per byte at equal sequences")
+    out.add_argument("--points", default="", help="sample counts to compare at (default: 10000,30000 for digits, "
+                     "3000,8000 for charlm)")
+    out.add_argument("--step-s", type=float, default=0.0, help="a simulated accelerator: each forward and backward "
+                     "takes at least this long (VOLUNTEER_SIMULATED_STEP_S), so that the run spans minutes, as a real "
+                     "one does, instead of the ~10 s that 30k digits samples take on 4 quiet CPU chains")
+    out.add_argument("--repeats", type=int, default=1, help="runs per cell (their mean ratio and range are reported)")
+    out.add_argument("--fetch-probability", type=float, default=0.1, help="averaging.fetch_probability: the chance "
+                     "of a Dpwa pull per step")
     out.add_argument("--stages", type=int, default=2)
     out.add_argument("--in-flight", default="4", help="micro-batches in flight per driver, or auto")
     out.add_argument("--sample-s", type=float, default=1.0, help="seconds between true-accuracy samples")
@@ -127,13 +166,15 @@ def _in_flight(text: str) -> int | str:
 
 
 def cell_config(label: str, optimizer: str, mode: str, partition: str, peers: int, stages: int,
-                in_flight: int | str = 4) -> dict[str, Any]:
+                in_flight: int | str = 4, fetch_probability: float = 0.1, run: str = "digits") -> dict[str, Any]:
     averaging: dict[str, Any] = {"mode": "dpwa" if mode == "exchange" else mode}
+    if fetch_probability != 0.1:
+        averaging["fetch_probability"] = fetch_probability
     if mode == "exchange":
         averaging["exchange"] = {"every_samples": 2000}
     if mode in EDGE_MODES:
         averaging["graph"] = {"kind": "ring"}
-    return {
+    config = {
         "name": f"cv-{abs(hash((label, time.time()))) % 10**10}",  # run names are at most 48 characters
         "model": {"kind": "mlp", "stages": stages, "hidden_dim": 128},
         "data": {"partition": partition, "classes_per_shard": 5, "shards": max(2, peers)},
@@ -142,6 +183,13 @@ def cell_config(label: str, optimizer: str, mode: str, partition: str, peers: in
         "training": {"batch_size": 32, "in_flight": in_flight, "eval_every_s": 5.0},
         "timeouts": {"heartbeat_s": 1.0},
     }
+    if run == "charlm":  # the shipped run's model and data (the pinned corpus), cut into ``stages`` stages
+        import yaml
+
+        shipped = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "runs" / "charlm.yaml").read_text())
+        config["model"] = {**shipped["model"], "stages": stages}
+        config["data"] = {**shipped["data"], "shards": max(2, peers)}
+    return config
 
 
 def _cell(fleet: Fleet, maddr: str, label: str, config: dict[str, Any], peers: int, stages: int, busy: int,
@@ -156,15 +204,19 @@ def _cell(fleet: Fleet, maddr: str, label: str, config: dict[str, Any], peers: i
                          heartbeat_s=1.0)
     # the other swarms fill first and the drivers start together: a driver that trained alone while 15 processes
     # started on 2 cores put the first sample past 100k samples, and the 10k point out of reach
-    procs = [fleet.join(f"{label}-layer{k}-{m}", path, f"layer{k}", maddr) for k in range(1, stages) for m in range(peers)]
+    env = {"VOLUNTEER_SIMULATED_STEP_S": str(args.step_s)} if args.step_s > 0 else None
+    procs = [fleet.join(f"{label}-layer{k}-{m}", path, f"layer{k}", maddr, env=env) for k in range(1, stages)
+             for m in range(peers)]
     try:
         wait_until(lambda: all(len(reader.online(f"layer{k}")) >= peers for k in range(1, stages)), START_TIMEOUT_S,
                    "the swarms after layer0 online", interval_s=1.0)
-        procs += [fleet.join(f"{label}-layer0-{m}", path, "layer0", maddr) for m in range(peers)]
+        procs += [fleet.join(f"{label}-layer0-{m}", path, "layer0", maddr, env=env) for m in range(peers)]
         # sampling starts with the first driver that trains, not the last: on 2 busy cores the drivers come online
         # tens of seconds apart, and the first one alone put the first sample past 24k-153k samples
         wait_first_driver(reader, procs)
         oracle = CopyOracle(reader)
+        lm = run.model.kind == "transformer"
+        measure, worst = (bits_per_byte, max) if lm else (None, min)
         curve, t0 = [], time.monotonic()
         while time.monotonic() - t0 < args.cell_limit_s:
             time.sleep(args.sample_s)
@@ -172,9 +224,9 @@ def _cell(fleet: Fleet, maddr: str, label: str, config: dict[str, Any], peers: i
             trained = sum(r.trained for r in drivers)
             if curve:  # a driver whose record is late drops out of the sum for a read: samples never go back
                 trained = max(trained, curve[-1][0])
-            accuracies = true_accuracies(reader, oracle, stages, trained_only=True)
-            if accuracies:
-                curve.append((trained, min(accuracies), round(time.monotonic() - t0, 1), len(accuracies)))
+            figures = true_accuracies(reader, oracle, stages, trained_only=True, measure=measure)
+            if figures:
+                curve.append((trained, worst(figures), round(time.monotonic() - t0, 1), len(figures)))
             if trained >= points[-1] and curve and curve[-1][0] >= points[-1]:
                 break
         records = {k: present(reader, k) for k in range(stages)}
@@ -182,10 +234,48 @@ def _cell(fleet: Fleet, maddr: str, label: str, config: dict[str, Any], peers: i
         reader.close()
         fleet.stop(procs + hogs)
     drivers = records[0]
-    return {"curve": curve, "final_accuracy_min": curve[-1][1] if curve else None,
+    final = curve[-1][1] if curve else None
+    return {"curve": curve, **({"final_bits_per_byte_max": final} if lm else {"final_accuracy_min": final}),
             "trained": sum(r.trained for r in drivers), "lost": sum(r.lost for r in drivers),
             "heals": sum(r.heals for rows in records.values() for r in rows),
             "samples_per_s": _rate(curve)}
+
+
+def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One cell from its repeated runs: the first run's figures, and with repeats the mean ratio at each point
+    every run reached (``ratios``), their range (``ratio_ranges``) and every run (``runs``)."""
+    good = [r for r in runs if "error" not in r]
+    if len(runs) == 1 or not good:
+        return dict(runs[0])
+    cell = dict(good[0])
+    points = set.intersection(*(set(r.get("ratios", {})) for r in good))
+    cell["ratios"] = {p: round(sum(r["ratios"][p] for r in good) / len(good), 4) for p in sorted(points, key=int)}
+    cell["ratio_ranges"] = {p: [min(r["ratios"][p] for r in good), max(r["ratios"][p] for r in good)] for p in cell["ratios"]}
+    cell["runs"] = runs
+    cell["lost"] = sum(r.get("lost", 0) for r in good)
+    cell["heals"] = sum(r.get("heals", 0) for r in good)
+    for key, worst in (("final_accuracy_min", min), ("final_bits_per_byte_max", max)):  # diverged in any run
+        finals = [r[key] for r in good if r.get(key) is not None]
+        if key in cell:
+            cell[key] = worst(finals) if finals else None
+    return cell
+
+
+def bits_per_byte(oracle: CopyOracle) -> float:
+    """A language-model chain's test loss in bits per byte (swarm.local.evaluate, as one process is measured)."""
+    from swarm.local import evaluate
+    from swarm.models import bits_per_char
+
+    return bits_per_char(evaluate(oracle.stages, oracle.dataset, oracle.run.model)[1])
+
+
+def _diverged(cell: dict[str, Any], lm: bool) -> bool:
+    """Digits: the worst chain at or below DIVERGED_ACCURACY at the end; charlm: no better than DIVERGED_BPB."""
+    if lm:
+        final = cell.get("final_bits_per_byte_max")
+        return final is None or not final < DIVERGED_BPB
+    final = cell.get("final_accuracy_min")
+    return (final or 0.0) <= DIVERGED_ACCURACY
 
 
 def _rate(curve: list[tuple[int, float, float, int]]) -> float | None:
@@ -211,7 +301,8 @@ class LocalBaseline:
         key_config = {k: v for k, v in config.items() if k not in ("name", "averaging", "timeouts")}
         key = (json.dumps(key_config, sort_keys=True), samples)
         if key not in self.cache:
-            self.cache[key] = train_local(RunConfig.model_validate(config), samples).accuracy
+            result = train_local(RunConfig.model_validate(config), samples)
+            self.cache[key] = result.accuracy if result.accuracy is not None else result.bits_per_char
             self.curves.setdefault(key[0], []).append((samples, self.cache[key]))
         return self.cache[key]
 
@@ -226,6 +317,7 @@ def _compare(cell: dict[str, Any], config: dict[str, Any], points: tuple[int, ..
         samples, accuracy, _, chains = later[0]
         local = baseline.accuracy(config, samples)
         out["at"][str(point)] = {"samples": samples, "swarm": accuracy, "local": local, "chains": chains}
+        # digits: accuracy over one process's (higher is better); charlm: bits per byte over one process's
         out["ratios"][str(point)] = ratio(accuracy, local)
     return out
 

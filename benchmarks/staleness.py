@@ -159,10 +159,11 @@ def _sample(reader: HostilePeer, oracle: CopyOracle, t: float) -> dict[str, Any]
 
 
 def true_accuracies(reader: HostilePeer, oracle: CopyOracle, stages: int = STAGES, *,
-                    trained_only: bool = False) -> list[float]:
+                    trained_only: bool = False, measure: Any = None) -> list[float]:
     """The pipeline through each driver's layer0 copy and the other swarms' first peer, evaluated here
     (a copy that cannot be pulled right now leaves its chain out of this sample). ``trained_only``: only
-    drivers that have trained a sample (one still joining or syncing holds no copy of its own yet)."""
+    drivers that have trained a sample (one still joining or syncing holds no copy of its own yet).
+    ``measure``: what to take of each pulled chain (default: its test accuracy)."""
     views = {k: present(reader, k) for k in range(stages)}
     out = []
     for driver in views[0]:
@@ -176,7 +177,7 @@ def true_accuracies(reader: HostilePeer, oracle: CopyOracle, stages: int = STAGE
         except Exception as exc:  # a busy or healing copy: a gap in the series, said on stderr
             say(f"pull failed: {exc.__class__.__name__}: {exc}")
             continue
-        out.append(oracle.test_accuracy())
+        out.append(oracle.test_accuracy() if measure is None else measure(oracle))
     return out
 
 
