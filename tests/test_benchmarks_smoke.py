@@ -71,3 +71,12 @@ def test_scale_benchmark_quick_prints_its_figures():
     assert report["rebalancing_vs_optimal"] > report["placement_only_vs_optimal"] - 0.05
     assert {(c["churn"], c["rebalance"]) for c in report["cells"]} == {(0.0, False), (0.0, True), (0.02, False),
                                                                        (0.02, True)}
+
+
+def test_copies_sim_quick_prints_its_figures():
+    import os
+
+    report = _quick("benchmarks.copies_sim", {**os.environ, "PYTHONPATH": str(ROOT)})
+    _positive(report, ("dpwa_default_worst_ratio", "best_ratio"))
+    (cell,) = report["cells"]
+    assert cell["peers"] == 2 and set(cell["ratios"]) == {"1000", "2000"}
