@@ -21,7 +21,8 @@ HASH_EXCLUDED_FIELDS = frozenset({"bootstrap_peers", "timeouts"})
 # Fields added after runs existed count in the run id only when set: a run that does not use them keeps
 # its id, so clients before and after them still train together.
 HASH_WHEN_SET = {("training", "end_at_target"): False, ("training", "sample_budget"): 0,
-                 ("training", "in_flight_max"): 16, ("training", "wire_codec"): None, ("training", "wire_rank"): 8}
+                 ("training", "in_flight_max"): 16, ("training", "wire_codec"): None, ("training", "wire_rank"): 8,
+                 ("averaging", "pull_budget"): 0.0}
 DEFAULT_WIRE_RANK = HASH_WHEN_SET[("training", "wire_rank")]
 WIRE_CODECS = ("float32", "float16", "int8", "lowrank")  # swarm/codecs.py, swarm/wire.py
 
@@ -238,6 +239,11 @@ class GraphConfig(_Strict):
 class AveragingConfig(_Strict):
     mode: Literal["none", "dpwa", "allreduce", "dsgd", "pdmm_isvr", "admm_isvr"] = "dpwa"
     fetch_probability: float = Field(0.1, ge=0.0, le=1.0, description="chance of starting a pull per step")
+    pull_budget: float = Field(0.0, ge=0.0, le=0.9, description="dpwa: besides fetch_probability's draws, pull "
+                               "whenever pulls took less than this share of the time (the next one starts once "
+                               "the last one's duration x (1/pull_budget - 1) has passed): a small layer near "
+                               "its peers averages after nearly every step, a large one on a slow link is left "
+                               "to fetch_probability; 0: off")
     interpolation: Literal["constant", "clock", "loss"] = "clock"
     constant_factor: float = Field(0.5, ge=0.0, le=1.0)
     divergence_threshold: float = Field(0.0, ge=0.0, description="0 disables the divergence rule")

@@ -13,7 +13,7 @@ from swarm.averaging import rules
 from swarm.averaging.checks import ParamsRejected, check_optimizer, check_params
 from swarm.averaging.rules import (
     BanList, FlowControl, donor_order, exchange_candidates, exchange_winner, interpolation_factor, merged_clock,
-    pull_candidates, should_pull,
+    budget_allows, pull_candidates, should_pull,
 )
 from swarm.averaging.state import load_optimizer_tensors, optimizer_tensors
 from swarm.records import MemberRecord
@@ -64,6 +64,19 @@ def test_fetch_probability_zero_never_pulls_and_one_always_does():
     assert not any(should_pull(rng, 0.0) for _ in range(10_000))
     assert all(should_pull(rng, 1.0) for _ in range(100))
     assert 800 < sum(should_pull(rng, 0.1) for _ in range(10_000)) < 1200
+
+
+def test_a_pull_budget_spaces_pulls_by_their_own_cost():
+    assert not budget_allows(100.0, None, 0.0, 0.0), "0 is off: only fetch_probability's draws pull"
+    assert budget_allows(100.0, None, 0.0, 0.25), "the first pull at once"
+    # a 20 ms pull at a quarter of the time: the next one 60 ms after it ended
+    assert not budget_allows(100.05, 100.0, 0.02, 0.25) and budget_allows(100.06, 100.0, 0.02, 0.25)
+    # a 4 s download of a large layer: 12 s of quiet before the next
+    assert not budget_allows(111.0, 100.0, 4.0, 0.25) and budget_allows(112.0, 100.0, 4.0, 0.25)
+    with pytest.raises(ValueError):
+        RunConfig(name="r", averaging={"pull_budget": 1.0})
+    assert RunConfig(name="r", averaging={"pull_budget": 0.0}).run_id == RunConfig(name="r").run_id
+    assert RunConfig(name="r", averaging={"pull_budget": 0.25}).run_id != RunConfig(name="r").run_id
 
 
 # ----- flow control

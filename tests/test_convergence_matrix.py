@@ -41,7 +41,10 @@ def test_repeats_give_the_mean_and_range_at_points_every_run_reached():
 
 
 def test_divergence_is_low_accuracy_for_digits_and_no_learning_for_charlm():
-    assert _diverged({"final_accuracy_min": 0.4}, lm=False) and not _diverged({"final_accuracy_min": 0.9}, lm=False)
+    assert _diverged({"final_accuracy_min": 0.15}, lm=False) and not _diverged({"final_accuracy_min": 0.9}, lm=False)
+    assert not _diverged({"final_accuracy_min": 0.48, "curve": [(10_000, 0.5, 1.0, 4)]}, lm=False), \
+        "5 classes of 10 per shard without averaging top out near 0.5"
+    assert _diverged({"final_accuracy_min": 0.4, "curve": [(10_000, 0.9, 1.0, 4), (20_000, 0.4, 2.0, 4)]}, lm=False)
     assert _diverged({"final_bits_per_byte_max": DIVERGED_BPB + 0.1}, lm=True)
     assert _diverged({"final_bits_per_byte_max": float("nan")}, lm=True)
     assert not _diverged({"final_bits_per_byte_max": 2.8}, lm=True)

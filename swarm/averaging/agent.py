@@ -48,7 +48,8 @@ from swarm.averaging.checks import ParamsRejected, check_params, total_norm
 from swarm.averaging.influence import InfluenceGuard, distance, per_tensor, toward
 from swarm.averaging.params_rpc import ParamsRefused, fetch_params
 from swarm.averaging.rules import (
-    BanList, FlowControl, exchange_candidates, exchange_winner, interpolation_factor, pull_candidates, should_pull,
+    BanList, FlowControl, budget_allows, exchange_candidates, exchange_winner, interpolation_factor, pull_candidates,
+    should_pull,
 )
 from swarm.records import MemberRecord
 from swarm.runconfig import RunConfig
@@ -110,6 +111,8 @@ class SwarmAveraging:
         self._exchange_every = self.cfg.exchange.every_samples
         self._since_exchange = 0
         self._pull_task: asyncio.Task | None = None
+        self._last_pull_end: float | None = None  # loop thread writes, the compute thread reads (plain floats)
+        self._last_pull_s = 0.0
         self._exchange_task: asyncio.Task | None = None
         self.views: dict[str, list[MemberRecord]] = {}  # every swarm's records (exchange context)
         self._validation: tuple | None = None  # (x, y) validation samples, loaded at the first exchange
@@ -143,7 +146,8 @@ class SwarmAveraging:
             if self._since_exchange >= self._exchange_every:
                 self._since_exchange = 0
                 self._post(self._start_exchange)
-        if self._pulls_enabled and should_pull(self._draw_rng, self.cfg.fetch_probability):
+        if self._pulls_enabled and (should_pull(self._draw_rng, self.cfg.fetch_probability) or budget_allows(
+                time.monotonic(), self._last_pull_end, self._last_pull_s, self.cfg.pull_budget)):
             self._post(self._start_pull)
 
     def _post(self, callback: Callable[[], None]) -> None:
@@ -161,6 +165,14 @@ class SwarmAveraging:
 
     async def pull_once(self) -> bool:
         """Pull one peer's copy and interpolate toward it; True if it was applied."""
+        started = time.monotonic()
+        try:
+            return await self._pull_once()
+        finally:  # what averaging.pull_budget measures (a failed pull took the link's time too)
+            self._last_pull_end = time.monotonic()
+            self._last_pull_s = self._last_pull_end - started
+
+    async def _pull_once(self) -> bool:
         now = time.monotonic()
         candidates = pull_candidates(self.records, self.me, self.excluded(now))
         busy = self.guard.over_share(candidates, now)  # fair share: they wait for the others to catch up

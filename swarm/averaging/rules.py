@@ -77,6 +77,17 @@ def should_pull(rng: random.Random, fetch_probability: float) -> bool:
     return fetch_probability > 0 and rng.random() < fetch_probability
 
 
+def budget_allows(now: float, last_end: float | None, last_duration_s: float, budget: float) -> bool:
+    """``averaging.pull_budget``: whether another pull fits, besides ``should_pull``'s draws. Pulls may take
+    ``budget`` of the wall time: the next one starts once the last one's duration x (1 / budget - 1) has
+    passed since it ended (at once before the first). 0 or less: never (only the draws pull)."""
+    if budget <= 0:
+        return False
+    if last_end is None:
+        return True
+    return now - last_end >= last_duration_s * (1.0 / min(budget, 0.99) - 1.0)
+
+
 # ----- flow control
 @dataclass(slots=True)
 class _Score:
