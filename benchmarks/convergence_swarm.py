@@ -126,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         "worst_accuracy_ratio": None if lm else min((_last_ratio(c) for c in reached), default=None),
         "worst_loss_ratio": max((_last_ratio(c) for c in reached), default=None) if lm else None,
         "worst_cell": (max if lm else min)(reached, key=_last_ratio)["label"] if reached else None,
+        # the same over the mean of the samples near the last point (window_ratios): less noisy
+        "worst_window_ratio": (max if lm else min)((_last_ratio(c, "window_ratios") for c in reached
+                                                     if c.get("window_ratios")), default=None),
         "settings": {"run": args.run, "stages": args.stages, "in_flight": args.in_flight, "points": list(points),
                      "sample_s": args.sample_s,
                      "cell_limit_s": args.cell_limit_s, "cores": os.cpu_count(),
@@ -260,6 +263,9 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     points = set.intersection(*(set(r.get("ratios", {})) for r in good))
     cell["ratios"] = {p: round(sum(r["ratios"][p] for r in good) / len(good), 4) for p in sorted(points, key=int)}
     cell["ratio_ranges"] = {p: [min(r["ratios"][p] for r in good), max(r["ratios"][p] for r in good)] for p in cell["ratios"]}
+    windows = set.intersection(*(set(r.get("window_ratios", {})) for r in good))
+    cell["window_ratios"] = {p: round(sum(r["window_ratios"][p] for r in good) / len(good), 4)
+                             for p in sorted(windows, key=int)}
     cell["runs"] = runs
     cell["lost"] = sum(r.get("lost", 0) for r in good)
     cell["heals"] = sum(r.get("heals", 0) for r in good)
@@ -318,9 +324,16 @@ class LocalBaseline:
         return self.cache[key]
 
 
+WINDOW = 0.2  # window_ratios: the samples within 20 % of a point
+
+
 def _compare(cell: dict[str, Any], config: dict[str, Any], points: tuple[int, ...], baseline: LocalBaseline) -> dict:
-    """At each point: the first sample at or after it, against one process trained on exactly as many samples."""
-    out: dict[str, Any] = {"at": {}, "ratios": {}}
+    """At each point: the first sample at or after it, against one process trained on exactly as many samples
+    (``ratios``); and the mean of every sample within ``WINDOW`` of the point that evaluated all the chains,
+    against one process at the point (``window_ratios``: one sample of the worst chain swings by several
+    points between two reads a second apart)."""
+    out: dict[str, Any] = {"at": {}, "ratios": {}, "window_ratios": {}}
+    chains_max = max((row[3] for row in cell["curve"]), default=0)
     for point in points:
         later = [row for row in cell["curve"] if row[0] >= point]
         if not later:
@@ -330,11 +343,15 @@ def _compare(cell: dict[str, Any], config: dict[str, Any], points: tuple[int, ..
         out["at"][str(point)] = {"samples": samples, "swarm": accuracy, "local": local, "chains": chains}
         # digits: accuracy over one process's (higher is better); charlm: bits per byte over one process's
         out["ratios"][str(point)] = ratio(accuracy, local)
+        near = [row[1] for row in cell["curve"] if abs(row[0] - point) <= WINDOW * point and row[3] == chains_max]
+        if near:
+            out["window_ratios"][str(point)] = ratio(sum(near) / len(near), baseline.accuracy(config, point))
+            out["at"][str(point)]["window_samples"] = len(near)
     return out
 
 
-def _last_ratio(cell: dict[str, Any]) -> float:
-    ratios = cell["ratios"]
+def _last_ratio(cell: dict[str, Any], key: str = "ratios") -> float:
+    ratios = cell[key]
     return ratios[max(ratios, key=int)] or 0.0
 
 

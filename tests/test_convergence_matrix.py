@@ -48,3 +48,17 @@ def test_divergence_is_low_accuracy_for_digits_and_no_learning_for_charlm():
     assert _diverged({"final_bits_per_byte_max": DIVERGED_BPB + 0.1}, lm=True)
     assert _diverged({"final_bits_per_byte_max": float("nan")}, lm=True)
     assert not _diverged({"final_bits_per_byte_max": 2.8}, lm=True)
+
+
+def test_the_window_ratio_averages_the_samples_near_a_point_that_saw_every_chain():
+    from benchmarks.convergence_swarm import _compare
+
+    class Flat:
+        def accuracy(self, config, samples):
+            return 0.9
+
+    curve = [(2_000, 0.9, 1.0, 2), (8_500, 0.6, 2.0, 4), (10_100, 0.72, 3.0, 4), (11_900, 0.81, 4.0, 4),
+             (12_500, 0.2, 5.0, 4), (11_000, 0.1, 3.5, 3)]
+    out = _compare({"curve": curve}, {}, (10_000,), Flat())
+    assert out["ratios"]["10000"] == pytest.approx(0.8)  # the first sample at or after the point
+    assert out["window_ratios"]["10000"] == pytest.approx((0.6 + 0.72 + 0.81) / 3 / 0.9)  # 3 chains, 12.5k: out
