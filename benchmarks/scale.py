@@ -7,6 +7,11 @@ moves per peer-hour. Headline figures, each a ratio measured in this run:
 - ``rebalancing_vs_optimal``: the worst cell with rebalancing (goal >= 0.95);
 - ``placement_only_vs_optimal``: the worst cell where peers stay where they joined (the baseline);
 - ``dht_cpu_per_peer_64_vs_8``: not measured here (real DHT processes: benchmarks/dht_reads.py), null.
+- ``swarm_read_bytes``: the bytes of one swarm's DHT value (what a `get` of it returns) at 64, 256 and
+  1,024 peers per swarm: real signed records (hivemind's RSASignatureValidator over a full MemberRecord,
+  msgpack as stored), one key's entry size times N distinct subkeys in a real DictionaryDHTValue;
+  ``peers_per_swarm_at_unary_cap``: where that value reaches hivemind's 4 MiB unary message cap (a get
+  of a larger swarm fails).
 """
 
 from __future__ import annotations
@@ -19,6 +24,40 @@ import time
 
 from benchmarks.scale_sim import SimConfig, Simulation
 from swarm.rebalance import RebalancePolicy
+
+
+UNARY_CAP_BYTES = 4 * 2**20  # hivemind's unary messages (a DHT get's reply is one): ../shared/HIVEMIND_NOTES.md
+
+
+def record_sizes(sizes: tuple[int, ...] = (64, 256, 1024)) -> dict:
+    """The serialized size of one swarm's DHT value with N signed membership records (see the module doc)."""
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.dht.storage import DictionaryDHTValue
+    from hivemind.dht.validation import DHTRecord
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    from swarm.records import MemberRecord, swarm_key
+
+    validator = RSASignatureValidator()
+    now = time.time()
+    record = MemberRecord(peer_id="12D3KooW" + "x" * 44, state="online", version="volunteer 0.9.0 (hivemind 1.1.12)",
+                          started_at=now, updated_at=now, clock=123456.5, loss=0.1234, shard=3, capacity=1234.5,
+                          movable=True, mbps_in=12.5, mbps_out=11.25, staleness_mean=2.5, staleness_p95=6.0,
+                          staleness_max=9, test_accuracy=0.95, test_loss=0.2, eval_samples=123456)
+    key = MSGPackSerializer.dumps(swarm_key("digits-mlp-0123abcd", "layer1"))
+    subkey = MSGPackSerializer.dumps(validator.local_public_key)
+    signed = validator.sign_value(DHTRecord(key=key, subkey=subkey, value=MSGPackSerializer.dumps(record.to_wire()),
+                                            expiration_time=now + 15))
+    out = {}
+    for n in sizes:
+        value = DictionaryDHTValue()
+        for i in range(n):  # distinct subkeys of the same length as a real owner's
+            value.store(subkey[:-8] + f"{i:08d}".encode(), signed, now + 15)
+        out[str(n)] = len(MSGPackSerializer.dumps(value))
+    per_peer = (out[str(sizes[-1])] - out[str(sizes[0])]) / (sizes[-1] - sizes[0])
+    return {"swarm_read_bytes": out, "bytes_per_record": round(per_peer, 1),
+            "subkey_bytes": len(subkey), "signed_value_bytes": len(signed),
+            "peers_per_swarm_at_unary_cap": int(UNARY_CAP_BYTES / per_peer)}
 
 
 def cells(quick: bool) -> list[dict]:
@@ -57,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         "placement_only_vs_optimal": min(row["throughput_vs_best"] for row in kept),
         "dht_cpu_per_peer_64_vs_8": None,
         "dht_cpu_note": "not measured by this simulation; real DHT processes: python -m benchmarks.dht_reads",
+        **record_sizes(),
         "cells": rows,
         "seconds": round(time.monotonic() - started, 1),
         "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2),

@@ -69,6 +69,9 @@ def test_scale_benchmark_quick_prints_its_figures():
     report = _quick("benchmarks.scale", {**os.environ, "PYTHONPATH": str(ROOT)})
     _positive(report, ("rebalancing_vs_optimal", "placement_only_vs_optimal"))
     assert report["rebalancing_vs_optimal"] > report["placement_only_vs_optimal"] - 0.05
+    sizes = report["swarm_read_bytes"]
+    assert 0 < sizes["64"] < sizes["256"] < sizes["1024"] < 4 * 2**20, sizes  # a swarm of 1,024 still fits a get
+    assert report["peers_per_swarm_at_unary_cap"] > 1024
     assert {(c["churn"], c["rebalance"]) for c in report["cells"]} == {(0.0, False), (0.0, True), (0.02, False),
                                                                        (0.02, True)}
 
