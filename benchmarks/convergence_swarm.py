@@ -96,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         for optimizer, busy, peers, mode, partition in itertools.product(*axes):
             optimizer = "sgd" if mode in EDGE_MODES else optimizer
             label = f"{optimizer}-{mode}-p{peers}-busy{busy}-{partition}"
+            if mode in EDGE_MODES and args.graph != "ring":
+                label += f"-{args.graph}"
             if label in seen:
                 continue
             seen.add(label)
@@ -104,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                 say(f"cell {label}" + (f", run {repeat + 1} of {args.repeats}" if args.repeats > 1 else ""))
                 config = cell_config(label, optimizer, mode, partition, peers, args.stages, _in_flight(args.in_flight),
                                      fetch_probability=args.fetch_probability, run=args.run,
-                                     pull_budget=args.pull_budget)
+                                     pull_budget=args.pull_budget, graph=args.graph)
                 try:
                     one = _cell(fleet, maddr, label, config, peers, args.stages, busy, points, args)
                     one.update(_compare(one, config, points, baseline))
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                      "sample_s": args.sample_s,
                      "cell_limit_s": args.cell_limit_s, "cores": os.cpu_count(),
                      "fetch_probability": args.fetch_probability, "step_s": args.step_s,
-                     "pull_budget": args.pull_budget},
+                     "pull_budget": args.pull_budget, "graph": args.graph},
         "machine": machine_notes(),
     }
     if args.plot:
@@ -162,6 +164,8 @@ def _parser() -> Any:
     out.add_argument("--fetch-probability", type=float, default=0.1, help="averaging.fetch_probability: the chance "
                      "of a Dpwa pull per step")
     out.add_argument("--pull-budget", type=float, default=0.0, help="averaging.pull_budget (0: off)")
+    out.add_argument("--graph", choices=("ring", "double_ring", "random"), default="ring", help="the edge modes' "
+                     "peer graph (averaging.graph.kind)")
     out.add_argument("--stages", type=int, default=2)
     out.add_argument("--in-flight", default="4", help="micro-batches in flight per driver, or auto")
     out.add_argument("--sample-s", type=float, default=1.0, help="seconds between true-accuracy samples")
@@ -176,7 +180,7 @@ def _in_flight(text: str) -> int | str:
 
 def cell_config(label: str, optimizer: str, mode: str, partition: str, peers: int, stages: int,
                 in_flight: int | str = 4, fetch_probability: float = 0.1, run: str = "digits",
-                pull_budget: float = 0.0) -> dict[str, Any]:
+                pull_budget: float = 0.0, graph: str = "ring") -> dict[str, Any]:
     averaging: dict[str, Any] = {"mode": "dpwa" if mode == "exchange" else mode}
     if fetch_probability != 0.1:
         averaging["fetch_probability"] = fetch_probability
@@ -185,7 +189,7 @@ def cell_config(label: str, optimizer: str, mode: str, partition: str, peers: in
     if mode == "exchange":
         averaging["exchange"] = {"every_samples": 2000}
     if mode in EDGE_MODES:
-        averaging["graph"] = {"kind": "ring"}
+        averaging["graph"] = {"kind": graph}
     config = {
         "name": f"cv-{abs(hash((label, time.time()))) % 10**10}",  # run names are at most 48 characters
         "model": {"kind": "mlp", "stages": stages, "hidden_dim": 128},
