@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                 say(f"cell {label}" + (f", run {repeat + 1} of {args.repeats}" if args.repeats > 1 else ""))
                 config = cell_config(label, optimizer, mode, partition, peers, args.stages, _in_flight(args.in_flight),
                                      fetch_probability=args.fetch_probability, run=args.run,
-                                     pull_budget=args.pull_budget, graph=args.graph)
+                                     pull_budget=args.pull_budget, graph=args.graph, staleness=args.staleness)
                 try:
                     one = _cell(fleet, maddr, label, config, peers, args.stages, busy, points, args)
                     one.update(_compare(one, config, points, baseline))
@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                      "sample_s": args.sample_s,
                      "cell_limit_s": args.cell_limit_s, "cores": os.cpu_count(),
                      "fetch_probability": args.fetch_probability, "step_s": args.step_s,
-                     "pull_budget": args.pull_budget, "graph": args.graph},
+                     "pull_budget": args.pull_budget, "graph": args.graph,
+                     "staleness": args.staleness or "divide_momentum"},
         "machine": machine_notes(),
     }
     if args.plot:
@@ -164,6 +165,8 @@ def _parser() -> Any:
     out.add_argument("--fetch-probability", type=float, default=0.1, help="averaging.fetch_probability: the chance "
                      "of a Dpwa pull per step")
     out.add_argument("--pull-budget", type=float, default=0.0, help="averaging.pull_budget (0: off)")
+    out.add_argument("--staleness", default="", help="optimizer.staleness for every cell (default: the schema's, "
+                     "divide_momentum)")
     out.add_argument("--graph", choices=("ring", "double_ring", "random"), default="ring", help="the edge modes' "
                      "peer graph (averaging.graph.kind)")
     out.add_argument("--stages", type=int, default=2)
@@ -180,12 +183,13 @@ def _in_flight(text: str) -> int | str:
 
 def cell_config(label: str, optimizer: str, mode: str, partition: str, peers: int, stages: int,
                 in_flight: int | str = 4, fetch_probability: float = 0.1, run: str = "digits",
-                pull_budget: float = 0.0, graph: str = "ring") -> dict[str, Any]:
+                pull_budget: float = 0.0, graph: str = "ring", staleness: str = "") -> dict[str, Any]:
     averaging: dict[str, Any] = {"mode": "dpwa" if mode == "exchange" else mode}
     if fetch_probability != 0.1:
         averaging["fetch_probability"] = fetch_probability
     if pull_budget > 0:
         averaging["pull_budget"] = pull_budget
+    optimizer_cfg = dict(OPTIMIZERS[optimizer], **({"staleness": staleness} if staleness else {}))
     if mode == "exchange":
         averaging["exchange"] = {"every_samples": 2000}
     if mode in EDGE_MODES:
@@ -194,7 +198,7 @@ def cell_config(label: str, optimizer: str, mode: str, partition: str, peers: in
         "name": f"cv-{abs(hash((label, time.time()))) % 10**10}",  # run names are at most 48 characters
         "model": {"kind": "mlp", "stages": stages, "hidden_dim": 128},
         "data": {"partition": partition, "classes_per_shard": 5, "shards": max(2, peers)},
-        "optimizer": dict(OPTIMIZERS[optimizer]),
+        "optimizer": optimizer_cfg,
         "averaging": averaging,
         "training": {"batch_size": 32, "in_flight": in_flight, "eval_every_s": 5.0},
         "timeouts": {"heartbeat_s": 1.0},
