@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from swarm.dht import DHTSettings, shutdown_dht, start_dht
+from layer_peers import layer_peers
 from swarm.peer import SwarmPeer
 from swarm.runconfig import RunConfig
 from swarm.stage import WorkerState
@@ -22,24 +22,8 @@ RUN = RunConfig.model_validate({
 
 @pytest.fixture(scope="module")
 def trio():
-    dhts, peers = [], []
-    try:
-        first = start_dht(DHTSettings(), [])
-        dhts.append(first)
-        for _ in range(3):
-            dht = start_dht(DHTSettings(initial_peers=[str(m) for m in first.get_visible_maddrs()]), [])
-            dhts.append(dht)
-            events: list = []
-            peer = SwarmPeer(RUN, dht, "layer1", notify=lambda *event, events=events: events.append(event))
-            peer.events = events
-            peer.start()
-            peers.append(peer)
+    with layer_peers(RUN, 3, evaluate=True) as peers:
         yield peers
-    finally:
-        for peer in peers:
-            peer.stop()
-        for dht in dhts:
-            shutdown_dht(dht)
 
 
 def _scatter(peers: list[SwarmPeer]) -> list[dict[str, torch.Tensor]]:

@@ -16,8 +16,8 @@ import time
 import pytest
 import torch
 
+from layer_peers import layer_peers, serve
 from swarm.averaging.influence import InfluenceGuard
-from swarm.dht import DHTSettings, shutdown_dht, start_dht
 from swarm.peer import SwarmPeer
 from swarm.records import MemberRecord
 from swarm.runconfig import RunConfig
@@ -35,17 +35,6 @@ RUN = RunConfig.model_validate({
 BOUNDS = RUN.averaging.influence
 WAIT_S = 30
 TOLERANCE = 1e-4  # float32 arithmetic on the way
-
-
-class FakeWorker:
-    """What the hostile peer's parameter service serves: any tensors, any claimed state."""
-
-    def __init__(self, params: dict[str, torch.Tensor]):
-        self.params = params
-
-    def capture(self, include_optimizer: bool = False) -> WorkerState:
-        return WorkerState(params=dict(self.params), optimizer={} if include_optimizer else None, clock=10**6,
-                           loss_ema=0.001, param_version=1)
 
 
 def _record(peer: str) -> MemberRecord:
@@ -78,28 +67,8 @@ def _same_norm(ours: dict[str, torch.Tensor], away: float, seed: int) -> dict[st
 @pytest.fixture(scope="module")
 def swarm():
     """Our honest peer, an honest neighbour close to it, and a hostile peer; all in layer1."""
-    dhts, peers = [], []
-    first = start_dht(DHTSettings(), [])
-    dhts.append(first)
-    maddrs = [str(m) for m in first.get_visible_maddrs()]
-
-    def new_peer() -> SwarmPeer:
-        dht = start_dht(DHTSettings(initial_peers=maddrs), [])
-        dhts.append(dht)
-        peer = SwarmPeer(RUN, dht, "layer1", evaluate=False, notify=lambda *event: peer.events.append(event))
-        peer.events = []
-        peer.start()
-        peers.append(peer)
-        return peer
-
-    try:
-        ours, honest, hostile = new_peer(), new_peer(), new_peer()
-        yield ours, honest, hostile
-    finally:
-        for peer in peers:
-            peer.stop()
-        for dht in dhts:
-            shutdown_dht(dht)
+    with layer_peers(RUN, 3) as peers:
+        yield tuple(peers)
 
 
 def _pull(ours: SwarmPeer, *serving: SwarmPeer) -> bool:
@@ -114,8 +83,7 @@ def _fresh(ours: SwarmPeer) -> None:
 
 
 def _serve(hostile: SwarmPeer, params: dict[str, torch.Tensor]) -> str:
-    hostile._params_servicer.worker = FakeWorker(params)
-    return str(hostile.dht.peer_id)
+    return serve(hostile, params)
 
 
 @pytest.mark.parametrize("poison", ["nan", "x1000", "far"])

@@ -14,11 +14,10 @@ import pytest
 import torch
 
 import swarm.averaging.sync as sync
-from swarm.dht import DHTSettings, shutdown_dht, start_dht
+from layer_peers import layer_peers, serve
 from swarm.peer import SwarmPeer
 from swarm.records import MemberRecord
 from swarm.runconfig import RunConfig
-from swarm.stage import WorkerState
 
 RUN = RunConfig.model_validate({
     "name": "syncwitness",
@@ -29,17 +28,6 @@ RUN = RunConfig.model_validate({
 })
 WAIT_S = 60
 TRAINED = 1.1  # the honest copies: the seeded init, scaled (so a download that took is told from our own init)
-
-
-class FakeWorker:
-    """What the hostile donor serves: any tensors, a high clock."""
-
-    def __init__(self, params: dict[str, torch.Tensor]):
-        self.params = params
-
-    def capture(self, include_optimizer: bool = False) -> WorkerState:
-        return WorkerState(params=dict(self.params), optimizer={} if include_optimizer else None, clock=10**6,
-                           loss_ema=0.001, param_version=1)
 
 
 def _record(peer: SwarmPeer) -> MemberRecord:
@@ -54,22 +42,7 @@ def _norm(params: dict[str, torch.Tensor]) -> float:
 
 @pytest.fixture(scope="module")
 def peers():
-    dhts, started = [], []
-    first = start_dht(DHTSettings(), [])
-    dhts.append(first)
-    maddrs = [str(m) for m in first.get_visible_maddrs()]
-
-    def new_peer() -> SwarmPeer:
-        dht = start_dht(DHTSettings(initial_peers=maddrs), [])
-        dhts.append(dht)
-        peer = SwarmPeer(RUN, dht, "layer1", evaluate=False, notify=lambda *event: peer.events.append(event))
-        peer.events = []
-        peer.start()
-        started.append(peer)
-        return peer
-
-    try:
-        newcomer, honest1, honest2, hostile = new_peer(), new_peer(), new_peer(), new_peer()
+    with layer_peers(RUN, 4) as (newcomer, honest1, honest2, hostile):
         for peer in (honest1, honest2):
             with peer.worker.lock, torch.no_grad():
                 for param in peer.worker.module.parameters():
@@ -77,14 +50,8 @@ def peers():
         seeded = newcomer.worker.state_snapshot()
         g = torch.Generator().manual_seed(3)
         noise = {k: torch.randn(t.shape, generator=g) for k, t in seeded.items()}
-        lie = {k: noise[k] * (_norm(seeded) * TRAINED / _norm(noise)) for k in seeded}  # same norm, any direction
-        hostile._params_servicer.worker = FakeWorker(lie)
+        serve(hostile, {k: noise[k] * (_norm(seeded) * TRAINED / _norm(noise)) for k in seeded})  # same norm, any way
         yield newcomer, honest1, honest2, hostile, seeded
-    finally:
-        for peer in started:
-            peer.stop()
-        for dht in dhts:
-            shutdown_dht(dht)
 
 
 def _sync(newcomer: SwarmPeer, order: list[SwarmPeer], monkeypatch) -> str | None:
