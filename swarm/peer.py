@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 SETUP_TIMEOUT_S = 60.0
 DRAIN_TIMEOUT_S = 60.0
+CLAIM_GRACE_HEARTBEATS = 3  # a new shard claim stays open to the other drivers this long (integrity/labels.py)
 
 Notify = Callable[[str, str, str], None]  # (level, kind, text)
 
@@ -155,8 +156,10 @@ class SwarmPeer:
         async def read_drivers() -> list[MemberRecord]:
             return await loop.run_in_executor(None, reader.read, "layer0")
 
-        gate = StageGate(gate_config(self.run.integrity, self.run.data.partition), labels=labels, refresh=read_drivers, notify=self.notify,
-                         cache=self.worker.cache, swarm=self.swarm)
+        # a shard claim reaches the other drivers at their next read: a read each heartbeat, plus one missed
+        gate = StageGate(gate_config(self.run.integrity, self.run.data.partition), labels=labels, refresh=read_drivers,
+                         notify=self.notify, cache=self.worker.cache, swarm=self.swarm,
+                         claim_grace_s=CLAIM_GRACE_HEARTBEATS * self.run.timeouts.heartbeat_s)
         self.worker.on_probation = lambda owner: gate.book.on_probation(owner, time.monotonic())
         return gate
 

@@ -46,10 +46,11 @@ class Outcome:
 
 class StageGate:
     def __init__(self, cfg: IntegrityConfig, *, labels: LabelSource | None = None, refresh: Refresh | None = None,
-                 notify: Notify | None = None, cache: ActivationCache | None = None, swarm: str = ""):
+                 notify: Notify | None = None, cache: ActivationCache | None = None, swarm: str = "",
+                 claim_grace_s: float = 0.0):
         self.cfg = cfg
         self.labels = labels
-        self.view = DriverView()
+        self.view = DriverView(claim_grace_s)  # a new shard claim stays open to the others this long
         self.book = RequesterBook(cfg)
         self._refresh_records = refresh
         self._notify = notify or (lambda level, kind, text: None)

@@ -321,6 +321,26 @@ def test_allowed_shards_are_the_own_shard_and_every_unheld_one():
     assert view.allowed("a", 4) == {0, 2, 3} and view.allowed("stranger", 4) == {2, 3}
 
 
+def test_a_new_shard_claim_stays_open_to_the_others_for_its_grace():
+    record = lambda pid, shard: MemberRecord(pid, "online", "v", 0.0, 0.0, shard=shard)  # noqa: E731
+    view = DriverView(claim_grace_s=3.0)
+    view.update([record("a", 0)], now=100.0)
+    assert view.allowed("a", 4, now=103.0) == {0, 1, 2, 3}
+    assert view.allowed("stranger", 4, now=103.0) == {1, 2, 3}, "a's claim is 3 s old: closed"
+    # b joins on shard 1, which a covered until its own next read: a may still use it for 3 s, no strike
+    view.update([record("a", 0), record("b", 1)], now=110.0)
+    assert 1 in view.allowed("a", 4, now=112.9)
+    assert view.allowed("a", 4, now=113.0) == {0, 2, 3}
+    assert view.allowed("b", 4, now=110.0) == {1, 2, 3}, "b's own claim on 1; a's old claim on 0 is closed to b"
+    # a claim seen by an on-demand read starts its grace then; a shard let go and taken again starts anew
+    view.merge([record("c", 2)], now=120.0)
+    assert 2 in view.allowed("a", 4, now=121.0) and 2 not in view.allowed("a", 4, now=123.5)
+    view.update([record("a", 0)], now=130.0)
+    view.update([record("a", 0)], now=131.0)  # b and c gone from both views: 1 and 2 unheld
+    view.update([record("a", 0), record("d", 1)], now=140.0)
+    assert 1 in view.allowed("a", 4, now=141.0) and 1 not in view.allowed("a", 4, now=143.0)
+
+
 def test_targets_are_looked_up_by_id_and_checked():
     labels = LabelSource(torch.arange(10) % 3, torch.arange(4), [np.arange(0, 5), np.arange(5, 10)])
     assert labels.train_targets(torch.tensor([0, 4]), 2, allowed={0}).tolist() == [0, 1]

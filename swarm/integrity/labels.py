@@ -15,6 +15,7 @@ or the driver running the last stage itself).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 import numpy as np
@@ -45,12 +46,20 @@ def allowed_shards(requester: str, view: dict[str, int], num_shards: int) -> set
 
 
 class DriverView:
-    """Online layer0 peers and their shards: the latest view and the one before it (a heartbeat's grace)."""
+    """Online layer0 peers and their shards: the latest view and the one before it (a heartbeat's grace).
 
-    def __init__(self) -> None:
+    A shard newly claimed (a driver joined, or moved to it) stays open to the others for ``claim_grace_s``
+    after this view first saw it held: the drivers that covered it learn of the claim only at their own next
+    read, and their micro-batches from it meanwhile are honest. Closing it at once refused them as
+    ``wrong_shard`` and struck their senders: three drivers joining together banned each other at layer3
+    for 60 s (the demo with ``--per-swarm 3`` stalled below its target)."""
+
+    def __init__(self, claim_grace_s: float = 0.0) -> None:
         self.current: dict[str, int] = {}
         self.previous: dict[str, int] = {}
         self.draining: set[str] = set()  # paused or finishing drivers: their in-flight backward passes still count
+        self.claim_grace_s = claim_grace_s
+        self.held_since: dict[int, float] = {}  # shard -> when this view first saw it held (monotonic)
 
     @staticmethod
     def _online(records: Iterable[MemberRecord]) -> dict[str, int]:
@@ -60,17 +69,23 @@ class DriverView:
     def _draining(records: Iterable[MemberRecord]) -> set[str]:
         return {r.peer_id for r in records if r.state in DRAINING_STATES}
 
-    def update(self, records: Iterable[MemberRecord]) -> None:
+    def update(self, records: Iterable[MemberRecord], now: float | None = None) -> None:
         """A new view from the heartbeat: the current one becomes the grace view."""
         records = list(records)
         self.previous, self.current = self.current, self._online(records)
         self.draining = self._draining(records)
+        self._note_claims(time.monotonic() if now is None else now)
 
-    def merge(self, records: Iterable[MemberRecord]) -> None:
+    def merge(self, records: Iterable[MemberRecord], now: float | None = None) -> None:
         """Records read on demand (an unknown requester): add them, drop nothing."""
         records = list(records)
         self.current = {**self.current, **self._online(records)}
         self.draining |= self._draining(records)
+        self._note_claims(time.monotonic() if now is None else now)
+
+    def _note_claims(self, now: float) -> None:
+        held = {s for s in (*self.current.values(), *self.previous.values()) if s >= 0}
+        self.held_since = {shard: self.held_since.get(shard, now) for shard in held}
 
     def knows(self, requester: str) -> bool:
         return requester in self.current or requester in self.previous
@@ -78,11 +93,14 @@ class DriverView:
     def drivers(self) -> int:
         return len(set(self.current) | set(self.previous))
 
-    def allowed(self, requester: str, num_shards: int) -> set[int]:
+    def allowed(self, requester: str, num_shards: int, now: float | None = None) -> set[int]:
         """A shard is held if either view shows a driver on it: a record missing from one read (a late
-        heartbeat, a DHT read that missed it) does not open that driver's shard to everyone."""
+        heartbeat, a DHT read that missed it) does not open that driver's shard to everyone. A claim younger
+        than ``claim_grace_s`` does not close its shard yet (the class doc)."""
+        now = time.monotonic() if now is None else now
         both = {**self.previous, **self.current}
-        others = {peer: shard for peer, shard in both.items() if peer != requester}
+        others = {peer: shard for peer, shard in both.items() if peer != requester
+                  and now - self.held_since.get(shard, float("-inf")) >= self.claim_grace_s}
         own = {s % num_shards for s in (self.current.get(requester, -1), self.previous.get(requester, -1)) if s >= 0}
         return (allowed_shards(requester, others, num_shards)) | own
 
