@@ -97,13 +97,16 @@ def main(argv: list[str] | None = None) -> int:
     out.add_argument("--warmup-s", type=float, default=120.0)
     out.add_argument("--window-s", type=float, default=180.0)
     out.add_argument("--stall-s", type=float, default=60.0)
+    out.add_argument("--keep", action="store_true", help="keep the fleet's folder (the volunteers' logs)")
     args = out.parse_args(argv)
     if args.quick:
         args.volunteers, args.minutes, args.sample_s, args.warmup_s, args.window_s = 8, 3.0, 10.0, 30.0, 40.0
     per_swarm = max(1, args.volunteers // args.stages)
     started = time.monotonic()
     samples: list[dict[str, Any]] = []
-    with Fleet(prefix="volunteer-bench-soak-") as fleet:
+    with Fleet(prefix="volunteer-bench-soak-", keep_workdir=args.keep) as fleet:
+        if args.keep:
+            say(f"logs kept in {fleet.workdir}")
         _, maddr = fleet.bootstrap()
         config = {"name": f"soak-{int(time.time()) % 10**8}", "model": {"stages": args.stages},
                   "training": {"batch_size": 32, "in_flight": 4, "eval_every_s": 30}}
