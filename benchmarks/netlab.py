@@ -11,6 +11,12 @@ namespace `vlab-<pid>-<k>-h<i>` with address 10.77.S.(i+2) on its `eth0`, a veth
 `vl<pid><k><i>` sits on the bridge. Nothing routes out of 10.77.S.0/24: the namespaces have no default
 route and this namespace does not forward.
 
+Behind NAT (``Link(nat=True)``): 10.77.S.(i+2) belongs to a router namespace `vlab-<pid>-<k>-r<i>`, and the
+host sits behind it on a LAN of its own, 10.78.i.2/24 (``Host.address``; ``Host.public_address`` is the
+router's). The router masquerades the host's connections (nftables, hence Debian's `nftables` package:
+``nat_unavailable()``) and forwards nothing in, like a home router without a port forward: the host
+dials anyone, nobody dials it.
+
 Rate: a `tbf` qdisc on both ends of the host's veth (the namespace end shapes its upload, the bridge end
 its download), so a transfer between two hosts runs at the slower host's rate.
 
@@ -45,9 +51,10 @@ from pathlib import Path
 from benchmarks.netlab_relay import DelayRelay
 
 NS_PREFIX = "vlab-"
-NS_RE = re.compile(r"^vlab-(\d+)-([a-z])-h\d+$")
+NS_RE = re.compile(r"^vlab-(\d+)-([a-z])-[hr]\d+$")  # hosts, and the NAT routers of hosts behind NAT
 LINK_RE = re.compile(r"^vl(\d+)([a-z])(b|\d+)$")
 SUBNET_BASE = "10.77"
+LAN_BASE = "10.78"  # behind NAT: host i has 10.78.i.2 on its router's LAN, inside the router's namespace only
 CMD_TIMEOUT_S = 15.0
 STOP_TIMEOUT_S = 10.0
 TBF_QUEUE_MS = 50  # how long a packet may wait in the shaper's queue (a home router's buffer)
@@ -61,10 +68,12 @@ class LabError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class Link:
-    """One host's access link: its rate each way (0 = unlimited) and the one-way delay it adds."""
+    """One host's access link: its rate each way (0 = unlimited) and the one-way delay it adds. ``nat``: the
+    host sits behind a NAT router (a home router without a port forward): it dials out, nobody dials in."""
 
     rate_mbit_s: float = 0.0
     delay_ms: float = 0.0
+    nat: bool = False
 
     @classmethod
     def for_rtt(cls, rate_mbit_s: float, rtt_ms: float) -> Link:
@@ -80,8 +89,9 @@ class Link:
 class Host:
     index: int
     netns: str
-    address: str  # 10.77.S.(index + 2)
+    address: str  # its own address: 10.77.S.(index + 2), or 10.78.index.2 behind NAT
     link: Link
+    public_address: str = ""  # what other hosts see it as: address, or its NAT router's 10.77.S.(index + 2)
 
     def exec_prefix(self) -> list[str]:
         """Put before a command to run it inside this host."""
@@ -89,6 +99,14 @@ class Host:
 
     def maddr(self, port: int = 0) -> str:
         return f"/ip4/{self.address}/tcp/{port}"
+
+
+def nat_unavailable() -> str | None:
+    """Why hosts behind NAT cannot be built here (None: they can): a lab, and nftables' `nft`."""
+    reason = lab_unavailable()
+    if reason is None and shutil.which("nft") is None:
+        reason = "hosts behind NAT need `nft` (Debian's nftables package; .ci/run installs it)"
+    return reason
 
 
 def lab_unavailable() -> str | None:
@@ -247,23 +265,56 @@ class Lab:
         _sh("ip", "addr", "add", f"{self.gateway}/24", "dev", self.bridge)
         _sh("ip", "link", "set", self.bridge, "up")
         for index, link in enumerate(self.links):
-            host = Host(index, f"{NS_PREFIX}{pid}-{self._tag}-h{index}", str(network[index + 2]), link)
+            public = str(network[index + 2])
+            netns = f"{NS_PREFIX}{pid}-{self._tag}-h{index}"
+            if link.nat:
+                host = Host(index, netns, f"{LAN_BASE}.{index}.2", link, public_address=public)
+                self._add_host(host, f"vl{pid}{self._tag}{index}", on_bridge=f"{NS_PREFIX}{pid}-{self._tag}-r{index}",
+                               address=public)
+                self._add_nat(host, router=f"{NS_PREFIX}{pid}-{self._tag}-r{index}")
+            else:
+                host = Host(index, netns, public, link, public_address=public)
+                self._add_host(host, f"vl{pid}{self._tag}{index}")
             self.hosts.append(host)
-            self._add_host(host, f"vl{pid}{self._tag}{index}")
-        self._relay = DelayRelay(self.gateway, {h.address: h.link.delay_ms for h in self.hosts})
+        self._relay = DelayRelay(self.gateway, {h.public_address: h.link.delay_ms for h in self.hosts})
         self._relay.start()
 
-    def _add_host(self, host: Host, veth: str) -> None:
-        ns = host.netns
+    def _add_host(self, host: Host, veth: str, on_bridge: str = "", address: str = "") -> None:
+        """The namespace on the bridge (the host's own, or its NAT router's: on_bridge), with its link."""
+        ns = on_bridge or host.netns
         _sh("ip", "netns", "add", ns)
         _sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
         _sh("ip", "link", "set", veth, "master", self.bridge, "up")
-        _sh("ip", "-n", ns, "addr", "add", f"{host.address}/24", "dev", "eth0")
+        _sh("ip", "-n", ns, "addr", "add", f"{address or host.address}/24", "dev", "eth0")
         _sh("ip", "-n", ns, "link", "set", "eth0", "up")
         _sh("ip", "-n", ns, "link", "set", "lo", "up")
         if host.link.rate_mbit_s > 0:
             _sh("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", *tbf_args(host.link.rate_mbit_s))
             _sh("tc", "qdisc", "add", "dev", veth, "root", *tbf_args(host.link.rate_mbit_s))
+
+    def _add_nat(self, host: Host, router: str) -> None:
+        """host behind router: a LAN veth between them, the router forwarding and masquerading the LAN's
+        connections out of its eth0 (nftables), and nothing forwarded in: a home router without a port
+        forward. Connections from outside reach the router itself, where nothing listens."""
+        lan = f"{LAN_BASE}.{host.index}"
+        _sh("ip", "netns", "add", host.netns)
+        _sh("ip", "-n", router, "link", "add", "lan0", "type", "veth", "peer", "name", "eth0", "netns", host.netns)
+        _sh("ip", "-n", router, "addr", "add", f"{lan}.1/24", "dev", "lan0")
+        _sh("ip", "-n", router, "link", "set", "lan0", "up")
+        _sh("ip", "-n", host.netns, "addr", "add", f"{host.address}/24", "dev", "eth0")
+        _sh("ip", "-n", host.netns, "link", "set", "eth0", "up")
+        _sh("ip", "-n", host.netns, "link", "set", "lo", "up")
+        _sh("ip", "-n", host.netns, "route", "add", "default", "via", f"{lan}.1")
+        _sh("ip", "netns", "exec", router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        rules = "\n".join([
+            "table ip nat {", "  chain postrouting {", "    type nat hook postrouting priority 100;",
+            f'    oifname "eth0" ip saddr {lan}.0/24 masquerade', "  }", "}",
+            "table ip filter {", "  chain forward {", "    type filter hook forward priority 0; policy drop;",
+            "    ct state established,related accept", '    iifname "lan0" accept', "  }", "}", ""])
+        done = subprocess.run(["ip", "netns", "exec", router, "nft", "-f", "-"], input=rules, capture_output=True,
+                              text=True, timeout=CMD_TIMEOUT_S)
+        if done.returncode != 0:
+            raise LabError(f"nft in {router} exited {done.returncode}: {done.stderr.strip()}")
 
     def close(self) -> None:
         """Idempotent: processes, relay, namespaces, links. Raises nothing; says what it could not remove."""
@@ -315,6 +366,8 @@ class Lab:
     def expose(self, host: Host, port: int) -> str:
         """The multiaddr of a relay on the bridge to host:port that adds the links' delays; announce it."""
         assert self._relay is not None, "start the lab first"
+        if host.link.nat:
+            raise LabError(f"host {host.index} is behind NAT: nothing outside can dial it, so nothing to expose")
         relay_port = self._relay.forward(host.address, port)
         return f"/ip4/{self.gateway}/tcp/{relay_port}"
 

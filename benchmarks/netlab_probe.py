@@ -1,7 +1,7 @@
 """Probes the network lab runs inside its hosts (plain sockets, standard library only, starts in ~50 ms).
 
     python benchmarks/netlab_probe.py sink ADDRESS PORT         accept one connection, read to EOF, print
-                                                               {"bytes", "seconds"} (first to last byte)
+                                                               {"bytes", "seconds" (first to last byte), "peer"}
     python benchmarks/netlab_probe.py send ADDRESS PORT BYTES   connect and send BYTES
     python benchmarks/netlab_probe.py echo ADDRESS PORT         accept one connection, echo until EOF
     python benchmarks/netlab_probe.py ping ADDRESS PORT COUNT   COUNT round trips of 64 bytes; print
@@ -35,12 +35,13 @@ def _listen(address: str, port: int) -> socket.socket:
 def sink(address: str, port: int) -> dict:
     conn = _listen(address, port)
     total, first_s, last_s = 0, None, None
+    peer = conn.getpeername()[0]
     while chunk := conn.recv(CHUNK_BYTES):
         last_s = time.monotonic()
         first_s = first_s or last_s
         total += len(chunk)
     conn.close()
-    return {"bytes": total, "seconds": (last_s - first_s) if first_s else 0.0}
+    return {"bytes": total, "seconds": (last_s - first_s) if first_s else 0.0, "peer": peer}
 
 
 def send(address: str, port: int, count: int) -> dict:

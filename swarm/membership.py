@@ -159,9 +159,11 @@ def empty_swarms(records_by_swarm: dict[str, list[MemberRecord]], swarm_names: l
     """The swarms with no online peer: while any is empty, no sample can pass the pipeline.
 
     ``online_here``: the swarm an online node serves itself (its own record in the view may be a
-    heartbeat old, e.g. still "paused" right after a resume)."""
+    heartbeat old, e.g. still "paused" right after a resume). A peer that other hosts cannot dial (behind
+    NAT, ``reachable`` 0) serves nobody, except in layer0, whose peers drive and need no inbound connection."""
     return [name for name in swarm_names
-            if name != online_here and not any(r.state == "online" for r in records_by_swarm.get(name, []))]
+            if name != online_here and not any(r.state == "online" and (r.reachable != 0 or name == "layer0")
+                                               for r in records_by_swarm.get(name, []))]
 
 
 def idle_reason(records_by_swarm: dict[str, list[MemberRecord]], swarm_names: list[str], online_here: str = "") -> str:

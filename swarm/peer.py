@@ -89,6 +89,7 @@ class SwarmPeer:
         self._servicer: Any = None
         self.gate: StageGate | None = None  # who may ask our stage (swarm/stage_gate.py)
         self._params_servicer: Any = None
+        self._dial_back_servicer: Any = None
         self.averaging: Any = None  # swarm.averaging.agent.SwarmAveraging
         self.allreduce: Any = None  # swarm.averaging.allreduce.GroupAverager (mode allreduce)
         self.edges: Any = None  # swarm.averaging.edges.EdgeAveraging (modes dsgd, pdmm_isvr, admm_isvr)
@@ -132,6 +133,10 @@ class SwarmPeer:
             traffic=self.traffic, gate=self.gate,
         )
         await self._servicer.add_p2p_handlers(self.p2p, namespace=stage_namespace(self.run.run_id, self.swarm))
+        from swarm.reachability import DialBackServicer, namespace
+
+        self._dial_back_servicer = DialBackServicer(self.run.run_id)
+        await self._dial_back_servicer.add_p2p_handlers(self.p2p, namespace=namespace(self.run.run_id))
         await self._start_averaging(sync_from)
         self.healer.take_snapshot()  # the starting copy (seeded or downloaded) is the first good one
         self._tasks.append(asyncio.create_task(self._guard(self.healer.watch(self.executor), "healer")))
@@ -316,6 +321,13 @@ class SwarmPeer:
                     await self._servicer.remove_p2p_handlers(self.p2p, namespace=stage_namespace(self.run.run_id, self.swarm))
                 except Exception as exc:
                     logger.debug("removing handlers: %s", exc)
+            if self._dial_back_servicer is not None and self.p2p is not None:
+                from swarm.reachability import namespace
+
+                try:
+                    await self._dial_back_servicer.remove_p2p_handlers(self.p2p, namespace=namespace(self.run.run_id))
+                except Exception as exc:
+                    logger.debug("removing the dial-back handler: %s", exc)
             if self.p2p is not None:
                 try:
                     await self.p2p.shutdown()
@@ -363,22 +375,37 @@ class SwarmPeer:
         return driving + (self._servicer.active if self._servicer is not None else 0)
 
     # ----- views and metrics
+    def check_reachability(self, responders: list[str]) -> Any:
+        """Ask some of responders (peer ids) to dial us back (swarm/reachability.py): a concurrent future
+        of the Verdict, so the caller's loop does not wait."""
+        from swarm.reachability import check_reachability
+
+        return asyncio.run_coroutine_threadsafe(check_reachability(self.p2p, self.run.run_id, responders), self._loop)
+
     def update_views(self, views: dict[str, list[MemberRecord]]) -> None:
         # Run-wide samples trained: what the drivers completed (clocks merge when copies average).
         self._run_samples = sum(r.trained for r in views.get("layer0", []))
         self._run_heals = sum(r.heals for records in views.values() for r in records)
-        if self.gate is not None:
+        if self.gate is not None:  # every driver, reachable or not: the labels need each one's shard claim
             self._loop.call_soon_threadsafe(self.gate.set_drivers, list(views.get("layer0", [])))
-        for part in (self.averaging, self.edges):
-            if part is not None:
-                self._loop.call_soon_threadsafe(part.set_records, list(views.get(self.swarm, [])))
+        # Nobody dials a peer that says it cannot be dialled (behind NAT): no route, pull or edge to it. A peer
+        # that cannot be dialled itself takes no edges either (its neighbours would wait on swaps it cannot
+        # answer), and it still pulls and drives, since that dials out.
+        me = str(self.dht.peer_id)
+        every = views
+        views = {name: [r for r in records if r.reachable != 0 or r.peer_id == me] for name, records in views.items()}
+        mine = [r for r in views.get(self.swarm, []) if r.peer_id == me]
+        if self.averaging is not None:
+            self._loop.call_soon_threadsafe(self.averaging.set_records, list(views.get(self.swarm, [])))
+        if self.edges is not None:
+            cut_off = bool(mine) and mine[0].reachable == 0
+            self._loop.call_soon_threadsafe(self.edges.set_records, mine if cut_off else list(views.get(self.swarm, [])))
         if self.averaging is not None:
             self._loop.call_soon_threadsafe(self.averaging.set_views, dict(views))
         if self.driver is None:
             return
         online = {name: [r.peer_id for r in records if r.state == "online"] for name, records in views.items()}
-        me = str(self.dht.peer_id)
-        held = {r.shard for r in views.get("layer0", []) if r.state == "online" and r.peer_id != me and r.shard >= 0}
+        held = {r.shard for r in every.get("layer0", []) if r.state == "online" and r.peer_id != me and r.shard >= 0}
         unheld = [i for i in range(len(self.driver.shards)) if i not in held]
 
         def apply() -> None:

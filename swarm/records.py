@@ -28,7 +28,7 @@ OWNER_PREFIX = b"[owner:"
 MAX_VERSION_CHARS = 64
 # newer than some clients: a record without them parses with the defaults
 OPTIONAL_FIELDS = frozenset({"staleness_mean", "staleness_p95", "staleness_max", "mbps_in", "mbps_out", "capacity",
-                             "movable"})
+                             "movable", "reachable"})
 MAX_CAPACITY = 1e9  # samples/s: a figure above this is a lie or a bug
 
 
@@ -67,6 +67,9 @@ class MemberRecord:
     # -1 = not measured yet. movable: a `--swarm auto` volunteer that rebalancing may move (swarm/rebalance.py)
     capacity: float = -1.0
     movable: bool = False
+    # can other hosts dial this peer (swarm/reachability.py): 1 yes, 0 no (behind NAT: nobody routes to it,
+    # pulls from it or pairs with it), -1 not known (not checked yet, or a client before the field)
+    reachable: int = -1
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -117,6 +120,7 @@ class _MemberValueSchema(pydantic_v1.BaseModel):
     mbps_out: Optional[pydantic_v1.StrictFloat] = None
     capacity: Optional[pydantic_v1.StrictFloat] = None
     movable: Optional[pydantic_v1.StrictBool] = None
+    reachable: Optional[pydantic_v1.StrictInt] = None
 
     class Config:
         extra = pydantic_v1.Extra.forbid
@@ -200,6 +204,8 @@ def parse_member(subkey: Any, value: Any, now: float) -> MemberRecord | None:
             raise ValueError("capacity must be finite samples/s above 0 and below 10^9, -1 for none")
         if not isinstance(record.movable, bool):
             raise ValueError("movable must be true or false")
+        if isinstance(record.reachable, bool) or record.reachable not in (-1, 0, 1):
+            raise ValueError("reachable must be 1, 0 or -1")
         return record
     except (TypeError, ValueError) as exc:
         logger.warning("skipping a bad membership record: %s", exc)

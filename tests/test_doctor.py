@@ -40,6 +40,8 @@ def test_doctor_reports_each_bootstrap_peer_idle_sources_gpu_and_data_dir(swarm,
     assert checks[("bootstrap peers", maddr)]["detail"].startswith("answered in")
     assert checks[("bootstrap peers", dead)]["status"] == "fail"
     assert checks[("bootstrap peers", "joining the DHT")]["status"] == "ok"
+    reach = checks[("reachability", "dialled from outside")]
+    assert reach["status"] == "warn" and "no peer of the run is online" in reach["detail"]
     swarms = checks[(f"run {report['run_id']}", "swarms")]["detail"]
     assert swarms.startswith("layer0 0 online, layer1 0 online; nobody serves layer0, layer1 yet")
 

@@ -34,7 +34,7 @@ WAIT_S = 90.0
 def _report(layer1_online: int = 1, accuracy: float | None = 0.9, samples: int = 1000) -> dict:
     peer = {"peer_id": "12D3KooWpeer0000abcdefgh", "state": "online", "age_s": 1.0, "version": HOSTILE_VERSION,
             "throughput": 50.0, "loss": 0.5, "clock": 3, "shard": 0, "served": 4, "trained": 1234, "lost": 0,
-            "staleness": None}
+            "staleness": None, "reachable": False}
     report = {"run_id": "run-x", "idle_reason": "", "complete": "", "heals": {"layer0": 0, "layer1": 2},
               "swarms": {"layer0": [peer], "layer1": []},
               "summary": {"layer0": {"online": 1, "total": 1, "throughput": 50.0, "empty": False},
@@ -68,6 +68,7 @@ def test_the_page_marks_the_bottleneck_and_escapes_what_strangers_wrote():
     assert "NO ONLINE PEER" in page and "read from the DHT 3 s ago" in page
     assert "test accuracy 90.0 % after 1,000 samples" in page  # the report's own evaluation
     assert page.count("<polyline") == 1
+    assert '<td class="reachable">no (behind NAT)</td>' in page
 
 
 def test_the_plot_scales_accuracy_and_says_when_there_is_nothing_to_plot():

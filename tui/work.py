@@ -85,7 +85,24 @@ def figures_table(snapshot: NodeSnapshot) -> Table:
         grid.add_row("Mb/s", f"{snapshot.mbps_in:.2f} in, {snapshot.mbps_out:.2f} out")
     for link in snapshot.links[:LINKS_SHOWN]:
         grid.add_row(f"  {short_id(link.peer_id)}", f"{link.mbps_in:.2f} in, {link.mbps_out:.2f} out")
+    grid.add_row("reachable", reachability_text(snapshot))
     return grid
+
+
+REACHABILITY_WORDS = {"reachable": "yes", "unreachable": "NO: behind NAT", "local": "this machine only",
+                      "checking": "checking...", "unknown": "not known yet"}
+
+
+def reachability_text(snapshot: NodeSnapshot, now_s: float | None = None) -> Text:
+    """Can other hosts dial this node, and how old that answer is (swarm/reachability.py)."""
+    import time
+
+    words = REACHABILITY_WORDS.get(snapshot.reachability, snapshot.reachability)
+    style = "bold red" if snapshot.reachability == "unreachable" else ""
+    age = ""
+    if snapshot.reachability_at is not None:
+        age = f" ({format_duration(max(0.0, (now_s if now_s is not None else time.time()) - snapshot.reachability_at))} ago)"
+    return Text.assemble((words, style), (age, "dim"))
 
 
 class WorkPanel(Vertical):

@@ -154,6 +154,9 @@ def _mbps(peer: dict[str, Any]) -> str:
     return f"{float(peer['mbps_in']):.2f} / {float(peer['mbps_out']):.2f}"
 
 
+REACHABLE_TEXT = {True: "yes", False: "no (behind NAT)", None: "not known"}
+
+
 def _peers_html(report: dict[str, Any]) -> str:
     rows = []
     for name, peers in report.get("swarms", {}).items():
@@ -161,10 +164,11 @@ def _peers_html(report: dict[str, Any]) -> str:
             loss = f"{p['loss']:.3f}" if p.get("loss") is not None else "-"
             rows.append(f'<tr class="peer state-{_e(p["state"])}"><td>{_e(name)}</td>'
                         f'<td title="{_e(p["peer_id"])}">{_e(str(p["peer_id"])[-8:])}</td><td>{_e(p["state"])}</td>'
-                        f'<td>{p["throughput"]:.1f}</td><td>{loss}</td><td>{_mbps(p)}</td><td>{_e(p["version"])}</td>'
+                        f'<td>{p["throughput"]:.1f}</td><td>{loss}</td><td>{_mbps(p)}</td>'
+                        f'<td class="reachable">{_e(REACHABLE_TEXT.get(p.get("reachable"), "not known"))}</td><td>{_e(p["version"])}</td>'
                         f'<td>{_e(_age(p["age_s"]))}</td><td>{int(p.get("trained", 0)):,}</td></tr>')
     return ('<table id="peers"><tr><th>swarm</th><th>peer</th><th>state</th><th>samples/s</th><th>loss</th>'
-            '<th>Mb/s in / out</th><th>version</th><th>heartbeat</th><th>trained</th></tr>' + "".join(rows) + "</table>")
+            '<th>Mb/s in / out</th><th>dialled from outside</th><th>version</th><th>heartbeat</th><th>trained</th></tr>' + "".join(rows) + "</table>")
 
 
 STYLE = ("body{font-family:sans-serif;margin:1.5em;max-width:70em}table{border-collapse:collapse;margin:.5em 0}"

@@ -176,6 +176,11 @@ class NodeSnapshot:
     peers: tuple[PeerRow, ...] = ()  # my swarm's peers
     events: tuple[Event, ...] = ()  # most recent last
     maddrs: tuple[str, ...] = ()
+    # can other hosts dial this node (swarm/reachability.py): reachable, unreachable, unknown, local or
+    # checking; the detail says who dialled what, reachability_at (wall time) how old the verdict is
+    reachability: str = "unknown"
+    reachability_detail: str = ""
+    reachability_at: float | None = None
 
     @property
     def evaluation_age_s(self) -> float | None:

@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--data-dir", default=None)
     doctor.add_argument("--json", action="store_true")
     doctor.add_argument("--timeout-s", type=float, default=20.0, help="how long to try the bootstrap peers")
+    doctor.add_argument("--listen", nargs="+", default=None, metavar="MADDR",
+                        help="where to listen for the reachability check (default: network.listen of --prefs, "
+                             "else all interfaces as `volunteer join` does)")
     _add_common(doctor)
 
     service = sub.add_parser("service", help="run a headless node as a systemd user service (Linux)")

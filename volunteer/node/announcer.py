@@ -80,7 +80,8 @@ class Announcer:
     def record(self, state: str) -> Any:
         return build_record(self.node.board.snapshot(), state=state, version=__version__,
                             started_at_s=self.started_at_s, now_s=time.time(), shard=self.shard,
-                            metrics=self.metrics, movable=self.node.rebalancer.enabled)
+                            metrics=self.metrics, movable=self.node.rebalancer.movable,
+                            reachable=self.node.reachability.record_value)
 
     def announce(self, ttl_s: float | None = None, timeout_s: float | None = None) -> bool:
         node = self.node
@@ -169,9 +170,12 @@ class Announcer:
         else:
             fields.update(run_evaluation(self.views))
         throttled = node.governors.throttle_reason()
-        idle = idle_reason(self.views, node.run.swarm_names, node.swarm) if self.views else ""
+        cut_off = node.reachability.cut_off_reason()  # behind NAT, in a swarm that drivers must dial
+        idle = idle_reason(self.views, node.run.swarm_names, "" if cut_off else node.swarm) if self.views else ""
         if throttled is not None and state == NodeState.ONLINE:
             fields["reason"] = throttled
+        elif cut_off and state == NodeState.ONLINE:
+            fields["reason"] = f"waiting: {cut_off}"
         elif idle and state == NodeState.ONLINE:  # the root cause: a layer nobody serves
             fields["reason"] = f"waiting: {idle}"
         elif m.blocked_reason and state == NodeState.ONLINE:

@@ -7,7 +7,8 @@ serves). Everything it waits on is an Event with a timeout, so a quit or a Ctrl+
 within a fraction of a second.
 
 The serve loop ticks its parts in order (``Node.parts``): commands, governors, health, checkpoints,
-contribution, completion, the rebalancer (`--swarm auto`: ``move_to`` the bottleneck swarm), then the announcer. A new part (say, a health guard) is a class with ``tick(now_s)`` and ``close()`` that
+contribution, completion, the rebalancer (`--swarm auto`: ``move_to`` the bottleneck swarm), reachability
+(can other hosts dial us: volunteer/node/reachability.py), then the announcer. A new part (say, a health guard) is a class with ``tick(now_s)`` and ``close()`` that
 publishes snapshot fields through ``node.board.publish`` and changes state with ``node.set_state``;
 it is inserted in ``parts`` before the announcer so that its state is in the next heartbeat.
 """
@@ -28,6 +29,7 @@ from volunteer.node.contribution import Contribution
 from volunteer.node.governors import Governors
 from volunteer.node.health import Health
 from volunteer.node.options import JoinError, NodeOptions, RunConflict
+from volunteer.node.reachability import Reachability
 from volunteer.node.rebalancer import Rebalancer
 from volunteer.snapshot import Command, EventLevel, EventListener, NodeSnapshot, NodeState, SnapshotListener
 
@@ -71,8 +73,9 @@ class Node:
         self.contribution = Contribution(self)
         self.completion = Completion(self)
         self.rebalancer = Rebalancer(self)
+        self.reachability = Reachability(self)
         self.parts: list[Part] = [self.commands, self.governors, self.health, self.checkpoints, self.contribution,
-                                  self.completion, self.rebalancer, self.announcer]
+                                  self.completion, self.rebalancer, self.reachability, self.announcer]
         self._stop = threading.Event()
         self._stopped = threading.Event()
         self._wake = threading.Event()

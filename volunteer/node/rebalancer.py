@@ -46,9 +46,15 @@ class Rebalancer:
         self.moves = 0
         self._settled_epoch = -1  # the first period we may move in again after a move
 
+    @property
+    def movable(self) -> bool:
+        """Rebalancing may move us: `--swarm auto`, and other hosts can dial us (a node behind NAT stays
+        in layer0, the one swarm that needs no inbound connection: volunteer/node/reachability.py)."""
+        return self.enabled and self.node.reachability.record_value != 0
+
     def tick(self, now_s: float) -> None:
         node = self.node
-        if not self.enabled or node.peer is None or node.board.snapshot().state != NodeState.ONLINE:
+        if not self.movable or node.peer is None or node.board.snapshot().state != NodeState.ONLINE:
             self._decide_at = None
             return
         epoch = int(time.time() // self.policy.period_s)

@@ -38,7 +38,7 @@ def bottleneck_swarm(swarms: list[SwarmRow], previous: str | None = None,
 
 
 def build_record(snap: NodeSnapshot, *, state: str, version: str, started_at_s: float, now_s: float,
-                 shard: int | None, metrics: Any, movable: bool = False) -> Any:
+                 shard: int | None, metrics: Any, movable: bool = False, reachable: int = -1) -> Any:
     """Our membership record from the snapshot and the stage's last metrics (None before training)."""
     from swarm.records import MemberRecord
 
@@ -69,6 +69,7 @@ def build_record(snap: NodeSnapshot, *, state: str, version: str, started_at_s: 
         mbps_out=round(float(snap.mbps_out), 3),
         capacity=_capacity(m),
         movable=bool(movable),
+        reachable=int(reachable),
     )
 
 

@@ -2,7 +2,9 @@
 
 Checks, in order of what most often goes wrong: the data dir (writable, free space, nodes already
 running there), idle detection (which sources work, and what the idle policy would do right now),
-the run's bootstrap peers (a short, bounded DHT start and a ping of each), and the GPU. The GPU is
+the run's bootstrap peers (a short, bounded DHT start and a ping of each), whether other hosts can dial
+this machine (it listens where `volunteer join` would and asks online peers of the run to dial it back,
+swarm/reachability.py; a node already running here reports its own verdict instead), and the GPU. The GPU is
 looked at last: CUDA must not be initialised before hivemind forks its DHT process.
 Exit status 0 when nothing failed, 1 otherwise; warnings do not fail.
 """
@@ -28,7 +30,6 @@ MARKS = {OK: "ok  ", WARN: "WARN", FAIL: "FAIL", INFO: "    ", NOT_HERE: " -- "}
 MIN_FREE_BYTES = 1 << 30  # a few checkpoints of a large layer
 GIB = 1 << 30
 MIB = 1 << 20
-DOCTOR_LISTEN = ["/ip4/127.0.0.1/tcp/0"]  # it only dials out
 PING_TIMEOUT_S = 5.0
 PROBE_FILE = ".doctor-probe"
 
@@ -50,8 +51,14 @@ def run_doctor(args: argparse.Namespace) -> int:
     check_initial_peers(args.initial_peers)
 
     data_dir = Path(args.data_dir or prefs.data_dir or user_data_dir()).expanduser()
+    from volunteer.control import live_nodes
+    from volunteer_cli.commands.join import DEFAULT_VOLUNTEER_LISTEN
+
     checks = [*data_dir_checks(data_dir), *idle_checks(prefs)]
-    checks += network_checks(run, list(args.initial_peers or run.bootstrap_peers), args.timeout_s, args.verbose)
+    running = [snap for _, snap in live_nodes(data_dir) if snap.get("run_id") == run.run_id]
+    listen = [m for m in (args.listen or prefs.network.listen or DEFAULT_VOLUNTEER_LISTEN) if "/tcp/" in m]
+    checks += network_checks(run, list(args.initial_peers or run.bootstrap_peers), args.timeout_s, args.verbose,
+                             listen=listen, announce=list(prefs.network.announce), running=running[0] if running else None)
     checks += gpu_checks(prefs.device)
     ok = not any(check.status == FAIL for check in checks)
     if args.json:
@@ -141,7 +148,9 @@ def idle_checks(prefs: Any) -> list[Check]:
 # ----- network
 
 
-def network_checks(run: Any, initial_peers: list[str], timeout_s: float, verbose: int) -> list[Check]:
+def network_checks(run: Any, initial_peers: list[str], timeout_s: float, verbose: int,
+                   listen: list[str] | None = None, announce: list[str] | None = None,
+                   running: dict | None = None) -> list[Check]:
     section = "bootstrap peers"
     if not initial_peers:
         return [Check(section, "bootstrap peers", FAIL, "none: pass --initial-peers MADDR or list bootstrap_peers "
@@ -154,7 +163,11 @@ def network_checks(run: Any, initial_peers: list[str], timeout_s: float, verbose
     dht = None
     started = time.monotonic()
     try:
-        settings = DHTSettings(initial_peers=initial_peers, host_maddrs=DOCTOR_LISTEN, client_mode=True,
+        # listen where a node would (nothing can dial it while a client-mode DHT serves no DHT requests,
+        # except the dial-back check's TCP connection); a node already running here holds its port
+        host_maddrs = ["/ip4/127.0.0.1/tcp/0"] if running is not None or not listen else listen
+        settings = DHTSettings(initial_peers=initial_peers, host_maddrs=host_maddrs,
+                               announce_maddrs=announce or [], client_mode=True,
                                start_timeout_s=timeout_s, process_group=watchdog.pgid)
         try:
             dht = start_dht(settings, make_validators(run.run_id, run.swarm_names, None))
@@ -163,7 +176,9 @@ def network_checks(run: Any, initial_peers: list[str], timeout_s: float, verbose
                 Check(section, "joining the DHT", FAIL, str(exc))]
         checks = [Check(section, "joining the DHT", OK, f"took {time.monotonic() - started:.1f} s")]
         checks += _ping_checks(dht, initial_peers, section)
-        checks += _swarm_checks(dht, run)
+        swarm_checks, views = _swarm_checks(dht, run)
+        checks += swarm_checks
+        checks += reachability_checks(dht, run, views, running)
         return checks
     finally:
         if dht is not None:
@@ -205,7 +220,7 @@ async def _ping_peers(dht: Any, node: Any, peer_ids: list[str], timeout_s: float
     return dict(zip(peer_ids, results))
 
 
-def _swarm_checks(dht: Any, run: Any) -> list[Check]:
+def _swarm_checks(dht: Any, run: Any) -> tuple[list[Check], dict[str, list[Any]]]:
     from swarm.membership import Membership, summarize
 
     views = Membership(dht, run, b"").read_all()
@@ -216,7 +231,44 @@ def _swarm_checks(dht: Any, run: Any) -> list[Check]:
         if not online:
             empty.append(name)
     detail = ", ".join(parts) + (f"; nobody serves {', '.join(empty)} yet: join one of these" if empty else "")
-    return [Check("run " + run.run_id, "swarms", INFO, detail)]
+    return [Check("run " + run.run_id, "swarms", INFO, detail)], views
+
+
+REACHABILITY_STATUS = {"reachable": OK, "local": INFO, "unknown": WARN, "unreachable": WARN, "checking": INFO}
+
+
+def reachability_checks(dht: Any, run: Any, views: dict[str, list[Any]], running: dict | None) -> list[Check]:
+    """Can other hosts dial this machine? A running node's own verdict, else a dial-back by online peers."""
+    from swarm.reachability import UNREACHABLE, Verdict, advice, check_reachability
+
+    section, name = "reachability", "dialled from outside"
+    if running is not None:
+        status = running.get("reachability") or "unknown"
+        at = running.get("reachability_at")
+        age = f" ({time.time() - at:.0f} s ago)" if isinstance(at, (int, float)) else ""
+        detail = f"the node running here: {status}{age}; {running.get('reachability_detail') or 'no detail yet'}"
+        return [Check(section, name, REACHABILITY_STATUS.get(status, WARN), detail)]
+    responders = sorted({r.peer_id for records in views.values() for r in records if r.state == "online"})
+
+    async def ask() -> Any:
+        from swarm.dht import fresh_p2p
+
+        p2p = await fresh_p2p(dht)
+        try:
+            return await check_reachability(p2p, run.run_id, responders)
+        finally:
+            await p2p.shutdown()
+
+    try:
+        verdict = asyncio.run(asyncio.wait_for(ask(), 60.0))
+    except Exception as exc:
+        verdict = Verdict("unknown", f"the check failed: {exc.__class__.__name__}: {exc}")
+    detail = verdict.detail
+    if verdict.status == UNREACHABLE:
+        detail += ". " + advice(verdict)
+    elif verdict.status == "unknown" and not responders:
+        detail = "no peer of the run is online to dial this machine back; run `volunteer doctor` again once one is"
+    return [Check(section, name, REACHABILITY_STATUS.get(verdict.status, WARN), detail)]
 
 
 # ----- GPU

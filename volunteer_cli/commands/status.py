@@ -83,6 +83,8 @@ def build_report(run, views: dict, now: float, this_machine=None) -> dict:
                 "trained": r.trained, "lost": r.lost, "staleness": _staleness(r),
                 "mbps_in": r.mbps_in if r.mbps_in >= 0 else None, "mbps_out": r.mbps_out if r.mbps_out >= 0 else None,
                 "capacity": round(r.capacity, 1) if r.capacity > 0 else None, "movable": r.movable,
+                # can other hosts dial it (swarm/reachability.py): True, False (behind NAT), None (not known)
+                "reachable": {1: True, 0: False}.get(r.reachable),
             })
             if name == "layer0" and (r.test_accuracy >= 0 or r.test_loss >= 0):
                 evaluations.append((r.eval_samples, r.updated_at, r))
@@ -163,6 +165,8 @@ def render_report(report: dict) -> str:
             st_text = f"  staleness {st['mean']:.1f}/{st['p95']:.0f}/{st['max']}" if st else ""
             if row.get("mbps_in") is not None:
                 st_text += f"  {row['mbps_in']:.2f}/{row['mbps_out']:.2f} Mb/s in/out"
+            if row.get("reachable") is False:
+                st_text += "  NOT DIALLABLE (behind NAT: nobody routes to it)"
             lines.append(f"  {short_id(row['peer_id']):>8}  {row['state']:<9} seen {row['age_s']:>5.1f}s ago  "
                          f"v{row['version']}  {row['throughput']:.1f}/s  loss {loss}  clock {row['clock']}{st_text}")
     if report.get("this_machine"):

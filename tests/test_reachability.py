@@ -1,0 +1,119 @@
+"""Dial-back reachability (swarm/reachability.py): which addresses a peer dials for a stranger, the
+verdict from the answers, the probe against a real libp2p listener, and the responder's bounds. A node
+behind NAT in the network lab: tests/test_netlab.py."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from swarm.reachability import (
+    DIAL_OP, MAX_MADDRS, RATE_PERIOD_S, REACHABLE, UNKNOWN, UNREACHABLE, DialBackServicer, dial_target,
+    dialable_maddrs, is_loopback_only, probe, verdict_from,
+)
+from swarm.wire import pack_metadata
+
+ME = ["/ip4/203.0.113.7/tcp/4001"]
+
+
+def test_only_plain_tcp_addresses_off_the_responders_own_machine_are_dialled():
+    assert dial_target("/ip4/203.0.113.7/tcp/4001") == ("203.0.113.7", 4001)
+    assert dial_target("/ip4/10.0.0.2/tcp/4001/p2p/QmPeer") == ("10.0.0.2", 4001)  # a LAN run is fine
+    assert dial_target("/ip6/2001:db8::1/tcp/4001") == ("2001:db8::1", 4001)
+    for refused in ("/ip4/127.0.0.1/tcp/22", "/ip4/0.0.0.0/tcp/4001", "/ip6/::1/tcp/4001", "/ip4/169.254.1.1/tcp/80",
+                    "/ip4/224.0.0.1/tcp/80", "/ip4/203.0.113.7/udp/4001/quic-v1", "/dns4/example.org/tcp/80",
+                    "/ip4/203.0.113.7/tcp/0", "/ip4/203.0.113.7/tcp/99999", "/ip4/not-an-ip/tcp/1", "/ip6/1.2.3.4/tcp/1",
+                    "/ip4/203.0.113.7/tcp/4001/p2p-circuit", "ip4/203.0.113.7/tcp/1", ""):
+        assert dial_target(refused) is None, refused
+    assert is_loopback_only(["/ip4/127.0.0.1/tcp/1/p2p/Qm", "/ip6/::1/tcp/2"])
+    assert not is_loopback_only(["/ip4/127.0.0.1/tcp/1", "/ip4/10.0.0.2/tcp/1"]) and not is_loopback_only([])
+    many = [f"/ip4/10.0.0.{i}/tcp/1/p2p/Qm" for i in range(1, 9)] + ["/ip4/127.0.0.1/tcp/1"]
+    assert dialable_maddrs(many) == [f"/ip4/10.0.0.{i}/tcp/1" for i in range(1, MAX_MADDRS + 1)]
+
+
+def test_one_peer_that_reached_us_is_enough_and_one_liar_cannot_make_us_unreachable():
+    reached = verdict_from(ME, [{ME[0]: "refused"}, {ME[0]: "libp2p"}, None])
+    assert reached.status == REACHABLE and reached.record_value == 1 and reached.reached_at == (ME[0],)
+    assert "1 of 2 peer(s)" in reached.detail
+    alone = verdict_from(ME, [{ME[0]: "timeout"}, None, None])
+    assert alone.status == UNKNOWN and alone.record_value == -1, "one answer cannot tell NAT from a liar"
+    behind = verdict_from(ME, [{ME[0]: "timeout"}, {ME[0]: "no_route"}, None])
+    assert behind.status == UNREACHABLE and behind.record_value == 0
+    assert "no_route" in behind.detail and "timeout" in behind.detail
+    # a result for an address we did not ask about proves nothing, either way
+    assert verdict_from(ME, [{"/ip4/198.51.100.1/tcp/1": "libp2p"}, {ME[0]: "refused"}]).status == UNKNOWN
+    assert verdict_from([], []).status == UNKNOWN and "network.listen" in verdict_from([], []).detail
+    # peers on this machine skip our addresses: volunteers that share a machine and listen on every
+    # interface must not all call each other unreachable (nobody would route to anybody)
+    same_machine = verdict_from(ME, [{ME[0]: "skipped"}, {ME[0]: "skipped"}, {ME[0]: "skipped"}])
+    assert same_machine.status == UNKNOWN and same_machine.record_value == -1
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def test_the_probe_tells_a_libp2p_listener_from_a_silent_port_and_a_closed_one():
+    from hivemind import DHT
+
+    dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        port = int(str(dht.get_visible_maddrs()[0]).split("/")[4])
+        assert _run(probe("127.0.0.1", port)) == "libp2p"
+    finally:
+        dht.shutdown()
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        assert _run(probe("127.0.0.1", silent.getsockname()[1], timeout_s=0.5)) == "not_libp2p"
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        free_port = closed.getsockname()[1]
+    assert _run(probe("127.0.0.1", free_port, timeout_s=2.0)) == "refused"
+
+
+def test_the_responder_checks_the_request_and_limits_each_requester():
+    clock = [1000.0]
+    servicer = DialBackServicer("run-1", monotonic=lambda: clock[0])
+
+    def ask(meta, requester="QmA"):
+        return _run(servicer.answer(pack_metadata(meta), requester))
+
+    good = {"op": DIAL_OP, "run_id": "run-1", "maddrs": ["/ip4/127.0.0.1/tcp/22"]}
+    assert ask(good) == {"ok": True, "results": {"/ip4/127.0.0.1/tcp/22": "skipped"}}, "never its own machine"
+    assert ask(good)["code"] == "rate_limited"
+    assert ask(good, requester="QmB")["ok"] is True, "the limit is per requester"
+    clock[0] += RATE_PERIOD_S
+    assert ask(good)["ok"] is True
+    assert ask({**good, "run_id": "other"}, "QmC")["code"] == "wrong_run"
+    assert ask({**good, "op": "params"}, "QmC")["code"] == "rejected"
+    for bad in ([], ["/ip4/1.2.3.4/tcp/1"] * (MAX_MADDRS + 1), [7], ["x" * 300], "not a list"):
+        assert ask({**good, "maddrs": bad}, "QmC")["code"] == "rejected", bad
+    assert _run(servicer.answer(b"\xc1garbage", "QmD"))["code"] == "rejected"
+
+
+@pytest.mark.parametrize("requesters", [5])
+def test_a_crowd_of_requesters_is_served_at_most_a_few_at_a_time(requesters):
+    servicer = DialBackServicer("run-1")
+    with socket.socket() as silent:  # each probe waits for a header that never comes
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        port = silent.getsockname()[1]
+
+        async def crowd():
+            import swarm.reachability as reach
+
+            # probes of loopback are refused by dial_target; dial this silent listener through a stand-in
+            real = reach.dial_target
+            reach.dial_target = lambda maddr: ("127.0.0.1", port)
+            try:
+                meta = pack_metadata({"op": DIAL_OP, "run_id": "run-1", "maddrs": ["/ip4/10.0.0.9/tcp/1"]})
+                return await asyncio.gather(*(servicer.answer(meta, f"Qm{i}") for i in range(requesters)))
+            finally:
+                reach.dial_target = real
+
+        answers = _run(crowd())
+    codes = [a.get("code", "ok") for a in answers]
+    assert codes.count("ok") == 2 and codes.count("busy") == requesters - 2, codes
