@@ -117,3 +117,81 @@ def test_a_crowd_of_requesters_is_served_at_most_a_few_at_a_time(requesters):
         answers = _run(crowd())
     codes = [a.get("code", "ok") for a in answers]
     assert codes.count("ok") == 2 and codes.count("busy") == requesters - 2, codes
+
+
+# ----- the node's side (volunteer/node/reachability.py), on a stand-in node
+class _Peer:
+    def __init__(self, verdicts):
+        self.verdicts, self.asked = list(verdicts), []
+
+    def check_reachability(self, responders):
+        import concurrent.futures
+
+        self.asked.append(responders)
+        future = concurrent.futures.Future()
+        future.set_result(self.verdicts.pop(0))
+        return future
+
+
+class _Record:
+    def __init__(self, peer_id, state="online"):
+        self.peer_id, self.state = peer_id, state
+
+
+def _node(swarm: str, auto: bool, verdicts):
+    from types import SimpleNamespace
+
+    from volunteer.node.board import Board
+    from volunteer.snapshot import NodeSnapshot, NodeState
+
+    node = SimpleNamespace(swarm=swarm, peer=_Peer(verdicts), moves=[], announced=[])
+    node.board = Board(NodeSnapshot(run_name="r", run_id="r-1", swarm=swarm, peer_id="me", state=NodeState.ONLINE))
+    node.announcer = SimpleNamespace(views={"layer0": [_Record("me"), _Record("d")],
+                                            "layer2": [_Record("s"), _Record("gone", "offline")]},
+                                     announce=lambda: node.announced.append(True))
+    node.rebalancer = SimpleNamespace(enabled=auto)
+    node.move_to = lambda target, why: node.moves.append((target, why))
+    return node
+
+
+def test_a_node_that_nobody_can_dial_says_so_stops_being_routed_and_an_auto_one_moves_to_layer0():
+    from swarm.reachability import Verdict
+    from volunteer.node.reachability import FIRST_CHECK_S, RECHECK_S, RETRY_S, Reachability
+
+    behind = Verdict(UNREACHABLE, "2 peer(s) could not dial /ip4/10.78.4.2/tcp/4001 (no_route)", answered=2)
+    node = _node("layer2", auto=False, verdicts=[behind])
+    part = Reachability(node)
+    part.tick(0.0)
+    assert node.peer.asked == [] and part.record_value == -1, "waits a little after going online"
+    part.tick(FIRST_CHECK_S)
+    assert node.peer.asked == [["d", "s"]], "asks online peers other than itself"
+    assert node.board.snapshot().reachability == "checking"
+    part.tick(FIRST_CHECK_S + 1)
+    snap = node.board.snapshot()
+    assert (snap.reachability, part.record_value, node.announced) == ("unreachable", 0, [True]), "announced at once"
+    assert snap.reachability_at is not None and "no_route" in snap.reachability_detail
+    assert "cannot serve layer2" in snap.events[-1].text and snap.events[-1].level.value == "warning"
+    assert "no driver can send layer2 work" in part.cut_off_reason() and node.moves == []
+    part.tick(FIRST_CHECK_S + RECHECK_S - 5)
+    assert len(node.peer.asked) == 1, "checks again only after RECHECK_S"
+
+    auto = _node("layer2", auto=True, verdicts=[behind])
+    part = Reachability(auto)
+    for now in (0.0, FIRST_CHECK_S, FIRST_CHECK_S + 1):
+        part.tick(now)
+    assert [target for target, _ in auto.moves] == ["layer0"]
+
+    driver = _node("layer0", auto=False, verdicts=[behind])
+    part = Reachability(driver)
+    for now in (0.0, FIRST_CHECK_S, FIRST_CHECK_S + 1):
+        part.tick(now)
+    assert part.record_value == 0 and part.cut_off_reason() == "" and driver.moves == [], "layer0 needs no inbound"
+
+    # an unknown answer keeps what was known, and is asked again sooner
+    flaky = _node("layer1", auto=False, verdicts=[Verdict(REACHABLE, "1 of 3 peer(s) dialled us"),
+                                                   Verdict(UNKNOWN, "0 of 3 answered")])
+    part = Reachability(flaky)
+    for now in (0.0, FIRST_CHECK_S, FIRST_CHECK_S + 1, FIRST_CHECK_S + 1 + RECHECK_S, FIRST_CHECK_S + 2 + RECHECK_S):
+        part.tick(now)
+    assert part.record_value == 1 and flaky.board.snapshot().reachability == "reachable"
+    assert len(flaky.peer.asked) == 2 and part._next_at == FIRST_CHECK_S + 2 + RECHECK_S + RETRY_S
