@@ -1,7 +1,7 @@
 """Pipeline throughput over slow and far links (issue 12, item 3): runs x link profiles in the network lab.
 
     python -m benchmarks.wan --json [--runs digits,charlm,heavy] [--profiles loopback,100mbit_50ms,20mbit_100ms]
-                             [--lock /tmp/volunteer-cpu.lock] [--quick]
+                             [--codecs float32,int8,lowrank] [--in-flight auto] [--lock /tmp/volunteer-cpu.lock] [--quick]
 
 Each cell is a fresh swarm: a bootstrap peer and one `volunteer join` per stage (the drivers are the
 layer0 peers). Profile `loopback` runs them all on 127.0.0.1 as every other benchmark does (the
@@ -15,6 +15,11 @@ the busiest host's bytes on its link per trained sample (the larger of up and do
 veth: activations, gradients, libp2p framing, DHT and averaging traffic); ``bound_samples_per_s``:
 the link's rate over that; ``vs_bound``: samples/s over the bound (1.0 = the link is the limit). Flat
 keys: ``<run>_<profile>_vs_loopback`` and ``<run>_<profile>_vs_bound``.
+
+``--codecs``: the boundary codecs to cross with (``training.wire_codec``; default: each run's own). A cell
+of codec C is keyed ``<run>_<profile>@C`` and compared with its run's loopback cell of the same codec;
+``<run>_<profile>_bytes_ratio@C`` is its busiest link's bytes per sample over float32's in the same run
+and profile, and ``best_codec_bytes_ratio`` the smallest of those (``best_codec``: which).
 
 Runs: ``digits`` (configs/runs/digits-mlp.yaml), ``charlm`` (configs/runs/charlm.yaml), ``heavy``
 (benchmarks/pipeline.py's heavy run: 4 stages of 2048-wide layers, batch 256); every run without
@@ -48,6 +53,7 @@ PROFILES: dict[str, Link | None] = {
     "20mbit_100ms": Link.for_rtt(20.0, 100.0),
 }
 RUNS = ("digits", "charlm", "heavy")
+CODECS = ("float32", "float16", "int8", "lowrank")  # training.wire_codec
 SHIPPED = {"digits": "digits-mlp", "charlm": "charlm"}  # configs/runs/<name>.yaml
 LAB_PORT = 31337  # every host is a namespace of its own: the same port everywhere
 LOCK_TIMEOUT_S = 1800.0
@@ -59,6 +65,7 @@ class Cell:
     window_s: float = 25.0
     heartbeat_s: float = 2.0  # records live 3 heartbeats: 1 s ones expired behind a saturated 20 Mbit/s link
     in_flight: int | str | None = None  # training.in_flight for every run (None: the run's own)
+    codec: str | None = None  # training.wire_codec for every run (None: the run's own)
 
 
 QUICK = Cell(warmup_s=3.0, window_s=5.0)
@@ -70,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.in_flight:
         cell.in_flight = args.in_flight if args.in_flight == "auto" else int(args.in_flight)
     runs, profiles = args.runs.split(","), args.profiles.split(",")
+    codecs: list[str | None] = [c for c in args.codecs.split(",") if c] or [None]
+    for codec in codecs:
+        if codec is not None and codec not in CODECS:
+            raise SystemExit(f"unknown codec {codec!r}; choose from {', '.join(CODECS)}")
     for name in runs:
         if name not in RUNS:
             raise SystemExit(f"unknown run {name!r}; choose from {', '.join(RUNS)}")
@@ -80,14 +91,17 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"machine": machine_notes(), "cells": {},
                               "profiles": {n: _profile_doc(link) for n, link in PROFILES.items() if n in profiles}}
     for run in runs:
-        for profile in profiles:
-            with _cpu_lock(args.lock):
-                say(f"{run} over {profile} (load {os.getloadavg()[0]:.1f})")
-                try:
-                    report["cells"][f"{run}_{profile}"] = _cell(run, PROFILES[profile], cell)
-                except BenchmarkError as exc:  # one failed cell does not lose the others
-                    report["cells"][f"{run}_{profile}"] = {"error": str(exc), "samples_per_s": None}
-            say(f"{run} over {profile}: {json.dumps(report['cells'][f'{run}_{profile}'])}")
+        for codec in codecs:
+            cell.codec = codec
+            for profile in profiles:
+                key = f"{run}_{profile}" + (f"@{codec}" if codec else "")
+                with _cpu_lock(args.lock):
+                    say(f"{key} (load {os.getloadavg()[0]:.1f})")
+                    try:
+                        report["cells"][key] = _cell(run, PROFILES[profile], cell)
+                    except BenchmarkError as exc:  # one failed cell does not lose the others
+                        report["cells"][key] = {"error": str(exc), "samples_per_s": None}
+                say(f"{key}: {json.dumps(report['cells'][key])}")
     report.update(ratios(report["cells"]))
     return finish(report, "wan", started, args)
 
@@ -97,6 +111,8 @@ def _parser() -> argparse.ArgumentParser:
     out.add_argument("--runs", default=",".join(RUNS))
     out.add_argument("--profiles", default=",".join(PROFILES))
     out.add_argument("--lock", default=None, help="hold an exclusive flock on this file during each cell")
+    out.add_argument("--codecs", default="", help="training.wire_codec values to cross with, comma-separated "
+                     "(default: each run's own)")
     out.add_argument("--in-flight", default="", help="training.in_flight for every run: a number or auto "
                      "(default: each run's own)")
     return out
@@ -129,22 +145,34 @@ def _cpu_lock(path: str | None):
 
 def ratios(cells: dict[str, dict[str, Any]]) -> dict[str, float | None]:
     """The flat keys: each lab cell over its run's loopback cell, and over its link's bound."""
-    out: dict[str, float | None] = {}
+    out: dict[str, Any] = {}
+    best: tuple[float, str] | None = None
     for key, cell in cells.items():
-        run, profile = key.split("_", 1)
+        run, rest = key.split("_", 1)
+        profile, _, codec = rest.partition("@")
         if profile == "loopback":
             continue
-        base = cells.get(f"{run}_loopback")
+        suffix = f"@{codec}" if codec else ""
+        base = cells.get(f"{run}_loopback{suffix}")
         cell["vs_loopback"] = ratio(cell["samples_per_s"], base["samples_per_s"]) if base else None
-        out[f"{key}_vs_loopback"] = cell["vs_loopback"]
-        out[f"{key}_vs_bound"] = cell.get("vs_bound")
+        out[f"{run}_{profile}_vs_loopback{suffix}"] = cell["vs_loopback"]
+        out[f"{run}_{profile}_vs_bound{suffix}"] = cell.get("vs_bound")
+        plain = cells.get(f"{run}_{profile}@float32")
+        if codec and codec != "float32" and plain and plain.get("bytes_per_sample") and cell.get("bytes_per_sample"):
+            bytes_ratio = round(cell["bytes_per_sample"] / plain["bytes_per_sample"], 3)
+            cell["bytes_ratio"] = out[f"{run}_{profile}_bytes_ratio{suffix}"] = bytes_ratio
+            if best is None or bytes_ratio < best[0]:
+                best = (bytes_ratio, codec)
+    if best is not None:
+        out["best_codec_bytes_ratio"], out["best_codec"] = best
     return out
 
 
 # ----- one cell
 
 
-def _run_path(run: str, fleet: Fleet, heartbeat_s: float, in_flight: int | str | None = None) -> tuple[Path, Any]:
+def _run_path(run: str, fleet: Fleet, heartbeat_s: float, in_flight: int | str | None = None,
+              codec: str | None = None) -> tuple[Path, Any]:
     if run == "heavy":
         path, _ = _heavy_run(fleet, Settings(heartbeat_s=heartbeat_s))
         config = load_run_config(path).model_dump(mode="json")
@@ -157,6 +185,8 @@ def _run_path(run: str, fleet: Fleet, heartbeat_s: float, in_flight: int | str |
         config["training"]["eval_every_s"] = 1e6  # no evaluation in the window
     if in_flight is not None:
         config["training"]["in_flight"] = in_flight
+    if codec is not None:
+        config["training"]["wire_codec"] = codec
     path = write_run(fleet.workdir / f"{run}.yaml", config)
     return path, load_run_config(path)
 
@@ -165,7 +195,7 @@ def _cell(run: str, link: Link | None, cell: Cell) -> dict[str, Any]:
     """One swarm, its throughput measured. The lab (if any) outlives the fleet: processes stop before their hosts go."""
     with Lab([link] * (_stages(run) + 1)) if link else nullcontext() as lab, \
             Fleet(prefix=f"volunteer-bench-wan-{run}-") as fleet:
-        run_path, config = _run_path(run, fleet, cell.heartbeat_s, cell.in_flight)
+        run_path, config = _run_path(run, fleet, cell.heartbeat_s, cell.in_flight, cell.codec)
         stages = config.model.stages
         procs: dict[str, list[Proc]] = {}
         try:
