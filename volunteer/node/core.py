@@ -281,7 +281,9 @@ class Node:
         resume = self.checkpoints.prepare_resume()
         # A newcomer (or a checkpoint the swarm has outrun) downloads its layer before it serves or drives
         # anything; with a checkpoint to restore, no download is needed.
-        sync_from = list(self.announcer.views.get(self.swarm, [])) if resume.state is None else None
+        # (never from a peer that says nobody can dial it: swarm/reachability.py)
+        sync_from = ([r for r in self.announcer.views.get(self.swarm, []) if r.reachable != 0]
+                     if resume.state is None else None)
         if sync_from is not None:
             self.set_state(NodeState.SYNCING, f"downloading {self.swarm} from its peers")
         self.peer.start(sync_from=sync_from)
