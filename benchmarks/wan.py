@@ -1,7 +1,7 @@
 """Pipeline throughput over slow and far links (issue 12, item 3): runs x link profiles in the network lab.
 
     python -m benchmarks.wan --json [--runs digits,charlm,heavy] [--profiles loopback,100mbit_50ms,20mbit_100ms]
-                             [--codecs float32,int8,lowrank] [--in-flight auto] [--lock /tmp/volunteer-cpu.lock] [--quick]
+                             [--codecs float32,int8,lowrank] [--wire-rank 47] [--in-flight auto] [--lock /tmp/volunteer-cpu.lock] [--quick]
 
 Each cell is a fresh swarm: a bootstrap peer and one `volunteer join` per stage (the drivers are the
 layer0 peers). Profile `loopback` runs them all on 127.0.0.1 as every other benchmark does (the
@@ -66,6 +66,7 @@ class Cell:
     heartbeat_s: float = 2.0  # records live 3 heartbeats: 1 s ones expired behind a saturated 20 Mbit/s link
     in_flight: int | str | None = None  # training.in_flight for every run (None: the run's own)
     codec: str | None = None  # training.wire_codec for every run (None: the run's own)
+    wire_rank: int | None = None  # training.wire_rank (lowrank) for every run (None: the run's own)
 
 
 QUICK = Cell(warmup_s=3.0, window_s=5.0)
@@ -74,6 +75,7 @@ QUICK = Cell(warmup_s=3.0, window_s=5.0)
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     cell = QUICK if args.quick else Cell()
+    cell.wire_rank = args.wire_rank
     if args.in_flight:
         cell.in_flight = args.in_flight if args.in_flight == "auto" else int(args.in_flight)
     runs, profiles = args.runs.split(","), args.profiles.split(",")
@@ -113,6 +115,8 @@ def _parser() -> argparse.ArgumentParser:
     out.add_argument("--lock", default=None, help="hold an exclusive flock on this file during each cell")
     out.add_argument("--codecs", default="", help="training.wire_codec values to cross with, comma-separated "
                      "(default: each run's own)")
+    out.add_argument("--wire-rank", type=int, default=None, help="training.wire_rank for the lowrank codec "
+                     "(default: each run's own, 8)")
     out.add_argument("--in-flight", default="", help="training.in_flight for every run: a number or auto "
                      "(default: each run's own)")
     return out
@@ -172,7 +176,7 @@ def ratios(cells: dict[str, dict[str, Any]]) -> dict[str, float | None]:
 
 
 def _run_path(run: str, fleet: Fleet, heartbeat_s: float, in_flight: int | str | None = None,
-              codec: str | None = None) -> tuple[Path, Any]:
+              codec: str | None = None, wire_rank: int | None = None) -> tuple[Path, Any]:
     if run == "heavy":
         path, _ = _heavy_run(fleet, Settings(heartbeat_s=heartbeat_s))
         config = load_run_config(path).model_dump(mode="json")
@@ -187,6 +191,8 @@ def _run_path(run: str, fleet: Fleet, heartbeat_s: float, in_flight: int | str |
         config["training"]["in_flight"] = in_flight
     if codec is not None:
         config["training"]["wire_codec"] = codec
+    if wire_rank is not None:
+        config["training"]["wire_rank"] = wire_rank
     path = write_run(fleet.workdir / f"{run}.yaml", config)
     return path, load_run_config(path)
 
@@ -195,7 +201,8 @@ def _cell(run: str, link: Link | None, cell: Cell) -> dict[str, Any]:
     """One swarm, its throughput measured. The lab (if any) outlives the fleet: processes stop before their hosts go."""
     with Lab([link] * (_stages(run) + 1)) if link else nullcontext() as lab, \
             Fleet(prefix=f"volunteer-bench-wan-{run}-") as fleet:
-        run_path, config = _run_path(run, fleet, cell.heartbeat_s, cell.in_flight, cell.codec)
+        run_path, config = _run_path(run, fleet, cell.heartbeat_s, cell.in_flight, cell.codec,
+                                     cell.wire_rank)
         stages = config.model.stages
         procs: dict[str, list[Proc]] = {}
         try:
