@@ -62,6 +62,9 @@ def lanes_cap(run: RunConfig) -> int:
 
 
 REFUSED_BACKOFF_BASE_S = 0.2
+# After a ``wrong_shard`` refusal the driver trains on its own shard only for this long (its view of who
+# holds what disagreed with a stage's), and backs off this little: the refusal is about views, not load.
+COVER_HOLD_S = 30.0
 SICK_POLL_S = 0.5
 
 
@@ -80,6 +83,7 @@ class PipelineDriver:
         self.covered: tuple[int, ...] = ()
         self.batches: MicroBatches | None = None
         self.notify = notify or (lambda kind, text: None)
+        self._cover_hold_until = float("-inf")  # monotonic time until which we cover no unheld shard
         self.cover_shards(range(len(shards)))
         policy = HopPolicy.from_config(run.timeouts)
         self.routers = {name: SwarmRouter(policy=policy) for name in run.swarm_names}
@@ -104,7 +108,10 @@ class PipelineDriver:
 
     # ----- control (called in the loop thread)
     def cover_shards(self, unheld: Any) -> None:
-        """Train on our own shard plus every shard no other online layer0 peer holds (rarest-first coverage)."""
+        """Train on our own shard plus every shard no other online layer0 peer holds (rarest-first coverage);
+        only our own for ``COVER_HOLD_S`` after a stage refused one we covered."""
+        if time.monotonic() < self._cover_hold_until:
+            unheld = ()
         covered = tuple(sorted({self.own_shard, *unheld}))
         if covered == self.covered:
             return
@@ -260,11 +267,16 @@ class PipelineDriver:
     async def _refused(self, exc: Refused) -> None:
         """A stage refused a micro-batch: count it, say why, back off (exponential, capped)."""
         self.stats.refused += 1
-        self._refused_streak += 1
         self.blockage.set(exc.reason)
         if exc.code == "wrong_shard":
-            logger.info("a micro-batch was refused as outside our shards (%s); the next views refresh the coverage",
-                        exc.reason)
+            logger.info("a micro-batch was refused as outside our shards (%s); training on our own shard only "
+                        "for %.0f s", exc.reason, COVER_HOLD_S)
+            if time.monotonic() >= self._cover_hold_until:
+                self._cover_hold_until = time.monotonic() + COVER_HOLD_S
+                self.cover_shards(())
+            await asyncio.sleep(REFUSED_BACKOFF_BASE_S)
+            return
+        self._refused_streak += 1
         await asyncio.sleep(backoff_s(self._refused_streak, REFUSED_BACKOFF_BASE_S,
                                       self.run.timeouts.reject_backoff_max_s))
 

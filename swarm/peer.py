@@ -16,6 +16,7 @@ import logging
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,6 +33,11 @@ logger = logging.getLogger(__name__)
 SETUP_TIMEOUT_S = 60.0
 DRAIN_TIMEOUT_S = 60.0
 CLAIM_GRACE_HEARTBEATS = 3  # a new shard claim stays open to the other drivers this long (integrity/labels.py)
+# A driver covers a shard only when none of its last this-many reads of layer0 showed a holder: a stage
+# closes a shard that either of its last two reads shows held (integrity/labels.py), and under load a
+# holder's record misses a read now and then. Covering on one read made 32 volunteers on 2 cores strike
+# and ban their honest drivers at layer3 (benchmarks/README.md, benchmarks.soak).
+HELD_MEMORY_VIEWS = 3
 
 Notify = Callable[[str, str, str], None]  # (level, kind, text)
 
@@ -90,6 +96,7 @@ class SwarmPeer:
         self.gate: StageGate | None = None  # who may ask our stage (swarm/stage_gate.py)
         self._params_servicer: Any = None
         self._dial_back_servicer: Any = None
+        self._held_views: deque[set[int]] = deque(maxlen=HELD_MEMORY_VIEWS)  # shards held by others, last reads
         self.averaging: Any = None  # swarm.averaging.agent.SwarmAveraging
         self.allreduce: Any = None  # swarm.averaging.allreduce.GroupAverager (mode allreduce)
         self.edges: Any = None  # swarm.averaging.edges.EdgeAveraging (modes dsgd, pdmm_isvr, admm_isvr)
@@ -405,7 +412,9 @@ class SwarmPeer:
         if self.driver is None:
             return
         online = {name: [r.peer_id for r in records if r.state == "online"] for name, records in views.items()}
-        held = {r.shard for r in every.get("layer0", []) if r.state == "online" and r.peer_id != me and r.shard >= 0}
+        self._held_views.append({r.shard for r in every.get("layer0", [])
+                                 if r.state == "online" and r.peer_id != me and r.shard >= 0})
+        held = set().union(*self._held_views)
         unheld = [i for i in range(len(self.driver.shards)) if i not in held]
 
         def apply() -> None:

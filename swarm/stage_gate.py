@@ -83,8 +83,10 @@ class StageGate:
         finally:
             self._refreshing = None
 
-    def allowed_shards(self, requester: str) -> set[int]:
-        return self.view.allowed(requester, self.labels.num_shards) if self.labels is not None else set()
+    def allowed_shards(self, requester: str, latest_only: bool = False) -> set[int]:
+        if self.labels is None:
+            return set()
+        return self.view.allowed(requester, self.labels.num_shards, latest_only=latest_only)
 
     # ----- before and after a request
     async def admit(self, requester: str, op: object) -> Refusal | None:

@@ -142,7 +142,8 @@ class StageServicer(ServicerBase):
         except SickCopy as exc:
             return [], _refusal("healing", f"this copy is sick and healing ({exc}): ask another peer")
         except WrongShard as exc:
-            outcome = Outcome(strike="sample ids outside its shards")
+            # a shard closed only by our grace view: the driver's read may have missed the same record
+            outcome = Outcome() if exc.excusable else Outcome(strike="sample ids outside its shards")
             return [], _refusal("wrong_shard", str(exc))
         except (WireError, ValueError, TypeError) as exc:  # StepRefused is a ValueError: nothing was applied
             logger.warning("rejected a request from %s: %s", requester[-8:], exc)
@@ -166,7 +167,8 @@ class Request:
             raise WireError(f"layer{worker.index} has no data set loaded: it cannot look up sample ids")
         if split == "test":
             return labels.test_targets(ids, batch)
-        return labels.train_targets(ids, batch, self.gate.allowed_shards(self.requester))
+        return labels.train_targets(ids, batch, self.gate.allowed_shards(self.requester),
+                                    excusable=self.gate.allowed_shards(self.requester, latest_only=True))
 
 
 def _run(worker: StageWorker, op: Any, tensors: list[torch.Tensor], meta: dict,

@@ -77,10 +77,24 @@ def test_a_rejecting_stage_is_backed_off_not_stormed():
     assert driver.stats.blocked_reason.startswith("layer1 rejects our activations")
 
 
-def test_wrong_shard_is_refused_not_lost():
+def test_wrong_shard_is_refused_not_lost_and_the_driver_keeps_to_its_own_shard_for_a_while():
+    import time
+
+    from swarm.driver import COVER_HOLD_S
+
     fake = FakeSwarm({"layer1": {"p": refusing("wrong_shard")}})
     driver = drive(RUN2, fake, seconds=1.0)
     assert driver.stats.refused >= 1 and driver.stats.lost == 0
+    # the refusal is about whose shards are whose, not load: no exponential backoff (a 1 s drive would see
+    # a handful of refusals with it), and no covering of unheld shards until the hold has passed
+    assert driver.stats.refused >= 10, driver.stats.refused
+    assert driver.covered == (driver.own_shard,)
+    assert driver._cover_hold_until - time.monotonic() > COVER_HOLD_S - 30
+    driver.cover_shards(range(len(driver.shards)))
+    assert driver.covered == (driver.own_shard,), "views that say a shard is unheld wait for the hold"
+    driver._cover_hold_until = float("-inf")
+    driver.cover_shards(range(len(driver.shards)))
+    assert len(driver.covered) == len(driver.shards)
 
 
 def test_busy_peer_is_not_asked_again_before_its_retry_after():

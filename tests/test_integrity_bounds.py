@@ -319,6 +319,9 @@ def test_allowed_shards_are_the_own_shard_and_every_unheld_one():
     view.update([record("a", 0), record("b", 1)])
     view.update([record("a", 0)])
     assert view.allowed("a", 4) == {0, 2, 3} and view.allowed("stranger", 4) == {2, 3}
+    # ... but a driver whose own read missed the same record covers it honestly: the latest view alone
+    # opens it, and the last stage refuses such a micro-batch without a strike (excusable)
+    assert view.allowed("a", 4, latest_only=True) == {0, 1, 2, 3}
 
 
 def test_a_new_shard_claim_stays_open_to_the_others_for_its_grace():
@@ -344,8 +347,12 @@ def test_a_new_shard_claim_stays_open_to_the_others_for_its_grace():
 def test_targets_are_looked_up_by_id_and_checked():
     labels = LabelSource(torch.arange(10) % 3, torch.arange(4), [np.arange(0, 5), np.arange(5, 10)])
     assert labels.train_targets(torch.tensor([0, 4]), 2, allowed={0}).tolist() == [0, 1]
-    with pytest.raises(WrongShard):
+    with pytest.raises(WrongShard) as refused:
         labels.train_targets(torch.tensor([0, 7]), 2, allowed={0})
+    assert not refused.value.excusable
+    with pytest.raises(WrongShard) as refused:
+        labels.train_targets(torch.tensor([0, 7]), 2, allowed={0}, excusable={0, 1})
+    assert refused.value.excusable, "shard 1 is closed only by the grace view"
     with pytest.raises(ValueError, match="out of range"):
         labels.test_targets(torch.tensor([4]), 1)
     with pytest.raises(ValueError, match="does not match"):

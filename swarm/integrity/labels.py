@@ -28,7 +28,13 @@ DRAINING_STATES = frozenset({"paused", "finishing"})
 
 
 class WrongShard(ValueError):
-    """Sample ids outside the shards the requester may use (reply code ``wrong_shard``)."""
+    """Sample ids outside the shards the requester may use (reply code ``wrong_shard``). ``excusable``: the
+    shards are closed only by the grace view (their holder's record is missing from our latest read), so
+    the requester's own read may have missed it as well: refused, but no strike."""
+
+    def __init__(self, message: str, excusable: bool = False):
+        super().__init__(message)
+        self.excusable = excusable
 
 
 class UnknownDriver(Exception):
@@ -93,12 +99,13 @@ class DriverView:
     def drivers(self) -> int:
         return len(set(self.current) | set(self.previous))
 
-    def allowed(self, requester: str, num_shards: int, now: float | None = None) -> set[int]:
+    def allowed(self, requester: str, num_shards: int, now: float | None = None, latest_only: bool = False) -> set[int]:
         """A shard is held if either view shows a driver on it: a record missing from one read (a late
         heartbeat, a DHT read that missed it) does not open that driver's shard to everyone. A claim younger
-        than ``claim_grace_s`` does not close its shard yet (the class doc)."""
+        than ``claim_grace_s`` does not close its shard yet (the class doc). ``latest_only``: the shards the
+        latest view alone would allow (what a requester whose read also missed a record would cover)."""
         now = time.monotonic() if now is None else now
-        both = {**self.previous, **self.current}
+        both = self.current if latest_only else {**self.previous, **self.current}
         others = {peer: shard for peer, shard in both.items() if peer != requester
                   and now - self.held_since.get(shard, float("-inf")) >= self.claim_grace_s}
         own = {s % num_shards for s in (self.current.get(requester, -1), self.previous.get(requester, -1)) if s >= 0}
@@ -126,13 +133,16 @@ class LabelSource:
             raise ValueError(f"{what} ids out of range (the {what} split has {size} samples)")
         return ids
 
-    def train_targets(self, ids: torch.Tensor, batch: int, allowed: set[int]) -> torch.Tensor:
+    def train_targets(self, ids: torch.Tensor, batch: int, allowed: set[int],
+                      excusable: set[int] | None = None) -> torch.Tensor:
+        """The targets of train ids, all from ``allowed`` shards; else WrongShard, excusable when every shard
+        outside ``allowed`` is in ``excusable`` (open in the latest view alone)."""
         ids = self._check_ids(ids, batch, len(self.y_train), "train")
         shards = set(np.unique(self.shard_of[ids.numpy()]).tolist())
         outside = shards - allowed
         if outside:
             raise WrongShard(f"sample ids from shard(s) {sorted(outside)[:4]} that you may not use "
-                             f"(yours or unheld: {sorted(allowed)[:8]})")
+                             f"(yours or unheld: {sorted(allowed)[:8]})", excusable=outside <= (excusable or set()))
         return self.y_train[ids]
 
     def test_targets(self, ids: torch.Tensor, batch: int) -> torch.Tensor:
