@@ -17,6 +17,14 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+
+def _apply_hivemind_fixes() -> None:
+    """swarm/hivemind_fixes.py, before any P2P client exists (here, not at import: `volunteer status` imports
+    this module and must not import hivemind's torch)."""
+    from swarm import hivemind_fixes
+
+    hivemind_fixes.apply()
+
 LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
 
 
@@ -134,6 +142,7 @@ def make_validators(run_id: str | None, swarm_names: list[str], identity_path: P
 
 def start_dht(settings: DHTSettings, validators: list[Any]) -> Any:
     """Start a DHT process; raise DHTStartError with advice when it fails."""
+    _apply_hivemind_fixes()
     from hivemind import DHT
 
     class _GroupedDHT(DHT):
@@ -219,6 +228,7 @@ async def fresh_p2p(dht: Any) -> Any:
     ``DHT.replicate_p2p`` caches one replica per process; once that one is shut down (or its event
     loop closed) every later call gets the dead one back. Each runtime that owns a loop owns its replica.
     """
+    _apply_hivemind_fixes()
     from hivemind import DHT
     from hivemind.p2p import P2P
 

@@ -127,6 +127,9 @@ class LightDHT:
         from hivemind.dht.node import DHTNode
         from hivemind.dht.validation import CompositeValidator
 
+        from swarm.dht import _apply_hivemind_fixes
+
+        _apply_hivemind_fixes()
         with _p2pd_in_group(self.settings.process_group):
             return await DHTNode.create(
                 initial_peers=self.settings.initial_peers, host_maddrs=self.settings.host_maddrs, client_mode=True,

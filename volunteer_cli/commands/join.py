@@ -75,6 +75,7 @@ def run_join(args: argparse.Namespace) -> int:
     if session_log is not None:
         file_log = session_log.event_log()
         node.add_listener(file_log.on_snapshot, file_log.on_event)
+    _dump_tasks_on_sigusr1(node)
     screen = _Screen()
     shutdown.on_request(node.request_stop)
     shutdown.on_request(lambda: screen.say_stopping(node))
@@ -197,3 +198,30 @@ def _run_dashboard(node, shutdown, screen: _Screen) -> int:
         return run_dashboard(node)
     finally:
         screen.dashboard = False
+
+
+def _dump_tasks_on_sigusr1(node) -> None:
+    """`kill -USR1 PID` prints every task of the node's RPC loop with its stack to stderr: what a node that
+    trains nothing is waiting on (threads: py-spy)."""
+    if not hasattr(signal, "SIGUSR1"):
+        return
+
+    def dump(signum, frame) -> None:
+        import asyncio
+        import sys
+
+        peer = node.peer
+        if peer is None:
+            print("no peer yet: nothing to dump", file=sys.stderr, flush=True)
+            return
+
+        def in_loop() -> None:
+            tasks = asyncio.all_tasks(peer._loop)
+            print(f"--- {len(tasks)} tasks of the RPC loop", file=sys.stderr)
+            for task in tasks:
+                task.print_stack(limit=12, file=sys.stderr)
+            sys.stderr.flush()
+
+        peer._loop.call_soon_threadsafe(in_loop)
+
+    signal.signal(signal.SIGUSR1, dump)

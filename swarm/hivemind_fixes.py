@@ -1,0 +1,89 @@
+"""A fix to hivemind 1.1.12 that a loaded machine needs: unary calls that time out must not kill the P2P
+client's read loop.
+
+``ControlClient._read_from_persistent_conn`` (hivemind/p2p/p2p_daemon_bindings/control.py) hands each
+reply of the daemon to the future of its call with ``set_result``. A call that timed out is cancelled,
+and so is its future, but the future leaves ``_pending_calls`` only when the cancelled task runs again.
+A reply that arrives in between meets a cancelled future: ``set_result`` raises ``InvalidStateError``,
+the read loop ends, and from then on no reply and no incoming request of that client is ever read. Every
+call through it times out; the node looks online and trains nothing. Measured: 32 volunteers on 2 cores
+(`benchmarks.soak`), 5 of 8 drivers froze this way within 4 minutes, their lanes cycling through
+30-second timeouts while the stages sat idle (asyncio task dumps: the read task was gone).
+
+``apply()`` replaces that method with one that skips futures that are already done (the reply of a
+call nobody waits for any more is dropped, as hivemind meant) and logs, instead of ending, on anything
+else a single message does. Idempotent; applied on import of swarm.dht (before hivemind forks its DHT
+process, which inherits it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from uuid import UUID
+
+logger = logging.getLogger(__name__)
+
+_APPLIED = False
+_ORIGINAL = None  # hivemind's own loop, kept for tests/test_hivemind_fixes.py
+
+
+def _settle(future: asyncio.Future | None, result=None, exception: BaseException | None = None) -> None:
+    """Complete a call's future unless it is gone or done (cancelled by a timeout)."""
+    if future is None or future.done():
+        return
+    if exception is not None:
+        future.set_exception(exception)
+    else:
+        future.set_result(result)
+
+
+async def read_from_persistent_conn(self, reader: asyncio.StreamReader) -> None:
+    """hivemind's loop, with every completion of a call's future guarded (the module doc)."""
+    from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError, read_pbmsg_safe
+    from hivemind.proto import p2pd_pb2 as p2pd_pb
+    from hivemind.utils.asyncio import cancel_task_if_running
+
+    while True:
+        resp = p2pd_pb.PersistentConnectionResponse()
+        try:
+            await read_pbmsg_safe(reader, resp)
+        except asyncio.IncompleteReadError:
+            break
+        try:
+            call_id = UUID(bytes=resp.callId)
+            pending = self._pending_calls.get(call_id)
+            if resp.HasField("callUnaryResponse"):
+                if resp.callUnaryResponse.HasField("response"):
+                    _settle(pending, resp.callUnaryResponse.response)
+                elif resp.callUnaryResponse.HasField("error"):
+                    _settle(pending, exception=P2PHandlerError(resp.callUnaryResponse.error.decode(errors="ignore")))
+            elif resp.HasField("requestHandling"):
+                handler_task = asyncio.create_task(self._handle_persistent_request(call_id, resp.requestHandling))
+                self._handler_tasks[call_id] = handler_task
+            elif call_id in self._handler_tasks and resp.HasField("cancel"):
+                cancel_task_if_running(self._handler_tasks[call_id])
+            elif pending is not None and resp.HasField("daemonError"):
+                _settle(pending, exception=P2PDaemonError(resp.daemonError.message))
+            elif pending is not None:
+                _settle(pending, None)
+        except Exception:  # one odd message must not end the loop that every later reply needs
+            logger.exception("a message from the p2p daemon could not be handled; reading on")
+
+
+def apply() -> None:
+    global _APPLIED, _ORIGINAL
+    if _APPLIED:
+        return
+    from hivemind.p2p.p2p_daemon_bindings.control import ControlClient
+
+    _ORIGINAL = ControlClient.__dict__["_read_from_persistent_conn"]
+    ControlClient._read_from_persistent_conn = read_from_persistent_conn
+    _APPLIED = True
+
+
+def original_read_loop():
+    """hivemind's own read loop, whether or not apply() ran."""
+    from hivemind.p2p.p2p_daemon_bindings.control import ControlClient
+
+    return _ORIGINAL if _ORIGINAL is not None else ControlClient.__dict__["_read_from_persistent_conn"]
