@@ -245,6 +245,9 @@ class HopCaller:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
+            for task in started:  # a loser that failed after the winner answered: its failure is not news
+                if task.done() and not task.cancelled():
+                    task.exception()
 
     @staticmethod
     async def _first_answer(router: SwarmRouter, started: dict[asyncio.Task, tuple[str, float]],
