@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     per_swarm = max(1, args.volunteers // args.stages)
     started = time.monotonic()
     samples: list[dict[str, Any]] = []
+    best: dict[str, int] = {}  # each driver's largest count read: a record missing from a read is no drop
     with Fleet(prefix="volunteer-bench-soak-", keep_workdir=args.keep) as fleet:
         if args.keep:
             say(f"logs kept in {fleet.workdir}")
@@ -128,11 +129,13 @@ def main(argv: list[str] | None = None) -> int:
             while time.monotonic() - t0 < args.minutes * 60:
                 drivers = reader.online("layer0")
                 lost = max(lost, sum(r.lost for r in drivers))
+                for r in drivers:
+                    best[r.peer_id] = max(best.get(r.peer_id, 0), r.trained)
                 sample = {"t": round(time.monotonic() - t0, 1), **fleet_memory(fleet),
                           "trained": {r.peer_id: r.trained for r in drivers}, "lost": lost}
                 samples.append(sample)
                 say(f"t={sample['t']:.0f}s pss {sample['pss_total']:.0f} MiB rss {sample['rss_total']:.0f} MiB, "
-                    f"{sample['processes']} processes, trained {sum(sample['trained'].values())}, lost {lost}")
+                    f"{sample['processes']} processes, trained {sum(best.values())}, lost {lost}")
                 for proc in procs:
                     proc.check_running()
                 time.sleep(args.sample_s)
@@ -156,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         "pss_mib_by_kind_end": {k: samples[-1][f"pss_{k}"] for k in KINDS} if samples else None,
         "stalled_driver_windows": len(stalls), "stalls": stalls[:20],
         "lost_microbatches": samples[-1]["lost"] if samples else None,
-        "trained": sum(samples[-1]["trained"].values()) if samples else 0,
+        "trained": sum(best.values()),
         "processes_left": len(left), "sigkilled_after_stop": len(leftovers), "stop_s": round(stop_s, 1),
         "samples": [{k: v for k, v in s.items() if k != "trained"} for s in samples],
         "machine": machine_notes(),
