@@ -1,0 +1,73 @@
+"""A volunteer behind NAT in the network lab (benchmarks/netlab.py, ``Link(nat=True)``): it joins, drives and
+averages, says that nobody can dial it, and nobody routes to it (swarm/reachability.py). A file of its own
+so that the suite's two workers can run it beside tests/test_netlab.py. Skips where the lab or nftables
+is unavailable; the reason says which."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import pytest
+import yaml
+
+from benchmarks.netlab import Lab, Link, nat_unavailable
+from procs import volunteer_exe, wait_until
+from test_netlab import SWARM_TIMEOUT_S, _default_run
+
+NAT_UNAVAILABLE = nat_unavailable()
+pytestmark = pytest.mark.skipif(NAT_UNAVAILABLE is not None, reason=NAT_UNAVAILABLE or "")
+
+
+def test_a_volunteer_behind_nat_joins_and_drives_and_nobody_routes_to_it(swarm, tmp_path):
+    """The driver (layer0) and a second layer2 volunteer sit behind NAT, with the default preferences plus
+    network.listen: each finds out that nobody can dial it and says so in its record; the driver still
+    drives the run to the demo target, routing around the layer2 volunteer it cannot dial, and loses no
+    micro-batch; the serving volunteers find out that they are reachable. `volunteer doctor` behind the
+    NAT says why and what to do."""
+    from volunteer_cli.commands.demo import demo_target, latest_evaluation, target_reached
+
+    run_path = _default_run(tmp_path / "run.yaml")
+    with Lab([Link(rate_mbit_s=100.0)] * 4 + [Link(rate_mbit_s=100.0, nat=True)] * 2) as lab:
+        boot_host, *servers, natted, natted_server = lab.hosts
+        boot = swarm.start("bootstrap", "--listen", boot_host.maddr(), "--json", "--identity",
+                           str(tmp_path / "boot.key"), name="bootstrap", prefix=boot_host.exec_prefix())
+        maddr = boot.first_json_line()["maddrs"][0]
+        for k, (host, layer) in enumerate(zip([natted, *servers, natted_server], [0, 1, 2, 3, 2])):
+            prefs = tmp_path / f"prefs{k}.yaml"
+            prefs.write_text(yaml.safe_dump({"network": {"listen": [host.maddr()]}}))
+            swarm.start("join", "--run", str(run_path), "--swarm", f"layer{layer}", "--initial-peers", maddr,
+                        "--prefs", str(prefs), "--headless", name=f"v{k}-layer{layer}", prefix=host.exec_prefix())
+        reader = swarm.reader(run_path, maddr)
+        target = demo_target(reader.run, None, None)
+        started = time.monotonic()
+
+        def reached():
+            for proc in swarm.procs:
+                if proc.popen.poll() is not None:
+                    raise RuntimeError(f"{proc.name} exited {proc.popen.returncode}: {proc.stderr()[-1500:]}")
+            views = {f"layer{k}": reader.membership.read(f"layer{k}") for k in range(4)}
+            reach = {name: sorted(r.reachable for r in records) for name, records in views.items()}
+            accuracy, loss = latest_evaluation(views["layer0"])
+            done = target_reached(target, accuracy, loss) and reach == {
+                "layer0": [0], "layer1": [1], "layer2": [0, 1], "layer3": [1]}
+            return (accuracy, reach, views) if done else None
+
+        accuracy, reach, views = wait_until(reached, SWARM_TIMEOUT_S, interval_s=1.0,
+                                             what=f"{target} driven from behind NAT, and each node's reachability")
+        print(f"{target} reached ({accuracy:.3f}) from behind NAT in {time.monotonic() - started:.0f} s; {reach}")
+        (driver,) = views["layer0"]
+        assert driver.trained > 0 and driver.lost == 0, driver
+        cut_off = next(r for r in views["layer2"] if r.reachable == 0)
+        assert cut_off.served == 0 and cut_off.state == "online", cut_off
+
+        done = subprocess.run(
+            [*natted.exec_prefix(), volunteer_exe(), "doctor", "--run", str(run_path), "--initial-peers", maddr,
+             "--listen", natted.maddr(), "--data-dir", str(tmp_path / "doctor"), "--json"],
+            env=swarm.env, capture_output=True, text=True, timeout=120)
+        checks = {(c["section"], c["name"]): c for c in json.loads(done.stdout)["checks"]}
+        reach_check = checks[("reachability", "dialled from outside")]
+        assert reach_check["status"] == "warn" and "could not dial" in reach_check["detail"], reach_check
+        assert "forward a TCP port" in reach_check["detail"] and "layer0" in reach_check["detail"]
+        swarm.close()  # before the namespaces go
