@@ -12,13 +12,16 @@ end it stops every volunteer the way a user does (SIGTERM) and counts what is le
   trained nothing while the run went on (a micro-batch stuck holds its driver's lane; goal 0);
 - ``lost_microbatches``: what the drivers gave up (goal 0);
 - ``processes_left``: fleet processes alive after the orderly stop and the reap (goal 0);
-  ``sigkilled_after_stop``: those the stop had to SIGKILL.
+  ``sigkilled_after_stop``: processes the reap had to SIGKILL after the stop; ``volunteers_killed_at_stop``:
+  volunteers that did not leave within the stop's grace after SIGTERM (a clean leave drains, announces
+  and checkpoints: slow on an overloaded machine).
 
 ``--quick``: 8 volunteers for 3 minutes (a smoke run, not the measurement).
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from pathlib import Path
@@ -161,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         "lost_microbatches": samples[-1]["lost"] if samples else None,
         "trained": sum(best.values()),
         "processes_left": len(left), "sigkilled_after_stop": len(leftovers), "stop_s": round(stop_s, 1),
+        "volunteers_killed_at_stop": sum(1 for p in procs if p.popen.returncode == -signal.SIGKILL),
         "samples": [{k: v for k, v in s.items() if k != "trained"} for s in samples],
         "machine": machine_notes(),
     }
