@@ -23,7 +23,7 @@ joins, drives (layer0) and pulls, because all of that dials out.
 A stranger may use a peer's dial-back to make it open connections: bounded. The responder dials only
 ``/ip4|ip6/ADDR/tcp/PORT`` addresses that are not loopback, unspecified, multicast, link-local or its own
 interfaces' (no probe of its own machine's services, and no "reachable" from a peer on the same host), at most ``MAX_MADDRS`` per request, one request per requester
-every ``RATE_PERIOD_S``, ``MAX_CONCURRENT`` at once; it sends nothing and reads only the header, and
+every ``RATE_PERIOD_S``, ``MAX_DIALS_PER_MINUTE`` from everyone, ``MAX_CONCURRENT`` at once; it sends nothing and reads only the header, and
 it reports only whether a libp2p listener answered.
 
 Known limit: a peer on the asker's own LAN can dial a private address that nobody outside can, so one
@@ -37,6 +37,7 @@ import ipaddress
 import logging
 import random
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -57,6 +58,9 @@ MAX_CONCURRENT = 2
 ASK_PEERS = 3
 UNREACHABLE_QUORUM = 2
 MAX_RATE_ENTRIES = 4096  # requesters remembered for the rate limit
+MAX_DIALS_PER_MINUTE = 20  # requests served per minute from everyone: peer ids are free, so the per-requester
+# limit alone let a crowd of fresh identities make a peer dial whatever they name, as fast as refusals come back
+CHECK_TIMEOUT_S = 60.0  # a whole check (addresses, then the asked peers), bounded
 
 REACHABLE, UNREACHABLE, UNKNOWN, LOCAL, CHECKING = "reachable", "unreachable", "unknown", "local", "checking"
 OUTCOMES = ("libp2p", "refused", "timeout", "no_route", "not_libp2p", "skipped")
@@ -148,6 +152,7 @@ class DialBackServicer(ServicerBase):
         self.run_id = run_id
         self.monotonic = monotonic
         self._last: dict[str, float] = {}
+        self._served: deque[float] = deque()  # when the requests of the last minute were served
         self._active = 0
 
     async def rpc_dial_back(self, request: runtime_pb2.ExpertRequest,
@@ -173,6 +178,11 @@ class DialBackServicer(ServicerBase):
             return _refusal("rate_limited", f"one dial-back per peer every {RATE_PERIOD_S:g} s")
         if self._active >= MAX_CONCURRENT:
             return _refusal("busy", "dialling back other peers; ask another")
+        while self._served and now - self._served[0] >= 60.0:
+            self._served.popleft()
+        if len(self._served) >= MAX_DIALS_PER_MINUTE:
+            return _refusal("busy", f"served {MAX_DIALS_PER_MINUTE} dial-backs this minute; ask another")
+        self._served.append(now)
         if len(self._last) >= MAX_RATE_ENTRIES:
             self._last = {peer: t for peer, t in self._last.items() if now - t < RATE_PERIOD_S}
         self._last[requester] = now
@@ -251,7 +261,15 @@ async def ask_dial_back(p2p, peer_id: str, run_id: str, maddrs: Sequence[str],
 
 async def check_reachability(p2p, run_id: str, responders: Sequence[str], rng: random.Random | None = None,
                              ask_peers: int = ASK_PEERS) -> Verdict:
-    """Ask up to ask_peers of responders (peer ids, not ours) to dial our visible addresses."""
+    """Ask up to ask_peers of responders (peer ids, not ours) to dial our visible addresses; at most
+    ``CHECK_TIMEOUT_S`` in all (then: unknown)."""
+    try:
+        return await asyncio.wait_for(_check(p2p, run_id, responders, rng, ask_peers), CHECK_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        return Verdict(UNKNOWN, f"the check took over {CHECK_TIMEOUT_S:.0f} s")
+
+
+async def _check(p2p, run_id: str, responders: Sequence[str], rng: random.Random | None, ask_peers: int) -> Verdict:
     visible = [str(m) for m in await p2p.get_visible_maddrs()]
     if is_loopback_only(visible):
         return Verdict(LOCAL, "this node listens on loopback only: a run on this machine, nothing to check")

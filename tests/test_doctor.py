@@ -65,3 +65,10 @@ def test_doctor_without_bootstrap_peers_says_what_to_do(swarm, tmp_path):
 
 def run_id_of(text: str) -> str:
     return text.split("(run ", 1)[1].split(")", 1)[0]
+
+
+def test_doctor_refuses_a_listen_address_it_cannot_use_before_anything_loads(swarm, tmp_path):
+    run = write_run(tmp_path / "run.yaml")
+    for bad, says in (("garbage", "is not a multiaddr"), ("/ip4/0.0.0.0/udp/0/quic-v1", "needs a TCP address")):
+        done = doctor(swarm, "--run", str(run), "--listen", bad)
+        assert done.returncode == 2 and "--listen: " in done.stderr and says in done.stderr, done.stderr

@@ -10,11 +10,10 @@ import subprocess
 import time
 
 import pytest
-import yaml
 
 from benchmarks.netlab import Lab, Link, nat_unavailable
 from procs import volunteer_exe, wait_until
-from test_netlab import SWARM_TIMEOUT_S, _default_run
+from test_netlab import SWARM_TIMEOUT_S, _default_run, start_lab_swarm
 
 NAT_UNAVAILABLE = nat_unavailable()
 pytestmark = pytest.mark.skipif(NAT_UNAVAILABLE is not None, reason=NAT_UNAVAILABLE or "")
@@ -31,14 +30,8 @@ def test_a_volunteer_behind_nat_joins_and_drives_and_nobody_routes_to_it(swarm, 
     run_path = _default_run(tmp_path / "run.yaml")
     with Lab([Link(rate_mbit_s=100.0)] * 4 + [Link(rate_mbit_s=100.0, nat=True)] * 2) as lab:
         boot_host, *servers, natted, natted_server = lab.hosts
-        boot = swarm.start("bootstrap", "--listen", boot_host.maddr(), "--json", "--identity",
-                           str(tmp_path / "boot.key"), name="bootstrap", prefix=boot_host.exec_prefix())
-        maddr = boot.first_json_line()["maddrs"][0]
-        for k, (host, layer) in enumerate(zip([natted, *servers, natted_server], [0, 1, 2, 3, 2])):
-            prefs = tmp_path / f"prefs{k}.yaml"
-            prefs.write_text(yaml.safe_dump({"network": {"listen": [host.maddr()]}}))
-            swarm.start("join", "--run", str(run_path), "--swarm", f"layer{layer}", "--initial-peers", maddr,
-                        "--prefs", str(prefs), "--headless", name=f"v{k}-layer{layer}", prefix=host.exec_prefix())
+        maddr = start_lab_swarm(swarm, tmp_path, run_path, boot_host,
+                                list(zip([natted, *servers, natted_server], [0, 1, 2, 3, 2])))
         reader = swarm.reader(run_path, maddr)
         target = demo_target(reader.run, None, None)
         started = time.monotonic()

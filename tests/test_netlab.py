@@ -132,6 +132,20 @@ def _default_run(path: Path) -> Path:
     return path
 
 
+def start_lab_swarm(swarm, tmp_path: Path, run_path: Path, boot_host, volunteers: list) -> str:
+    """A bootstrap peer on boot_host, then one `volunteer join` per (host, layer) with the default
+    preferences plus network.listen on the host's own address; the bootstrap peer's address."""
+    boot = swarm.start("bootstrap", "--listen", boot_host.maddr(), "--json", "--identity",
+                       str(tmp_path / "boot.key"), name="bootstrap", prefix=boot_host.exec_prefix())
+    maddr = boot.first_json_line()["maddrs"][0]
+    for k, (host, layer) in enumerate(volunteers):
+        prefs = tmp_path / f"prefs{k}.yaml"
+        prefs.write_text(yaml.safe_dump({"network": {"listen": [host.maddr()]}}))
+        swarm.start("join", "--run", str(run_path), "--swarm", f"layer{layer}", "--initial-peers", maddr,
+                    "--prefs", str(prefs), "--headless", name=f"v{k}-layer{layer}", prefix=host.exec_prefix())
+    return maddr
+
+
 def test_a_bootstrap_peer_and_four_volunteers_on_five_hosts_train_to_the_demo_target(swarm, tmp_path):
     """The default run (4 stages) with the default preferences plus network.listen, one host each."""
     from volunteer_cli.commands.demo import demo_target, latest_evaluation, target_reached
@@ -139,16 +153,8 @@ def test_a_bootstrap_peer_and_four_volunteers_on_five_hosts_train_to_the_demo_ta
     run_path = _default_run(tmp_path / "run.yaml")
     with Lab([Link(rate_mbit_s=100.0)] * 5) as lab:
         boot_host, *hosts = lab.hosts
-        boot = swarm.start("bootstrap", "--listen", boot_host.maddr(), "--json", "--identity",
-                           str(tmp_path / "boot.key"), name="bootstrap", prefix=boot_host.exec_prefix())
-        maddr = boot.first_json_line()["maddrs"][0]
+        maddr = start_lab_swarm(swarm, tmp_path, run_path, boot_host, [(host, k) for k, host in enumerate(hosts)])
         assert maddr.startswith(f"/ip4/{boot_host.address}/"), maddr
-        for k, host in enumerate(hosts):
-            prefs = tmp_path / f"prefs{k}.yaml"
-            prefs.write_text(yaml.safe_dump({"network": {"listen": [host.maddr()]}}))
-            proc = swarm.start("join", "--run", str(run_path), "--swarm", f"layer{k}", "--initial-peers", maddr,
-                               "--prefs", str(prefs), "--headless", name=f"layer{k}", prefix=host.exec_prefix())
-            proc.swarm = f"layer{k}"
         reader = swarm.reader(run_path, maddr)
         target = demo_target(reader.run, None, None)
         started = time.monotonic()

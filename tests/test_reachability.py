@@ -10,7 +10,7 @@ import socket
 import pytest
 
 from swarm.reachability import (
-    DIAL_OP, MAX_MADDRS, RATE_PERIOD_S, REACHABLE, UNKNOWN, UNREACHABLE, DialBackServicer, dial_target,
+    DIAL_OP, MAX_DIALS_PER_MINUTE, MAX_MADDRS, RATE_PERIOD_S, REACHABLE, UNKNOWN, UNREACHABLE, DialBackServicer, dial_target,
     dialable_maddrs, is_loopback_only, probe, verdict_from,
 )
 from swarm.wire import pack_metadata
@@ -92,6 +92,16 @@ def test_the_responder_checks_the_request_and_limits_each_requester():
     for bad in ([], ["/ip4/1.2.3.4/tcp/1"] * (MAX_MADDRS + 1), [7], ["x" * 300], "not a list"):
         assert ask({**good, "maddrs": bad}, "QmC")["code"] == "rejected", bad
     assert _run(servicer.answer(b"\xc1garbage", "QmD"))["code"] == "rejected"
+
+
+def test_fresh_identities_cannot_make_a_peer_dial_faster_than_its_global_limit():
+    clock = [1000.0]
+    servicer = DialBackServicer("run-1", monotonic=lambda: clock[0])
+    meta = pack_metadata({"op": DIAL_OP, "run_id": "run-1", "maddrs": ["/ip4/127.0.0.1/tcp/22"]})
+    codes = [_run(servicer.answer(meta, f"QmSybil{i}")).get("code", "ok") for i in range(MAX_DIALS_PER_MINUTE + 5)]
+    assert codes.count("ok") == MAX_DIALS_PER_MINUTE and codes[-5:] == ["busy"] * 5
+    clock[0] += 60.0
+    assert _run(servicer.answer(meta, "QmLate")).get("ok") is True, "the limit is per minute"
 
 
 @pytest.mark.parametrize("requesters", [5])

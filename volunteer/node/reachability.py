@@ -69,7 +69,7 @@ class Reachability:
                 node.board.publish(reachability_detail="no other online peer to ask yet")
             return
         if self.verdict is None:
-            node.board.publish(reachability="checking", reachability_detail=f"asking peers to dial this node back")
+            node.board.publish(reachability="checking", reachability_detail="asking peers to dial this node back")
         self._future = node.peer.check_reachability(responders)
 
     def _result(self) -> Any:

@@ -56,6 +56,8 @@ def run_doctor(args: argparse.Namespace) -> int:
 
     checks = [*data_dir_checks(data_dir), *idle_checks(prefs)]
     running = [snap for _, snap in live_nodes(data_dir) if snap.get("run_id") == run.run_id]
+    if args.listen:
+        _check_listen(args.listen)
     listen = [m for m in (args.listen or prefs.network.listen or DEFAULT_VOLUNTEER_LISTEN) if "/tcp/" in m]
     checks += network_checks(run, list(args.initial_peers or run.bootstrap_peers), args.timeout_s, args.verbose,
                              listen=listen, announce=list(prefs.network.announce), running=running[0] if running else None)
@@ -67,6 +69,21 @@ def run_doctor(args: argparse.Namespace) -> int:
     else:
         print(render(checks, run.run_id))
     return 0 if ok else 1
+
+
+def _check_listen(maddrs: list[str]) -> None:
+    """--listen checked as network.listen is (volunteer/prefs.py), before anything loads: a UserError with the fix."""
+    from pydantic import ValidationError
+
+    from volunteer.prefs import NetworkPrefs
+    from volunteer_cli.main import UserError
+
+    try:
+        NetworkPrefs(listen=maddrs)
+    except ValidationError as exc:
+        raise UserError(f"--listen: {exc.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+    if not any("/tcp/" in maddr for maddr in maddrs):
+        raise UserError("--listen: the reachability check needs a TCP address, e.g. /ip4/0.0.0.0/tcp/31337")
 
 
 def render(checks: list[Check], run_id: str) -> str:
