@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from swarm.records import MemberRecord
+from swarm.records import MemberRecord, dialable
 from swarm.runconfig import EDGE_MODES, RunConfig
 from swarm.stage import StageWorker
 from swarm.stage_gate import StageGate
@@ -400,7 +400,7 @@ class SwarmPeer:
         # answer), and it still pulls and drives, since that dials out.
         me = str(self.dht.peer_id)
         every = views
-        views = {name: [r for r in records if r.reachable != 0 or r.peer_id == me] for name, records in views.items()}
+        views = {name: dialable(records, me) for name, records in views.items()}
         mine = [r for r in views.get(self.swarm, []) if r.peer_id == me]
         if self.averaging is not None:
             self._loop.call_soon_threadsafe(self.averaging.set_records, list(views.get(self.swarm, [])))

@@ -134,6 +134,12 @@ def membership_schema(swarm_names: list[str]) -> type[pydantic_v1.BaseModel]:
     return pydantic_v1.create_model("MembershipSchema", **fields)  # type: ignore[call-overload]
 
 
+def dialable(records: list[MemberRecord], me: str = "") -> list[MemberRecord]:
+    """The records of peers other hosts can dial (not ``reachable: 0``, behind NAT), and ``me``'s own:
+    whom routing, pulls, downloads and exports may dial (swarm/reachability.py)."""
+    return [r for r in records if r.reachable != 0 or r.peer_id == me]
+
+
 def swarm_key(run_id: str, swarm: str) -> str:
     return f"{run_id}_{swarm}"
 

@@ -264,6 +264,7 @@ class Node:
 
     def _start_training(self) -> None:
         from swarm.peer import SwarmPeer
+        from swarm.records import dialable
         from volunteer.device import describe_device, resolve_device, set_threads
 
         try:
@@ -282,8 +283,7 @@ class Node:
         # A newcomer (or a checkpoint the swarm has outrun) downloads its layer before it serves or drives
         # anything; with a checkpoint to restore, no download is needed.
         # (never from a peer that says nobody can dial it: swarm/reachability.py)
-        sync_from = ([r for r in self.announcer.views.get(self.swarm, []) if r.reachable != 0]
-                     if resume.state is None else None)
+        sync_from = dialable(self.announcer.views.get(self.swarm, [])) if resume.state is None else None
         if sync_from is not None:
             self.set_state(NodeState.SYNCING, f"downloading {self.swarm} from its peers")
         self.peer.start(sync_from=sync_from)

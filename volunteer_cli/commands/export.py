@@ -18,7 +18,9 @@ EXPORT_LISTEN = ["/ip4/127.0.0.1/tcp/0"]
 def best_donor(records: list) -> object | None:
     """The copy to export: lowest loss EMA among live peers that can be dialled (not behind NAT); without
     losses, the most trained one."""
-    live = [r for r in records if r.state in ("online", "paused", "finishing") and r.reachable != 0]
+    from swarm.records import dialable
+
+    live = [r for r in dialable(records) if r.state in ("online", "paused", "finishing")]
     with_loss = [r for r in live if r.loss >= 0]
     if with_loss:
         return min(with_loss, key=lambda r: (r.loss, -r.clock))
