@@ -120,13 +120,15 @@ class NodeDHT:
         self.node, self.loop = node, loop
         self.gets = 0
 
-    def store(self, key: Any, value: Any, expiration_time: float, subkey: Any = None, return_future: bool = False) -> Any:
-        future = asyncio.run_coroutine_threadsafe(self.node.store(key, value, expiration_time, subkey=subkey), self.loop)
+    def store(self, key: Any, value: Any, expiration_time: float, subkey: Any = None, return_future: bool = False,
+              **kwargs: Any) -> Any:
+        future = asyncio.run_coroutine_threadsafe(self.node.store(key, value, expiration_time, subkey=subkey, **kwargs),
+                                                  self.loop)
         return future if return_future else future.result()
 
-    def get(self, key: Any, latest: bool = False, return_future: bool = False) -> Any:
+    def get(self, key: Any, latest: bool = False, return_future: bool = False, **kwargs: Any) -> Any:
         self.gets += 1
-        future = asyncio.run_coroutine_threadsafe(self.node.get(key, latest=latest), self.loop)
+        future = asyncio.run_coroutine_threadsafe(self.node.get(key, latest=latest, **kwargs), self.loop)
         return future if return_future else future.result()
 
 
@@ -134,7 +136,7 @@ class SimPeer:
     """One volunteer's heartbeat on the DHT, through the same calls a node makes."""
 
     def __init__(self, index: int, swarm: str, dht: NodeDHT, run: Any, signer: Any):
-        from swarm.membership import Membership
+        from swarm.membership import Membership, ReadSchedule
         from swarm.records import peer_id_from_public_key, public_key_of_subkey
 
         self.peer_id = peer_id_from_public_key(public_key_of_subkey(signer.local_public_key))
@@ -145,6 +147,7 @@ class SimPeer:
         self.records_read = 0
         self.read_failures = 0
         self.views: dict[str, list[Any]] = {}
+        self.schedule = ReadSchedule()  # the node's own (volunteer/node/announcer.py)
 
     def record(self) -> Any:
         from swarm.records import MemberRecord
@@ -156,14 +159,12 @@ class SimPeer:
                             served=self.beats * 4, capacity=200.0, reachable=1)
 
     def heartbeat(self) -> None:
-        from swarm.membership import swarms_to_read
-
         self.membership.announce(self.swarm, self.record())
         names = self.run.swarm_names
         if self.views:
-            names = swarms_to_read(names, self.swarm, self.swarm == "layer0", self.beats,
-                                   self.run.timeouts.others_every_heartbeats)
-        read = self.membership.read_all(names)
+            names = self.schedule.due(names, self.swarm, self.swarm == "layer0", self.run.timeouts.others_every_heartbeats)
+        read = self.membership.read_all(names) if names else {}
+        self.schedule.done(read)
         for name in names:
             self.records_read += len(read[name])
             if not read[name]:
@@ -188,7 +189,7 @@ async def _cell(peers: int, args: Any) -> dict[str, Any]:
     from hivemind.dht.validation import CompositeValidator
     from hivemind.p2p import P2P
 
-    from swarm.dht import _apply_hivemind_fixes, make_validators
+    from swarm.dht import NODE_TUNING, _apply_hivemind_fixes, make_validators
     from swarm.runconfig import RunConfig
 
     _apply_hivemind_fixes()
@@ -202,7 +203,8 @@ async def _cell(peers: int, args: Any) -> dict[str, Any]:
         boot_identity = workdir / "boot.key"
         P2P.generate_identity(str(boot_identity))
         boot = await DHTNode.create(host_maddrs=loopback, identity_path=str(boot_identity),
-                                    record_validator=CompositeValidator(make_validators(run.run_id, run.swarm_names, boot_identity)))
+                                    record_validator=CompositeValidator(make_validators(run.run_id, run.swarm_names, boot_identity)),
+                                    **NODE_TUNING)
         nodes.append(boot)
         initial = [str(m) for m in await boot.p2p.get_visible_maddrs()]
         sims: list[SimPeer] = []
@@ -211,7 +213,7 @@ async def _cell(peers: int, args: Any) -> dict[str, Any]:
             P2P.generate_identity(str(identity))
             validators = make_validators(run.run_id, run.swarm_names, identity)
             node = await DHTNode.create(initial_peers=initial, host_maddrs=loopback, identity_path=str(identity),
-                                        record_validator=CompositeValidator(validators))
+                                        record_validator=CompositeValidator(validators), **NODE_TUNING)
             nodes.append(node)
             sims.append(SimPeer(index, run.swarm_names[index % len(run.swarm_names)], NodeDHT(node, loop), run,
                                 validators[0]))
@@ -234,13 +236,16 @@ async def _cell(peers: int, args: Any) -> dict[str, Any]:
         gets = sum(after[2][i][1] - before[2][i][1] for i in after[2])
         records = sum(after[2][i][2] - before[2][i][2] for i in after[2])
         failures = sum(after[2][i][3] - before[2][i][3] for i in after[2])
-        cpu_s = after[0] - before[0]
+        python_s, p2pd_s = after[0][0] - before[0][0], after[0][1] - before[0][1]
+        cpu_s = python_s + p2pd_s
         lo = (after[1] - before[1]) if after[1] is not None and before[1] is not None else None
         return {
             "peers": peers, "stages": args.stages, "window_s": window, "heartbeats": beats,
             "heartbeats_per_peer_s": beats / peers / window,
             "cpu_cores": cpu_s / window,
             "cpu_ms_per_peer_heartbeat": 1000.0 * cpu_s / max(1, beats),
+            "python_ms_per_peer_heartbeat": 1000.0 * python_s / max(1, beats),
+            "p2pd_ms_per_peer_heartbeat": 1000.0 * p2pd_s / max(1, beats),
             "kbytes_per_peer_heartbeat": None if lo is None else lo / 1000.0 / max(1, beats),
             "gets_per_peer_heartbeat": gets / max(1, beats),
             "records_read_per_peer_heartbeat": records / max(1, beats),
@@ -275,15 +280,15 @@ def _beat_all(sims: list[SimPeer], heartbeat_s: float, pool: ThreadPoolExecutor,
             say(f"  a heartbeat failed: {exc}")
 
 
-def _cpu(process: Any) -> float:
-    """CPU seconds of this process and its children (the p2pd daemons)."""
-    total = sum(process.cpu_times()[:2])
+def _cpu(process: Any) -> tuple[float, float]:
+    """CPU seconds of this process (the DHT nodes, their validators, the reads) and of its children (p2pd)."""
+    daemons = 0.0
     for child in process.children(recursive=True):
         try:
-            total += sum(child.cpu_times()[:2])
+            daemons += sum(child.cpu_times()[:2])
         except Exception:  # a daemon that just exited
             pass
-    return total
+    return sum(process.cpu_times()[:2]), daemons
 
 
 def _lo_bytes() -> int | None:

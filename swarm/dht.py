@@ -27,6 +27,15 @@ def _apply_hivemind_fixes() -> None:
 
 LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
 
+# hivemind DHTNode settings for a run's nodes (benchmarks/dht_scale.py measured them at 64 peers). A get with
+# latest=True crawls the key's neighbourhood with a beam of bucket_size (20) nodes, and every node that holds
+# the key returns the whole swarm: a beam of num_replicas (5, the nodes a store writes to) finds the same
+# records at about half the CPU. hivemind also re-reads every key a node has read, in the background, before
+# its cached copy expires (cache_refresh_before_expiry), and pushes what it found to one more node
+# (cache_nearest): our reads always ask for the latest value and never use those copies, so both are off.
+NODE_TUNING: dict[str, Any] = {"cache_nearest": 0, "cache_refresh_before_expiry": 0}
+GET_BEAM = 5
+
 
 class DHTStartError(RuntimeError):
     """The DHT could not start or reach its bootstrap peers; the message says what to try."""
@@ -171,6 +180,7 @@ def start_dht(settings: DHTSettings, validators: list[Any]) -> Any:
         use_auto_relay=settings.use_auto_relay,
         client_mode=settings.client_mode,
         check_if_identity_free=False,  # we hold a local lock on the identity file instead
+        **NODE_TUNING,
     )
     if settings.announce_maddrs:
         kwargs["announce_maddrs"] = settings.announce_maddrs

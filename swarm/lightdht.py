@@ -127,17 +127,18 @@ class LightDHT:
         from hivemind.dht.node import DHTNode
         from hivemind.dht.validation import CompositeValidator
 
-        from swarm.dht import _apply_hivemind_fixes
+        from swarm.dht import NODE_TUNING, _apply_hivemind_fixes
 
         _apply_hivemind_fixes()
         with _p2pd_in_group(self.settings.process_group):
             return await DHTNode.create(
                 initial_peers=self.settings.initial_peers, host_maddrs=self.settings.host_maddrs, client_mode=True,
                 record_validator=CompositeValidator(self._validators), bootstrap_timeout=READER_BOOTSTRAP_S,
+                **NODE_TUNING,
             )
 
-    def get(self, key: Any, latest: bool = False, return_future: bool = False) -> Any:
-        future: Future = asyncio.run_coroutine_threadsafe(self._node.get(key, latest=latest), self._loop)
+    def get(self, key: Any, latest: bool = False, return_future: bool = False, **kwargs: Any) -> Any:
+        future: Future = asyncio.run_coroutine_threadsafe(self._node.get(key, latest=latest, **kwargs), self._loop)
         return future if return_future else future.result()
 
     def shutdown(self) -> None:

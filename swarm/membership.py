@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -36,20 +37,22 @@ class Membership:
                  timeout_s: float | None = None) -> bool:
         """Store our record; False if no DHT node took it (or the DHT did not answer within ``timeout_s``,
         by default ``timeouts.rpc_s``)."""
+        from swarm.dht import GET_BEAM
+
         expiration = dht_time() + (ttl_s if ttl_s is not None else self.ttl_s)
-        future = self.dht.store(swarm_key(self.run.run_id, swarm), subkey=self.owner_subkey,
-                                value=record.to_wire(), expiration_time=expiration, return_future=True)
+        future = self.dht.store(swarm_key(self.run.run_id, swarm), subkey=self.owner_subkey, value=record.to_wire(),
+                                expiration_time=expiration, return_future=True, beam_size=GET_BEAM)
         return bool(_result(future, timeout_s if timeout_s is not None else self.run.timeouts.rpc_s, default=False))
 
     def read(self, swarm: str) -> list[MemberRecord]:
-        future = self.dht.get(swarm_key(self.run.run_id, swarm), latest=True, return_future=True)
+        future = latest(self.dht, swarm_key(self.run.run_id, swarm))
         found = _result(future, self.run.timeouts.rpc_s, default=None)
         return parse_swarm(found.value if found is not None else None, now=dht_time())
 
     def read_all(self, names: list[str] | None = None) -> dict[str, list[MemberRecord]]:
         """Every swarm (or ``names``) at once: the gets run concurrently inside the DHT process."""
         futures = {
-            name: self.dht.get(swarm_key(self.run.run_id, name), latest=True, return_future=True)
+            name: latest(self.dht, swarm_key(self.run.run_id, name))
             for name in (self.run.swarm_names if names is None else names)
         }
         now = dht_time()
@@ -64,14 +67,57 @@ class Membership:
         return out
 
 
-def swarms_to_read(swarm_names: list[str], own: str, drives: bool, beat: int, others_every: int) -> list[str]:
-    """The swarms a heartbeat reads. A driver routes through every swarm: all of them, every beat. A peer that
-    only serves needs its own swarm's records (averaging partners, its peers table) every beat and the others
-    (the dashboard's swarm table, the run's end) every ``others_every`` beats: a DHT get costs CPU on the
-    reader and on the nodes that store the key, and most peers of a large run drive nothing."""
-    if drives or beat % max(1, others_every) == 0 or own not in swarm_names:
-        return list(swarm_names)
-    return [own]
+READ_RECORDS_PER_BEAT = 4  # records of one swarm a peer takes in per heartbeat, on average, once the swarm is large
+
+
+def read_period(peers_seen: int, uses: bool, others_every: int) -> int:
+    """Heartbeats between two reads of one swarm.
+
+    A get returns the whole swarm (every record, from each node that stores it), so a reader that re-read
+    it every heartbeat would pay in proportion to the swarm's size, and the run in proportion to its square
+    (benchmarks/dht_scale.py). A swarm a peer uses (its own: averaging partners, its peers table; every
+    swarm for a driver, which routes through them) is read every heartbeat while it has at most
+    ``READ_RECORDS_PER_BEAT`` peers, and then once per that many of its peers: about the same number of
+    records per heartbeat at any size, in views a few heartbeats old (a driver learns of a dead peer from
+    its hops first; a newcomer waits a few heartbeats longer to be routed to). The swarms a peer does not use
+    (the dashboard's swarm table, the run's end) are read ``others_every`` times less often."""
+    base = max(1, math.ceil(peers_seen / READ_RECORDS_PER_BEAT))
+    return base if uses else base * max(1, others_every)
+
+
+class ReadSchedule:
+    """Which swarms a heartbeat reads (``read_period`` for each), from when each was last read and how many
+    peers it had then."""
+
+    def __init__(self) -> None:
+        self.beat = 0
+        self.read_at: dict[str, int] = {}  # swarm -> beat of its last read
+        self.sizes: dict[str, int] = {}  # swarm -> records in that read
+
+    def due(self, swarm_names: list[str], own: str, drives: bool, others_every: int) -> list[str]:
+        out = []
+        for name in swarm_names:
+            uses = drives or name == own or own not in swarm_names
+            last = self.read_at.get(name)
+            if last is None or self.beat - last >= read_period(self.sizes.get(name, 0), uses, others_every):
+                out.append(name)
+        return out
+
+    def done(self, read: dict[str, list[Any]]) -> None:
+        """After the reads of this heartbeat (``read``: swarm -> records as read; a failed read is empty and
+        is retried at the next heartbeat)."""
+        for name, records in read.items():
+            self.read_at[name] = self.beat
+            self.sizes[name] = len(records)
+        self.beat += 1
+
+
+def latest(dht: Any, key: str) -> Any:
+    """A future of the key's newest value, every subkey merged, crawling only the nodes that store it
+    (swarm/dht.py GET_BEAM)."""
+    from swarm.dht import GET_BEAM
+
+    return dht.get(key, latest=True, return_future=True, beam_size=GET_BEAM)
 
 
 def _result(future: Any, timeout_s: float, default: Any) -> Any:
@@ -104,7 +150,7 @@ class OtherRun:
 
 def other_run_configs(dht: Any, run: RunConfig) -> dict[str, dict]:
     """Run id -> canonical config of the other runs listed under our run's name."""
-    found = _result(dht.get(RUN_DIRECTORY_PREFIX + run.name, latest=True, return_future=True), run.timeouts.rpc_s, None)
+    found = _result(latest(dht, RUN_DIRECTORY_PREFIX + run.name), run.timeouts.rpc_s, None)
     if found is None or not isinstance(found.value, dict):
         return {}
     out: dict[str, dict] = {}
@@ -136,7 +182,7 @@ def other_runs(dht: Any, run: RunConfig) -> list[OtherRun]:
     for run_id, theirs in configs.items():
         stages = theirs.get("model", {}).get("stages") if isinstance(theirs.get("model"), dict) else None
         for k in range(stages if isinstance(stages, int) and 0 < stages <= 64 else 0):
-            futures[(run_id, k)] = dht.get(swarm_key(run_id, f"layer{k}"), latest=True, return_future=True)
+            futures[(run_id, k)] = latest(dht, swarm_key(run_id, f"layer{k}"))
     online: dict[str, int] = dict.fromkeys(configs, 0)
     now = dht_time()
     for (run_id, _), future in futures.items():

@@ -103,16 +103,58 @@ def test_an_evaluation_from_the_future_or_negative_heals_are_skipped():
         assert parse_member(subkey, {**good.to_wire(), **bad}, now) is None, bad
 
 
-def test_a_peer_that_drives_nothing_reads_the_other_swarms_every_few_heartbeats():
-    from swarm.membership import swarms_to_read
+def _reads(own: str, drives: bool, sizes: dict[str, int], beats: int, others_every: int = 5) -> list[list[str]]:
+    """The swarms each of ``beats`` heartbeats reads, every swarm having ``sizes[name]`` peers."""
+    from swarm.membership import ReadSchedule
 
+    schedule, out = ReadSchedule(), []
+    for _ in range(beats):
+        names = schedule.due(list(sizes), own, drives, others_every)
+        out.append(names)
+        schedule.done({name: [object()] * sizes[name] for name in names})
+    return out
+
+
+def test_a_peer_that_drives_nothing_reads_the_other_swarms_every_few_heartbeats():
     names = ["layer0", "layer1", "layer2", "layer3"]
-    server = [swarms_to_read(names, "layer2", False, beat, 5) for beat in range(10)]
+    small = dict.fromkeys(names, 2)
+    server = _reads("layer2", False, small, 10)
     assert server[0] == server[5] == names  # every fifth heartbeat: the dashboard's swarm table and the run's end
     assert all(server[b] == ["layer2"] for b in (1, 2, 3, 4, 6, 7, 8, 9))  # its own swarm: partners, peers table
-    assert all(swarms_to_read(names, "layer0", True, beat, 5) == names for beat in range(10))  # a driver routes
-    assert swarms_to_read(names, "layer2", False, 3, 1) == names
+    assert all(beat == names for beat in _reads("layer0", True, small, 10))  # a driver routes through all
+    assert all(beat == names for beat in _reads("layer2", False, small, 4, others_every=1))
     # per heartbeat, 8 volunteers (2 per swarm, 2 drivers) read 2 x 4 + 6 x (1 + 3/5) = 17.6 swarms, not 32
-    per_beat = sum(len(swarms_to_read(names, own, own == "layer0", beat, 5)) for beat in range(5)
-                   for own in names for _ in range(2)) / 5
+    per_beat = sum(len(beat) for own in names for _ in range(2) for beat in _reads(own, own == "layer0", small, 5)) / 5
     assert per_beat == pytest.approx(17.6)
+
+
+def test_a_large_swarm_is_read_less_often_so_that_the_records_read_per_heartbeat_stay_flat():
+    from swarm.membership import READ_RECORDS_PER_BEAT
+
+    names = ["layer0", "layer1", "layer2", "layer3"]
+    beats = 3200  # long enough that the first read (every swarm, at join) does not count
+    per_beat = {}
+    for size in (1, 2, 4, 16, 64, 256):
+        sizes = dict.fromkeys(names, size)
+        records = 0
+        for own, drives in (("layer0", True), ("layer2", False)):
+            records += sum(sum(sizes[n] for n in beat) for beat in _reads(own, drives, sizes, beats))
+        per_beat[size] = records / beats / 2
+    assert per_beat[2] == pytest.approx((8 + 2 * (1 + 3 / 5)) / 2, rel=0.05)  # as before: small runs read all
+    # a driver reads each swarm's records about READ_RECORDS_PER_BEAT per heartbeat, a server about one swarm's worth
+    assert max(per_beat.values()) <= (4 + 1 + 3 / 5) * READ_RECORDS_PER_BEAT / 2 * 1.05
+    assert per_beat[256] <= per_beat[4] * 1.05  # flat: 64 times the peers, no more records per heartbeat
+    # a driver's view of a swarm of 16 is at most 4 heartbeats old; its own swarm's too
+    reads = _reads("layer0", True, dict.fromkeys(names, 16), 12)
+    assert [b for b, beat in enumerate(reads) if "layer3" in beat] == [0, 4, 8]
+
+
+def test_a_failed_read_is_retried_at_the_next_heartbeat():
+    from swarm.membership import ReadSchedule
+
+    schedule = ReadSchedule()
+    schedule.done({"layer1": [object()] * 16})
+    schedule.done({})
+    assert schedule.due(["layer1"], "layer1", False, 5) == []  # 16 peers: read again 4 heartbeats later
+    schedule.done({"layer1": []})  # ... unless the read came back empty (failed, or the swarm emptied)
+    assert schedule.due(["layer1"], "layer1", False, 5) == ["layer1"]

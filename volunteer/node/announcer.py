@@ -40,7 +40,9 @@ class Announcer:
         from swarm.traffic import LinkRates
 
         self.rates = LinkRates()
-        self._beats = 0  # heartbeats that read the swarms
+        from swarm.membership import ReadSchedule
+
+        self.reads = ReadSchedule()  # which swarms each heartbeat reads (swarm/membership.py read_period)
 
     def tick(self, now_s: float) -> None:
         if now_s >= self.next_beat_s:
@@ -56,17 +58,16 @@ class Announcer:
         pass
 
     def read_views(self, every_swarm: bool = False) -> None:
-        """Read the swarms this heartbeat needs (swarm/membership.py:swarms_to_read); the rest keep their
-        last read. ``every_swarm``: all of them (joining, choosing a swarm)."""
-        from swarm.membership import swarms_to_read
-
+        """Read the swarms this heartbeat needs (swarm/membership.py read_period); the rest keep their last
+        read. ``every_swarm``: all of them (joining, choosing a swarm)."""
         node = self.node
         names = node.run.swarm_names
         if not every_swarm and self.views:
             drives = node.swarm == "layer0" and node.peer is not None
-            names = swarms_to_read(names, node.swarm, drives, self._beats, node.run.timeouts.others_every_heartbeats)
-        self._beats += 1
-        self.views = {**self.views, **node.membership.read_all(names)}
+            names = self.reads.due(names, node.swarm, drives, node.run.timeouts.others_every_heartbeats)
+        read = node.membership.read_all(names) if names else {}
+        self.reads.done(read)
+        self.views = {**self.views, **read}
 
     def choose_shard(self) -> None:
         """layer0, when joining: the shard held by the fewest online layer0 peers (rarest first)."""
