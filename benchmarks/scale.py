@@ -6,7 +6,9 @@ Each cell prints the mean and worst (after warm-up) of throughput / best split o
 moves per peer-hour. Headline figures, each a ratio measured in this run:
 - ``rebalancing_vs_optimal``: the worst cell with rebalancing (goal >= 0.95);
 - ``placement_only_vs_optimal``: the worst cell where peers stay where they joined (the baseline);
-- ``dht_cpu_per_peer_64_vs_8``: not measured here (real DHT processes: benchmarks/dht_reads.py), null.
+- ``dht_cpu_per_peer_64_vs_8``: the DHT's CPU per peer and heartbeat at 64 peers over 8 (goal <= 1.5), from
+  two cells of benchmarks/dht_scale.py (real hivemind DHT nodes, the node's own store and read schedule);
+  ``--no-dht`` or ``--quick`` skip them (null). ``python -m benchmarks.dht_scale`` measures 4 to 64.
 - ``swarm_read_bytes``: the bytes of one swarm's DHT value (what a `get` of it returns) at 64, 256 and
   1,024 peers per swarm: real signed records (hivemind's RSASignatureValidator over a full MemberRecord,
   msgpack as stored), one key's entry size times N distinct subkeys in a real DictionaryDHTValue;
@@ -60,6 +62,21 @@ def record_sizes(sizes: tuple[int, ...] = (64, 256, 1024)) -> dict:
             "peers_per_swarm_at_unary_cap": int(UNARY_CAP_BYTES / per_peer)}
 
 
+def dht_cells() -> dict:
+    """benchmarks/dht_scale.py at 8 and 64 peers (each cell a child process, in its own network namespace
+    when it can have one)."""
+    from benchmarks.common import ratio
+    from benchmarks.dht_scale import _cell_in_child, _parser as dht_parser
+
+    settings = dht_parser().parse_args([])
+    cells = {n: _cell_in_child(n, settings) for n in (8, 64)}
+    bytes_ratio = None
+    if cells[8]["kbytes_per_peer_heartbeat"] is not None and cells[64]["kbytes_per_peer_heartbeat"] is not None:
+        bytes_ratio = ratio(cells[64]["kbytes_per_peer_heartbeat"], cells[8]["kbytes_per_peer_heartbeat"])
+    return {"dht_cpu_per_peer_64_vs_8": ratio(cells[64]["cpu_ms_per_peer_heartbeat"], cells[8]["cpu_ms_per_peer_heartbeat"]),
+            "dht_bytes_per_peer_64_vs_8": bytes_ratio, "cells": list(cells.values())}
+
+
 def cells(quick: bool) -> list[dict]:
     sizes = (1000,) if quick else (1000, 10000)
     churns = (0.0, 0.02) if quick else (0.0, 0.005, 0.02)
@@ -75,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sigma", type=float, default=1.0, help="log-normal spread of peer capacities")
     parser.add_argument("--hysteresis", type=float, default=RebalancePolicy().hysteresis)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-dht", action="store_true", help="skip the DHT cells (8 and 64 peers, about 3.5 min)")
     args = parser.parse_args(argv)
     periods = args.periods or (40 if args.quick else 120)
     started, load_before = time.monotonic(), os.getloadavg()[0]
@@ -87,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({**cell, **result.to_json(), "seconds": round(time.monotonic() - t0, 1)})
         if not args.json:
             print(json.dumps(rows[-1]), file=sys.stderr)
+    dht = dht_cells() if not (args.quick or args.no_dht) else None
     moved = [row for row in rows if row["rebalance"]]
     kept = [row for row in rows if not row["rebalance"]]
     report = {
@@ -94,8 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         "swarms": args.swarms, "periods": periods, "sigma": args.sigma, "hysteresis": args.hysteresis,
         "rebalancing_vs_optimal": min(row["throughput_vs_best"] for row in moved),
         "placement_only_vs_optimal": min(row["throughput_vs_best"] for row in kept),
-        "dht_cpu_per_peer_64_vs_8": None,
-        "dht_cpu_note": "not measured by this simulation; real DHT processes: python -m benchmarks.dht_reads",
+        "dht_cpu_per_peer_64_vs_8": None if dht is None else dht["dht_cpu_per_peer_64_vs_8"],
+        "dht_bytes_per_peer_64_vs_8": None if dht is None else dht["dht_bytes_per_peer_64_vs_8"],
+        "dht_cells": None if dht is None else dht["cells"],
         **record_sizes(),
         "cells": rows,
         "seconds": round(time.monotonic() - started, 1),

@@ -68,6 +68,7 @@ class Membership:
 
 
 READ_RECORDS_PER_BEAT = 4  # records of one swarm a peer takes in per heartbeat, on average, once the swarm is large
+MAX_READ_PERIOD_BEATS = 12  # but a swarm it uses is read at least this often (1 min at the default heartbeat)
 
 
 def read_period(peers_seen: int, uses: bool, others_every: int) -> int:
@@ -79,9 +80,12 @@ def read_period(peers_seen: int, uses: bool, others_every: int) -> int:
     swarm for a driver, which routes through them) is read every heartbeat while it has at most
     ``READ_RECORDS_PER_BEAT`` peers, and then once per that many of its peers: about the same number of
     records per heartbeat at any size, in views a few heartbeats old (a driver learns of a dead peer from
-    its hops first; a newcomer waits a few heartbeats longer to be routed to). The swarms a peer does not use
-    (the dashboard's swarm table, the run's end) are read ``others_every`` times less often."""
-    base = max(1, math.ceil(peers_seen / READ_RECORDS_PER_BEAT))
+    its hops first; a newcomer waits a few heartbeats longer to be routed to), up to
+    ``MAX_READ_PERIOD_BEATS``: the cost is flat up to 48 peers per swarm and grows past it, where a view a
+    minute old would be too stale (a swarm's key split into buckets is the step after; docs/ARCHITECTURE.md).
+    The swarms a peer does not use (the dashboard's swarm table, the run's end) are read ``others_every``
+    times less often."""
+    base = min(MAX_READ_PERIOD_BEATS, max(1, math.ceil(peers_seen / READ_RECORDS_PER_BEAT)))
     return base if uses else base * max(1, others_every)
 
 

@@ -129,12 +129,12 @@ def test_a_peer_that_drives_nothing_reads_the_other_swarms_every_few_heartbeats(
 
 
 def test_a_large_swarm_is_read_less_often_so_that_the_records_read_per_heartbeat_stay_flat():
-    from swarm.membership import READ_RECORDS_PER_BEAT
+    from swarm.membership import MAX_READ_PERIOD_BEATS, READ_RECORDS_PER_BEAT
 
     names = ["layer0", "layer1", "layer2", "layer3"]
     beats = 3200  # long enough that the first read (every swarm, at join) does not count
     per_beat = {}
-    for size in (1, 2, 4, 16, 64, 256):
+    for size in (1, 2, 4, 16, 48, 256):
         sizes = dict.fromkeys(names, size)
         records = 0
         for own, drives in (("layer0", True), ("layer2", False)):
@@ -142,8 +142,12 @@ def test_a_large_swarm_is_read_less_often_so_that_the_records_read_per_heartbeat
         per_beat[size] = records / beats / 2
     assert per_beat[2] == pytest.approx((8 + 2 * (1 + 3 / 5)) / 2, rel=0.05)  # as before: small runs read all
     # a driver reads each swarm's records about READ_RECORDS_PER_BEAT per heartbeat, a server about one swarm's worth
-    assert max(per_beat.values()) <= (4 + 1 + 3 / 5) * READ_RECORDS_PER_BEAT / 2 * 1.05
-    assert per_beat[256] <= per_beat[4] * 1.05  # flat: 64 times the peers, no more records per heartbeat
+    assert max(v for size, v in per_beat.items() if size <= 48) <= (4 + 1 + 3 / 5) * READ_RECORDS_PER_BEAT / 2 * 1.05
+    assert per_beat[48] <= per_beat[4] * 1.05  # flat: 12 times the peers, no more records per heartbeat
+    # past 48 peers a swarm is still read once a minute (a staler view would mislead): the cost grows again
+    assert per_beat[256] == pytest.approx(per_beat[48] * 256 / 48, rel=0.05)
+    read_at = [i for i, beat in enumerate(_reads("layer1", False, dict.fromkeys(names, 1000), 100)) if "layer1" in beat]
+    assert {b - a for a, b in zip(read_at, read_at[1:])} == {MAX_READ_PERIOD_BEATS}
     # a driver's view of a swarm of 16 is at most 4 heartbeats old; its own swarm's too
     reads = _reads("layer0", True, dict.fromkeys(names, 16), 12)
     assert [b for b, beat in enumerate(reads) if "layer3" in beat] == [0, 4, 8]
