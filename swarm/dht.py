@@ -7,6 +7,7 @@ a record's peer id belongs to the key that signed it (see records.py).
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import logging
 import os
@@ -242,5 +243,8 @@ async def fresh_p2p(dht: Any) -> Any:
     from hivemind import DHT
     from hivemind.p2p import P2P
 
-    maddr = await dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr, return_future=True)
+    if hasattr(dht, "daemon_listen_maddr"):  # swarm/nodedht.py: the node runs in this process, on another loop
+        maddr = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(dht.daemon_listen_maddr(), dht._loop))
+    else:
+        maddr = await dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr, return_future=True)
     return await P2P.replicate(maddr)

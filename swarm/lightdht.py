@@ -149,10 +149,22 @@ class LightDHT:
                 asyncio.run_coroutine_threadsafe(node.shutdown(), self._loop).result(timeout=STOP_S)
             except Exception as exc:  # p2pd may be gone already; the watchdog's group holds what is left
                 logger.debug("stopping the reader's DHT node: %s", exc)
+        if self._loop.is_running():  # hivemind's background tasks (routing refresh, ...): cancelled, not left pending
+            try:
+                asyncio.run_coroutine_threadsafe(_cancel_the_rest(), self._loop).result(timeout=STOP_S)
+            except Exception as exc:
+                logger.debug("cancelling the DHT node's tasks: %s", exc)
         if self._loop.is_running():
             self._loop.call_soon_threadsafe(self._loop.stop)
         if self._thread.is_alive():
             self._thread.join(STOP_S)
+
+
+async def _cancel_the_rest() -> None:
+    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def start_reader(settings: ReaderSettings, validators: list[Any]) -> LightDHT:

@@ -80,11 +80,11 @@ def test_sigkilled_volunteer_expires_and_leaves_no_process(foundation):
         victim_id = _peer_id(victim)
         wait_until(lambda: victim_id in f.states(), 30, interval_s=0.5, what="victim online")
         victim_tree = set(tagged_pids(tag))
-        assert len(victim_tree) >= 4, "main, watchdog, DHT process and p2pd"
+        assert len(victim_tree) >= 3, "main, watchdog and p2pd (the DHT node runs in main: swarm/nodedht.py)"
 
         victim.signal(signal.SIGKILL)
         victim.wait(10)
-        # Its DHT process and p2pd are reaped by the watchdog, not left to hold the port and identity.
+        # Its p2pd is reaped by the watchdog, not left to hold the port and identity.
         wait_until(lambda: not tagged_pids(tag), 15, what="the crashed volunteer's helpers to be reaped")
         # Its record expires after about three heartbeats.
         wait_until(lambda: victim_id not in f.states(), 30, interval_s=0.5, what="the record to expire")

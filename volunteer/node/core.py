@@ -186,7 +186,8 @@ class Node:
     def _join(self) -> None:
         emit = self.board.emit
         emit("loading the network and training libraries (hivemind, torch)", kind="joining")
-        from swarm.dht import DHTStartError, IdentityInUse, claim_identity, make_validators, start_dht, visible_maddrs
+        from swarm.dht import DHTStartError, IdentityInUse, claim_identity, make_validators, visible_maddrs
+        from swarm.nodedht import start_node_dht
         from swarm.membership import Membership, least_served_swarm, publish_run
 
         if self._stop.is_set():  # stopped while the libraries loaded
@@ -204,7 +205,7 @@ class Node:
         emit(f"starting the DHT (bootstrap: {', '.join(options.initial_peers)})", kind="joining")
         validators = make_validators(run.run_id, run.swarm_names, identity_path)
         try:
-            self.dht = start_dht(self._dht_settings(identity_path), validators)
+            self.dht = start_node_dht(self._dht_settings(identity_path), validators)  # in this process
         except DHTStartError as exc:
             raise JoinError(str(exc)) from None
         if self._stop.is_set():

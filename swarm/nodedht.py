@@ -1,0 +1,104 @@
+"""A volunteer's DHT node inside its own process (issue 15, item 5: a lighter volunteer).
+
+hivemind's ``DHT`` forks a process that runs a ``DHTNode`` on its own event loop and talks to it through
+a pipe. Forked from a volunteer that has already imported torch, that child cost 133-163 MiB PSS per
+volunteer (benchmarks/README.md, the soak) to run a few hundred milliseconds of Python a minute: with a
+read schedule that keeps a peer's DHT work flat (swarm/membership.py ``read_period``), about 20 ms of
+CPU per heartbeat (benchmarks/dht_scale.py). ``InProcessDHT`` runs the same ``DHTNode``, with the same
+settings, validators and p2pd, on an event-loop thread of the volunteer's own process, and offers the part
+of ``hivemind.DHT`` the node uses: ``get``/``store`` (futures with ``result(timeout)``), ``peer_id``,
+``get_visible_maddrs``, ``run_coroutine`` and the daemon's address for ``swarm.dht.fresh_p2p``, and
+``shutdown``/``join``/``is_alive``/``kill`` for ``swarm.dht.shutdown_dht``.
+
+What changes for the process: p2pd is its only helper (it joins the watchdog's group, as before); the
+DHT's work shares the GIL with training, which at 20 ms per 5 s heartbeat is noise; a SIGTERM reaches
+the main process only, which leaves in order (announces offline) and then stops the node.
+``volunteer bootstrap`` and the tests' helper DHTs still use hivemind's process (``swarm.dht.start_dht``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import Future
+from typing import Any
+
+from swarm.lightdht import LightDHT, _p2pd_in_group
+
+logger = logging.getLogger(__name__)
+
+
+class InProcessDHT(LightDHT):
+    """A full DHT node (not a reader) on an event-loop thread of this process; see the module docstring."""
+
+    def __init__(self, settings: Any, validators: list[Any]):  # settings: swarm.dht.DHTSettings
+        super().__init__(settings, validators)
+        self._thread.name = "dht-node"
+        self.peer_id: Any = None
+
+    async def _create(self) -> Any:
+        from hivemind.dht.node import DHTNode
+        from hivemind.dht.validation import CompositeValidator
+
+        from swarm.dht import NODE_TUNING, _apply_hivemind_fixes
+
+        _apply_hivemind_fixes()
+        s = self.settings
+        kwargs: dict[str, Any] = dict(initial_peers=s.initial_peers or None, host_maddrs=s.host_maddrs,
+                                      use_relay=s.use_relay, use_auto_relay=s.use_auto_relay, client_mode=s.client_mode,
+                                      check_if_identity_free=False, record_validator=CompositeValidator(self._validators),
+                                      **NODE_TUNING)
+        if s.announce_maddrs:
+            kwargs["announce_maddrs"] = s.announce_maddrs
+        if s.identity_path is not None:
+            kwargs["identity_path"] = str(s.identity_path)
+        with _p2pd_in_group(s.process_group):
+            node = await DHTNode.create(**kwargs)
+        self.peer_id = node.peer_id
+        return node
+
+    # ----- what hivemind.DHT offers and the node uses
+
+    def store(self, key: Any, value: Any, expiration_time: float, subkey: Any = None, return_future: bool = False,
+              **kwargs: Any) -> Any:
+        future: Future = asyncio.run_coroutine_threadsafe(
+            self._node.store(key, value, expiration_time, subkey=subkey, **kwargs), self._loop)
+        return future if return_future else future.result()
+
+    def get_visible_maddrs(self, latest: bool = False) -> list[Any]:
+        return asyncio.run_coroutine_threadsafe(self._node.get_visible_maddrs(latest=latest), self._loop).result(30)
+
+    def run_coroutine(self, coro: Any, return_future: bool = False) -> Any:
+        """``coro(self, node)`` on the node's loop, as ``hivemind.DHT.run_coroutine`` calls it."""
+        future: Future = asyncio.run_coroutine_threadsafe(coro(self, self._node), self._loop)
+        return future if return_future else future.result()
+
+    async def daemon_listen_maddr(self) -> Any:
+        """p2pd's control address, for a P2P replica on the caller's own loop (swarm/dht.py ``fresh_p2p``)."""
+        return self._node.p2p.daemon_listen_maddr
+
+    def is_alive(self) -> bool:
+        return self._node is not None and self._thread.is_alive()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def kill(self) -> None:
+        """Nothing to kill but p2pd, which the watchdog's process group reaps."""
+        self.shutdown()
+
+
+def start_node_dht(settings: Any, validators: list[Any]) -> InProcessDHT:
+    """Start an InProcessDHT; raise swarm.dht.DHTStartError with advice (as start_dht does) when it fails."""
+    from swarm.dht import DHTStartError, explain_start_failure
+
+    try:
+        return InProcessDHT(settings, validators).start()
+    except TimeoutError:
+        raise DHTStartError(
+            f"the DHT did not start within {settings.start_timeout_s:.0f} s; "
+            "check that the listen addresses are free (another process on the same port?)"
+        ) from None
+    except Exception as exc:  # hivemind raises plain exceptions for bootstrap failures
+        raise DHTStartError(explain_start_failure(exc, settings.initial_peers)) from None
