@@ -9,7 +9,10 @@ the same config trains as long with no churn, as the baseline. Measured, each in
 - ``unlisted_after_kill_s``: how long the killed peer's record still said online (its expiry; the
   drivers stop routing to it at its first failed hop, before that);
 - ``final_accuracy_vs_no_churn``: the drivers' last published test accuracy, churn run over baseline
-  (goal >= 0.98).
+  (goal >= 0.98);
+- ``replacement_online_s``: the median, over replacements, of spawn -> "online in" (its own event times),
+  a newcomer joining a run that trains on a loaded machine (issue 15 item 5: goal <= 15 s), with
+  ``replacement_online_max_s`` and each one's split (import, DHT start, swarm sync) in ``kills``.
 """
 
 from __future__ import annotations
@@ -58,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         "lost_microbatches": churned["lost"], "lost_microbatches_no_churn": calm["lost"],
         "throughput_dip": _mean([k["dip"] for k in churned["kills"] if k["dip"] is not None]),
         "unlisted_after_kill_s": _mean([k["unlisted_s"] for k in churned["kills"] if k["unlisted_s"] is not None]),
+        "replacement_online_s": _median([k["replacement"]["online_s"] for k in churned["kills"] if k["replacement"]]),
+        "replacement_online_max_s": max((k["replacement"]["online_s"] for k in churned["kills"] if k["replacement"]),
+                                        default=None),
+        "replacements_not_online": sum(1 for k in churned["kills"] if not k["replacement"]),
         "final_accuracy": churned["accuracy"], "final_accuracy_no_churn": calm["accuracy"],
         "final_accuracy_vs_no_churn": round(churned["accuracy"] / calm["accuracy"], 4)
         if churned["accuracy"] and calm["accuracy"] else None,
@@ -113,7 +120,8 @@ def _kill_one(fleet: Fleet, reader: HostilePeer, procs: dict[str, list[Any]], pa
     procs[swarm].remove(victim)
     # a new volunteer, not the victim restarted: its own identity (it would take the victim's free slot)
     name = f"{label}-{swarm}-r{index}"
-    procs[swarm].append(fleet.join(name, path, swarm, maddr, "--identity", str(fleet.workdir / f"{name}.key")))
+    replacement = fleet.join(name, path, swarm, maddr, "--identity", str(fleet.workdir / f"{name}.key"))
+    procs[swarm].append(replacement)
     rates, unlisted_s = [], None
     while time.monotonic() - killed_at < 15.0:
         rates.append(_rate(reader, seen, 5.0))
@@ -122,10 +130,32 @@ def _kill_one(fleet: Fleet, reader: HostilePeer, procs: dict[str, list[Any]], pa
     if unlisted_s is None and victim_id:
         wait_until(lambda: victim_id not in {r.peer_id for r in reader.online(swarm)}, 60, "the record to expire")
         unlisted_s = round(time.monotonic() - killed_at, 1)
-    say(f"{label}: killed a {swarm} peer; rates after {[round(r) for r in rates]} vs {rate_before:.0f} before")
+    joined_in = _online_times(replacement)
+    say(f"{label}: killed a {swarm} peer; rates after {[round(r) for r in rates]} vs {rate_before:.0f} before; "
+        f"the replacement: {joined_in}")
     return {"swarm": swarm, "rate_before": round(rate_before, 1), "rates_after": [round(r, 1) for r in rates],
             "dip": round(min(rates) / rate_before, 3) if rate_before > 0 and rates else None,
-            "unlisted_s": unlisted_s}
+            "unlisted_s": unlisted_s, "replacement": joined_in}
+
+
+JOIN_MARKERS = {"import_s": "starting the DHT", "dht_s": "joined the DHT as", "online_s": "online in "}
+
+
+def _online_times(proc: Any, timeout_s: float = 120.0) -> dict[str, float] | None:
+    """Spawn -> each join step of a volunteer, by its own event times (None if it was not online in time)."""
+    def events() -> dict[str, float] | None:
+        found: dict[str, float] = {}
+        for line in proc.json_lines():
+            for key, marker in JOIN_MARKERS.items():
+                if line.get("type") == "event" and marker in str(line.get("text", "")):
+                    found.setdefault(key, float(line["time"]) - proc.started_at)
+        return found if "online_s" in found else None
+
+    try:
+        found = wait_until(events, timeout_s, "the replacement to come online", interval_s=0.5)
+    except Exception:
+        return None
+    return {key: round(found[key], 2) for key in JOIN_MARKERS if key in found}
 
 
 def _drivers(reader: HostilePeer, seen: dict[str, tuple[int, int]]) -> dict[str, int]:
@@ -144,6 +174,12 @@ def _rate(reader: HostilePeer, seen: dict, window_s: float) -> float:
 def _latest_accuracy(reader: HostilePeer) -> float | None:
     published = [(r.eval_at, r.test_accuracy) for r in reader.membership.read("layer0") if r.test_accuracy >= 0]
     return max(published)[1] if published else None
+
+
+def _median(values: list[float]) -> float | None:
+    import statistics
+
+    return statistics.median(values) if values else None
 
 
 def _mean(values: list[float]) -> float | None:

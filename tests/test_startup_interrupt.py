@@ -39,11 +39,17 @@ def test_ctrl_c_at_any_point_of_a_headless_start_exits_130_within_two_seconds(sw
             proc.wait_for_output(line, timeout_s=90)
         pressed = time.monotonic()
         proc.signal(signal.SIGINT)
-        assert proc.wait(EXIT_BOUND_S + 30) == 130, proc.stderr()
+        code = proc.wait(EXIT_BOUND_S + 30)
         took_s = time.monotonic() - pressed
-        assert took_s <= EXIT_BOUND_S, f"{name}: {took_s:.1f} s"
         err = proc.stderr()
         assert "stopping…" in err and "Traceback" not in err, err
+        if name == "joined" and code == 0 and "leaving the swarm" in err:
+            # From "joined the DHT" to online takes well under a second on an empty swarm: under load the
+            # signal can land after it. Then a clean leave (exit 0) is right; it must be online already.
+            assert "online in layer1" in proc.stdout(), proc.stdout()
+            continue
+        assert code == 130, err
+        assert took_s <= EXIT_BOUND_S, f"{name}: {took_s:.1f} s"
         assert "online in layer1" not in proc.stdout()  # it never went on to serve
 
 
