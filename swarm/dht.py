@@ -7,7 +7,6 @@ a record's peer id belongs to the key that signed it (see records.py).
 
 from __future__ import annotations
 
-import asyncio
 import fcntl
 import logging
 import os
@@ -244,7 +243,7 @@ async def fresh_p2p(dht: Any) -> Any:
     from hivemind.p2p import P2P
 
     if hasattr(dht, "daemon_listen_maddr"):  # swarm/nodedht.py: the node runs in this process, on another loop
-        maddr = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(dht.daemon_listen_maddr(), dht._loop))
+        maddr = dht.daemon_listen_maddr()
     else:
         maddr = await dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr, return_future=True)
     return await P2P.replicate(maddr)

@@ -73,8 +73,9 @@ class InProcessDHT(LightDHT):
         future: Future = asyncio.run_coroutine_threadsafe(coro(self, self._node), self._loop)
         return future if return_future else future.result()
 
-    async def daemon_listen_maddr(self) -> Any:
-        """p2pd's control address, for a P2P replica on the caller's own loop (swarm/dht.py ``fresh_p2p``)."""
+    def daemon_listen_maddr(self) -> Any:
+        """p2pd's control address (set once, when the node started), for a P2P replica on the caller's own
+        loop (swarm/dht.py ``fresh_p2p``)."""
         return self._node.p2p.daemon_listen_maddr
 
     def is_alive(self) -> bool:

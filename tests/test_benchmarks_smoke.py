@@ -63,6 +63,17 @@ def test_codecs_benchmark_quick_prints_its_figures():
     _positive(report, ("int8_bytes_ratio", "best_codec_bytes_ratio"))
 
 
+def test_dht_scale_benchmark_quick_measures_a_cell():
+    import os
+
+    report = _quick("benchmarks.dht_scale", {**os.environ, "PYTHONPATH": str(ROOT)})
+    (cell,) = report["cells"]
+    assert cell["peers"] == 4 and cell["heartbeats"] > 0 and cell["records_read_per_peer_heartbeat"] > 0
+    _positive(cell, ("cpu_ms_per_peer_heartbeat", "python_ms_per_peer_heartbeat", "gets_per_peer_heartbeat"))
+    if cell["own_network_namespace"]:  # root with unshare (CI): the DHT's own traffic
+        assert cell["kbytes_per_peer_heartbeat"] > 0
+
+
 def test_scale_benchmark_quick_prints_its_figures():
     import os
 
