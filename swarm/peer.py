@@ -42,6 +42,24 @@ HELD_MEMORY_VIEWS = 3
 Notify = Callable[[str, str, str], None]  # (level, kind, text)
 
 
+class HeldShards:
+    """The data shards other online drivers held in the last ``HELD_MEMORY_VIEWS`` reads of layer0. A driver
+    covers a shard only when none of them showed a holder: under load a holder's record misses a read now
+    and then, and the stages refuse micro-batches of a shard someone else holds (``wrong_shard``). A view
+    that is not a new read (layer0 is not read every heartbeat) counts once, not once per heartbeat."""
+
+    def __init__(self) -> None:
+        self._views: deque[set[int]] = deque(maxlen=HELD_MEMORY_VIEWS)
+
+    def note(self, layer0: list[MemberRecord], me: str, fresh: bool = True) -> None:
+        if fresh or not self._views:
+            self._views.append({r.shard for r in layer0 if r.state == "online" and r.peer_id != me and r.shard >= 0})
+
+    def unheld(self, shards: int) -> list[int]:
+        held = set().union(*self._views)
+        return [i for i in range(shards) if i not in held]
+
+
 @dataclass(slots=True, frozen=True)
 class PeerMetrics:
     samples_per_s: float
@@ -96,7 +114,7 @@ class SwarmPeer:
         self.gate: StageGate | None = None  # who may ask our stage (swarm/stage_gate.py)
         self._params_servicer: Any = None
         self._dial_back_servicer: Any = None
-        self._held_views: deque[set[int]] = deque(maxlen=HELD_MEMORY_VIEWS)  # shards held by others, last reads
+        self._held = HeldShards()  # shards held by other drivers, in the last reads of layer0
         self.averaging: Any = None  # swarm.averaging.agent.SwarmAveraging
         self.allreduce: Any = None  # swarm.averaging.allreduce.GroupAverager (mode allreduce)
         self.edges: Any = None  # swarm.averaging.edges.EdgeAveraging (modes dsgd, pdmm_isvr, admm_isvr)
@@ -389,11 +407,16 @@ class SwarmPeer:
 
         return asyncio.run_coroutine_threadsafe(check_reachability(self.p2p, self.run.run_id, responders), self._loop)
 
-    def update_views(self, views: dict[str, list[MemberRecord]]) -> None:
+    def update_views(self, views: dict[str, list[MemberRecord]], fresh: set[str] | None = None) -> None:
+        """The swarms as last read; ``fresh``: the swarms read this heartbeat (None: all of them). A swarm is
+        not read every heartbeat (swarm/membership.py ``read_period``): what counts reads (which shards the
+        last reads showed held, the gate's last views of the drivers) takes a view only when it is new, so
+        that one read that missed a record is not counted as several."""
+        layer0_fresh = fresh is None or "layer0" in fresh
         # Run-wide samples trained: what the drivers completed (clocks merge when copies average).
         self._run_samples = sum(r.trained for r in views.get("layer0", []))
         self._run_heals = sum(r.heals for records in views.values() for r in records)
-        if self.gate is not None:  # every driver, reachable or not: the labels need each one's shard claim
+        if self.gate is not None and layer0_fresh:  # every driver, reachable or not: the labels need each one's shard
             self._loop.call_soon_threadsafe(self.gate.set_drivers, list(views.get("layer0", [])))
         # Nobody dials a peer that says it cannot be dialled (behind NAT): no route, pull or edge to it. A peer
         # that cannot be dialled itself takes no edges either (its neighbours would wait on swaps it cannot
@@ -412,10 +435,8 @@ class SwarmPeer:
         if self.driver is None:
             return
         online = {name: [r.peer_id for r in records if r.state == "online"] for name, records in views.items()}
-        self._held_views.append({r.shard for r in every.get("layer0", [])
-                                 if r.state == "online" and r.peer_id != me and r.shard >= 0})
-        held = set().union(*self._held_views)
-        unheld = [i for i in range(len(self.driver.shards)) if i not in held]
+        self._held.note(every.get("layer0", []), me, fresh=layer0_fresh)
+        unheld = self._held.unheld(len(self.driver.shards))
 
         def apply() -> None:
             for name, ids in online.items():

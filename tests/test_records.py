@@ -162,3 +162,19 @@ def test_a_failed_read_is_retried_at_the_next_heartbeat():
     assert schedule.due(["layer1"], "layer1", False, 5) == []  # 16 peers: read again 4 heartbeats later
     schedule.done({"layer1": []})  # ... unless the read came back empty (failed, or the swarm emptied)
     assert schedule.due(["layer1"], "layer1", False, 5) == ["layer1"]
+
+
+def test_a_driver_counts_reads_of_layer0_not_heartbeats_when_it_decides_a_shard_is_unheld():
+    from swarm.peer import HELD_MEMORY_VIEWS, HeldShards
+    from swarm.records import MemberRecord
+
+    holder = MemberRecord(peer_id="holder", state="online", version="v", started_at=1.0, updated_at=2.0, shard=1)
+    held = HeldShards()
+    held.note([holder], me="me")
+    held.note([], me="me")  # a read that missed the holder's record (a loaded machine)
+    for _ in range(2 * HELD_MEMORY_VIEWS):  # ... kept for heartbeats until layer0's next read
+        held.note([], me="me", fresh=False)
+    assert held.unheld(3) == [0, 2]  # one missed read is not "nobody holds shard 1"
+    for _ in range(HELD_MEMORY_VIEWS - 1):
+        held.note([], me="me")
+    assert held.unheld(3) == [0, 1, 2]  # HELD_MEMORY_VIEWS reads in a row without it: shard 1 is free

@@ -43,6 +43,7 @@ class Announcer:
         from swarm.membership import ReadSchedule
 
         self.reads = ReadSchedule()  # which swarms each heartbeat reads (swarm/membership.py read_period)
+        self.fresh: set[str] = set()  # the swarms the last heartbeat read
 
     def tick(self, now_s: float) -> None:
         if now_s >= self.next_beat_s:
@@ -67,6 +68,7 @@ class Announcer:
             names = self.reads.due(names, node.swarm, drives, node.run.timeouts.others_every_heartbeats)
         read = node.membership.read_all(names) if names else {}
         self.reads.done(read)
+        self.fresh = set(read)
         self.views = {**self.views, **read}
 
     def choose_shard(self) -> None:
@@ -107,7 +109,7 @@ class Announcer:
             logger.warning("reading the swarms failed: %s", exc)
         if node.peer is not None:
             self.rebalance_shard()
-            node.peer.update_views(self.views)
+            node.peer.update_views(self.views, fresh=self.fresh)
         snap = board.snapshot()
         self._history_speed.append(snap.samples_per_s)
         if snap.loss is not None:
