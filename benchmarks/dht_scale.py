@@ -120,13 +120,17 @@ class NodeDHT:
     ``return_future=True``), over a ``DHTNode`` running on the benchmark's event loop."""
 
     def __init__(self, node: Any, loop: asyncio.AbstractEventLoop):
+        from swarm.nodedht import RecordStores
+
         self.node, self.loop = node, loop
+        self.stores = RecordStores()
         self.gets = 0
 
     def store(self, key: Any, value: Any, expiration_time: float, subkey: Any = None, return_future: bool = False,
-              **kwargs: Any) -> Any:
-        future = asyncio.run_coroutine_threadsafe(self.node.store(key, value, expiration_time, subkey=subkey, **kwargs),
-                                                  self.loop)
+              beam_size: int = 20) -> Any:
+        """As the volunteer's node stores its record (swarm/nodedht.py ``InProcessDHT.store``)."""
+        future = asyncio.run_coroutine_threadsafe(
+            self.stores.store(self.node, key, subkey, value, expiration_time, beam_size), self.loop)
         return future if return_future else future.result()
 
     def get(self, key: Any, latest: bool = False, return_future: bool = False, **kwargs: Any) -> Any:

@@ -27,6 +27,53 @@ from swarm.lightdht import LightDHT, _p2pd_in_group
 
 logger = logging.getLogger(__name__)
 
+REPLICAS_REFRESH_S = 60.0  # how long a key's nearest nodes, once found, take our record without a new search
+
+
+class RecordStores:
+    """A heartbeat's store, without a search of the DHT each time.
+
+    ``DHTNode.store`` first crawls toward the key to find its nearest nodes, and every node it asks that
+    holds the key answers with the key's whole value: for a swarm's key, every record of the swarm. Storing
+    our record each heartbeat that way costs in proportion to the swarm's size (benchmarks/dht_scale.py).
+    The nearest nodes of a key change only when nodes join or leave near it, so they are found once a
+    ``REPLICAS_REFRESH_S`` (with a full store, which also stores the record) and in between the signed record
+    goes straight to them (``call_store``, as ``DHTNode.store`` sends it). If none of them takes it, the next
+    store searches again. A node that joined near the key in between gets our record at the next search;
+    readers merge every replica they reach, so they still find it."""
+
+    def __init__(self) -> None:
+        self._replicas: dict[Any, tuple[float, list[Any]]] = {}  # key id -> (found at, peer ids)
+
+    async def store(self, node: Any, key: Any, subkey: Any, value: Any, expiration_time: float, beam_size: int) -> bool:
+        import dataclasses
+        import time
+
+        from hivemind.dht.routing import DHTID
+        from hivemind.dht.validation import DHTRecord
+
+        key_id = DHTID.generate(source=key)
+        found = self._replicas.get(key_id)
+        if found is not None and time.monotonic() - found[0] < REPLICAS_REFRESH_S:
+            serializer, validator = node.protocol.serializer, node.protocol.record_validator
+            value_bytes = serializer.dumps(value)
+            if validator is not None:
+                record = DHTRecord(key_id.to_bytes(), serializer.dumps(subkey), value_bytes, expiration_time)
+                value_bytes = validator.sign_value(record)
+            replies = await asyncio.gather(*(
+                node.protocol.call_store(peer_id, keys=[key_id], values=[value_bytes], expiration_time=[expiration_time],
+                                         subkeys=[subkey]) for peer_id in found[1]))
+            if any(reply and reply[0] for reply in replies):
+                return True
+            del self._replicas[key_id]  # they left, or refuse: search again
+        stored = await node.store(key, value, expiration_time, subkey=subkey, beam_size=beam_size)
+        nearest = await node.find_nearest_nodes([key_id], k_nearest=node.num_replicas, beam_size=beam_size,
+                                                exclude_self=True)
+        peers = list(nearest.get(key_id, {}).values())
+        if peers:
+            self._replicas[key_id] = (time.monotonic(), peers)
+        return bool(stored)
+
 
 class InProcessDHT(LightDHT):
     """A full DHT node (not a reader) on an event-loop thread of this process; see the module docstring."""
@@ -35,6 +82,7 @@ class InProcessDHT(LightDHT):
         super().__init__(settings, validators)
         self._thread.name = "dht-node"
         self.peer_id: Any = None
+        self._stores = RecordStores()
 
     async def _create(self) -> Any:
         from hivemind.dht.node import DHTNode
@@ -61,8 +109,14 @@ class InProcessDHT(LightDHT):
 
     def store(self, key: Any, value: Any, expiration_time: float, subkey: Any = None, return_future: bool = False,
               **kwargs: Any) -> Any:
-        future: Future = asyncio.run_coroutine_threadsafe(
-            self._node.store(key, value, expiration_time, subkey=subkey, **kwargs), self._loop)
+        """A record (a store with a subkey) goes to the key's nearest nodes as last found (``RecordStores``)."""
+        if subkey is not None and set(kwargs) <= {"beam_size"}:
+            from swarm.dht import GET_BEAM
+
+            coro = self._stores.store(self._node, key, subkey, value, expiration_time, kwargs.get("beam_size", GET_BEAM))
+        else:
+            coro = self._node.store(key, value, expiration_time, subkey=subkey, **kwargs)
+        future: Future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         return future if return_future else future.result()
 
     def get_visible_maddrs(self, latest: bool = False) -> list[Any]:

@@ -43,6 +43,12 @@ def test_an_in_process_node_announces_reads_serves_a_replica_and_leaves_nothing(
         assert membership_a.announce("layer1", record)
         seen = membership_b.read_all(["layer1"])["layer1"]
         assert [r.peer_id for r in seen] == [str(a.peer_id)]  # signed by a's identity key, checked by b
+        # the next heartbeat's store goes straight to the replicas the first one found (RecordStores)
+        assert a._stores._replicas
+        later = MemberRecord(peer_id=str(a.peer_id), state="paused", version="test", started_at=now,
+                             updated_at=now + 1)
+        assert membership_a.announce("layer1", later)
+        assert [r.state for r in membership_b.read_all(["layer1"])["layer1"]] == ["paused"]
 
         async def replica_id() -> str:  # what a stage does on its own loop
             p2p = await fresh_p2p(a)
