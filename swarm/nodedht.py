@@ -27,7 +27,7 @@ from swarm.lightdht import LightDHT, _p2pd_in_group
 
 logger = logging.getLogger(__name__)
 
-REPLICAS_REFRESH_S = 60.0  # how long a key's nearest nodes, once found, take our record without a new search
+REPLICAS_REFRESH_S = 30.0  # how long a key's nearest nodes, once found, take our record without a new search
 
 
 class RecordStores:
@@ -38,9 +38,11 @@ class RecordStores:
     our record each heartbeat that way costs in proportion to the swarm's size (benchmarks/dht_scale.py).
     The nearest nodes of a key change only when nodes join or leave near it, so they are found once a
     ``REPLICAS_REFRESH_S`` (with a full store, which also stores the record) and in between the signed record
-    goes straight to them (``call_store``, as ``DHTNode.store`` sends it). If none of them takes it, the next
-    store searches again. A node that joined near the key in between gets our record at the next search;
-    readers merge every replica they reach, so they still find it."""
+    goes straight to them (``call_store``, as ``DHTNode.store`` sends it). A node that does not take it is
+    dropped from the set; with fewer than ``num_replicas`` // 2 + 1 left, or fewer than ``num_replicas`` found
+    (a DHT still forming), the next store searches again (this one searches at once only if nobody took
+    the record). A node that joined near the key in between gets
+    our record at the next search; readers merge every replica they reach, so they still find it."""
 
     def __init__(self) -> None:
         self._replicas: dict[Any, tuple[float, list[Any]]] = {}  # key id -> (found at, peer ids)
@@ -63,14 +65,18 @@ class RecordStores:
             replies = await asyncio.gather(*(
                 node.protocol.call_store(peer_id, keys=[key_id], values=[value_bytes], expiration_time=[expiration_time],
                                          subkeys=[subkey]) for peer_id in found[1]))
-            if any(reply and reply[0] for reply in replies):
+            took = [peer_id for peer_id, reply in zip(found[1], replies) if reply and reply[0]]
+            if len(took) > node.num_replicas // 2:
+                self._replicas[key_id] = (found[0], took)
+            else:
+                del self._replicas[key_id]  # they left, or refuse: the next store searches again
+            if took:  # stored (again now, this same record would be refused as not newer)
                 return True
-            del self._replicas[key_id]  # they left, or refuse: search again
         stored = await node.store(key, value, expiration_time, subkey=subkey, beam_size=beam_size)
         nearest = await node.find_nearest_nodes([key_id], k_nearest=node.num_replicas, beam_size=beam_size,
                                                 exclude_self=True)
         peers = list(nearest.get(key_id, {}).values())
-        if peers:
+        if len(peers) >= node.num_replicas:
             self._replicas[key_id] = (time.monotonic(), peers)
         return bool(stored)
 

@@ -31,12 +31,13 @@ def test_an_in_process_node_announces_reads_serves_a_replica_and_leaves_nothing(
     nodes = []
     try:
         maddr = [str(m) for m in boot.get_visible_maddrs()][0]
-        for name in ("a", "b"):
+        for name in "abcdef":  # a record's replicas are remembered once num_replicas (5) other nodes exist
             identity, lock = claim_identity(None, tmp_path / name)
             validators = make_validators(run.run_id, run.swarm_names, identity)
             dht = start_node_dht(DHTSettings(initial_peers=[maddr], identity_path=identity), validators)
             nodes.append((dht, Membership(dht, run, validators[0].local_public_key), lock))
-        (a, membership_a, _), (b, membership_b, _) = nodes
+        (a, membership_a, _), (b, membership_b, _) = nodes[:2]
+        assert len(_p2pd_children() - daemons_before) == len(nodes)  # one daemon per node, no DHT process
         assert str(a.peer_id) != str(b.peer_id) and a.get_visible_maddrs()
         now = time.time()
         record = MemberRecord(peer_id=str(a.peer_id), state="online", version="test", started_at=now, updated_at=now)
@@ -49,6 +50,13 @@ def test_an_in_process_node_announces_reads_serves_a_replica_and_leaves_nothing(
                              updated_at=now + 1)
         assert membership_a.announce("layer1", later)
         assert [r.state for r in membership_b.read_all(["layer1"])["layer1"]] == ["paused"]
+        # replicas that leave are dropped, and with too few left the next store searches again
+        for dht, _, _ in nodes[3:]:
+            shutdown_dht(dht)
+        latest = MemberRecord(peer_id=str(a.peer_id), state="online", version="test", started_at=now,
+                              updated_at=now + 2)
+        assert membership_a.announce("layer1", latest)
+        assert [r.updated_at for r in membership_b.read_all(["layer1"])["layer1"]] == [now + 2]
 
         async def replica_id() -> str:  # what a stage does on its own loop
             p2p = await fresh_p2p(a)
@@ -58,7 +66,6 @@ def test_an_in_process_node_announces_reads_serves_a_replica_and_leaves_nothing(
                 await p2p.shutdown()
 
         assert asyncio.run(replica_id()) == str(a.peer_id)
-        assert len(_p2pd_children() - daemons_before) == 2  # one daemon per node, no DHT process
     finally:
         for dht, _, lock in nodes:
             shutdown_dht(dht)
