@@ -36,49 +36,57 @@ class RecordStores:
     ``DHTNode.store`` first crawls toward the key to find its nearest nodes, and every node it asks that
     holds the key answers with the key's whole value: for a swarm's key, every record of the swarm. Storing
     our record each heartbeat that way costs in proportion to the swarm's size (benchmarks/dht_scale.py).
-    The nearest nodes of a key change only when nodes join or leave near it, so they are found once a
-    ``REPLICAS_REFRESH_S`` (with a full store, which also stores the record) and in between the signed record
-    goes straight to them (``call_store``, as ``DHTNode.store`` sends it). A node that does not take it is
-    dropped from the set; with fewer than ``num_replicas`` // 2 + 1 left, or fewer than ``num_replicas`` found
-    (a DHT still forming), the next store searches again (this one searches at once only if nobody took
-    the record). A node that joined near the key in between gets
-    our record at the next search; readers merge every replica they reach, so they still find it."""
+    The nearest nodes of a key change only when nodes join or leave near it, so they are searched for once
+    a ``REPLICAS_REFRESH_S`` (one search, as ``DHTNode.store``'s own) and the signed record goes straight to
+    them (``call_store``, as ``DHTNode.store`` sends it), then and until the next search. A node that does
+    not take it is dropped from the set; with fewer than ``num_replicas`` // 2 + 1 left, or fewer than
+    ``num_replicas`` found (a small DHT, or one still forming), the next store searches again. If nobody
+    takes it, hivemind's own store runs (which may also keep it on this node). A node that joined near the
+    key in between gets our record at the next search; readers merge every replica they reach."""
 
     def __init__(self) -> None:
         self._replicas: dict[Any, tuple[float, list[Any]]] = {}  # key id -> (found at, peer ids)
 
     async def store(self, node: Any, key: Any, subkey: Any, value: Any, expiration_time: float, beam_size: int) -> bool:
-        import dataclasses
         import time
 
         from hivemind.dht.routing import DHTID
-        from hivemind.dht.validation import DHTRecord
 
         key_id = DHTID.generate(source=key)
         found = self._replicas.get(key_id)
         if found is not None and time.monotonic() - found[0] < REPLICAS_REFRESH_S:
-            serializer, validator = node.protocol.serializer, node.protocol.record_validator
-            value_bytes = serializer.dumps(value)
-            if validator is not None:
-                record = DHTRecord(key_id.to_bytes(), serializer.dumps(subkey), value_bytes, expiration_time)
-                value_bytes = validator.sign_value(record)
-            replies = await asyncio.gather(*(
-                node.protocol.call_store(peer_id, keys=[key_id], values=[value_bytes], expiration_time=[expiration_time],
-                                         subkeys=[subkey]) for peer_id in found[1]))
-            took = [peer_id for peer_id, reply in zip(found[1], replies) if reply and reply[0]]
+            took = await self._send(node, key_id, subkey, value, expiration_time, found[1])
             if len(took) > node.num_replicas // 2:
                 self._replicas[key_id] = (found[0], took)
             else:
                 del self._replicas[key_id]  # they left, or refuse: the next store searches again
-            if took:  # stored (again now, this same record would be refused as not newer)
+            if took:  # stored (sent again now, this same record would be refused as not newer)
                 return True
-        stored = await node.store(key, value, expiration_time, subkey=subkey, beam_size=beam_size)
+        # one search, as DHTNode.store's own, then the same direct stores
         nearest = await node.find_nearest_nodes([key_id], k_nearest=node.num_replicas, beam_size=beam_size,
                                                 exclude_self=True)
         peers = list(nearest.get(key_id, {}).values())
-        if len(peers) >= node.num_replicas:
-            self._replicas[key_id] = (time.monotonic(), peers)
-        return bool(stored)
+        took = await self._send(node, key_id, subkey, value, expiration_time, peers) if peers else []
+        if len(peers) >= node.num_replicas and len(took) > node.num_replicas // 2:
+            self._replicas[key_id] = (time.monotonic(), took)
+        if took:
+            return True
+        return bool(await node.store(key, value, expiration_time, subkey=subkey, beam_size=beam_size))
+
+    @staticmethod
+    async def _send(node: Any, key_id: Any, subkey: Any, value: Any, expiration_time: float, peers: list[Any]) -> list[Any]:
+        """The signed record to each of ``peers`` (``call_store``, as DHTNode.store sends it); those that took it."""
+        from hivemind.dht.validation import DHTRecord
+
+        serializer, validator = node.protocol.serializer, node.protocol.record_validator
+        value_bytes = serializer.dumps(value)
+        if validator is not None:
+            value_bytes = validator.sign_value(DHTRecord(key_id.to_bytes(), serializer.dumps(subkey), value_bytes,
+                                                         expiration_time))
+        replies = await asyncio.gather(*(
+            node.protocol.call_store(peer_id, keys=[key_id], values=[value_bytes], expiration_time=[expiration_time],
+                                     subkeys=[subkey]) for peer_id in peers))
+        return [peer_id for peer_id, reply in zip(peers, replies) if reply and reply[0]]
 
 
 class InProcessDHT(LightDHT):
