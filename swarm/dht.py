@@ -174,7 +174,19 @@ def start_dht(settings: DHTSettings, validators: list[Any]) -> Any:
                     logger.debug("could not join process group %s: %s", settings.process_group, exc)
             super().run()
 
+    dht = _GroupedDHT(start=False, record_validators=validators, **node_kwargs(settings))
+    try:
+        dht.run_in_background(await_ready=True, timeout=settings.start_timeout_s)
+    except Exception as exc:  # hivemind raises plain exceptions for bootstrap failures
+        shutdown_dht(dht)
+        raise start_error(exc, settings) from None
+    return dht
+
+
+def node_kwargs(settings: DHTSettings) -> dict[str, Any]:
+    """hivemind DHTNode.create's arguments for these settings (``hivemind.DHT`` passes them on as they are)."""
     kwargs: dict[str, Any] = dict(
+        initial_peers=settings.initial_peers or None,
         host_maddrs=settings.host_maddrs,
         use_relay=settings.use_relay,
         use_auto_relay=settings.use_auto_relay,
@@ -186,19 +198,15 @@ def start_dht(settings: DHTSettings, validators: list[Any]) -> Any:
         kwargs["announce_maddrs"] = settings.announce_maddrs
     if settings.identity_path is not None:
         kwargs["identity_path"] = str(settings.identity_path)
-    dht = _GroupedDHT(initial_peers=settings.initial_peers or None, start=False, record_validators=validators, **kwargs)
-    try:
-        dht.run_in_background(await_ready=True, timeout=settings.start_timeout_s)
-    except TimeoutError:
-        shutdown_dht(dht)
-        raise DHTStartError(
-            f"the DHT did not start within {settings.start_timeout_s:.0f} s; "
-            "check that the listen addresses are free (another process on the same port?)"
-        ) from None
-    except Exception as exc:  # hivemind raises plain exceptions for bootstrap failures
-        shutdown_dht(dht)
-        raise DHTStartError(explain_start_failure(exc, settings.initial_peers)) from None
-    return dht
+    return kwargs
+
+
+def start_error(exc: BaseException, settings: DHTSettings) -> DHTStartError:
+    """Why a DHT node did not start, with what to try."""
+    if isinstance(exc, TimeoutError):
+        return DHTStartError(f"the DHT did not start within {settings.start_timeout_s:.0f} s; "
+                             "check that the listen addresses are free (another process on the same port?)")
+    return DHTStartError(explain_start_failure(exc, settings.initial_peers))
 
 
 def explain_start_failure(exc: BaseException, initial_peers: list[str]) -> str:

@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 LAZY_PACKAGES = ("hivemind", "hivemind.utils", "hivemind.dht")
 READER_BOOTSTRAP_S = 0.0  # hivemind's default waits for other initial peers and a lookup of our own id
 STOP_S = 5.0
+SYNC_CALL_S = 60.0  # a call without return_future waits at most this (Membership always asks for a future)
 
 
 def _reexports(init_path: str, package: str) -> dict[str, str]:
@@ -139,7 +140,7 @@ class LightDHT:
 
     def get(self, key: Any, latest: bool = False, return_future: bool = False, **kwargs: Any) -> Any:
         future: Future = asyncio.run_coroutine_threadsafe(self._node.get(key, latest=latest, **kwargs), self._loop)
-        return future if return_future else future.result()
+        return future if return_future else future.result(SYNC_CALL_S)
 
     def shutdown(self) -> None:
         """Stop the node and p2pd, then the loop; idempotent."""

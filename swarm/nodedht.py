@@ -7,7 +7,7 @@ read schedule that keeps a peer's DHT work flat (swarm/membership.py ``read_peri
 CPU per heartbeat (benchmarks/dht_scale.py). ``InProcessDHT`` runs the same ``DHTNode``, with the same
 settings, validators and p2pd, on an event-loop thread of the volunteer's own process, and offers the part
 of ``hivemind.DHT`` the node uses: ``get``/``store`` (futures with ``result(timeout)``), ``peer_id``,
-``get_visible_maddrs``, ``run_coroutine`` and the daemon's address for ``swarm.dht.fresh_p2p``, and
+``get_visible_maddrs`` and the daemon's address for ``swarm.dht.fresh_p2p``, and
 ``shutdown``/``join``/``is_alive``/``kill`` for ``swarm.dht.shutdown_dht``.
 
 What changes for the process: p2pd is its only helper (it joins the watchdog's group, as before); the
@@ -23,7 +23,7 @@ import logging
 from concurrent.futures import Future
 from typing import Any
 
-from swarm.lightdht import LightDHT, _p2pd_in_group
+from swarm.lightdht import SYNC_CALL_S, LightDHT, _p2pd_in_group
 
 logger = logging.getLogger(__name__)
 
@@ -102,20 +102,12 @@ class InProcessDHT(LightDHT):
         from hivemind.dht.node import DHTNode
         from hivemind.dht.validation import CompositeValidator
 
-        from swarm.dht import NODE_TUNING, _apply_hivemind_fixes
+        from swarm.dht import _apply_hivemind_fixes, node_kwargs
 
         _apply_hivemind_fixes()
-        s = self.settings
-        kwargs: dict[str, Any] = dict(initial_peers=s.initial_peers or None, host_maddrs=s.host_maddrs,
-                                      use_relay=s.use_relay, use_auto_relay=s.use_auto_relay, client_mode=s.client_mode,
-                                      check_if_identity_free=False, record_validator=CompositeValidator(self._validators),
-                                      **NODE_TUNING)
-        if s.announce_maddrs:
-            kwargs["announce_maddrs"] = s.announce_maddrs
-        if s.identity_path is not None:
-            kwargs["identity_path"] = str(s.identity_path)
-        with _p2pd_in_group(s.process_group):
-            node = await DHTNode.create(**kwargs)
+        with _p2pd_in_group(self.settings.process_group):  # what start_dht's hivemind.DHT would create
+            node = await DHTNode.create(record_validator=CompositeValidator(self._validators),
+                                        **node_kwargs(self.settings))
         self.peer_id = node.peer_id
         return node
 
@@ -131,15 +123,11 @@ class InProcessDHT(LightDHT):
         else:
             coro = self._node.store(key, value, expiration_time, subkey=subkey, **kwargs)
         future: Future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        return future if return_future else future.result()
+        return future if return_future else future.result(SYNC_CALL_S)
 
     def get_visible_maddrs(self, latest: bool = False) -> list[Any]:
-        return asyncio.run_coroutine_threadsafe(self._node.get_visible_maddrs(latest=latest), self._loop).result(30)
-
-    def run_coroutine(self, coro: Any, return_future: bool = False) -> Any:
-        """``coro(self, node)`` on the node's loop, as ``hivemind.DHT.run_coroutine`` calls it."""
-        future: Future = asyncio.run_coroutine_threadsafe(coro(self, self._node), self._loop)
-        return future if return_future else future.result()
+        return asyncio.run_coroutine_threadsafe(self._node.get_visible_maddrs(latest=latest),
+                                                self._loop).result(SYNC_CALL_S)
 
     def daemon_listen_maddr(self) -> Any:
         """p2pd's control address (set once, when the node started), for a P2P replica on the caller's own
@@ -160,14 +148,9 @@ class InProcessDHT(LightDHT):
 
 def start_node_dht(settings: Any, validators: list[Any]) -> InProcessDHT:
     """Start an InProcessDHT; raise swarm.dht.DHTStartError with advice (as start_dht does) when it fails."""
-    from swarm.dht import DHTStartError, explain_start_failure
+    from swarm.dht import start_error
 
     try:
         return InProcessDHT(settings, validators).start()
-    except TimeoutError:
-        raise DHTStartError(
-            f"the DHT did not start within {settings.start_timeout_s:.0f} s; "
-            "check that the listen addresses are free (another process on the same port?)"
-        ) from None
     except Exception as exc:  # hivemind raises plain exceptions for bootstrap failures
-        raise DHTStartError(explain_start_failure(exc, settings.initial_peers)) from None
+        raise start_error(exc, settings) from None
