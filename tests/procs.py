@@ -67,13 +67,17 @@ class Proc:
     def stderr(self) -> str:
         return self.stderr_path.read_text(errors="replace")
 
+    def check_running(self) -> None:
+        """Raise, with the end of its stderr, if the process has exited."""
+        if self.popen.poll() is not None:
+            raise RuntimeError(f"{self.name} exited {self.popen.returncode}: {self.stderr()[-2000:]}")
+
     def first_json_line(self, timeout_s: float = 60.0) -> dict:
         def line():
             text = self.stdout()
             if "\n" in text:
                 return text.split("\n", 1)[0]
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"{self.name} exited {self.popen.returncode}: {self.stderr()[-2000:]}")
+            self.check_running()
             return None
 
         return json.loads(wait_until(line, timeout_s, what=f"{self.name}'s first line"))
@@ -82,8 +86,7 @@ class Proc:
         def found():
             if needle in self.stdout():
                 return True
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"{self.name} exited {self.popen.returncode}: {self.stderr()[-2000:]}")
+            self.check_running()
             return False
 
         wait_until(found, timeout_s, what=f"{needle!r} from {self.name}")

@@ -38,8 +38,7 @@ def test_a_volunteer_behind_nat_joins_and_drives_and_nobody_routes_to_it(swarm, 
 
         def reached():
             for proc in swarm.procs:
-                if proc.popen.poll() is not None:
-                    raise RuntimeError(f"{proc.name} exited {proc.popen.returncode}: {proc.stderr()[-1500:]}")
+                proc.check_running()
             views = {f"layer{k}": reader.membership.read(f"layer{k}") for k in range(4)}
             reach = {name: sorted(r.reachable for r in records) for name, records in views.items()}
             accuracy, loss = latest_evaluation(views["layer0"])

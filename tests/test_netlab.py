@@ -161,8 +161,7 @@ def test_a_bootstrap_peer_and_four_volunteers_on_five_hosts_train_to_the_demo_ta
 
         def reached():
             for proc in swarm.procs:
-                if proc.popen.poll() is not None:
-                    raise RuntimeError(f"{proc.name} exited {proc.popen.returncode}: {proc.stderr()[-1500:]}")
+                proc.check_running()
             accuracy, loss = latest_evaluation(reader.membership.read("layer0"))
             return (accuracy, loss) if target_reached(target, accuracy, loss) else None
 
