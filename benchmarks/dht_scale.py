@@ -117,7 +117,10 @@ def _can_unshare() -> bool:
 
 class NodeDHT:
     """The part of ``hivemind.DHT`` that ``swarm.membership.Membership`` calls (``store`` and ``get`` with
-    ``return_future=True``), over a ``DHTNode`` running on the benchmark's event loop."""
+    ``return_future=True``), over a ``DHTNode`` running on the benchmark's event loop. It is the volunteer's
+    ``swarm.nodedht.InProcessDHT`` without a loop thread of its own: the store is the same ``RecordStores``,
+    the get the same ``DHTNode.get``; one loop for all the nodes keeps 65 threads' contention for the GIL,
+    which no volunteer has, out of the figures per peer."""
 
     def __init__(self, node: Any, loop: asyncio.AbstractEventLoop):
         from swarm.nodedht import RecordStores
