@@ -83,7 +83,7 @@ def _labels(choice: str) -> str:
         return choice
     import inspect
 
-    from swarm import stage_rpc
+    from swarm.pipeline import stage_rpc
 
     return "ids" if "wrong_shard" in inspect.getsource(stage_rpc) else "targets"
 
@@ -128,7 +128,7 @@ def _run_config(name: str, optimizer: str, heartbeat_s: float = 1.0) -> dict[str
 
 def _run(fleet: Fleet, maddr: str, attack: Attack | None, shape: tuple, s: Settings) -> dict[str, Any]:
     """One run: start, train warm_s, attack attack_s (or not), watch after_s, stop. Returns its figures."""
-    from swarm.runconfig import RunConfig
+    from swarm.run.runconfig import RunConfig
 
     per_swarm, optimizer, busy = shape
     label = attack.name if attack else "clean-" + "-".join(map(str, shape))

@@ -145,7 +145,7 @@ def _start_poison(handle: Handle) -> None:
 
 async def _driver_loop(handle: Handle, labels: str, honest_shard: int) -> None:
     """Gradient and label attacks: ``CONCURRENCY`` requests at a time until stopped."""
-    from swarm.data import make_shards
+    from swarm.run.data import make_shards
 
     hostile, attack = handle.hostile, handle.attack
     oracle = CopyOracle(hostile)

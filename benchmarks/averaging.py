@@ -7,7 +7,7 @@ the same run, because absolute times on a shared 2-core machine drift:
 
 - ``accuracy_ratio_iid`` / ``accuracy_ratio_skewed``: `volunteer demo --per-swarm 2` of the default
   digits run (4 swarms x 2 peers, Dpwa as configured) for a fixed time, then the test accuracy it
-  published over the accuracy of ``swarm.local.train_local`` (one process, same data, model,
+  published over the accuracy of ``swarm.run.local.train_local`` (one process, same data, model,
   optimizer and batch size) after the same number of samples. ``skewed``: the same with
   ``data.partition: label_skewed`` (8 of 10 classes per shard).
 - ``pull_mb_s``: a 40 MB layer (10 x 1M float32) pulled with ``fetch_params`` from another process
@@ -81,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _bench_run(name: str, **averaging: Any) -> Any:
-    from swarm.runconfig import RunConfig
+    from swarm.run.runconfig import RunConfig
 
     return RunConfig.model_validate({"name": name, "averaging": averaging})
 
@@ -117,8 +117,8 @@ def _start_demo(fleet: Fleet, partition: str, demo_s: float) -> tuple[str, Any, 
 def _finish_demo(fleet: Fleet, partition: str, path: Any, demo: Any, demo_s: float) -> dict[str, Any]:
     import yaml
 
-    from swarm.local import train_local
-    from swarm.runconfig import RunConfig
+    from swarm.run.local import train_local
+    from swarm.run.runconfig import RunConfig
 
     key = "iid" if partition == "iid" else "skewed"
     wait_until(lambda: demo.popen.poll() is not None, demo_s + DEMO_GRACE_S, f"the {partition} demo to finish",
@@ -146,7 +146,7 @@ class _FakeWorker:
         self.lock = threading.Lock()
 
     def capture(self, include_optimizer: bool = False) -> Any:
-        from swarm.stage import WorkerState
+        from swarm.pipeline.stage import WorkerState
 
         with self.lock:
             params = {name: t.clone() for name, t in self.tensors.items()}
@@ -167,8 +167,8 @@ def _serve() -> int:
     from hivemind.compression import NoCompression
 
     from swarm.averaging.params_rpc import ParamsServicer
-    from swarm.dht import DHTSettings, fresh_p2p, shutdown_dht, start_dht
-    from swarm.stage_rpc import stage_namespace
+    from swarm.dht.dht import DHTSettings, fresh_p2p, shutdown_dht, start_dht
+    from swarm.pipeline.stage_rpc import stage_namespace
 
     layer = _layer()
     payload = b"".join(t.numpy().tobytes() for t in layer.values())
@@ -245,7 +245,7 @@ class _PullClient:
         import hivemind
         import torch
 
-        from swarm.dht import fresh_p2p
+        from swarm.dht.dht import fresh_p2p
 
         self.fleet = fleet
         self.donor = maddrs[0].rsplit("/p2p/", 1)[1]
@@ -322,8 +322,8 @@ def _overhead(fleet: Fleet, warmup_s: float, window_s: float) -> dict[str, Any]:
 
 def _alternating_rates(fleet: Fleet, run: Any, warmup_s: float, window_s: float) -> dict[str, float]:
     """Samples/s of a 2-peers-per-swarm pipeline in this process, its records fed by hand each second."""
-    from swarm.peer import SwarmPeer
-    from swarm.records import MemberRecord
+    from swarm.pipeline.peer import SwarmPeer
+    from swarm.dht.records import MemberRecord
 
     first = fleet.dht([], [])
     maddrs = [str(m) for m in first.get_visible_maddrs()]

@@ -3,7 +3,7 @@
 In one process, without a network: a chain of ``StageWorker``s trained exactly as a pipeline trains
 them (forward through every stage, ``forward_backward`` at the last, ``backward`` down to stage 0),
 by two drivers that alternate micro-batches from their own shards, each a named requester at every
-stage. The same samples train the reference model of ``swarm.local`` (no bounds). Prints, per setup:
+stage. The same samples train the reference model of ``swarm.run.local`` (no bounds). Prints, per setup:
 accuracy of both at equal samples, the fraction of updates clipped and of steps shortened per stage,
 the drivers' cosines with the swarm's direction (the mean over each window of ``ascent_min_updates``:
 its minimum is what the ban threshold must stay below), and the guard's cost per step.
@@ -21,11 +21,11 @@ import time
 import numpy as np
 import torch
 
-from swarm.data import MicroBatches, load_dataset, make_shards
+from swarm.run.data import MicroBatches, load_dataset, make_shards
 from swarm.integrity.requesters import RequesterBook
-from swarm.local import train_local
-from swarm.runconfig import RunConfig
-from swarm.stage import StageWorker
+from swarm.run.local import train_local
+from swarm.run.runconfig import RunConfig
+from swarm.pipeline.stage import StageWorker
 from volunteer.config import load_run
 
 # the bounds as good as off: clipping at 1000x the median, any step (ceiling ||theta|| / lr), no bans

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(fleet: Fleet, maddr: str, label: str, args: Any, rng: random.Random, churn: bool) -> dict[str, Any]:
-    from swarm.runconfig import RunConfig
+    from swarm.run.runconfig import RunConfig
 
     config = run_config(f"churn-{label}-{int(time.time())}", args.stages)
     run = RunConfig.model_validate(config)

@@ -46,7 +46,7 @@ def measure_run(name: str, samples: int, seeds: tuple[int, ...], ranks: tuple[in
     import torch
 
     from benchmarks.codecs_train import train_coded
-    from swarm.data import load_dataset
+    from swarm.run.data import load_dataset
 
     torch.set_num_threads(1)
     run = load_run_config(ROOT / "configs" / "runs" / f"{name}.yaml")

@@ -139,7 +139,7 @@ def write_run(path: Path, config: dict[str, Any]) -> Path:
 
 
 def load_run_config(path: Path) -> Any:
-    from swarm.runconfig import RunConfig
+    from swarm.run.runconfig import RunConfig
 
     return RunConfig.model_validate(yaml.safe_load(path.read_text()))
 

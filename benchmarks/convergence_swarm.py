@@ -9,7 +9,7 @@ true accuracy, whatever the peers publish); the cell ends at the last sample poi
 
 At each sample point (digits: 10k and 30k run-wide samples, before the data set saturates) the
 cell's figure is the worst chain's true accuracy at the first sample at or after the point, over
-``swarm.local.train_local`` (one process, same model, optimizer, data and batch size) trained on
+``swarm.run.local.train_local`` (one process, same model, optimizer, data and batch size) trained on
 exactly as many samples: ``ratio`` 1.0 means the swarm learns as much from a sample as one process.
 
 Axes (comma-separated): ``--optimizers`` sgd_momentum (lr 0.05, momentum 0.9) and adam (lr 1e-3);
@@ -214,7 +214,7 @@ def cell_config(label: str, optimizer: str, mode: str, partition: str, peers: in
 
 def _cell(fleet: Fleet, maddr: str, label: str, config: dict[str, Any], peers: int, stages: int, busy: int,
           points: tuple[int, ...], args: Any) -> dict[str, Any]:
-    from swarm.runconfig import RunConfig
+    from swarm.run.runconfig import RunConfig
 
     run = RunConfig.model_validate(config)
     path = write_run(fleet.workdir / f"{label}.yaml", config)
@@ -285,9 +285,9 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def bits_per_byte(oracle: CopyOracle) -> float:
-    """A language-model chain's test loss in bits per byte (swarm.local.evaluate, as one process is measured)."""
-    from swarm.local import evaluate
-    from swarm.models import bits_per_char
+    """A language-model chain's test loss in bits per byte (swarm.run.local.evaluate, as one process is measured)."""
+    from swarm.run.local import evaluate
+    from swarm.run.models import bits_per_char
 
     return bits_per_char(evaluate(oracle.stages, oracle.dataset, oracle.run.model)[1])
 
@@ -311,7 +311,7 @@ def _rate(curve: list[tuple[int, float, float, int]]) -> float | None:
 
 
 class LocalBaseline:
-    """One process (swarm.local.train_local) at exact sample counts, cached per config (its name aside)."""
+    """One process (swarm.run.local.train_local) at exact sample counts, cached per config (its name aside)."""
 
     def __init__(self) -> None:
         self.cache: dict[tuple[str, int], float] = {}
@@ -320,8 +320,8 @@ class LocalBaseline:
     def accuracy(self, config: dict[str, Any], samples: int) -> float:
         import json
 
-        from swarm.local import train_local
-        from swarm.runconfig import RunConfig
+        from swarm.run.local import train_local
+        from swarm.run.runconfig import RunConfig
 
         key_config = {k: v for k, v in config.items() if k not in ("name", "averaging", "timeouts")}
         key = (json.dumps(key_config, sort_keys=True), samples)

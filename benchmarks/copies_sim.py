@@ -1,8 +1,8 @@
 """Why N averaging copies learn less per sample than one process: a simulation, in one process, of the
 live matrix's digits cells (issue 11, item 4), without the swarm's timing.
 
-N copies of the digits MLP (the swarm's model, optimizer and data: ``swarm.models``, ``swarm.local``,
-``swarm.data``) each train on their own shard, one micro-batch in turn; after each step a copy pulls a
+N copies of the digits MLP (the swarm's model, optimizer and data: ``swarm.run.models``, ``swarm.run.local``,
+``swarm.run.data``) each train on their own shard, one micro-batch in turn; after each step a copy pulls a
 random other copy with probability ``fetch`` and moves halfway to it (Dpwa with equal clocks). Each
 copy's optimizer runs at ``lr_mult`` x the run's lr. At each point (run-wide samples) the figure is the
 worst copy's test accuracy, averaged over seeds, against one process trained on as many samples (same
@@ -40,10 +40,10 @@ def simulate(optimizer: str, peers: int, fetch: float, lr_mult: float, partition
     """The worst copy's test accuracy at each point (run-wide samples)."""
     import torch
 
-    from swarm.data import load_dataset, make_shards
-    from swarm.local import evaluate, make_optimizer
-    from swarm.models import assemble, build_stages, loss_fn
-    from swarm.runconfig import RunConfig
+    from swarm.run.data import load_dataset, make_shards
+    from swarm.run.local import evaluate, make_optimizer
+    from swarm.run.models import assemble, build_stages, loss_fn
+    from swarm.run.runconfig import RunConfig
 
     opt = dict(OPTIMIZERS[optimizer], lr=OPTIMIZERS[optimizer]["lr"] * lr_mult)
     run = RunConfig.model_validate({"name": "copies-sim", "model": {"kind": "mlp", "stages": 2, "hidden_dim": 128},

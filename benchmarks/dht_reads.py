@@ -12,7 +12,7 @@ their p2pd daemons).
 
 Prints one JSON object: per cell ``dht_cores_per_volunteer``, ``p2pd_cores_per_volunteer``,
 ``volunteer_cores_per_volunteer``, ``samples_per_s``, and ``dht_cpu_every5_vs_every1`` (the first cell's
-value over the second's), ``dht_cpu_remembering_vs_plain`` (swarm/validators.py: verdicts remembered, at
+value over the second's), ``dht_cpu_remembering_vs_plain`` (swarm/dht/validators.py: verdicts remembered, at
 5) and ``dht_cpu_now_vs_before`` (remembering at 5 over plain at 1).
 """
 
@@ -26,7 +26,7 @@ from typing import Any
 from benchmarks.common import finish, machine_notes, parser, ratio, rounded, say, write_run
 from benchmarks.fleet import Fleet, cpu_used
 from benchmarks.staleness import present, wait_online
-from swarm.validators import PLAIN_ENV
+from swarm.dht.validators import PLAIN_ENV
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from hostile import HostilePeer  # noqa: E402
@@ -61,7 +61,7 @@ def _parser() -> Any:
     out = parser("dht_reads", __doc__)
     out.add_argument("--every", default="1,5", help="timeouts.others_every_heartbeats per cell (comma-separated)")
     out.add_argument("--validators", default="plain,remembering", help="hivemind's validators (plain) or ours that "
-                     "remember verdicts (swarm/validators.py), per cell")
+                     "remember verdicts (swarm/dht/validators.py), per cell")
     out.add_argument("--stages", type=int, default=4)
     out.add_argument("--per-swarm", type=int, default=2)
     out.add_argument("--heartbeat-s", type=float, default=1.0)
@@ -71,7 +71,7 @@ def _parser() -> Any:
 
 
 def _cell(fleet: Fleet, maddr: str, every: int, args: Any, env: dict[str, str]) -> dict[str, Any]:
-    from swarm.runconfig import RunConfig
+    from swarm.run.runconfig import RunConfig
 
     config = {"name": f"dhtreads-{every}-{int(time.time())}", "model": {"kind": "mlp", "stages": args.stages},
               "training": {"batch_size": 32, "in_flight": 4, "eval_every_s": 10.0},

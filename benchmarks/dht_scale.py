@@ -2,7 +2,7 @@
 (issue 15, item 1).
 
 A real volunteer's DHT work each heartbeat is: store its signed record, then read the swarms it needs,
-both through ``swarm.membership`` (what ``volunteer/node/announcer.py`` calls). This benchmark runs that
+both through ``swarm.dht.membership`` (what ``volunteer/node/announcer.py`` calls). This benchmark runs that
 same code for ``N`` peers whose DHT nodes are hivemind ``DHTNode``s inside one process (each with its own
 identity, its own p2pd and the run's real validators, as ``volunteer join`` builds them): 64 full
 volunteers (540 MiB each) do not fit this machine, 64 DHT nodes do. Peers are spread round-robin over
@@ -116,14 +116,14 @@ def _can_unshare() -> bool:
 
 
 class NodeDHT:
-    """The part of ``hivemind.DHT`` that ``swarm.membership.Membership`` calls (``store`` and ``get`` with
+    """The part of ``hivemind.DHT`` that ``swarm.dht.membership.Membership`` calls (``store`` and ``get`` with
     ``return_future=True``), over a ``DHTNode`` running on the benchmark's event loop. It is the volunteer's
-    ``swarm.nodedht.InProcessDHT`` without a loop thread of its own: the store is the same ``RecordStores``,
+    ``swarm.dht.nodedht.InProcessDHT`` without a loop thread of its own: the store is the same ``RecordStores``,
     the get the same ``DHTNode.get``; one loop for all the nodes keeps 65 threads' contention for the GIL,
     which no volunteer has, out of the figures per peer."""
 
     def __init__(self, node: Any, loop: asyncio.AbstractEventLoop):
-        from swarm.nodedht import RecordStores
+        from swarm.dht.nodedht import RecordStores
 
         self.node, self.loop = node, loop
         self.stores = RecordStores()
@@ -131,7 +131,7 @@ class NodeDHT:
 
     def store(self, key: Any, value: Any, expiration_time: float, subkey: Any = None, return_future: bool = False,
               beam_size: int = 20) -> Any:
-        """As the volunteer's node stores its record (swarm/nodedht.py ``InProcessDHT.store``)."""
+        """As the volunteer's node stores its record (swarm/dht/nodedht.py ``InProcessDHT.store``)."""
         future = asyncio.run_coroutine_threadsafe(
             self.stores.store(self.node, key, subkey, value, expiration_time, beam_size), self.loop)
         return future if return_future else future.result()
@@ -146,8 +146,8 @@ class SimPeer:
     """One volunteer's heartbeat on the DHT, through the same calls a node makes."""
 
     def __init__(self, index: int, swarm: str, dht: NodeDHT, run: Any, signer: Any):
-        from swarm.membership import Membership, ReadSchedule
-        from swarm.records import peer_id_from_public_key, public_key_of_subkey
+        from swarm.dht.membership import Membership, ReadSchedule
+        from swarm.dht.records import peer_id_from_public_key, public_key_of_subkey
 
         self.peer_id = peer_id_from_public_key(public_key_of_subkey(signer.local_public_key))
         self.index, self.swarm, self.dht, self.run = index, swarm, dht, run
@@ -160,7 +160,7 @@ class SimPeer:
         self.schedule = ReadSchedule()  # the node's own (volunteer/node/announcer.py)
 
     def record(self) -> Any:
-        from swarm.records import MemberRecord
+        from swarm.dht.records import MemberRecord
 
         now = time.time()
         return MemberRecord(peer_id=self.peer_id, state="online", version="bench", started_at=self.started_at,
@@ -199,8 +199,8 @@ async def _cell(peers: int, args: Any) -> dict[str, Any]:
     from hivemind.dht.validation import CompositeValidator
     from hivemind.p2p import P2P
 
-    from swarm.dht import NODE_TUNING, _apply_hivemind_fixes, make_validators
-    from swarm.runconfig import RunConfig
+    from swarm.dht.dht import NODE_TUNING, _apply_hivemind_fixes, make_validators
+    from swarm.run.runconfig import RunConfig
 
     _apply_hivemind_fixes()
     run = RunConfig.model_validate({"name": "dhtscale", "model": {"stages": args.stages},

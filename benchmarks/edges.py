@@ -7,7 +7,7 @@ prints one JSON object (progress goes to stderr). For each skew and each mode, `
 digits-ecl --per-swarm N`` (2 swarms x N peers, default 2, real processes on 127.0.0.1; the run with only
 ``averaging.mode``, ``averaging.graph.kind`` and ``data.classes_per_shard`` changed, and ``data.shards``
 set to N so that each layer0 peer trains on its own classes only) trains for a fixed time, then its final test
-accuracy is divided by the accuracy of ``swarm.local.train_local`` (one process, all the data, the same
+accuracy is divided by the accuracy of ``swarm.run.local.train_local`` (one process, all the data, the same
 model, optimizer and batch size) after the same number of samples: ``ratio`` 1.0 means the swarm
 learned as well per sample as one machine with all the data. ``none`` (no averaging: every copy
 trains on what reaches it) and ``dpwa`` (pulls, clock interpolation) are our baselines; every mode
@@ -64,8 +64,8 @@ def _parser() -> argparse.ArgumentParser:
 def _demo(fleet: Fleet, mode: str, classes: int, demo_s: float, per_swarm: int, graph: str) -> dict[str, Any]:
     import yaml
 
-    from swarm.local import train_local
-    from swarm.runconfig import RunConfig
+    from swarm.run.local import train_local
+    from swarm.run.runconfig import RunConfig
     from volunteer.config import load_run
 
     run, _ = load_run("digits-ecl")

@@ -2,7 +2,7 @@
 
     python -m benchmarks.exchange [--json] [--epochs 100] [--classes-per-shard 2 5 8] [--nodes 8]
 
-A simulation with the project's own parts: the run's data split (swarm/data.py, with its validation
+A simulation with the project's own parts: the run's data split (swarm/run/data.py, with its validation
 split), label-skewed shards (``make_shards``), the simulator (swarm/ecl/simulate.py) with nodes of
 random speed, and the exchange rules the swarm runs (swarm/ecl/gossip.py: ``BestModelExchange`` is
 the old rule, lowest self-reported training-loss EMA; ``ValidatedExchange`` scores copies on the
@@ -32,13 +32,13 @@ def run(method: str, model_name: str, classes_per_shard: int, nodes: int, epochs
     import torch
     from torch.nn import functional as F
 
-    from swarm.data import load_dataset, make_shards
+    from swarm.run.data import load_dataset, make_shards
     from swarm.ecl.gossip import BestModelExchange, SgdNode, ValidatedExchange
     from swarm.ecl.graph import build_graph
     from swarm.ecl.models import FlatClassifier
     from swarm.ecl.simulate import SimConfig, simulate
     from swarm.ecl.study import MODELS, BatchOracle, peer_ids
-    from swarm.runconfig import DataConfig, ModelConfig
+    from swarm.run.runconfig import DataConfig, ModelConfig
 
     data = DataConfig(source="digits", shards=nodes, partition="label_skewed", classes_per_shard=classes_per_shard,
                       split_seed=seed)

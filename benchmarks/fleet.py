@@ -265,7 +265,7 @@ class Fleet:
 
     def dht(self, initial_peers: list[str], validators: list[Any], *, identity_path: Path | None = None,
             client_mode: bool = False) -> Any:
-        from swarm.dht import DHTSettings, start_dht
+        from swarm.dht.dht import DHTSettings, start_dht
 
         settings = DHTSettings(initial_peers=initial_peers, host_maddrs=[LOOPBACK], client_mode=client_mode,
                                identity_path=identity_path, process_group=self._process_group())
@@ -278,7 +278,7 @@ class Fleet:
         """Stop everything; returns the pids that had to be SIGKILLed after the orderly stop."""
         if self.closed:
             return []
-        from swarm.dht import shutdown_dht
+        from swarm.dht.dht import shutdown_dht
 
         for proc in reversed(self.procs):
             try:
@@ -311,7 +311,7 @@ class Fleet:
         return [pid for pid in group_members(pgid) if pid != pgid] if pgid is not None else []
 
     def close_dht(self, dht: Any) -> None:
-        from swarm.dht import shutdown_dht
+        from swarm.dht.dht import shutdown_dht
 
         shutdown_dht(dht)
         if dht in self.dhts:
@@ -370,7 +370,7 @@ def _close_all() -> None:
 
 def new_identity(path: Path) -> Path:
     """A libp2p identity file (a returning volunteer already has one, so key generation is not timed)."""
-    from swarm.dht import ensure_identity
+    from swarm.dht.dht import ensure_identity
 
     ensure_identity(path)
     return path

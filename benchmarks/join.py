@@ -162,9 +162,9 @@ def _time_import() -> float:
 
 def _join_once(fleet: Fleet, maddr: str, reader_dht: Any, name: str, probe: bool) -> dict[str, Any]:
     """Start a join as the first peer of a fresh run; time it until a reader sees its record."""
-    from swarm.dht import load_identity_key
-    from swarm.membership import Membership
-    from swarm.records import peer_id_from_public_key
+    from swarm.dht.dht import load_identity_key
+    from swarm.dht.membership import Membership
+    from swarm.dht.records import peer_id_from_public_key
 
     run_path = write_run(fleet.workdir / f"{name}.yaml", {"name": f"joinbench-{name}",
                                                            "timeouts": {"heartbeat_s": RECORD_HEARTBEAT_S}})
@@ -247,9 +247,9 @@ def _bare_join(fleet: Fleet, reader_dht: Any, maddr: str, name: str) -> dict[str
 
 
 def _get_latency(fleet: Fleet, run: Any, maddr: str, reader_dht: Any, peers: int, reads: int) -> dict[str, Any]:
-    from swarm.dht import make_validators
-    from swarm.membership import Membership
-    from swarm.records import MemberRecord
+    from swarm.dht.dht import make_validators
+    from swarm.dht.membership import Membership
+    from swarm.dht.records import MemberRecord
 
     reader = Membership(reader_dht, run, b"")
     say(f"starting {peers} announcing peers (in-process DHTs, one identity each)")
@@ -305,8 +305,8 @@ def _timed(call: Any, expect: int | None = None) -> float:
 
 def _split_read(reader: Any, swarm: str, expect: int) -> tuple[float, float]:
     """``Membership.read`` in its two steps: the DHT get (in the DHT process) and parsing the records."""
-    from swarm.membership import dht_time
-    from swarm.records import parse_swarm, swarm_key
+    from swarm.dht.membership import dht_time
+    from swarm.dht.records import parse_swarm, swarm_key
 
     started = time.perf_counter()
     found = reader.dht.get(swarm_key(reader.run.run_id, swarm), latest=True)

@@ -27,23 +27,23 @@ BARE_WAIT_S = 120.0
 # (module or class, attribute, step name): the steps timed by the instrumented runs (first call of each)
 JOIN_STEPS = [
     ("volunteer_cli.commands.common", "setup_process", "watchdog_and_signals"),
-    ("swarm.dht", "claim_identity", "import_hivemind_torch_and_identity"),
-    ("swarm.dht", "make_validators", "validators"),
-    ("swarm.dht", "start_dht", "dht_start"),
-    ("swarm.dht", "visible_maddrs", "visible_maddrs"),
-    ("swarm.membership.Membership", "read_all", "read_swarms"),
-    ("swarm.membership", "other_runs", "run_directory_check"),
-    ("swarm.membership", "publish_run", "run_directory_publish"),
+    ("swarm.dht.dht", "claim_identity", "import_hivemind_torch_and_identity"),
+    ("swarm.dht.dht", "make_validators", "validators"),
+    ("swarm.dht.dht", "start_dht", "dht_start"),
+    ("swarm.dht.dht", "visible_maddrs", "visible_maddrs"),
+    ("swarm.dht.membership.Membership", "read_all", "read_swarms"),
+    ("swarm.dht.membership", "other_runs", "run_directory_check"),
+    ("swarm.dht.membership", "publish_run", "run_directory_publish"),
     ("volunteer.node.Node", "_start_training", "start_training"),
-    ("swarm.membership.Membership", "announce", "announce"),
+    ("swarm.dht.membership.Membership", "announce", "announce"),
 ]
 STATUS_STEPS = [
     ("volunteer_cli.commands.status", "load_run", "load_run"),
     ("volunteer_cli.commands.common", "setup_process", "watchdog_and_signals"),
-    ("swarm.dht", "make_validators", "import_hivemind_dht_and_validators"),  # no torch (swarm/lightdht.py)
-    ("swarm.lightdht", "start_reader", "dht_start"),
-    ("swarm.membership.Membership", "read_all", "read_all"),
-    ("swarm.lightdht.LightDHT", "shutdown", "dht_shutdown"),
+    ("swarm.dht.dht", "make_validators", "import_hivemind_dht_and_validators"),  # no torch (swarm/dht/lightdht.py)
+    ("swarm.dht.lightdht", "start_reader", "dht_start"),
+    ("swarm.dht.membership.Membership", "read_all", "read_all"),
+    ("swarm.dht.lightdht.LightDHT", "shutdown", "dht_shutdown"),
     ("volunteer_cli.commands.status", "run_status", "run_status_all_of_the_above"),  # may end in os._exit
 ]
 PROBES = {"join": JOIN_STEPS, "status": STATUS_STEPS}

@@ -227,7 +227,7 @@ def _heavy_run(fleet: Fleet, s: Settings) -> tuple[Path, Any]:
 
 
 def _heavy(fleet: Fleet, maddr: str, reader: Any, s: Settings) -> dict[str, Any]:
-    from swarm.membership import Membership
+    from swarm.dht.membership import Membership
 
     run_path, run = _heavy_run(fleet, s)
     cores = os.cpu_count() or 1
@@ -275,14 +275,14 @@ def _heavy(fleet: Fleet, maddr: str, reader: Any, s: Settings) -> dict[str, Any]
 
 
 class _LocalLoop:
-    """The training loop of swarm.local.train_local (same model, optimizer, batches), timed in slices."""
+    """The training loop of swarm.run.local.train_local (same model, optimizer, batches), timed in slices."""
 
     def __init__(self, run: Any, warmup_batches: int):
         import numpy as np
 
-        from swarm.data import MicroBatches, load_dataset
-        from swarm.local import make_optimizer
-        from swarm.models import assemble, build_stages
+        from swarm.run.data import MicroBatches, load_dataset
+        from swarm.run.local import make_optimizer
+        from swarm.run.models import assemble, build_stages
 
         self.run = run
         data = load_dataset(run.data, run.model)
@@ -294,7 +294,7 @@ class _LocalLoop:
             self._step()
 
     def _step(self) -> int:
-        from swarm.models import loss_fn
+        from swarm.run.models import loss_fn
 
         x, y = next(self.batches)
         loss = loss_fn(self.run.model, self.model(x), y)
@@ -327,7 +327,7 @@ class _LocalLoop:
 
 
 def _scaling(fleet: Fleet, maddr: str, reader: Any, s: Settings) -> dict[str, Any]:
-    from swarm.membership import Membership
+    from swarm.dht.membership import Membership
 
     most = max(s.scaling_peers)
     config = _run_config("pipescale", stages=s.scaling_stages, heartbeat_s=s.heartbeat_s,

@@ -29,8 +29,8 @@ HOP_TIMEOUT_S = 60.0
 
 def hops(fleet: Fleet, maddr: str, reps: int) -> dict[str, Any]:
     """The ``hop_*`` figures of benchmarks.pipeline (see its docstring), ``reps`` rounds of every case."""
-    from swarm.peer import SwarmPeer
-    from swarm.runconfig import RunConfig
+    from swarm.pipeline.peer import SwarmPeer
+    from swarm.run.runconfig import RunConfig
 
     biggest = max(size for size, _ in HOP_CASES.values()) // (4 * HOP_WIDTH)
     run = RunConfig.model_validate({
@@ -44,7 +44,7 @@ def hops(fleet: Fleet, maddr: str, reps: int) -> dict[str, Any]:
     try:
         peer.start()
         # stages serve only the run's online layer0 drivers: the client's record, as a heartbeat hands it in
-        from swarm.records import MemberRecord
+        from swarm.dht.records import MemberRecord
 
         now = time.time()
         peer.update_views({"layer0": [MemberRecord(peer_id=str(client_dht.peer_id), state="online", version="bench",
@@ -72,7 +72,7 @@ def hops(fleet: Fleet, maddr: str, reps: int) -> dict[str, Any]:
                                                                  report[f"hop_overhead_ms_{name}_stream"])
         report[f"hop_cpu_{name}_unary_vs_streamed"] = ratio(timings[f"{name}_unary"]["cpu_ms"],
                                                              timings[f"{name}_stream"]["cpu_ms"])
-    from swarm.wire import UNARY_LIMIT_BYTES
+    from swarm.pipeline.wire import UNARY_LIMIT_BYTES
 
     report["hop_unary_limit_bytes"] = UNARY_LIMIT_BYTES
     report["hop"] = {"width": HOP_WIDTH, "op": "forward", "sizes": detail, "failures": failures}
@@ -88,7 +88,7 @@ async def _hop_timings(run: Any, client_dht: Any, peer: Any, reps: int,
     from hivemind import DHT
     from hivemind.p2p import P2P
 
-    from swarm.stage import StageWorker
+    from swarm.pipeline.stage import StageWorker
 
     p2p = await P2P.replicate(await client_dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr, return_future=True))
     local = StageWorker(run, 1)
@@ -127,7 +127,7 @@ async def _hop_timings(run: Any, client_dht: Any, peer: Any, reps: int,
 async def _one_hop(p2p: Any, peer: Any, local: Any, run: Any, x: Any, mb: str, size: int, transport: str,
                    cpu_pids: list[int]) -> dict[str, float]:
     """One forward hop to ``peer`` and the same forward on a local worker: seconds of each, and CPU."""
-    import swarm.stage_rpc as stage_rpc
+    import swarm.pipeline.stage_rpc as stage_rpc
 
     default_limit = stage_rpc.UNARY_LIMIT_BYTES  # call_stage reads it at each call: force the transport
     stage_rpc.UNARY_LIMIT_BYTES = {"unary": P2PD_UNARY_CAP_BYTES - 1, "stream": 0}.get(transport, default_limit)

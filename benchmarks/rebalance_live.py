@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _benchmark(fleet: Fleet, period_s: float, after_s: float) -> dict[str, Any]:
-    from swarm.runconfig import RunConfig
+    from swarm.run.runconfig import RunConfig
 
     config = run_config(f"rebal-{int(time.time())}")
     run = RunConfig.model_validate(config)

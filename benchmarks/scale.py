@@ -1,5 +1,5 @@
 """`python -m benchmarks.scale --json`: a large run's throughput against the optimum, with and without
-live rebalancing (benchmarks/scale_sim.py drives swarm.membership.least_served_swarm and
+live rebalancing (benchmarks/scale_sim.py drives swarm.dht.membership.least_served_swarm and
 swarm.rebalance as the node does), at 1,000 and 10,000 volunteers, with churn and uneven peers.
 
 Each cell prints the mean and worst (after warm-up) of throughput / best split of the same peers, and
@@ -38,7 +38,7 @@ def record_sizes(sizes: tuple[int, ...] = (64, 256, 1024)) -> dict:
     from hivemind.dht.validation import DHTRecord
     from hivemind.utils.serializer import MSGPackSerializer
 
-    from swarm.records import MemberRecord, swarm_key
+    from swarm.dht.records import MemberRecord, swarm_key
 
     validator = RSASignatureValidator()
     now = time.time()

@@ -2,7 +2,7 @@
 
 It drives the project's own decisions, not copies of them, on ``MemberRecord``s as peers publish them
 (state, capacity once measured, movable): a newcomer picks its swarm with
-``swarm.membership.least_served_swarm`` (what `--swarm auto` does at join), and every auto volunteer
+``swarm.dht.membership.least_served_swarm`` (what `--swarm auto` does at join), and every auto volunteer
 reconsiders its swarm once per rebalance period with ``swarm.rebalance.loads_from_records``,
 ``mover_order`` and ``plan_move`` (what the node's rebalancer, volunteer/node/rebalancer.py, does).
 
@@ -23,9 +23,9 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from swarm.membership import least_served_swarm
+from swarm.dht.membership import least_served_swarm
 from swarm.rebalance import RebalancePolicy, best_split, loads_from_records, mover_order, plan_move, upper_bound
-from swarm.records import MemberRecord
+from swarm.dht.records import MemberRecord
 
 
 @dataclass(slots=True)

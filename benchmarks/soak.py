@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         config = {"name": f"soak-{int(time.time()) % 10**8}", "model": {"stages": args.stages},
                   "training": {"batch_size": 32, "in_flight": 4, "eval_every_s": 30}}
         path = write_run(fleet.workdir / "run.yaml", config)
-        from swarm.runconfig import RunConfig
+        from swarm.run.runconfig import RunConfig
 
         run = RunConfig.model_validate(config)
         reader = HostilePeer(run, [maddr], fleet.workdir / "reader.key", process_group=fleet._process_group(),

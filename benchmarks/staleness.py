@@ -100,7 +100,7 @@ def run_config(name: str, optimizer: str, rule: str, in_flight: int) -> dict[str
 
 def _cell(fleet: Fleet, maddr: str, label: str, drivers: int, busy: int, rule: str, optimizer: str,
           in_flight: int, train_s: float, sample_s: float) -> dict[str, Any]:
-    from swarm.runconfig import RunConfig
+    from swarm.run.runconfig import RunConfig
 
     config = run_config(f"st-{RULE_TAGS[rule]}-{optimizer[:4]}-d{drivers}b{busy}-{int(time.time())}", optimizer, rule,
                         in_flight)  # run names are at most 48 characters

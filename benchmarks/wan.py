@@ -268,7 +268,7 @@ def _veth_bytes(lab: Lab, hosts: list[Host]) -> dict[str, tuple[int, int]]:
 
 def _measure_cell(fleet: Fleet, config: Any, maddr: str, procs: dict[str, list[Proc]], cell: Cell,
                   lab: Lab | None, hosts: list[Host]) -> dict[str, Any]:
-    from swarm.membership import Membership
+    from swarm.dht.membership import Membership
     from hivemind.dht.crypto import RSASignatureValidator
 
     flat = [p for group in procs.values() for p in group]

@@ -22,8 +22,8 @@ class CopyOracle:
     """
 
     def __init__(self, peer: HostilePeer):
-        from swarm.data import load_dataset
-        from swarm.models import build_stages
+        from swarm.run.data import load_dataset
+        from swarm.run.models import build_stages
 
         self.peer = peer
         self.run = peer.run
@@ -45,7 +45,7 @@ class CopyOracle:
 
     def honest_gradient(self, k: int, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
         """(input of stage k, d loss / d output of stage k, loss) for the batch, through the pulled copies."""
-        from swarm.models import loss_fn
+        from swarm.run.models import loss_fn
 
         with torch.no_grad():
             h = x

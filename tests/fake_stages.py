@@ -14,12 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from swarm.data import load_dataset, make_shards
-from swarm.driver import PipelineDriver
-from swarm.models import stage_input_spec, stage_output_spec
-from swarm.runconfig import RunConfig
-from swarm.stage import StageWorker
-from swarm.stage_rpc import refusal_error
+from swarm.run.data import load_dataset, make_shards
+from swarm.pipeline.driver import PipelineDriver
+from swarm.run.models import stage_input_spec, stage_output_spec
+from swarm.run.runconfig import RunConfig
+from swarm.pipeline.stage import StageWorker
+from swarm.pipeline.stage_rpc import refusal_error
 
 
 def honest(run: RunConfig, k: int) -> Callable:

@@ -34,10 +34,10 @@ import torch
 from hivemind.p2p import P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
-from swarm import stage_rpc
-from swarm.records import MemberRecord
-from swarm.runconfig import RunConfig
-from swarm.wire import WireError, decode_tensors, encode_tensors, join_stream, pack_metadata, split_message, unpack_metadata
+from swarm.pipeline import stage_rpc
+from swarm.dht.records import MemberRecord
+from swarm.run.runconfig import RunConfig
+from swarm.pipeline.wire import WireError, decode_tensors, encode_tensors, join_stream, pack_metadata, split_message, unpack_metadata
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 FLOAT32_MAX = 3.0e38
@@ -130,8 +130,8 @@ class HostilePeer:
 
     def __init__(self, run: RunConfig, initial_peers: list[str], identity_path: Path, *,
                  process_group: int | None = None, heartbeat_s: float | None = None):
-        from swarm.dht import DHTSettings, ensure_identity, make_validators, start_dht
-        from swarm.membership import Membership
+        from swarm.dht.dht import DHTSettings, ensure_identity, make_validators, start_dht
+        from swarm.dht.membership import Membership
 
         self.run = run
         ensure_identity(identity_path)
@@ -154,7 +154,7 @@ class HostilePeer:
         self.p2p = self.on_loop(self._fresh_p2p())
 
     async def _fresh_p2p(self) -> Any:
-        from swarm.dht import fresh_p2p
+        from swarm.dht.dht import fresh_p2p
 
         return await fresh_p2p(self.dht)
 
@@ -260,7 +260,7 @@ class HostilePeer:
         """A real StageServicer over a real worker (a poisoned averaging peer still does honest stage work)."""
         from concurrent.futures import ThreadPoolExecutor
 
-        from swarm.stage import StageWorker
+        from swarm.pipeline.stage import StageWorker
 
         worker = StageWorker(self.run, int(swarm.removeprefix("layer")))
         worker.module.load_state_dict(params)
@@ -273,7 +273,7 @@ class HostilePeer:
 
     # ----- teardown
     def close(self) -> None:
-        from swarm.dht import shutdown_dht
+        from swarm.dht.dht import shutdown_dht
 
         if self._closed.is_set():
             return

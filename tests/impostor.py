@@ -17,15 +17,15 @@ from pathlib import Path
 
 import torch
 
-from swarm.data import load_dataset
-from swarm.dht import DHTSettings, ensure_identity, fresh_p2p, make_validators, shutdown_dht, start_dht
-from swarm.membership import Membership
-from swarm.records import MemberRecord
-from swarm.runconfig import RunConfig
-from swarm.stage import StageWorker
-from swarm import stage_rpc
-from swarm.stage_rpc import stage_namespace
-from swarm.wire import decode_tensors, unpack_metadata
+from swarm.run.data import load_dataset
+from swarm.dht.dht import DHTSettings, ensure_identity, fresh_p2p, make_validators, shutdown_dht, start_dht
+from swarm.dht.membership import Membership
+from swarm.dht.records import MemberRecord
+from swarm.run.runconfig import RunConfig
+from swarm.pipeline.stage import StageWorker
+from swarm.pipeline import stage_rpc
+from swarm.pipeline.stage_rpc import stage_namespace
+from swarm.pipeline.wire import decode_tensors, unpack_metadata
 
 MALFORMED_KINDS = ("no_tensor", "wrong_shape", "nan", "garbage_meta", "huge")
 SETUP_TIMEOUT_S = 60.0

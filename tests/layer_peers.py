@@ -9,10 +9,10 @@ from contextlib import contextmanager
 
 import torch
 
-from swarm.dht import DHTSettings, shutdown_dht, start_dht
-from swarm.peer import SwarmPeer
-from swarm.runconfig import RunConfig
-from swarm.stage import WorkerState
+from swarm.dht.dht import DHTSettings, shutdown_dht, start_dht
+from swarm.pipeline.peer import SwarmPeer
+from swarm.run.runconfig import RunConfig
+from swarm.pipeline.stage import WorkerState
 
 
 class FakeWorker:

@@ -9,9 +9,9 @@ import time
 import torch
 
 from swarm.averaging.params_rpc import fetch_params
-from swarm.dht import DHTSettings, fresh_p2p, make_validators, shutdown_dht, start_dht
-from swarm.membership import Membership
-from swarm.records import MemberRecord
+from swarm.dht.dht import DHTSettings, fresh_p2p, make_validators, shutdown_dht, start_dht
+from swarm.dht.membership import Membership
+from swarm.dht.records import MemberRecord
 from volunteer.config import load_run
 
 

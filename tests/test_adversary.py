@@ -94,7 +94,7 @@ def test_a_peer_without_a_layer0_record_is_not_served(driver):
 
 
 def test_sample_ids_from_another_drivers_shard_are_refused(driver, run_swarm):
-    from swarm.data import load_dataset, make_shards
+    from swarm.run.data import load_dataset, make_shards
 
     run = driver.run
     honest = _layer0(driver)
@@ -143,7 +143,7 @@ def test_malformed_replies_from_the_last_stage_do_not_stop_the_driver(driver, ru
         during = _training_rate(driver, WINDOW_S)
     assert layer0.popen.poll() is None, "the layer0 volunteer exited"
     assert "driver failed" not in layer0.stdout(), "the driver died of a malformed reply"
-    # One malformed reply bans its peer for a minute (swarm/hops.py), so the driver does not come back for
+    # One malformed reply bans its peer for a minute (swarm/pipeline/hops.py), so the driver does not come back for
     # more; each kind of malformed reply is checked on its own in tests/test_driver_replies.py.
     assert served >= 1
     assert during > 0, "the driver stopped training after malformed replies"

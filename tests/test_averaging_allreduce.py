@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from layer_peers import layer_peers
-from swarm.peer import SwarmPeer
-from swarm.runconfig import RunConfig
-from swarm.stage import WorkerState
+from swarm.pipeline.peer import SwarmPeer
+from swarm.run.runconfig import RunConfig
+from swarm.pipeline.stage import WorkerState
 
 RUN = RunConfig.model_validate({
     "name": "avgallreduce",

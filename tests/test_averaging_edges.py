@@ -18,10 +18,10 @@ from swarm.averaging.edge_rpc import EdgeRefused, EdgeServicer
 from swarm.averaging.edges import EdgeAveraging
 from swarm.ecl.graph import build_graph
 from swarm.ecl.updates import EclConfig, EclNode, common_eta
-from swarm.records import MemberRecord
-from swarm.runconfig import RunConfig
-from swarm.stage import StageWorker
-from swarm.wire import encode_tensors, pack_metadata
+from swarm.dht.records import MemberRecord
+from swarm.run.runconfig import RunConfig
+from swarm.pipeline.stage import StageWorker
+from swarm.pipeline.wire import encode_tensors, pack_metadata
 
 ME = "peer-b"
 OTHERS = ("peer-a", "peer-c", "peer-d")  # on the ring: we start the swaps with peer-c, peer-a with us

@@ -18,10 +18,10 @@ import torch
 
 from layer_peers import layer_peers, serve
 from swarm.averaging.influence import InfluenceGuard
-from swarm.peer import SwarmPeer
-from swarm.records import MemberRecord
-from swarm.runconfig import RunConfig
-from swarm.stage import WorkerState
+from swarm.pipeline.peer import SwarmPeer
+from swarm.dht.records import MemberRecord
+from swarm.run.runconfig import RunConfig
+from swarm.pipeline.stage import WorkerState
 
 RUN = RunConfig.model_validate({
     "name": "avgpoison",

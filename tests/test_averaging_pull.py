@@ -15,11 +15,11 @@ import torch
 
 from swarm.averaging.params_rpc import fetch_params
 from swarm.averaging.state import optimizer_tensors
-from swarm.dht import DHTSettings, shutdown_dht, start_dht
-from swarm.peer import SwarmPeer
-from swarm.records import MemberRecord
-from swarm.runconfig import RunConfig
-from swarm.stage import StageWorker, WorkerState
+from swarm.dht.dht import DHTSettings, shutdown_dht, start_dht
+from swarm.pipeline.peer import SwarmPeer
+from swarm.dht.records import MemberRecord
+from swarm.run.runconfig import RunConfig
+from swarm.pipeline.stage import StageWorker, WorkerState
 
 RUN = RunConfig.model_validate({
     "name": "avgpull",

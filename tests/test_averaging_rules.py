@@ -16,9 +16,9 @@ from swarm.averaging.rules import (
     budget_allows, pull_candidates, should_pull,
 )
 from swarm.averaging.state import load_optimizer_tensors, optimizer_tensors
-from swarm.records import MemberRecord
-from swarm.runconfig import AveragingConfig, RunConfig
-from swarm.stage import StageWorker
+from swarm.dht.records import MemberRecord
+from swarm.run.runconfig import AveragingConfig, RunConfig
+from swarm.pipeline.stage import StageWorker
 
 
 def _cfg(**fields) -> AveragingConfig:

@@ -14,11 +14,11 @@ import time
 import torch
 
 from procs import wait_until
-from swarm.dht import DHTSettings, shutdown_dht, start_dht
-from swarm.peer import SwarmPeer
-from swarm.records import MemberRecord
-from swarm.runconfig import RunConfig
-from swarm.stage import WorkerState
+from swarm.dht.dht import DHTSettings, shutdown_dht, start_dht
+from swarm.pipeline.peer import SwarmPeer
+from swarm.dht.records import MemberRecord
+from swarm.run.runconfig import RunConfig
+from swarm.pipeline.stage import WorkerState
 
 BASE = {
     "model": {"stages": 2, "hidden_dim": 64},
@@ -125,9 +125,9 @@ def test_two_copies_that_start_apart_come_together_while_training():
 
 def _trained_stages(run: RunConfig, samples: int) -> list[dict]:
     """State dicts of the run's stages after ``samples`` samples of local training (all the data)."""
-    from swarm.data import MicroBatches, load_dataset
-    from swarm.local import make_optimizer
-    from swarm.models import assemble, build_stages, loss_fn
+    from swarm.run.data import MicroBatches, load_dataset
+    from swarm.run.local import make_optimizer
+    from swarm.run.models import assemble, build_stages, loss_fn
 
     dataset = load_dataset(run.data, run.model)
     stages = build_stages(run.model)

@@ -8,9 +8,9 @@ import threading
 import pytest
 import torch
 
-from swarm.records import MemberRecord
-from swarm.runconfig import RunConfig
-from swarm.stage import StageWorker
+from swarm.dht.records import MemberRecord
+from swarm.run.runconfig import RunConfig
+from swarm.pipeline.stage import StageWorker
 from volunteer import checkpoint
 from volunteer.checkpoint import (
     AHEAD_MIN_SAMPLES,

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from procs import volunteer_exe
-from swarm.runconfig import RunConfig
+from swarm.run.runconfig import RunConfig
 from volunteer.config import ConfigError, load_run
 
 MADDR = "/ip4/127.0.0.1/tcp/9/p2p/QmaypY6rCvw4CcrNw87NrKEqJ2gh92sJjKAYFB85EL7cbK"

@@ -163,7 +163,7 @@ def test_the_session_log_gets_events_and_info_records_while_the_terminal_keeps_i
 
 
 def test_status_ends_with_what_this_machine_gave_the_run(tmp_path: Path):
-    from swarm.runconfig import RunConfig
+    from swarm.run.runconfig import RunConfig
     from volunteer_cli.commands.status import build_report, render_report
 
     run = RunConfig(name="digits-mlp")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.convergence_swarm import DIVERGED_BPB, _diverged, cell_config, combine
-from swarm.runconfig import RunConfig
+from swarm.run.runconfig import RunConfig
 
 
 @pytest.mark.parametrize("mode", ["none", "dpwa", "exchange", "dsgd", "pdmm_isvr", "admm_isvr"])

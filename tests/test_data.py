@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from swarm.data import MicroBatches, choose_shard, load_dataset, make_shards, read_corpus
-from swarm.runconfig import DataConfig, ModelConfig
+from swarm.run.data import MicroBatches, choose_shard, load_dataset, make_shards, read_corpus
+from swarm.run.runconfig import DataConfig, ModelConfig
 
 DIGITS = DataConfig(source="digits")
 MLP = ModelConfig()
@@ -118,7 +118,7 @@ def test_micro_batches_have_a_fixed_size_cover_each_epoch_and_follow_the_seed():
 
 
 def test_a_shared_shard_is_left_for_an_unheld_one_by_the_larger_peer_id():
-    from swarm.data import rebalance_shard
+    from swarm.run.data import rebalance_shard
 
     # b shares shard 2 with a (smaller id) while shards 0, 1 and 3 are free: b moves to one of them
     moved = rebalance_shard(4, 2, "b", {"a": 2})
@@ -135,7 +135,7 @@ def test_a_shared_shard_is_left_for_an_unheld_one_by_the_larger_peer_id():
 def test_digits_are_read_without_importing_scikit_learn_and_match_load_digits():
     from sklearn.datasets import load_digits
 
-    from swarm import data as data_module
+    from swarm.run import data as data_module
 
     x, y = data_module._digits_arrays()
     reference = load_digits()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fake_stages import BLACK_HOLE, FakeSwarm, drive, honest, make_driver, malformed, refusing
-from swarm.runconfig import RunConfig
+from swarm.run.runconfig import RunConfig
 
 
 def _run(stages: int, **timeouts) -> RunConfig:
@@ -80,7 +80,7 @@ def test_a_rejecting_stage_is_backed_off_not_stormed():
 def test_wrong_shard_is_refused_not_lost_and_the_driver_keeps_to_its_own_shard_for_a_while():
     import time
 
-    from swarm.driver import COVER_HOLD_S
+    from swarm.pipeline.driver import COVER_HOLD_S
 
     fake = FakeSwarm({"layer1": {"p": refusing("wrong_shard")}})
     driver = drive(RUN2, fake, seconds=1.0)

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from swarm.averaging.validation import score_copies, validation_subset
-from swarm.data import load_dataset, make_shards
+from swarm.run.data import load_dataset, make_shards
 from swarm.ecl.gossip import SgdNode, ValidatedExchange
 from swarm.ecl.graph import build_graph
-from swarm.models import assemble, build_stage, build_stages, loss_fn
-from swarm.runconfig import DataConfig, ModelConfig, RunConfig
+from swarm.run.models import assemble, build_stage, build_stages, loss_fn
+from swarm.run.runconfig import DataConfig, ModelConfig, RunConfig
 
 MLP = ModelConfig(kind="mlp", stages=4, input_dim=64, num_classes=10)
 

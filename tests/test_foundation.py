@@ -80,7 +80,7 @@ def test_sigkilled_volunteer_expires_and_leaves_no_process(foundation):
         victim_id = _peer_id(victim)
         wait_until(lambda: victim_id in f.states(), 30, interval_s=0.5, what="victim online")
         victim_tree = set(tagged_pids(tag))
-        assert len(victim_tree) >= 3, "main, watchdog and p2pd (the DHT node runs in main: swarm/nodedht.py)"
+        assert len(victim_tree) >= 3, "main, watchdog and p2pd (the DHT node runs in main: swarm/dht/nodedht.py)"
 
         victim.signal(signal.SIGKILL)
         victim.wait(10)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from swarm.runconfig import RunConfig
+from swarm.run.runconfig import RunConfig
 from volunteer.headless import BandwidthBudget, IdleGovernor
 from volunteer.node import Node, NodeOptions
 from volunteer.policy import POLL_INTERVAL_S, Observation

@@ -1,4 +1,4 @@
-"""swarm/hivemind_fixes.py: a reply that meets a call cancelled by its timeout must not end the P2P
+"""swarm/dht/hivemind_fixes.py: a reply that meets a call cancelled by its timeout must not end the P2P
 client's read loop (hivemind 1.1.12's loop dies on it, and every later call of that client times out)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from swarm import hivemind_fixes
+from swarm.dht import hivemind_fixes
 
 
 def _frame(message) -> bytes:

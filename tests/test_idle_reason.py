@@ -9,8 +9,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from fake_engine import FakeEngine, run_scenario, sample_snapshot, screen_text  # noqa: E402
 from procs import write_run  # noqa: E402
-from swarm.membership import empty_swarms, idle_reason  # noqa: E402
-from swarm.records import MemberRecord  # noqa: E402
+from swarm.dht.membership import empty_swarms, idle_reason  # noqa: E402
+from swarm.dht.records import MemberRecord  # noqa: E402
 from tui.format import not_training_line  # noqa: E402
 from volunteer.config import load_run  # noqa: E402
 from volunteer.snapshot import NodeState  # noqa: E402

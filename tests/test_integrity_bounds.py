@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from swarm.activations import ActivationCache, Saved, owner_cap
+from swarm.pipeline.activations import ActivationCache, Saved, owner_cap
 from swarm.integrity.clip import NormHistory, clip_scale, combined_bound, history_bound, step_bound, step_ceiling
 from swarm.integrity.direction import DirectionTracker, tenure_weight
 from swarm.integrity.guard import StepGuard, StepRefused, typical_tensor_norm
@@ -22,9 +22,9 @@ from swarm.integrity.requesters import (
     gate_config,
     probation_allows,
 )
-from swarm.records import MemberRecord
-from swarm.runconfig import IntegrityConfig, RunConfig
-from swarm.stage import StageWorker
+from swarm.dht.records import MemberRecord
+from swarm.run.runconfig import IntegrityConfig, RunConfig
+from swarm.pipeline.stage import StageWorker
 
 RUN = RunConfig.model_validate({"name": "bounds", "model": {"stages": 3, "hidden_dim": 32},
                                 "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9}})
@@ -378,7 +378,7 @@ def test_a_flood_of_forwards_evicts_only_the_flooders_graphs():
 def test_the_gate_serves_known_drivers_reads_records_at_most_once_a_second_and_lets_paused_ones_finish():
     import asyncio
 
-    from swarm.stage_gate import StageGate
+    from swarm.pipeline.stage_gate import StageGate
 
     reads = []
 

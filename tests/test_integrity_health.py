@@ -10,9 +10,9 @@ import torch
 
 from swarm.integrity.heal import CEILING_RECOVERY, Healer, lowered_scale, param_norm, raised_scale
 from swarm.integrity.health import HealthMonitor, SickCopy, loss_exploded, norm_exploded
-from swarm.runconfig import IntegrityConfig, RunConfig
-from swarm.stage import StageWorker
-from swarm.wire import WireError
+from swarm.run.runconfig import IntegrityConfig, RunConfig
+from swarm.pipeline.stage import StageWorker
+from swarm.pipeline.wire import WireError
 
 
 def _run(**integrity) -> RunConfig:

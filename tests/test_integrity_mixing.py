@@ -14,7 +14,7 @@ import torch
 
 from swarm.averaging.influence import InfluenceGuard, distance, toward
 from swarm.integrity.mixing import InfluenceLedger, judge_mix, tensor_scales, typical_distance
-from swarm.runconfig import InfluenceConfig, RunConfig
+from swarm.run.runconfig import InfluenceConfig, RunConfig
 
 CFG = InfluenceConfig(max_step_ratio=0.05, max_drift_ratio=0.25)  # the budget on, to test it  # max_distance 0.5, clip x3, outlier x10, history 32
 NORM = 100.0

@@ -7,14 +7,14 @@ import asyncio
 import pytest
 import torch
 
-from swarm.data import load_dataset, make_shards
+from swarm.run.data import load_dataset, make_shards
 from swarm.integrity.guard import typical_tensor_norm
-from swarm.dht import DHTSettings, fresh_p2p, shutdown_dht, start_dht
-from swarm.peer import SwarmPeer
-from swarm.records import MemberRecord
-from swarm.runconfig import RunConfig
-from swarm.stage import StageWorker
-from swarm.stage_rpc import StageError, call_stage, stage_namespace
+from swarm.dht.dht import DHTSettings, fresh_p2p, shutdown_dht, start_dht
+from swarm.pipeline.peer import SwarmPeer
+from swarm.dht.records import MemberRecord
+from swarm.run.runconfig import RunConfig
+from swarm.pipeline.stage import StageWorker
+from swarm.pipeline.stage_rpc import StageError, call_stage, stage_namespace
 
 RUN = RunConfig.model_validate({
     "name": "hostile",
@@ -129,9 +129,9 @@ def test_a_finishing_driver_may_still_evaluate_but_not_train():
     apply nothing and are served; a forward (new work) is not (the CI failure of test_export_then_eval)."""
     import asyncio
 
-    from swarm.records import MemberRecord
-    from swarm.runconfig import IntegrityConfig
-    from swarm.stage_gate import StageGate
+    from swarm.dht.records import MemberRecord
+    from swarm.run.runconfig import IntegrityConfig
+    from swarm.pipeline.stage_gate import StageGate
 
     async def main() -> dict[str, object]:
         gate = StageGate(IntegrityConfig())

@@ -7,8 +7,8 @@ import hashlib
 
 import pytest
 
-from swarm.data import BUNDLED_CORPUS, load_dataset, read_corpus
-from swarm.runconfig import DataConfig, ModelConfig
+from swarm.run.data import BUNDLED_CORPUS, load_dataset, read_corpus
+from swarm.run.runconfig import DataConfig, ModelConfig
 
 LM = ModelConfig(kind="transformer", seq_len=16, vocab_size=256, d_model=8, n_heads=2, d_ff=8)
 SHIPPED_SHA256 = "6155b058799c934cf48f7be0ce177a5062d2c91b22322e4450bf202eea99809f"
@@ -35,7 +35,7 @@ def test_a_corpus_that_differs_from_the_pinned_one_is_refused_with_what_to_do(tm
 
 
 def test_a_language_model_demo_stops_on_bits_per_byte_and_a_classifier_on_accuracy():
-    from swarm.runconfig import RunConfig
+    from swarm.run.runconfig import RunConfig
     from volunteer_cli.commands.demo import demo_target, latest_evaluation, target_reached
 
     charlm = RunConfig(name="lm", model={"kind": "transformer"}, data={"source": "text"})

@@ -6,9 +6,9 @@ import pytest
 import torch
 import yaml
 
-from swarm.local import evaluate, make_optimizer, train_local
-from swarm.models import build_stages
-from swarm.runconfig import OptimizerConfig, RunConfig
+from swarm.run.local import evaluate, make_optimizer, train_local
+from swarm.run.models import build_stages
+from swarm.run.runconfig import OptimizerConfig, RunConfig
 
 RUNS = Path(__file__).resolve().parents[1] / "configs" / "runs"
 
@@ -61,7 +61,7 @@ def test_make_optimizer_uses_the_configured_learning_rate(name):
 
 
 def test_evaluate_accepts_a_list_of_stages():
-    from swarm.data import load_dataset
+    from swarm.run.data import load_dataset
 
     run = _run("digits-mlp")
     accuracy, loss = evaluate(build_stages(run.model), load_dataset(run.data, run.model), run.model)

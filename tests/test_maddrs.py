@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from swarm.maddrs import PEER_MADDR_SHAPE, check_peer_maddrs, peer_id_problem, peer_maddr_problem  # noqa: E402
+from swarm.dht.maddrs import PEER_MADDR_SHAPE, check_peer_maddrs, peer_id_problem, peer_maddr_problem  # noqa: E402
 
 QM = "QmaypY6rCvw4CcrNw87NrKEqJ2gh92sJjKAYFB85EL7cbK"  # sha256 multihash (RSA keys, what hivemind makes)
 KOO = "12D3KooWD3eckifWpRn9wQpMG9R9hX3sD158z7EqHWmweQAJU5SA"  # identity multihash (ed25519)

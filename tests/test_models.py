@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from swarm.models import (
+from swarm.run.models import (
     assemble,
     bits_per_char,
     build_stage,
@@ -15,7 +15,7 @@ from swarm.models import (
     stage_output_spec,
     target_spec,
 )
-from swarm.runconfig import ModelConfig
+from swarm.run.runconfig import ModelConfig
 
 MLP = ModelConfig(kind="mlp", stages=4, hidden_dim=32, seed=7)
 LM = ModelConfig(kind="transformer", stages=3, d_model=32, n_heads=4, d_ff=64, seq_len=16, seed=7)
@@ -96,7 +96,7 @@ def test_throughput_can_be_read_while_the_compute_thread_records_steps():
     import threading
     import time
 
-    from swarm.stage import StageStats
+    from swarm.pipeline.stage import StageStats
 
     stats, stop, errors = StageStats(), threading.Event(), []
 
@@ -125,8 +125,8 @@ def test_building_a_stage_seeds_no_gpu_generator(monkeypatch):
     every peer of a swarm would then draw the same dropout masks on a GPU."""
     import torch
 
-    from swarm.models import build_stage
-    from swarm.runconfig import ModelConfig
+    from swarm.run.models import build_stage
+    from swarm.run.runconfig import ModelConfig
 
     calls = []
     monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: calls.append(seed))

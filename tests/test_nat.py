@@ -1,5 +1,5 @@
 """A volunteer behind NAT in the network lab (benchmarks/netlab.py, ``Link(nat=True)``): it joins, drives and
-averages, says that nobody can dial it, and nobody routes to it (swarm/reachability.py). A file of its own
+averages, says that nobody can dial it, and nobody routes to it (swarm/dht/reachability.py). A file of its own
 so that the suite's two workers can run it beside tests/test_netlab.py. Skips where the lab or nftables
 is unavailable; the reason says which."""
 

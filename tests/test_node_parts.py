@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from swarm.records import MemberRecord
+from swarm.dht.records import MemberRecord
 from volunteer.node.board import Board
 from volunteer.node.commands import (
     PAUSED_BY_POLICY,
@@ -185,7 +185,7 @@ class HealthGuard:
 
 
 def test_a_new_part_is_ticked_in_order_and_its_state_reaches_the_snapshot(tmp_path):
-    from swarm.runconfig import RunConfig
+    from swarm.run.runconfig import RunConfig
     from volunteer.node import Node, NodeOptions
 
     node = Node(NodeOptions(run=RunConfig(name="parts", model={"stages": 2}), swarm="layer1", initial_peers=[],

@@ -1,4 +1,4 @@
-"""A volunteer's DHT node in its own process (swarm/nodedht.py): it stores and reads signed records with the
+"""A volunteer's DHT node in its own process (swarm/dht/nodedht.py): it stores and reads signed records with the
 run's validators, serves a stage's P2P replica, fails with advice, and leaves no p2pd behind."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from swarm.dht import DHTSettings, DHTStartError, claim_identity, fresh_p2p, make_validators, shutdown_dht, start_dht  # noqa: E402
-from swarm.membership import Membership  # noqa: E402
-from swarm.nodedht import start_node_dht  # noqa: E402
-from swarm.records import MemberRecord  # noqa: E402
-from swarm.runconfig import RunConfig  # noqa: E402
+from swarm.dht.dht import DHTSettings, DHTStartError, claim_identity, fresh_p2p, make_validators, shutdown_dht, start_dht  # noqa: E402
+from swarm.dht.membership import Membership  # noqa: E402
+from swarm.dht.nodedht import start_node_dht  # noqa: E402
+from swarm.dht.records import MemberRecord  # noqa: E402
+from swarm.run.runconfig import RunConfig  # noqa: E402
 
 
 def _p2pd_children() -> set[int]:

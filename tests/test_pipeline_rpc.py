@@ -8,15 +8,15 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from swarm.data import load_dataset, make_shards
-from swarm.dht import DHTSettings, fresh_p2p, shutdown_dht, start_dht
-from swarm.driver import PipelineDriver
-from swarm.models import assemble, build_stages, loss_fn
-from swarm.peer import SwarmPeer
-from swarm.records import MemberRecord
-from swarm.runconfig import RunConfig
-from swarm.stage import StageWorker
-from swarm.stage_rpc import StageError, call_stage, stage_namespace
+from swarm.run.data import load_dataset, make_shards
+from swarm.dht.dht import DHTSettings, fresh_p2p, shutdown_dht, start_dht
+from swarm.pipeline.driver import PipelineDriver
+from swarm.run.models import assemble, build_stages, loss_fn
+from swarm.pipeline.peer import SwarmPeer
+from swarm.dht.records import MemberRecord
+from swarm.run.runconfig import RunConfig
+from swarm.pipeline.stage import StageWorker
+from swarm.pipeline.stage_rpc import StageError, call_stage, stage_namespace
 
 RUN = RunConfig.model_validate({
     "name": "piperpc",

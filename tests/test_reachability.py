@@ -1,4 +1,4 @@
-"""Dial-back reachability (swarm/reachability.py): which addresses a peer dials for a stranger, the
+"""Dial-back reachability (swarm/dht/reachability.py): which addresses a peer dials for a stranger, the
 verdict from the answers, the probe against a real libp2p listener, and the responder's bounds. A node
 behind NAT in the network lab: tests/test_netlab.py."""
 
@@ -9,11 +9,11 @@ import socket
 
 import pytest
 
-from swarm.reachability import (
+from swarm.dht.reachability import (
     DIAL_OP, MAX_DIALS_PER_MINUTE, MAX_MADDRS, RATE_PERIOD_S, REACHABLE, UNKNOWN, UNREACHABLE, DialBackServicer, dial_target,
     dialable_maddrs, is_loopback_only, probe, verdict_from,
 )
-from swarm.wire import pack_metadata
+from swarm.pipeline.wire import pack_metadata
 
 ME = ["/ip4/203.0.113.7/tcp/4001"]
 
@@ -113,7 +113,7 @@ def test_a_crowd_of_requesters_is_served_at_most_a_few_at_a_time(requesters):
         port = silent.getsockname()[1]
 
         async def crowd():
-            import swarm.reachability as reach
+            import swarm.dht.reachability as reach
 
             # probes of loopback are refused by dial_target; dial this silent listener through a stand-in
             real = reach.dial_target
@@ -165,7 +165,7 @@ def _node(swarm: str, auto: bool, verdicts):
 
 
 def test_a_node_that_nobody_can_dial_says_so_stops_being_routed_and_an_auto_one_moves_to_layer0():
-    from swarm.reachability import Verdict
+    from swarm.dht.reachability import Verdict
     from volunteer.node.reachability import FIRST_CHECK_S, RECHECK_S, RETRY_S, Reachability
 
     behind = Verdict(UNREACHABLE, "2 peer(s) could not dial /ip4/10.78.4.2/tcp/4001 (no_route)", answered=2)

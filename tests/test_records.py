@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from swarm.dht import DHTSettings, ensure_identity, make_validators, shutdown_dht, start_dht
-from swarm.membership import Membership, least_served_swarm
-from swarm.records import MemberRecord, parse_member, parse_swarm, swarm_key
-from swarm.runconfig import RunConfig
+from swarm.dht.dht import DHTSettings, ensure_identity, make_validators, shutdown_dht, start_dht
+from swarm.dht.membership import Membership, least_served_swarm
+from swarm.dht.records import MemberRecord, parse_member, parse_swarm, swarm_key
+from swarm.run.runconfig import RunConfig
 
 RUN = RunConfig.model_validate({"name": "rec", "model": {"stages": 2}})
 
@@ -90,7 +90,7 @@ def test_an_evaluation_from_the_future_or_negative_heals_are_skipped():
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import rsa
 
-    from swarm.records import MemberRecord, peer_id_from_public_key
+    from swarm.dht.records import MemberRecord, peer_id_from_public_key
 
     key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
@@ -105,7 +105,7 @@ def test_an_evaluation_from_the_future_or_negative_heals_are_skipped():
 
 def _reads(own: str, drives: bool, sizes: dict[str, int], beats: int, others_every: int = 5) -> list[list[str]]:
     """The swarms each of ``beats`` heartbeats reads, every swarm having ``sizes[name]`` peers."""
-    from swarm.membership import ReadSchedule
+    from swarm.dht.membership import ReadSchedule
 
     schedule, out = ReadSchedule(), []
     for _ in range(beats):
@@ -129,7 +129,7 @@ def test_a_peer_that_drives_nothing_reads_the_other_swarms_every_few_heartbeats(
 
 
 def test_a_large_swarm_is_read_less_often_so_that_the_records_read_per_heartbeat_stay_flat():
-    from swarm.membership import MAX_READ_PERIOD_BEATS, READ_RECORDS_PER_BEAT
+    from swarm.dht.membership import MAX_READ_PERIOD_BEATS, READ_RECORDS_PER_BEAT
 
     names = ["layer0", "layer1", "layer2", "layer3"]
     beats = 3200  # long enough that the first read (every swarm, at join) does not count
@@ -154,7 +154,7 @@ def test_a_large_swarm_is_read_less_often_so_that_the_records_read_per_heartbeat
 
 
 def test_a_failed_read_is_retried_at_the_next_heartbeat():
-    from swarm.membership import ReadSchedule
+    from swarm.dht.membership import ReadSchedule
 
     schedule = ReadSchedule()
     schedule.done({"layer1": [object()] * 16})
@@ -165,8 +165,8 @@ def test_a_failed_read_is_retried_at_the_next_heartbeat():
 
 
 def test_a_driver_counts_reads_of_layer0_not_heartbeats_when_it_decides_a_shard_is_unheld():
-    from swarm.peer import HELD_MEMORY_VIEWS, HeldShards
-    from swarm.records import MemberRecord
+    from swarm.pipeline.peer import HELD_MEMORY_VIEWS, HeldShards
+    from swarm.dht.records import MemberRecord
 
     holder = MemberRecord(peer_id="holder", state="online", version="v", started_at=1.0, updated_at=2.0, shard=1)
     held = HeldShards()

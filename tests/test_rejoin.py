@@ -13,9 +13,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from procs import wait_until, write_run  # noqa: E402
-from swarm.maddrs import peer_maddr_problem  # noqa: E402
-from swarm.dht import DHTSettings, make_validators, shutdown_dht, start_dht  # noqa: E402
-from swarm.membership import Membership  # noqa: E402
+from swarm.dht.maddrs import peer_maddr_problem  # noqa: E402
+from swarm.dht.dht import DHTSettings, make_validators, shutdown_dht, start_dht  # noqa: E402
+from swarm.dht.membership import Membership  # noqa: E402
 from volunteer.config import load_run  # noqa: E402
 from volunteer.node import Node, NodeOptions  # noqa: E402
 from volunteer.snapshot import NodeState  # noqa: E402

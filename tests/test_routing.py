@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from swarm.routing import (
+from swarm.pipeline.routing import (
     BAD_REPLY_BAN_S,
     BAN_BASE_S,
     BAN_MAX_S,

@@ -8,8 +8,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from procs import wait_until, write_run  # noqa: E402
-from swarm.dht import DHTSettings, make_validators, shutdown_dht, start_dht  # noqa: E402
-from swarm.membership import OtherRun  # noqa: E402
+from swarm.dht.dht import DHTSettings, make_validators, shutdown_dht, start_dht  # noqa: E402
+from swarm.dht.membership import OtherRun  # noqa: E402
 from volunteer.config import load_run  # noqa: E402
 from volunteer.node import Node, NodeOptions  # noqa: E402
 from volunteer.node.runs import active_conflict, conflict_message, save_run_config  # noqa: E402

@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 import time
 
-from swarm.completion import run_complete
-from swarm.records import MemberRecord
-from swarm.runconfig import RunConfig, TrainingConfig
+from swarm.dht.completion import run_complete
+from swarm.dht.records import MemberRecord
+from swarm.run.runconfig import RunConfig, TrainingConfig
 from volunteer.node.commands import PAUSED_BY_USER
 from volunteer.node.completion import COMPLETE_PREFIX, completion_step
 from volunteer.snapshot import NodeState

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from swarm.integrity.heal import Healer
-from swarm.runconfig import RunConfig
-from swarm.stage import StageWorker
-from swarm.staleness import StalenessWindow, StepSize, stale_momentum, step_factor, summarize
+from swarm.run.runconfig import RunConfig
+from swarm.pipeline.stage import StageWorker
+from swarm.pipeline.staleness import StalenessWindow, StepSize, stale_momentum, step_factor, summarize
 
 
 def _run(**optimizer) -> RunConfig:
@@ -146,7 +146,7 @@ def test_records_carry_staleness_and_old_records_still_parse():
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import rsa
 
-    from swarm.records import MemberRecord, parse_member, peer_id_from_public_key
+    from swarm.dht.records import MemberRecord, parse_member, peer_id_from_public_key
 
     key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
@@ -161,7 +161,7 @@ def test_records_carry_staleness_and_old_records_still_parse():
     for bad in ({"staleness_mean": float("nan")}, {"staleness_max": -5}, {"staleness_p95": "7"}):
         assert parse_member(subkey, {**record.to_wire(), **bad}, now) is None, bad
     # the schema every DHT node of the run checks: new records pass, and so do records without the fields
-    from swarm.records import _MemberValueSchema
+    from swarm.dht.records import _MemberValueSchema
 
     _MemberValueSchema.parse_obj(record.to_wire())
     _MemberValueSchema.parse_obj(old)
@@ -170,7 +170,7 @@ def test_records_carry_staleness_and_old_records_still_parse():
 
 
 def test_status_and_dashboard_show_each_copys_staleness():
-    from swarm.records import MemberRecord
+    from swarm.dht.records import MemberRecord
     from tui.format import format_staleness
     from tui.work import figures_table
     from volunteer.snapshot import NodeSnapshot, NodeState

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from procs import write_run
 
-from swarm.lightdht import _reexports
+from swarm.dht.lightdht import _reexports
 
 REPO = Path(__file__).resolve().parent.parent
 STATUS_TIMEOUT_S = 120.0
@@ -33,12 +33,12 @@ def test_reexports_name_the_module_that_defines_each_name(tmp_path: Path):
 def test_the_reader_loads_hivemind_dht_and_the_validators_without_torch():
     code = textwrap.dedent("""
         import sys
-        from swarm.lightdht import light_hivemind
+        from swarm.dht.lightdht import light_hivemind
         assert light_hivemind()
         from hivemind.dht.node import DHTNode
         from hivemind.utils import get_dht_time
-        from swarm.dht import make_validators
-        from swarm.membership import Membership
+        from swarm.dht.dht import make_validators
+        from swarm.dht.membership import Membership
         make_validators("run-1", ["layer0", "layer1"], None)
         get_dht_time()
         assert "torch" not in sys.modules, "torch was imported"

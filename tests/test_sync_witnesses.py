@@ -15,9 +15,9 @@ import torch
 
 import swarm.averaging.sync as sync
 from layer_peers import layer_peers, serve
-from swarm.peer import SwarmPeer
-from swarm.records import MemberRecord
-from swarm.runconfig import RunConfig
+from swarm.pipeline.peer import SwarmPeer
+from swarm.dht.records import MemberRecord
+from swarm.run.runconfig import RunConfig
 
 RUN = RunConfig.model_validate({
     "name": "syncwitness",

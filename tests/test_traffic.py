@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from swarm.traffic import LinkRates, Traffic, mbps
+from swarm.pipeline.traffic import LinkRates, Traffic, mbps
 
 
 def test_rates_per_link_and_in_all_between_two_readings():
@@ -45,8 +45,8 @@ def test_records_carry_the_rates_and_status_and_the_dashboard_show_them():
     from cryptography.hazmat.primitives.asymmetric import rsa
     from rich.console import Console
 
-    from swarm.records import MemberRecord, _MemberValueSchema, parse_member, peer_id_from_public_key
-    from swarm.runconfig import RunConfig
+    from swarm.dht.records import MemberRecord, _MemberValueSchema, parse_member, peer_id_from_public_key
+    from swarm.run.runconfig import RunConfig
     from tui.work import figures_table
     from volunteer.snapshot import LinkRow, NodeSnapshot, NodeState
     from volunteer_cli.commands.status import build_report, render_report

@@ -1,4 +1,4 @@
-"""The DHT's validators remember their verdicts (swarm/validators.py): the same signed record returned by
+"""The DHT's validators remember their verdicts (swarm/dht/validators.py): the same signed record returned by
 several nodes, heartbeat after heartbeat, is checked once; a changed byte is checked again."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import dataclasses
 
 from hivemind.dht.validation import CompositeValidator, DHTRecord
 
-from swarm.dht import make_validators
+from swarm.dht.dht import make_validators
 
 
 def _signed(validators, value: bytes, expiration: float = 1e10) -> DHTRecord:
@@ -35,7 +35,7 @@ def test_a_verdict_is_remembered_and_a_changed_record_is_checked_again(monkeypat
 
 
 def test_the_memory_is_bounded():
-    from swarm.validators import Verdicts
+    from swarm.dht.validators import Verdicts
 
     verdicts = Verdicts(size=3)
     records = [DHTRecord(key=b"k", subkey=bytes([i]), value=b"v", expiration_time=1.0) for i in range(5)]

@@ -94,7 +94,7 @@ REACHABILITY_WORDS = {"reachable": "yes", "unreachable": "NO: behind NAT", "loca
 
 
 def reachability_text(snapshot: NodeSnapshot, now_s: float | None = None) -> Text:
-    """Can other hosts dial this node, and how old that answer is (swarm/reachability.py)."""
+    """Can other hosts dial this node, and how old that answer is (swarm/dht/reachability.py)."""
     import time
 
     words = REACHABILITY_WORDS.get(snapshot.reachability, snapshot.reachability)

@@ -90,7 +90,7 @@ def claim_slot(node_dir: Path) -> tuple[Path, Any]:
     A restarted node finds its swarm's checkpoint whatever identity slot it got; two volunteers of
     one swarm on one machine each keep their own (``checkpoint.ckpt``, ``checkpoint-2.ckpt``...).
     """
-    from swarm.dht import IdentityLock
+    from swarm.dht.dht import IdentityLock
 
     for slot in range(MAX_SLOTS):
         path = node_dir / f"checkpoint{f'-{slot + 1}' if slot else ''}{CHECKPOINT_SUFFIX}"

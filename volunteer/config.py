@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from swarm.runconfig import CrossFieldError, RunConfig
+from swarm.run.runconfig import CrossFieldError, RunConfig
 from volunteer.prefs import Preferences
 
 DEFAULT_RUN = "digits-mlp"

@@ -3,7 +3,7 @@
 Volunteers expect to see their own contribution (BOINC's "work done", Folding@home's work units), and
 to see it grow across restarts, not start at 0 each time. One file per identity:
 ``<data_dir>/contribution/<peer id>.json``, ``{"peer_id", "runs": {run_id: Tally}}``. Only the process that
-holds the identity writes it (identities are locked, swarm/dht.py ``claim_identity``), so writers never
+holds the identity writes it (identities are locked, swarm/dht/dht.py ``claim_identity``), so writers never
 race; readers (`volunteer status`) sum every file of the data dir. Writes are atomic (a temporary file,
 then a rename), so a crash leaves the previous file.
 

@@ -168,7 +168,7 @@ class NodeSnapshot:
     gpu_memory_bytes: int | None = None
     bytes_in: int = 0
     bytes_out: int = 0
-    mbps_in: float = 0.0  # over the last heartbeat (swarm/traffic.py)
+    mbps_in: float = 0.0  # over the last heartbeat (swarm/pipeline/traffic.py)
     mbps_out: float = 0.0
     links: tuple[LinkRow, ...] = ()  # the busiest links over the last heartbeat, busiest first
     # the run
@@ -176,7 +176,7 @@ class NodeSnapshot:
     peers: tuple[PeerRow, ...] = ()  # my swarm's peers
     events: tuple[Event, ...] = ()  # most recent last
     maddrs: tuple[str, ...] = ()
-    # can other hosts dial this node (swarm/reachability.py): reachable, unreachable, unknown, local or
+    # can other hosts dial this node (swarm/dht/reachability.py): reachable, unreachable, unknown, local or
     # checking; the detail says who dialled what, reachability_at (wall time) how old the verdict is
     reachability: str = "unknown"
     reachability_detail: str = ""

@@ -15,5 +15,5 @@ Files:
                    graph of the swarm's online peers
     edge_rpc.py    the edge-swap service and ``swap_edge_messages``, its client
 
-Importing this package imports nothing (swarm/stage.py uses state.py; the rest pulls in hivemind).
+Importing this package imports nothing (swarm/pipeline/stage.py uses state.py; the rest pulls in hivemind).
 """

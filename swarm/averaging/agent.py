@@ -51,11 +51,11 @@ from swarm.averaging.rules import (
     BanList, FlowControl, budget_allows, exchange_candidates, exchange_winner, interpolation_factor, pull_candidates,
     should_pull,
 )
-from swarm.records import MemberRecord
-from swarm.runconfig import RunConfig
-from swarm.stage import StageWorker, StepInfo
-from swarm.stage_rpc import Traffic
-from swarm.wire import WireError
+from swarm.dht.records import MemberRecord
+from swarm.run.runconfig import RunConfig
+from swarm.pipeline.stage import StageWorker, StepInfo
+from swarm.pipeline.stage_rpc import Traffic
+from swarm.pipeline.wire import WireError
 
 logger = logging.getLogger(__name__)
 
@@ -324,7 +324,7 @@ class SwarmAveraging:
 
     async def _context(self) -> tuple[list, list] | None:
         """Copies of every other layer (one random online peer of each swarm), checked, as modules."""
-        from swarm.models import build_stage
+        from swarm.run.models import build_stage
 
         before, after = [], []
         for index, swarm in enumerate(self.run.swarm_names):
@@ -354,7 +354,7 @@ class SwarmAveraging:
         """Compute thread: (our score, the candidates' scores, their clocks), or None when a copy does
         not fit ours (it is then rejected and its server banned)."""
         from swarm.averaging.validation import score_copies
-        from swarm.models import build_stage
+        from swarm.run.models import build_stage
 
         if self._validation is None:
             self._validation = load_validation(self.run, self.cfg.exchange.validation_samples)
@@ -384,7 +384,7 @@ class SwarmAveraging:
 def load_validation(run: RunConfig, max_samples: int) -> tuple:
     """The first ``max_samples`` of the run's validation split (deterministic: every peer has it)."""
     from swarm.averaging.validation import validation_subset
-    from swarm.data import load_dataset
+    from swarm.run.data import load_dataset
 
     dataset = load_dataset(run.data, run.model)
     return validation_subset(dataset.x_val, dataset.y_val, max_samples)

@@ -62,10 +62,10 @@ from swarm.averaging.rules import BanList
 from swarm.ecl.graph import PeerGraph, build_graph
 from swarm.ecl.pairing import EdgeGenerations, answer_swap, initiates, swaps_due
 from swarm.ecl.updates import ADMM_THETA, PDMM_THETA, BadMessageError, DsgdNode, EclConfig, EclNode, common_eta
-from swarm.records import MemberRecord
-from swarm.runconfig import EDGE_MODES, RunConfig
-from swarm.stage import StageWorker
-from swarm.stage_rpc import Traffic
+from swarm.dht.records import MemberRecord
+from swarm.run.runconfig import EDGE_MODES, RunConfig
+from swarm.pipeline.stage import StageWorker
+from swarm.pipeline.stage_rpc import Traffic
 
 logger = logging.getLogger(__name__)
 

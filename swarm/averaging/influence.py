@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from swarm.integrity.mixing import InfluenceLedger, MixVerdict, judge_mix, tensor_scales
-from swarm.runconfig import InfluenceConfig
+from swarm.run.runconfig import InfluenceConfig
 
 
 @dataclass(frozen=True, slots=True)

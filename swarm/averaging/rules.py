@@ -29,8 +29,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from swarm.ecl.gossip import clock_factor, draw_candidates, exchange_winner, merged_clock
-from swarm.records import MemberRecord
-from swarm.runconfig import AveragingConfig
+from swarm.dht.records import MemberRecord
+from swarm.run.runconfig import AveragingConfig
 
 __all__ = [
     "BanList", "FlowControl", "donor_order", "exchange_candidates", "exchange_winner", "interpolation_factor",

@@ -30,8 +30,8 @@ from swarm.averaging.agent import SwarmAveraging
 from swarm.averaging.checks import ParamsRejected, check_optimizer, check_params, total_norm
 from swarm.averaging.influence import distance
 from swarm.averaging.rules import donor_order
-from swarm.records import MemberRecord
-from swarm.stage import WorkerState
+from swarm.dht.records import MemberRecord
+from swarm.pipeline.stage import WorkerState
 
 SYNC_WIRE_DTYPE = "float32"  # a newcomer starts from an exact copy; averaging.wire_dtype is for pulls
 WITNESSES = 2  # other peers' copies a download is compared with, at most

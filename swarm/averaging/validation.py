@@ -1,7 +1,7 @@
 """Scoring copies of one layer on the run's validation split, by the peer that may adopt one.
 
 Best-model exchange (agent.py) compares copies by what they do on data every volunteer has: the
-validation split of the run's data set (swarm/data.py; never the test split, never trained on).
+validation split of the run's data set (swarm/run/data.py; never the test split, never trained on).
 The adopter measures every score itself, on parameters it pulled: a stranger's self-reported loss
 never decides (a liar's copy scores what it is worth), and under label-skewed shards the copy with
 the lowest training loss is the one with the easiest shard, not the best one.
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from swarm.models import loss_fn
-from swarm.runconfig import ModelConfig
+from swarm.run.models import loss_fn
+from swarm.run.runconfig import ModelConfig
 
 SCORE_BATCH = 128  # samples per forward pass while scoring (bounds the memory of a charlm context)
 

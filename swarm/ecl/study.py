@@ -1,6 +1,6 @@
 """The convergence study on heterogeneous data: every method on the same digits shards, same budget.
 
-Set-up (docs/ECL.md): scikit-learn digits through ``swarm.data``, 8 nodes with label-skewed shards
+Set-up (docs/ECL.md): scikit-learn digits through ``swarm.run.data``, 8 nodes with label-skewed shards
 (each holds 8 of the 10 classes), softmax regression and a small MLP, a peer graph whose edges
 exchange every K steps at their own offsets, nodes of random speed (asynchronous), and a single-node
 reference trained on all the training data for the same number of epochs and batch size.
@@ -65,10 +65,10 @@ class Problem:
 
 
 def load_problem(config: StudyConfig, validation: bool = False) -> Problem:
-    """Digits, split and sharded by ``swarm.data``; with ``validation`` the evaluation set is a split
+    """Digits, split and sharded by ``swarm.run.data``; with ``validation`` the evaluation set is a split
     of each shard's training samples (the test set stays unseen) and the shards lose those samples."""
-    from swarm.data import load_dataset, make_shards
-    from swarm.runconfig import DataConfig, ModelConfig
+    from swarm.run.data import load_dataset, make_shards
+    from swarm.run.runconfig import DataConfig, ModelConfig
 
     data = DataConfig(source="digits", shards=config.nodes, partition="label_skewed",  # the split docs/ECL.md
                       classes_per_shard=config.classes_per_shard, split_seed=config.seed,  # measured on: its own

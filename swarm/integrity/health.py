@@ -24,7 +24,7 @@ import math
 import threading
 from dataclasses import dataclass
 
-from swarm.runconfig import IntegrityConfig
+from swarm.run.runconfig import IntegrityConfig
 
 NORM_EXPLODE_RATIO = 10.0  # sick when ||params|| exceeds this many times the last good snapshot's
 LOSS_EMA_ALPHA = 0.1

@@ -2,9 +2,9 @@
 shards the requesting driver may use. Also the view of the run's drivers (online layer0 records).
 
 A driver sends row indices into the run's train split (``forward_backward``) or test split
-(``evaluate``); every volunteer loads the run's data deterministically (swarm/data.py), so the last
+(``evaluate``); every volunteer loads the run's data deterministically (swarm/run/data.py), so the last
 stage holds the same targets. A driver may use its own shard (from its layer0 record) and every shard
-no online layer0 peer holds (drivers also cover unheld shards, swarm/driver.py ``cover_shards``).
+no online layer0 peer holds (drivers also cover unheld shards, swarm/pipeline/driver.py ``cover_shards``).
 Records are a heartbeat stale at times, so the view before the latest counts too (the grace).
 
 A future source of private data (targets that only the driver holds) cannot work this way: the last
@@ -21,7 +21,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from swarm.records import MemberRecord
+from swarm.dht.records import MemberRecord
 
 
 DRAINING_STATES = frozenset({"paused", "finishing"})

@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from swarm.runconfig import InfluenceConfig
+from swarm.run.runconfig import InfluenceConfig
 
 NORM_FLOOR = 1e-6  # a copy whose norm is ~0 is measured against this instead
 MIN_FREE_PULLS = 2  # pulls per window any peer gets before the fair share counts

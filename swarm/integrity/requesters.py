@@ -2,7 +2,7 @@
 
 The decisions are pure functions (``fair_share_allows``, ``decayed``, ``ban_duration_s``,
 ``ascent_suspected``); ``RequesterBook`` keeps the per-driver numbers they are fed with. The stage
-servicer (swarm/stage_rpc.py) asks ``admit`` before a request runs and reports what happened after
+servicer (swarm/pipeline/stage_rpc.py) asks ``admit`` before a request runs and reports what happened after
 (``on_update``, ``on_strike``); a ban comes back as a ``Ban`` for the servicer to log and announce.
 
 - Fair share: in a sliding window of ``fair_share_window_s``, a driver may apply ``fair_share_burst``
@@ -32,7 +32,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
-from swarm.runconfig import IntegrityConfig
+from swarm.run.runconfig import IntegrityConfig
 
 # An update scaled below this is a strike. Not 0.5: honest gradients are heavy-tailed once the loss is
 # small (a hard micro-batch's gradient is many times the median), and at 0.5 the default digits-mlp demo
@@ -231,7 +231,7 @@ class RequesterBook:
 
     def on_probation(self, requester: str, now: float) -> bool:
         """Is this driver new here while an established driver is active? (Its updates are then clipped to
-        the median, not a multiple, and do not enter the clip history: swarm/stage.py.)"""
+        the median, not a multiple, and do not enter the clip history: swarm/pipeline/stage.py.)"""
         cfg = self.cfg
         with self._lock:
             entry = self._book.get(requester)

@@ -31,18 +31,18 @@ class Announcer:
         self.node = node
         self.views: dict[str, list[Any]] = {}  # swarm name -> its records, as last read
         self.shard: int | None = None  # layer0: the data shard we hold
-        self.metrics: Any = None  # the stage's last metrics (swarm.peer)
+        self.metrics: Any = None  # the stage's last metrics (swarm.pipeline.peer)
         self.started_at_s = time.time()
         self.next_beat_s = 0.0  # monotonic
         self._process: Any = None
         self._history_speed: deque[float] = deque(maxlen=SPARKLINE_POINTS)
         self._history_loss: deque[float] = deque(maxlen=SPARKLINE_POINTS)
-        from swarm.traffic import LinkRates
+        from swarm.pipeline.traffic import LinkRates
 
         self.rates = LinkRates()
-        from swarm.membership import ReadSchedule
+        from swarm.dht.membership import ReadSchedule
 
-        self.reads = ReadSchedule()  # which swarms each heartbeat reads (swarm/membership.py read_period)
+        self.reads = ReadSchedule()  # which swarms each heartbeat reads (swarm/dht/membership.py read_period)
         self.fresh: set[str] = set()  # the swarms the last heartbeat read
 
     def tick(self, now_s: float) -> None:
@@ -59,7 +59,7 @@ class Announcer:
         pass
 
     def read_views(self, every_swarm: bool = False) -> None:
-        """Read the swarms this heartbeat needs (swarm/membership.py read_period); the rest keep their last
+        """Read the swarms this heartbeat needs (swarm/dht/membership.py read_period); the rest keep their last
         read. ``every_swarm``: all of them (joining, choosing a swarm)."""
         node = self.node
         names = node.run.swarm_names
@@ -73,7 +73,7 @@ class Announcer:
 
     def choose_shard(self) -> None:
         """layer0, when joining: the shard held by the fewest online layer0 peers (rarest first)."""
-        from swarm.data import choose_shard
+        from swarm.run.data import choose_shard
 
         node = self.node
         held = [r.shard for r in self.views.get("layer0", []) if r.state == "online" and r.shard >= 0]
@@ -120,7 +120,7 @@ class Announcer:
                       loss_history=tuple(self._history_loss))
 
     def traffic_fields(self) -> dict[str, Any]:
-        """Mb/s in and out since the last heartbeat, in all and on the busiest links (swarm/traffic.py)."""
+        """Mb/s in and out since the last heartbeat, in all and on the busiest links (swarm/pipeline/traffic.py)."""
         peer = self.node.peer
         if peer is None:
             return {}
@@ -133,7 +133,7 @@ class Announcer:
 
     def rebalance_shard(self) -> None:
         """layer0: leave a shard another peer also holds for one nobody holds (peers that joined together)."""
-        from swarm.data import rebalance_shard
+        from swarm.run.data import rebalance_shard
 
         node = self.node
         if node.swarm != "layer0" or self.shard is None or node.peer is None:
@@ -154,7 +154,7 @@ class Announcer:
         node = self.node
         if node.peer is None:
             return {}
-        from swarm.membership import idle_reason
+        from swarm.dht.membership import idle_reason
         from volunteer.device import gpu_memory_bytes
 
         m = node.peer.metrics()

@@ -1,4 +1,4 @@
-"""The run's end: once the run is complete (swarm/completion.py: its target reached or its sample budget
+"""The run's end: once the run is complete (swarm/dht/completion.py: its target reached or its sample budget
 spent), this node pauses (in-flight backward passes still complete) and says why, instead of training
 forever. Not a finish: layer0's final evaluation at a finish needs the other swarms, and they pause too.
 
@@ -40,7 +40,7 @@ class Completion:
         self.why = ""  # why the run is complete; "" while it is not
 
     def tick(self, now_s: float) -> None:
-        from swarm.completion import run_complete
+        from swarm.dht.completion import run_complete
 
         node = self.node
         if node.peer is None or not node.announcer.views:

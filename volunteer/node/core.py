@@ -59,7 +59,7 @@ class Node:
         self.swarm = options.swarm if options.swarm != "auto" else ""
         self.dht: Any = None
         self.membership: Any = None
-        self.peer: Any = None  # swarm.peer.SwarmPeer once serving
+        self.peer: Any = None  # swarm.pipeline.peer.SwarmPeer once serving
         self.board = Board(NodeSnapshot(
             run_name=self.run.name, run_id=self.run.run_id, swarm=self.swarm or "auto", peer_id="",
             state=NodeState.JOINING, reason="connecting to the swarm", device=options.device,
@@ -186,9 +186,9 @@ class Node:
     def _join(self) -> None:
         emit = self.board.emit
         emit("loading the network and training libraries (hivemind, torch)", kind="joining")
-        from swarm.dht import DHTStartError, IdentityInUse, claim_identity, make_validators, visible_maddrs
-        from swarm.nodedht import start_node_dht
-        from swarm.membership import Membership, least_served_swarm, publish_run
+        from swarm.dht.dht import DHTStartError, IdentityInUse, claim_identity, make_validators, visible_maddrs
+        from swarm.dht.nodedht import start_node_dht
+        from swarm.dht.membership import Membership, least_served_swarm, publish_run
 
         if self._stop.is_set():  # stopped while the libraries loaded
             return
@@ -235,7 +235,7 @@ class Node:
     def _check_other_runs(self, me: str) -> None:
         """Another run of our name with another config: stop with how to join it while ours is empty
         (unless --new-run), else warn that we will not train together."""
-        from swarm.membership import other_runs
+        from swarm.dht.membership import other_runs
         from volunteer.node.runs import active_conflict, conflict_message, save_run_config
 
         run = self.run
@@ -253,7 +253,7 @@ class Node:
                             EventLevel.WARNING, "run_mismatch")
 
     def _dht_settings(self, identity_path: Any) -> Any:
-        from swarm.dht import DHTSettings
+        from swarm.dht.dht import DHTSettings
 
         options = self.options
         return DHTSettings(
@@ -264,8 +264,8 @@ class Node:
         )
 
     def _start_training(self) -> None:
-        from swarm.peer import SwarmPeer
-        from swarm.records import dialable
+        from swarm.pipeline.peer import SwarmPeer
+        from swarm.dht.records import dialable
         from volunteer.device import describe_device, resolve_device, set_threads
 
         try:
@@ -283,7 +283,7 @@ class Node:
         resume = self.checkpoints.prepare_resume()
         # A newcomer (or a checkpoint the swarm has outrun) downloads its layer before it serves or drives
         # anything; with a checkpoint to restore, no download is needed.
-        # (never from a peer that says nobody can dial it: swarm/reachability.py)
+        # (never from a peer that says nobody can dial it: swarm/dht/reachability.py)
         sync_from = dialable(self.announcer.views.get(self.swarm, [])) if resume.state is None else None
         if sync_from is not None:
             self.set_state(NodeState.SYNCING, f"downloading {self.swarm} from its peers")
@@ -362,7 +362,7 @@ class Node:
         for part in self.parts:
             part.close()
         if self.dht is not None:
-            from swarm.dht import shutdown_dht
+            from swarm.dht.dht import shutdown_dht
 
             shutdown_dht(self.dht)
             self.dht = None

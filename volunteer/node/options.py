@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from swarm.runconfig import RunConfig
+from swarm.run.runconfig import RunConfig
 from volunteer.prefs import IdlePrefs, ResourcePrefs
 
 

@@ -1,4 +1,4 @@
-"""Can other hosts dial this node? The node's side of swarm/reachability.py.
+"""Can other hosts dial this node? The node's side of swarm/dht/reachability.py.
 
 Once online (after ``FIRST_CHECK_S``), the node asks a few online peers of the run to dial its addresses
 back; again every ``RECHECK_S``, or every ``RETRY_S`` while the answer is unknown. The verdict shows in
@@ -32,7 +32,7 @@ RETRY_S = 30.0  # while the verdict is unknown (too few peers online to tell)
 class Reachability:
     def __init__(self, node: Node):
         self.node = node
-        self.verdict: Any = None  # swarm.reachability.Verdict
+        self.verdict: Any = None  # swarm.dht.reachability.Verdict
         self._future: Any = None
         self._next_at: float | None = None
 
@@ -73,7 +73,7 @@ class Reachability:
         self._future = node.peer.check_reachability(responders)
 
     def _result(self) -> Any:
-        from swarm.reachability import UNKNOWN, Verdict
+        from swarm.dht.reachability import UNKNOWN, Verdict
 
         future, self._future = self._future, None
         try:
@@ -83,7 +83,7 @@ class Reachability:
             return Verdict(UNKNOWN, f"the check failed: {exc.__class__.__name__}: {exc}")
 
     def _adopt(self, verdict: Any, now_s: float) -> None:
-        from swarm.reachability import LOCAL, REACHABLE, UNKNOWN, UNREACHABLE, advice
+        from swarm.dht.reachability import LOCAL, REACHABLE, UNKNOWN, UNREACHABLE, advice
 
         node = self.node
         previous = self.verdict

@@ -40,7 +40,7 @@ def bottleneck_swarm(swarms: list[SwarmRow], previous: str | None = None,
 def build_record(snap: NodeSnapshot, *, state: str, version: str, started_at_s: float, now_s: float,
                  shard: int | None, metrics: Any, movable: bool = False, reachable: int = -1) -> Any:
     """Our membership record from the snapshot and the stage's last metrics (None before training)."""
-    from swarm.records import MemberRecord
+    from swarm.dht.records import MemberRecord
 
     m = metrics
     return MemberRecord(
@@ -100,7 +100,7 @@ def view_fields(views: dict[str, list[Any]], swarm_names: list[str], swarm: str,
                 now_s: float, previous_bottleneck: str | None = None) -> dict[str, Any]:
     """The snapshot's ``swarms`` (with the bottleneck marked, see ``bottleneck_swarm``) and ``peers``
     (our swarm's records)."""
-    from swarm.membership import summarize
+    from swarm.dht.membership import summarize
 
     swarms = []
     for name in swarm_names:

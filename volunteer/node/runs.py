@@ -34,7 +34,7 @@ def save_run_config(other: Any, run: Any, folder: Path) -> Path | None:
     (a config from another client version)."""
     import yaml
 
-    from swarm.runconfig import RunConfig
+    from swarm.run.runconfig import RunConfig
 
     data = {**other.config, "timeouts": run.timeouts.model_dump(mode="json"),
             "bootstrap_peers": list(run.bootstrap_peers)}

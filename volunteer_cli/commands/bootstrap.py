@@ -27,7 +27,7 @@ def run_bootstrap(args: argparse.Namespace) -> int:
     check_initial_peers(args.initial_peers)
 
     watchdog, shutdown = setup_process(args.verbose)
-    from swarm.dht import (DHTSettings, DHTStartError, IdentityInUse, claim_identity, make_validators, shutdown_dht,
+    from swarm.dht.dht import (DHTSettings, DHTStartError, IdentityInUse, claim_identity, make_validators, shutdown_dht,
                            start_dht, visible_maddrs)
 
     identity = Path(args.identity).expanduser() if args.identity else user_data_dir() / "bootstrap" / "identity.key"

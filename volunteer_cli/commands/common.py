@@ -39,7 +39,7 @@ def exit_now(code: int) -> None:
 
 def check_initial_peers(maddrs: list[str] | None) -> None:
     """``--initial-peers`` checked before anything loads: a bad address is a UserError (exit 2) with the shape."""
-    from swarm.maddrs import check_peer_maddrs
+    from swarm.dht.maddrs import check_peer_maddrs
     from volunteer_cli.main import UserError
 
     try:

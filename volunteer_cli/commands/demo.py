@@ -35,7 +35,7 @@ POLL_S = 2.0
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 20.0
 STALL_NOTICE_S = 10.0  # every swarm online and no sample trained for this long: say why
-BLOCKED_MARKER = "no micro-batch flows: "  # what a layer0 driver logs (swarm/hops.py Blockage)
+BLOCKED_MARKER = "no micro-batch flows: "  # what a layer0 driver logs (swarm/pipeline/hops.py Blockage)
 FLOWING_MARKER = "micro-batches flow again"
 EXIT_INTERRUPTED = 130
 
@@ -178,8 +178,8 @@ def _start_bootstrap(children: Children, workdir: Path, shutdown) -> str:
 
 def _watch(run, maddr: str, children: Children, shutdown, watchdog, say, target: Target, time_limit_s: float,
            started: float) -> tuple[int, dict]:
-    from swarm.dht import DHTSettings, make_validators, shutdown_dht, start_dht
-    from swarm.membership import Membership
+    from swarm.dht.dht import DHTSettings, make_validators, shutdown_dht, start_dht
+    from swarm.dht.membership import Membership
 
     dht = start_dht(DHTSettings(initial_peers=[maddr], host_maddrs=[LOOPBACK], client_mode=True,
                                 process_group=watchdog.pgid), make_validators(run.run_id, run.swarm_names, None))

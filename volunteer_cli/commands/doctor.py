@@ -4,7 +4,7 @@ Checks, in order of what most often goes wrong: the data dir (writable, free spa
 running there), idle detection (which sources work, and what the idle policy would do right now),
 the run's bootstrap peers (a short, bounded DHT start and a ping of each), whether other hosts can dial
 this machine (it listens where `volunteer join` would and asks online peers of the run to dial it back,
-swarm/reachability.py; a node already running here reports its own verdict instead), and the GPU. The GPU is
+swarm/dht/reachability.py; a node already running here reports its own verdict instead), and the GPU. The GPU is
 looked at last: CUDA must not be initialised before hivemind forks its DHT process.
 Exit status 0 when nothing failed, 1 otherwise; warnings do not fail.
 """
@@ -175,7 +175,7 @@ def network_checks(run: Any, initial_peers: list[str], timeout_s: float, verbose
     from volunteer_cli.commands.common import setup_process
 
     watchdog, _ = setup_process(verbose)
-    from swarm.dht import DHTSettings, DHTStartError, make_validators, shutdown_dht, start_dht
+    from swarm.dht.dht import DHTSettings, DHTStartError, make_validators, shutdown_dht, start_dht
 
     dht = None
     started = time.monotonic()
@@ -238,7 +238,7 @@ async def _ping_peers(dht: Any, node: Any, peer_ids: list[str], timeout_s: float
 
 
 def _swarm_checks(dht: Any, run: Any) -> tuple[list[Check], dict[str, list[Any]]]:
-    from swarm.membership import Membership, summarize
+    from swarm.dht.membership import Membership, summarize
 
     views = Membership(dht, run, b"").read_all()
     parts, empty = [], []
@@ -256,7 +256,7 @@ REACHABILITY_STATUS = {"reachable": OK, "local": INFO, "unknown": WARN, "unreach
 
 def reachability_checks(dht: Any, run: Any, views: dict[str, list[Any]], running: dict | None) -> list[Check]:
     """Can other hosts dial this machine? A running node's own verdict, else a dial-back by online peers."""
-    from swarm.reachability import UNREACHABLE, Verdict, advice, check_reachability
+    from swarm.dht.reachability import UNREACHABLE, Verdict, advice, check_reachability
 
     section, name = "reachability", "dialled from outside"
     if running is not None:
@@ -268,7 +268,7 @@ def reachability_checks(dht: Any, run: Any, views: dict[str, list[Any]], running
     responders = sorted({r.peer_id for records in views.values() for r in records if r.state == "online"})
 
     async def ask() -> Any:
-        from swarm.dht import fresh_p2p
+        from swarm.dht.dht import fresh_p2p
 
         p2p = await fresh_p2p(dht)
         try:

@@ -18,7 +18,7 @@ EXPORT_LISTEN = ["/ip4/127.0.0.1/tcp/0"]
 def best_donor(records: list) -> object | None:
     """The copy to export: lowest loss EMA among live peers that can be dialled (not behind NAT); without
     losses, the most trained one."""
-    from swarm.records import dialable
+    from swarm.dht.records import dialable
 
     live = [r for r in dialable(records) if r.state in ("online", "paused", "finishing")]
     with_loss = [r for r in live if r.loss >= 0]
@@ -41,8 +41,8 @@ def run_export(args: argparse.Namespace) -> int:
     from volunteer_cli.commands.common import setup_process
 
     watchdog, _ = setup_process(args.verbose)
-    from swarm.dht import DHTSettings, DHTStartError, make_validators, shutdown_dht, start_dht
-    from swarm.membership import Membership
+    from swarm.dht.dht import DHTSettings, DHTStartError, make_validators, shutdown_dht, start_dht
+    from swarm.dht.membership import Membership
 
     dht = None
     try:
@@ -78,7 +78,7 @@ def run_export(args: argparse.Namespace) -> int:
 
 async def _download(dht, run, donors: dict, timeout_s: float) -> dict:
     from swarm.averaging.params_rpc import ParamsRefused, fetch_params
-    from swarm.dht import fresh_p2p
+    from swarm.dht.dht import fresh_p2p
 
     p2p = await fresh_p2p(dht)
     try:
@@ -94,7 +94,7 @@ async def _download(dht, run, donors: dict, timeout_s: float) -> dict:
 
 
 def _assemble(run, states: dict, donors: dict, views: dict) -> dict:
-    from swarm.models import build_stage
+    from swarm.run.models import build_stage
 
     stages = []
     for k, name in enumerate(run.swarm_names):
@@ -126,10 +126,10 @@ def run_eval(args: argparse.Namespace) -> int:
         raise UserError(f"--model {path}: no such file (make one with `volunteer export --out {path}`)")
     import torch
 
-    from swarm.data import load_dataset
-    from swarm.local import evaluate
-    from swarm.models import bits_per_char, build_stage
-    from swarm.runconfig import RunConfig
+    from swarm.run.data import load_dataset
+    from swarm.run.local import evaluate
+    from swarm.run.models import bits_per_char, build_stage
+    from swarm.run.runconfig import RunConfig
 
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)

@@ -60,7 +60,7 @@ def _problems(join_args: list[str]) -> list[str]:
     run, _ = load_run(known.run)  # a ConfigError says what is wrong with the file, now
     if known.prefs:
         load_preferences(known.prefs)
-    from swarm.maddrs import check_peer_maddrs
+    from swarm.dht.maddrs import check_peer_maddrs
 
     problems = []
     try:

@@ -25,11 +25,11 @@ def run_status(args: argparse.Namespace) -> int:
     from volunteer_cli.commands.common import setup_process
 
     watchdog, shutdown = setup_process(args.verbose)
-    from swarm.lightdht import ReaderSettings, light_hivemind, start_reader
+    from swarm.dht.lightdht import ReaderSettings, light_hivemind, start_reader
 
-    light_hivemind()  # a reader needs hivemind's DHT, not torch: 1-5 s less (swarm/lightdht.py)
-    from swarm.dht import DHTStartError, make_validators
-    from swarm.membership import Membership
+    light_hivemind()  # a reader needs hivemind's DHT, not torch: 1-5 s less (swarm/dht/lightdht.py)
+    from swarm.dht.dht import DHTStartError, make_validators
+    from swarm.dht.membership import Membership
 
     dht = None
     try:
@@ -83,7 +83,7 @@ def build_report(run, views: dict, now: float, this_machine=None) -> dict:
                 "trained": r.trained, "lost": r.lost, "staleness": _staleness(r),
                 "mbps_in": r.mbps_in if r.mbps_in >= 0 else None, "mbps_out": r.mbps_out if r.mbps_out >= 0 else None,
                 "capacity": round(r.capacity, 1) if r.capacity > 0 else None, "movable": r.movable,
-                # can other hosts dial it (swarm/reachability.py): True, False (behind NAT), None (not known)
+                # can other hosts dial it (swarm/dht/reachability.py): True, False (behind NAT), None (not known)
                 "reachable": {1: True, 0: False}.get(r.reachable),
             })
             if name == "layer0" and (r.test_accuracy >= 0 or r.test_loss >= 0):
@@ -99,9 +99,9 @@ def build_report(run, views: dict, now: float, this_machine=None) -> dict:
                          "mbps_in": round(sum(max(0.0, r.mbps_in) for r in online), 3),
                          "mbps_out": round(sum(max(0.0, r.mbps_out) for r in online), 3)}
         swarms[name] = rows
-    from swarm.membership import idle_reason
+    from swarm.dht.membership import idle_reason
 
-    from swarm.completion import run_complete
+    from swarm.dht.completion import run_complete
 
     report = {"run_id": run.run_id, "swarms": swarms, "summary": summary,
               "idle_reason": idle_reason(views, run.swarm_names),

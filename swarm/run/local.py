@@ -15,9 +15,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from swarm.data import Dataset, MicroBatches, load_dataset
-from swarm.models import assemble, bits_per_char, build_stages, loss_fn
-from swarm.runconfig import ModelConfig, OptimizerConfig, RunConfig
+from swarm.run.data import Dataset, MicroBatches, load_dataset
+from swarm.run.models import assemble, bits_per_char, build_stages, loss_fn
+from swarm.run.runconfig import ModelConfig, OptimizerConfig, RunConfig
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from swarm.records import MemberRecord, parse_swarm, swarm_key
-from swarm.runconfig import RunConfig, config_differences
+from swarm.dht.records import MemberRecord, parse_swarm, swarm_key
+from swarm.run.runconfig import RunConfig, config_differences
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class Membership:
                  timeout_s: float | None = None) -> bool:
         """Store our record; False if no DHT node took it (or the DHT did not answer within ``timeout_s``,
         by default ``timeouts.rpc_s``)."""
-        from swarm.dht import GET_BEAM
+        from swarm.dht.dht import GET_BEAM
 
         expiration = dht_time() + (ttl_s if ttl_s is not None else self.ttl_s)
         future = self.dht.store(swarm_key(self.run.run_id, swarm), subkey=self.owner_subkey, value=record.to_wire(),
@@ -118,8 +118,8 @@ class ReadSchedule:
 
 def latest(dht: Any, key: str) -> Any:
     """A future of the key's newest value, every subkey merged, crawling only the nodes that store it
-    (swarm/dht.py GET_BEAM)."""
-    from swarm.dht import GET_BEAM
+    (swarm/dht/dht.py GET_BEAM)."""
+    from swarm.dht.dht import GET_BEAM
 
     return dht.get(key, latest=True, return_future=True, beam_size=GET_BEAM)
 

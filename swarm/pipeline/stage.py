@@ -34,17 +34,17 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from swarm.activations import ActivationCache, Saved
+from swarm.pipeline.activations import ActivationCache, Saved
 from swarm.averaging.state import load_optimizer_tensors, optimizer_tensors
 from swarm.integrity.clip import NormHistory, clip_scale, combined_bound, step_ceiling
 from swarm.integrity.direction import DirectionTracker
 from swarm.integrity.guard import StepGuard
 from swarm.integrity.health import HealthMonitor, SickCopy
-from swarm.local import make_optimizer
-from swarm.models import build_stage, loss_fn, stage_input_spec, target_spec
-from swarm.runconfig import RunConfig
-from swarm.staleness import StalenessWindow, StepSize
-from swarm.wire import WireError, check_tensor
+from swarm.run.local import make_optimizer
+from swarm.run.models import build_stage, loss_fn, stage_input_spec, target_spec
+from swarm.run.runconfig import RunConfig
+from swarm.pipeline.staleness import StalenessWindow, StepSize
+from swarm.pipeline.wire import WireError, check_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class StepInfo:
     batch_size: int
     loss: float | None  # the micro-batch's loss, as the last stage computed it
     forward_at: float  # monotonic time of the forward (at this stage) whose gradient was applied
-    staleness: int = 0  # updates applied here between that forward and this update (swarm/staleness.py)
+    staleness: int = 0  # updates applied here between that forward and this update (swarm/pipeline/staleness.py)
 
 
 @dataclass(slots=True, frozen=True)
@@ -214,7 +214,7 @@ class StageWorker:
         return y
 
     def check_grad(self, grad: torch.Tensor, batch: int) -> torch.Tensor:
-        from swarm.models import stage_output_spec
+        from swarm.run.models import stage_output_spec
 
         return check_tensor(grad, stage_output_spec(self.run.model, self.index, batch), "output gradient", self.max_batch)
 

@@ -12,7 +12,7 @@ call through it times out; the node looks online and trains nothing. Measured: 3
 
 ``apply()`` replaces that method with one that skips futures that are already done (the reply of a
 call nobody waits for any more is dropped, as hivemind meant) and logs, instead of ending, on anything
-else a single message does. Idempotent; applied on import of swarm.dht (before hivemind forks its DHT
+else a single message does. Idempotent; applied on import of swarm.dht.dht (before hivemind forks its DHT
 process, which inherits it).
 """
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from swarm.models import TensorSpec, stage_input_spec, stage_output_spec
-from swarm.runconfig import ModelConfig
+from swarm.run.models import TensorSpec, stage_input_spec, stage_output_spec
+from swarm.run.runconfig import ModelConfig
 
 UPDATE_OPS = frozenset({"backward", "forward_backward"})  # apply an update at the peer: never hedged
 HEDGED_OPS = frozenset({"forward", "infer", "evaluate"})  # apply no update: may go to two peers at once

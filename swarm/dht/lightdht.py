@@ -14,7 +14,7 @@ the rest of hivemind (it refuses if hivemind is already imported, and then the f
 
 ``LightDHT`` runs a ``DHTNode`` on an event loop thread of this process (no DHT child process, no
 bootstrap of our own node id: a reader only gets) and offers the part of ``hivemind.DHT`` that
-``swarm.membership.Membership`` reads with: ``get(key, latest=True, return_future=True)`` returning a
+``swarm.dht.membership.Membership`` reads with: ``get(key, latest=True, return_future=True)`` returning a
 future with ``result(timeout)`` and ``cancel()``, and ``shutdown()``. p2pd joins the caller's watchdog
 process group, as the DHT process's does, so it is reaped if we are killed.
 """
@@ -128,7 +128,7 @@ class LightDHT:
         from hivemind.dht.node import DHTNode
         from hivemind.dht.validation import CompositeValidator
 
-        from swarm.dht import NODE_TUNING, _apply_hivemind_fixes
+        from swarm.dht.dht import NODE_TUNING, _apply_hivemind_fixes
 
         _apply_hivemind_fixes()
         with _p2pd_in_group(self.settings.process_group):
@@ -169,8 +169,8 @@ async def _cancel_the_rest() -> None:
 
 
 def start_reader(settings: ReaderSettings, validators: list[Any]) -> LightDHT:
-    """Start a LightDHT; raise swarm.dht.DHTStartError with advice (as start_dht does) when it fails."""
-    from swarm.dht import DHTStartError, explain_start_failure
+    """Start a LightDHT; raise swarm.dht.dht.DHTStartError with advice (as start_dht does) when it fails."""
+    from swarm.dht.dht import DHTStartError, explain_start_failure
 
     try:
         return LightDHT(settings, validators).start()

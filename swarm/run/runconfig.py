@@ -24,7 +24,7 @@ HASH_WHEN_SET = {("training", "end_at_target"): False, ("training", "sample_budg
                  ("training", "in_flight_max"): 16, ("training", "wire_codec"): None, ("training", "wire_rank"): 8,
                  ("averaging", "pull_budget"): 0.0}
 DEFAULT_WIRE_RANK = HASH_WHEN_SET[("training", "wire_rank")]
-WIRE_CODECS = ("float32", "float16", "int8", "lowrank")  # swarm/codecs.py, swarm/wire.py
+WIRE_CODECS = ("float32", "float16", "int8", "lowrank")  # swarm/pipeline/codecs.py, swarm/pipeline/wire.py
 
 
 class CrossFieldError(ValueError):
@@ -106,7 +106,7 @@ class OptimizerConfig(_Strict):
         "divide_momentum", description="divide: the step of a gradient tau updates stale (tau > "
         "staleness_tolerance) is scaled by staleness_tolerance / tau (Zhang et al. 2016); momentum: SGD's momentum "
         "gives up the share of its horizon the mean staleness takes (Mitliagkas et al. 2016); divide_momentum: "
-        "both; none: every step in full, with the run's momentum (swarm/staleness.py)")
+        "both; none: every step in full, with the run's momentum (swarm/pipeline/staleness.py)")
     staleness_tolerance: int = Field(1, ge=1, le=100_000, description="gradients at most this many updates stale "
                                      "take the full step")
 
@@ -115,7 +115,7 @@ class TrainingConfig(_Strict):
     batch_size: int = Field(32, ge=1, le=65536)
     in_flight: Annotated[int, Field(ge=1, le=256)] | Literal["auto"] = Field(
         4, description="micro-batches in flight per driver; auto: enough to cover the measured round trip x "
-        "throughput, up to in_flight_max (swarm/depth.py)")
+        "throughput, up to in_flight_max (swarm/pipeline/depth.py)")
     in_flight_max: int = Field(16, ge=1, le=256, description="in_flight auto: at most this many (memory and "
                                "staleness bound; a stage also serves one driver at most "
                                "integrity.max_in_flight_per_requester at once)")
@@ -134,7 +134,7 @@ class TrainingConfig(_Strict):
                                         "loss is this many bits per byte or fewer")
     end_at_target: bool = Field(False, description="the run is complete once a published test evaluation reaches "
                                 "target_accuracy (classifiers) or target_bits_per_byte (language models): every "
-                                "volunteer pauses, takes no more work and says so (swarm/completion.py)")
+                                "volunteer pauses, takes no more work and says so (swarm/dht/completion.py)")
     sample_budget: int = Field(0, ge=0, description="the run is complete once a layer0 copy has trained this many "
                                "samples; 0: no budget")
 
@@ -306,7 +306,7 @@ class TimeoutsConfig(_Strict):
     dht_start_s: float = Field(60.0, gt=0.0)
     rpc_s: float = Field(30.0, gt=0.0)
     join_s: float = Field(60.0, gt=0.0, description="how long to look for the swarm before giving up")
-    # the driver's hops (swarm/routing.py, swarm/hops.py): a peer that never answers is routed around in seconds
+    # the driver's hops (swarm/pipeline/routing.py, swarm/pipeline/hops.py): a peer that never answers is routed around in seconds
     hop_timeout_factor: float = Field(4.0, ge=1.0, le=100.0, description="a hop times out after this many times "
                                       "the swarm's measured p95 service time of that op (at most rpc_s)")
     hop_timeout_floor_s: float = Field(1.0, gt=0.0, description="no hop times out sooner than this")
@@ -338,7 +338,7 @@ class RunConfig(_Strict):
     @field_validator("bootstrap_peers")
     @classmethod
     def _maddrs_are_peer_addresses(cls, peers: list[str]) -> list[str]:
-        from swarm.maddrs import PEER_MADDR_SHAPE, peer_maddr_problem
+        from swarm.dht.maddrs import PEER_MADDR_SHAPE, peer_maddr_problem
 
         for maddr in peers:
             problem = peer_maddr_problem(maddr)

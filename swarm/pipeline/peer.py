@@ -22,11 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from swarm.records import MemberRecord, dialable
-from swarm.runconfig import EDGE_MODES, RunConfig
-from swarm.stage import StageWorker
-from swarm.stage_gate import StageGate
-from swarm.stage_rpc import Traffic, make_servicer, stage_namespace
+from swarm.dht.records import MemberRecord, dialable
+from swarm.run.runconfig import EDGE_MODES, RunConfig
+from swarm.pipeline.stage import StageWorker
+from swarm.pipeline.stage_gate import StageGate
+from swarm.pipeline.stage_rpc import Traffic, make_servicer, stage_namespace
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class PeerMetrics:
     healing: str = ""  # why this copy is sick and healing; "" when healthy
     heals: int = 0
     last_heal_at: float = 0.0
-    # staleness of the recent updates (swarm/staleness.py), in updates; None before the first one
+    # staleness of the recent updates (swarm/pipeline/staleness.py), in updates; None before the first one
     staleness_mean: float | None = None
     staleness_p95: float | None = None
     staleness_max: int | None = None
@@ -111,7 +111,7 @@ class SwarmPeer:
         self.driver: Any = None
         self.p2p: Any = None
         self._servicer: Any = None
-        self.gate: StageGate | None = None  # who may ask our stage (swarm/stage_gate.py)
+        self.gate: StageGate | None = None  # who may ask our stage (swarm/pipeline/stage_gate.py)
         self._params_servicer: Any = None
         self._dial_back_servicer: Any = None
         self._held = HeldShards()  # shards held by other drivers, in the last reads of layer0
@@ -148,7 +148,7 @@ class SwarmPeer:
         asyncio.run_coroutine_threadsafe(self._setup(sync_from), self._loop).result(SETUP_TIMEOUT_S + sync_s)
 
     async def _setup(self, sync_from: list[MemberRecord] | None = None) -> None:
-        from swarm.dht import fresh_p2p
+        from swarm.dht.dht import fresh_p2p
 
         self.p2p = await fresh_p2p(self.dht)
         self.gate = await self._make_gate()
@@ -158,7 +158,7 @@ class SwarmPeer:
             traffic=self.traffic, gate=self.gate,
         )
         await self._servicer.add_p2p_handlers(self.p2p, namespace=stage_namespace(self.run.run_id, self.swarm))
-        from swarm.reachability import DialBackServicer, namespace
+        from swarm.dht.reachability import DialBackServicer, namespace
 
         self._dial_back_servicer = DialBackServicer(self.run.run_id)
         await self._dial_back_servicer.add_p2p_handlers(self.p2p, namespace=namespace(self.run.run_id))
@@ -170,10 +170,10 @@ class SwarmPeer:
 
     async def _make_gate(self) -> StageGate:
         """Who may ask this stage, and (last stage) the run's targets by sample id."""
-        from swarm.data import load_dataset, make_shards
+        from swarm.run.data import load_dataset, make_shards
         from swarm.integrity.labels import LabelSource
         from swarm.integrity.requesters import gate_config
-        from swarm.membership import Membership
+        from swarm.dht.membership import Membership
 
         loop = asyncio.get_running_loop()
         labels = None
@@ -224,8 +224,8 @@ class SwarmPeer:
             self.edges.start()
 
     async def _start_driver(self) -> None:
-        from swarm.data import load_dataset, make_shards
-        from swarm.driver import PipelineDriver
+        from swarm.run.data import load_dataset, make_shards
+        from swarm.pipeline.driver import PipelineDriver
 
         loop = asyncio.get_running_loop()
         dataset = await loop.run_in_executor(self.executor, load_dataset, self.run.data, self.run.model)
@@ -347,7 +347,7 @@ class SwarmPeer:
                 except Exception as exc:
                     logger.debug("removing handlers: %s", exc)
             if self._dial_back_servicer is not None and self.p2p is not None:
-                from swarm.reachability import namespace
+                from swarm.dht.reachability import namespace
 
                 try:
                     await self._dial_back_servicer.remove_p2p_handlers(self.p2p, namespace=namespace(self.run.run_id))
@@ -401,15 +401,15 @@ class SwarmPeer:
 
     # ----- views and metrics
     def check_reachability(self, responders: list[str]) -> Any:
-        """Ask some of responders (peer ids) to dial us back (swarm/reachability.py): a concurrent future
+        """Ask some of responders (peer ids) to dial us back (swarm/dht/reachability.py): a concurrent future
         of the Verdict, so the caller's loop does not wait."""
-        from swarm.reachability import check_reachability
+        from swarm.dht.reachability import check_reachability
 
         return asyncio.run_coroutine_threadsafe(check_reachability(self.p2p, self.run.run_id, responders), self._loop)
 
     def update_views(self, views: dict[str, list[MemberRecord]], fresh: set[str] | None = None) -> None:
         """The swarms as last read; ``fresh``: the swarms read this heartbeat (None: all of them). A swarm is
-        not read every heartbeat (swarm/membership.py ``read_period``): what counts reads (which shards the
+        not read every heartbeat (swarm/dht/membership.py ``read_period``): what counts reads (which shards the
         last reads showed held, the gate's last views of the drivers) takes a view only when it is new, so
         that one read that missed a record is not counted as several."""
         layer0_fresh = fresh is None or "layer0" in fresh

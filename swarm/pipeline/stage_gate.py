@@ -16,11 +16,11 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
-from swarm.activations import ActivationCache, owner_cap
+from swarm.pipeline.activations import ActivationCache, owner_cap
 from swarm.integrity.labels import DriverView, LabelSource
 from swarm.integrity.requesters import Ban, Refusal, RequesterBook
-from swarm.records import MemberRecord
-from swarm.runconfig import IntegrityConfig
+from swarm.dht.records import MemberRecord
+from swarm.run.runconfig import IntegrityConfig
 
 logger = logging.getLogger(__name__)
 

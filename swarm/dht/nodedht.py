@@ -3,17 +3,17 @@
 hivemind's ``DHT`` forks a process that runs a ``DHTNode`` on its own event loop and talks to it through
 a pipe. Forked from a volunteer that has already imported torch, that child cost 133-163 MiB PSS per
 volunteer (benchmarks/README.md, the soak) to run a few hundred milliseconds of Python a minute: with a
-read schedule that keeps a peer's DHT work flat (swarm/membership.py ``read_period``), about 20 ms of
+read schedule that keeps a peer's DHT work flat (swarm/dht/membership.py ``read_period``), about 20 ms of
 CPU per heartbeat (benchmarks/dht_scale.py). ``InProcessDHT`` runs the same ``DHTNode``, with the same
 settings, validators and p2pd, on an event-loop thread of the volunteer's own process, and offers the part
 of ``hivemind.DHT`` the node uses: ``get``/``store`` (futures with ``result(timeout)``), ``peer_id``,
-``get_visible_maddrs`` and the daemon's address for ``swarm.dht.fresh_p2p``, and
-``shutdown``/``join``/``is_alive``/``kill`` for ``swarm.dht.shutdown_dht``.
+``get_visible_maddrs`` and the daemon's address for ``swarm.dht.dht.fresh_p2p``, and
+``shutdown``/``join``/``is_alive``/``kill`` for ``swarm.dht.dht.shutdown_dht``.
 
 What changes for the process: p2pd is its only helper (it joins the watchdog's group, as before); the
 DHT's work shares the GIL with training, which at 20 ms per 5 s heartbeat is noise; a SIGTERM reaches
 the main process only, which leaves in order (announces offline) and then stops the node.
-``volunteer bootstrap`` and the tests' helper DHTs still use hivemind's process (``swarm.dht.start_dht``).
+``volunteer bootstrap`` and the tests' helper DHTs still use hivemind's process (``swarm.dht.dht.start_dht``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import logging
 from concurrent.futures import Future
 from typing import Any
 
-from swarm.lightdht import SYNC_CALL_S, LightDHT, _p2pd_in_group
+from swarm.dht.lightdht import SYNC_CALL_S, LightDHT, _p2pd_in_group
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class RecordStores:
 class InProcessDHT(LightDHT):
     """A full DHT node (not a reader) on an event-loop thread of this process; see the module docstring."""
 
-    def __init__(self, settings: Any, validators: list[Any]):  # settings: swarm.dht.DHTSettings
+    def __init__(self, settings: Any, validators: list[Any]):  # settings: swarm.dht.dht.DHTSettings
         super().__init__(settings, validators)
         self._thread.name = "dht-node"
         self.peer_id: Any = None
@@ -102,7 +102,7 @@ class InProcessDHT(LightDHT):
         from hivemind.dht.node import DHTNode
         from hivemind.dht.validation import CompositeValidator
 
-        from swarm.dht import _apply_hivemind_fixes, node_kwargs
+        from swarm.dht.dht import _apply_hivemind_fixes, node_kwargs
 
         _apply_hivemind_fixes()
         with _p2pd_in_group(self.settings.process_group):  # what start_dht's hivemind.DHT would create
@@ -117,7 +117,7 @@ class InProcessDHT(LightDHT):
               **kwargs: Any) -> Any:
         """A record (a store with a subkey) goes to the key's nearest nodes as last found (``RecordStores``)."""
         if subkey is not None and set(kwargs) <= {"beam_size"}:
-            from swarm.dht import GET_BEAM
+            from swarm.dht.dht import GET_BEAM
 
             coro = self._stores.store(self._node, key, subkey, value, expiration_time, kwargs.get("beam_size", GET_BEAM))
         else:
@@ -131,7 +131,7 @@ class InProcessDHT(LightDHT):
 
     def daemon_listen_maddr(self) -> Any:
         """p2pd's control address (set once, when the node started), for a P2P replica on the caller's own
-        loop (swarm/dht.py ``fresh_p2p``)."""
+        loop (swarm/dht/dht.py ``fresh_p2p``)."""
         return self._node.p2p.daemon_listen_maddr
 
     def is_alive(self) -> bool:
@@ -147,8 +147,8 @@ class InProcessDHT(LightDHT):
 
 
 def start_node_dht(settings: Any, validators: list[Any]) -> InProcessDHT:
-    """Start an InProcessDHT; raise swarm.dht.DHTStartError with advice (as start_dht does) when it fails."""
-    from swarm.dht import start_error
+    """Start an InProcessDHT; raise swarm.dht.dht.DHTStartError with advice (as start_dht does) when it fails."""
+    from swarm.dht.dht import start_error
 
     try:
         return InProcessDHT(settings, validators).start()

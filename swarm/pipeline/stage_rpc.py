@@ -14,7 +14,7 @@ Two handlers per stage, in the namespace ``{run_id}.layer{k}``: ``rpc_call`` (un
 the last stage looks the targets up in its own copy of the run's data (swarm/integrity/labels.py);
 targets never come from the wire. Only online layer0 peers of the run are served, each within its
 fair share, and a driver that keeps sending rejected, clipped or opposing updates is banned for a
-while (swarm/stage_gate.py). Every update is clipped and guarded at the stage (swarm/stage.py).
+while (swarm/pipeline/stage_gate.py). Every update is clipped and guarded at the stage (swarm/pipeline/stage.py).
 
 Replies carry ``{"ok": true}`` or ``{"ok": false, "code": ..., "error": ..., ["retry_after_s": s]}``
 with code ``rejected`` (malformed: never applied), ``paused`` (this peer takes no new work),
@@ -41,10 +41,10 @@ from hivemind.proto import runtime_pb2
 
 from swarm.integrity.health import SickCopy
 from swarm.integrity.labels import WrongShard
-from swarm.stage import NeedInput, StageWorker
-from swarm.stage_gate import SERVED_OPS, UPDATE_OPS, Outcome, StageGate
-from swarm.traffic import Traffic  # noqa: F401  (re-exported: the RPC modules count their bytes in it)
-from swarm.wire import (
+from swarm.pipeline.stage import NeedInput, StageWorker
+from swarm.pipeline.stage_gate import SERVED_OPS, UPDATE_OPS, Outcome, StageGate
+from swarm.pipeline.traffic import Traffic  # noqa: F401  (re-exported: the RPC modules count their bytes in it)
+from swarm.pipeline.wire import (
     DEFAULT_RANK,
     UNARY_LIMIT_BYTES,
     WireError,
@@ -83,7 +83,7 @@ class StageServicer(ServicerBase):
         self.gate = gate
         self.executor = executor
         self.max_bytes = max_bytes
-        self.codec = codec  # activations and gradients leave in the run's codec (swarm/codecs.py)
+        self.codec = codec  # activations and gradients leave in the run's codec (swarm/pipeline/codecs.py)
         self.rank = rank
         self.is_accepting = is_accepting
         self.traffic = traffic or Traffic()
@@ -251,7 +251,7 @@ async def call_stage(p2p: Any, peer_id: str, namespace: str, op: str, tensors: l
                      traffic: Traffic | None = None, rank: int = DEFAULT_RANK,
                      ) -> tuple[list[torch.Tensor], dict, float]:
     """One hop: (tensors, reply metadata, seconds). Raises StageError (with ``retry_after_s``), WireError for a
-    malformed reply, or a transport error/timeout. The reply's contents are checked by swarm/replies.py."""
+    malformed reply, or a transport error/timeout. The reply's contents are checked by swarm/pipeline/replies.py."""
     stub = StageServicer.get_stub(p2p, PeerID.from_base58(peer_id), namespace=namespace)
     serialized = await encode_off_loop(tensors, codec, rank)
     metadata = pack_metadata({**meta, "op": op})

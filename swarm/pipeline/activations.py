@@ -1,6 +1,6 @@
 """Saved forward graphs at a stage: bounded in entries and time, with a fair share per driver.
 
-A forward keeps its graph until the backward of the same micro-batch comes back (swarm/stage.py).
+A forward keeps its graph until the backward of the same micro-batch comes back (swarm/pipeline/stage.py).
 Entries are keyed by (driver, micro-batch id), so one driver can neither read nor replace another's
 graph by guessing its ids. Each driver holds at most ``owner_cap`` entries (its own oldest go first),
 and when the cache is full the oldest entry of the driver holding the most goes: a flood of forwards

@@ -55,19 +55,19 @@ class MemberRecord:
     eval_at: float = -1.0  # wall time of that evaluation; -1 = none (a reader shows its age)
     eval_version: int = -1  # param_version of this peer's copy when it evaluated; -1 = none
     heals: int = 0  # times this copy was found sick and restored itself (swarm/integrity/heal.py)
-    # staleness of this copy's recent updates, in updates (swarm/staleness.py); -1 = none yet. Records of
+    # staleness of this copy's recent updates, in updates (swarm/pipeline/staleness.py); -1 = none yet. Records of
     # clients before these fields parse with the defaults.
     staleness_mean: float = -1.0
     staleness_p95: float = -1.0
     staleness_max: int = -1
-    # this peer's traffic over its last heartbeat, Mb/s (swarm/traffic.py); -1 = not published
+    # this peer's traffic over its last heartbeat, Mb/s (swarm/pipeline/traffic.py); -1 = not published
     mbps_in: float = -1.0
     mbps_out: float = -1.0
-    # samples/s this copy could train at if it computed all the time (swarm/stage.py StageStats.capacity);
+    # samples/s this copy could train at if it computed all the time (swarm/pipeline/stage.py StageStats.capacity);
     # -1 = not measured yet. movable: a `--swarm auto` volunteer that rebalancing may move (swarm/rebalance.py)
     capacity: float = -1.0
     movable: bool = False
-    # can other hosts dial this peer (swarm/reachability.py): 1 yes, 0 no (behind NAT: nobody routes to it,
+    # can other hosts dial this peer (swarm/dht/reachability.py): 1 yes, 0 no (behind NAT: nobody routes to it,
     # pulls from it or pairs with it), -1 not known (not checked yet, or a client before the field)
     reachable: int = -1
 
@@ -136,7 +136,7 @@ def membership_schema(swarm_names: list[str]) -> type[pydantic_v1.BaseModel]:
 
 def dialable(records: list[MemberRecord], me: str = "") -> list[MemberRecord]:
     """The records of peers other hosts can dial (not ``reachable: 0``, behind NAT), and ``me``'s own:
-    whom routing, pulls, downloads and exports may dial (swarm/reachability.py)."""
+    whom routing, pulls, downloads and exports may dial (swarm/dht/reachability.py)."""
     return [r for r in records if r.reachable != 0 or r.peer_id == me]
 
 

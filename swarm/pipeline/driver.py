@@ -1,7 +1,7 @@
 """The pipeline driver of a layer0 peer: micro-batches forward through one peer of every swarm, back again.
 
 Stage 0 runs on this peer's own worker (its data never leaves the machine); every other hop is an
-RPC to a peer of that stage's swarm (swarm/hops.py: checked replies, timeouts from measured service
+RPC to a peer of that stage's swarm (swarm/pipeline/hops.py: checked replies, timeouts from measured service
 times, hedged update-free ops, retries on other peers). ``in_flight`` lanes run concurrently so
 every swarm is busy. The driver sends sample ids, never targets: the last stage looks the labels up
 in its own copy of the run's data (``forward_backward [x, ids]`` train-split rows, ``evaluate [x, ids]``
@@ -32,9 +32,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from swarm.data import Dataset, MicroBatches
-from swarm.depth import DepthController
-from swarm.hops import (  # noqa: F401  (DriverStats, DriverStopped, HopGivenUp: re-exported for callers)
+from swarm.run.data import Dataset, MicroBatches
+from swarm.pipeline.depth import DepthController
+from swarm.pipeline.hops import (  # noqa: F401  (DriverStats, DriverStopped, HopGivenUp: re-exported for callers)
     Blockage,
     CallStage,
     DriverStats,
@@ -45,10 +45,10 @@ from swarm.hops import (  # noqa: F401  (DriverStats, DriverStopped, HopGivenUp:
     Refused,
 )
 from swarm.integrity.health import SickCopy
-from swarm.routing import HopPolicy, SwarmRouter, backoff_s
-from swarm.runconfig import RunConfig
-from swarm.stage import EVAL_BATCH, StageWorker
-from swarm.stage_rpc import Traffic, call_stage
+from swarm.pipeline.routing import HopPolicy, SwarmRouter, backoff_s
+from swarm.run.runconfig import RunConfig
+from swarm.pipeline.stage import EVAL_BATCH, StageWorker
+from swarm.pipeline.stage_rpc import Traffic, call_stage
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ deterministic given the run config: no downloads, no global RNG, files read in s
 Sources:
 - ``digits``: scikit-learn's bundled 8x8 digits (1797 images, 10 classes), pixels scaled to [0, 1].
 - ``text``: a byte-level corpus (vocabulary 256) from ``data.path`` (a file, a gzipped file, or a
-  folder of *.py and *.txt files) or, by default, the corpus shipped in ``swarm/corpus/`` (the same
+  folder of *.py and *.txt files) or, by default, the corpus shipped in ``swarm/run/corpus/`` (the same
   bytes for every volunteer, whatever its Python version). ``data.sha256`` pins the bytes read, so
   the run id identifies the data: a volunteer whose file differs is told so instead of training on
   other data.
@@ -33,7 +33,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from swarm.runconfig import DataConfig, ModelConfig
+from swarm.run.runconfig import DataConfig, ModelConfig
 
 TEXT_SUFFIXES = (".py", ".txt")
 BUNDLED_CORPUS = Path(__file__).parent / "corpus" / "python311-stdlib-300k.txt.gz"

@@ -8,7 +8,7 @@ Everything that arrives is untrusted: ``decode`` checks the declared sizes befor
 buffers and raises ``WireError`` (never anything else) for a malformed or oversized message;
 ``check_tensor`` then checks dtype, shape and finiteness against what the stage expects.
 
-Float tensors travel in the run's codec (swarm/codecs.py: float32, float16, int8, lowrank). A
+Float tensors travel in the run's codec (swarm/pipeline/codecs.py: float32, float16, int8, lowrank). A
 framed codec (int8, lowrank) sends one uint8 tensor per float tensor; only callers that pass
 ``coded=True`` (the stage RPCs) accept those. A tensor decoded from a framed payload remembers it,
 and ``encode_tensors`` relays that payload unchanged: the driver forwards a stage's output to the
@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from swarm import codecs
-from swarm.models import TensorSpec
-from swarm.runconfig import DEFAULT_WIRE_RANK as DEFAULT_RANK
-from swarm.runconfig import WIRE_CODECS
+from swarm.pipeline import codecs
+from swarm.run.models import TensorSpec
+from swarm.run.runconfig import DEFAULT_WIRE_RANK as DEFAULT_RANK
+from swarm.run.runconfig import WIRE_CODECS
 
 # Above this, stream: p2pd's persistent-connection (unary) path costs 1.6-2x the CPU of a stream from
 # 1 MiB up, while below ~256 KiB a unary call is as cheap or cheaper (benchmarks/README.md, finding 2).

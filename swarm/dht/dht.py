@@ -19,9 +19,9 @@ logger = logging.getLogger(__name__)
 
 
 def _apply_hivemind_fixes() -> None:
-    """swarm/hivemind_fixes.py, before any P2P client exists (here, not at import: `volunteer status` imports
+    """swarm/dht/hivemind_fixes.py, before any P2P client exists (here, not at import: `volunteer status` imports
     this module and must not import hivemind's torch)."""
-    from swarm import hivemind_fixes
+    from swarm.dht import hivemind_fixes
 
     hivemind_fixes.apply()
 
@@ -138,8 +138,8 @@ def claim_identity(explicit: Path | None, data_dir: Path) -> tuple[Path, Identit
 
 
 def make_validators(run_id: str | None, swarm_names: list[str], identity_path: Path | None) -> list[Any]:
-    from swarm.records import membership_schema
-    from swarm.validators import validator_classes
+    from swarm.dht.records import membership_schema
+    from swarm.dht.validators import validator_classes
 
     signature_class, schema_class = validator_classes()
     key = load_identity_key(identity_path) if identity_path is not None else None
@@ -250,7 +250,7 @@ async def fresh_p2p(dht: Any) -> Any:
     from hivemind import DHT
     from hivemind.p2p import P2P
 
-    if hasattr(dht, "daemon_listen_maddr"):  # swarm/nodedht.py: the node runs in this process, on another loop
+    if hasattr(dht, "daemon_listen_maddr"):  # swarm/dht/nodedht.py: the node runs in this process, on another loop
         maddr = dht.daemon_listen_maddr()
     else:
         maddr = await dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr, return_future=True)

@@ -16,7 +16,7 @@ addresses; **unreachable** when at least ``UNREACHABLE_QUORUM`` peers answered a
 lying peer cannot make a node believe it is behind NAT); **unknown** otherwise (too few peers answered).
 A node whose every address is loopback is **local**: its run lives on this machine, nothing to check.
 
-What an unreachable node does (volunteer/node/reachability.py, swarm/peer.py): it announces
+What an unreachable node does (volunteer/node/reachability.py, swarm/pipeline/peer.py): it announces
 ``reachable: 0`` in its record, so nobody routes to it, pulls from it or pairs with it; it still
 joins, drives (layer0) and pulls, because all of that dials out.
 
@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from hivemind.p2p import P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
-from swarm.wire import WireError, pack_metadata, unpack_metadata
+from swarm.pipeline.wire import WireError, pack_metadata, unpack_metadata
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@
 ``Refused`` (the micro-batch is dropped before anything was applied: a ``rejected`` or
 ``wrong_shard`` reply), ``NeedInputReply`` (backward needs the input resent) or ``HopGivenUp``
 (no peer of the swarm served it after many tries). Everything else a peer can do is that peer's
-problem: a timeout, a transport error, a malformed reply (swarm/replies.py), ``paused`` or
+problem: a timeout, a transport error, a malformed reply (swarm/pipeline/replies.py), ``paused`` or
 ``healing`` ban it for a while and the hop goes to another peer; ``busy``, ``banned`` and
 ``unknown_driver`` hold it off for its ``retry_after_s``. Ops that apply no update (forward,
 infer, evaluate) are hedged: after ``SwarmRouter.hedge_after_s`` the same request goes to a second
@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
-from swarm.replies import HEDGED_OPS, BadReply, check_reply
-from swarm.routing import BAD_REPLY_BAN_S, SwarmRouter, retry_delay_s
-from swarm.runconfig import RunConfig
-from swarm.stage_rpc import StageError, Traffic, call_stage, stage_namespace
-from swarm.wire import WireError, coded_bytes
+from swarm.pipeline.replies import HEDGED_OPS, BadReply, check_reply
+from swarm.pipeline.routing import BAD_REPLY_BAN_S, SwarmRouter, retry_delay_s
+from swarm.run.runconfig import RunConfig
+from swarm.pipeline.stage_rpc import StageError, Traffic, call_stage, stage_namespace
+from swarm.pipeline.wire import WireError, coded_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class DriverStats:
     microbatches: int = 0
     retries: int = 0
     timeouts: int = 0  # hops that got no answer in time
-    bad_replies: int = 0  # replies that failed the checks of swarm/replies.py
+    bad_replies: int = 0  # replies that failed the checks of swarm/pipeline/replies.py
     hedges: int = 0  # update-free requests also sent to a second peer
     last_loss: float | None = None
     waiting_for: str = ""  # the empty swarm we are waiting on, "" when none

@@ -4,7 +4,7 @@ Staleness is the number of updates applied to a stage's copy between a micro-bat
 backward there: the gradient the backward applies was taken at weights that many updates old. It
 grows with the micro-batches in flight, the number of drivers and the machine's load, and the last
 stage (whose forward and backward are one call) always has 0. The stage records its update counter
-with each saved forward and the difference at the backward (swarm/stage.py); a window of the recent
+with each saved forward and the difference at the backward (swarm/pipeline/stage.py); a window of the recent
 values gives the mean, p95 and max that records, status and the dashboard show.
 
 Staleness-aware updates, ``optimizer.staleness``:

@@ -1,0 +1,17 @@
+"""Micro-batches through the swarms: stage servers, the layer0 driver, and the wire between them.
+
+Map:
+- stage.py       one peer's copy of one stage: forward, backward with the (clipped, guarded) update
+- activations.py saved forward graphs, bounded, an equal share per driver
+- staleness.py   staleness of updates (window: mean, p95, max) and the staleness-aware step size
+- stage_rpc.py   the stage RPCs (server and client call); stage_gate.py: who may ask, fair share, bans
+- wire.py        tensors on the wire: (de)serialization in the run's codec, streaming, checks on arrival
+- codecs.py      boundary codecs (int8 blockwise, lowrank int8 factors): framing and hostile-payload checks
+- traffic.py     bytes on the wire per link, and the rates they make
+- driver.py      the layer0 pipeline driver: lanes of micro-batches (sample ids, never targets)
+- depth.py       how many micro-batches a driver keeps in flight (pure)
+- hops.py        one hop of the driver: timed out, hedged, retried, refusal codes, blocked_reason
+- routing.py     which peer gets a hop, bans and holds, timeouts and hedge delays from measured times
+- replies.py     checks on a stage's reply (count, dtype, shape, finite, magnitude, metadata)
+- peer.py        a peer's training runtime: its stage served over RPC, and on layer0 the driver
+"""

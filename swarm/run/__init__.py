@@ -1,0 +1,9 @@
+"""What is trained: the run config, the model's stages, the data and its shards.
+
+Map:
+- runconfig.py   the run config schema (the "torrent file") and the run id
+- models.py      building the stages of a model from the run config
+- data.py        data sets, train/test split and shards (IID or label-skewed), rarest-first shard choice
+- local.py       a single-process reference trainer: the yardstick for the distributed run
+- corpus/        the text corpus shipped with the client (charlm)
+"""
