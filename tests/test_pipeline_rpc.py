@@ -16,7 +16,9 @@ from swarm.pipeline.peer import SwarmPeer
 from swarm.dht.records import MemberRecord
 from swarm.run.runconfig import RunConfig
 from swarm.pipeline.stage import StageWorker
+from swarm.integrity.receipts import ReceiptKey
 from swarm.pipeline.stage_rpc import StageError, call_stage, stage_namespace
+from tests.receipting import relay_meta, stage0_meta
 
 RUN = RunConfig.model_validate({
     "name": "piperpc",
@@ -103,10 +105,11 @@ def test_remote_gradients_equal_local_gradients(stage_servers):
     async def body(driver, p2p, dataset):
         ids = torch.as_tensor(make_shards(dataset.y_train, RUN.data, dataset.num_classes)[0][:8], dtype=torch.int64)
         x, y = dataset.x_train[ids], dataset.y_train[ids]
-        worker0 = driver.worker
-        (h1,), _, _ = await _hop(p2p, layer1, "forward", [worker0.forward("g", x)], {"mb": "g"})
-        (g1,), meta, _ = await _hop(p2p, layer2, "forward_backward", [h1, ids], {"mb": "g"})
-        (g0,), _, _ = await _hop(p2p, layer1, "backward", [g1], {"mb": "g", "loss": meta["loss"]})
+        worker0, key = driver.worker, driver.receipt_key
+        h0 = worker0.forward("g", x)
+        (h1,), m1, _ = await _hop(p2p, layer1, "forward", [h0], stage0_meta(key, RUN.run_id, "g", h0, ids))
+        (g1,), meta, _ = await _hop(p2p, layer2, "forward_backward", [h1, ids], relay_meta(key, "g", m1["rc"]))
+        (g0,), _, _ = await _hop(p2p, layer1, "backward", [g1], {**relay_meta(key, "g", meta["rc"]), "loss": meta["loss"]})
         worker0.backward("g", g0, None, meta["loss"])
         return worker0, x, y, meta["loss"]
 
@@ -144,13 +147,17 @@ def test_stage_rejects_bad_requests_and_applies_nothing(stage_servers, tensors, 
     version = layer1.worker.stats.param_version
 
     async def body(driver, p2p, dataset):
+        signed = {**stage0_meta(driver.receipt_key, RUN.run_id, meta.get("mb", "x"), tensors[0]), **meta}
+        if "mb" not in meta:
+            del signed["mb"]
         with pytest.raises(StageError) as caught:
-            await call_stage(p2p, str(layer1.dht.peer_id), stage_namespace(RUN.run_id, "layer1"), meta.pop("op"),
-                             tensors, meta, timeout_s=10, codec="float32", max_bytes=10 * MAX_BYTES)
+            await call_stage(p2p, str(layer1.dht.peer_id), stage_namespace(RUN.run_id, "layer1"), signed.pop("op"),
+                             tensors, signed, timeout_s=10, codec="float32", max_bytes=10 * MAX_BYTES)
         # the server is still up and serves a good request
+        x = torch.zeros(4, 32)
         (out,), _, _ = await call_stage(p2p, str(layer1.dht.peer_id), stage_namespace(RUN.run_id, "layer1"),
-                                        "infer", [torch.zeros(4, 32)], {}, timeout_s=10, codec="float32",
-                                        max_bytes=MAX_BYTES)
+                                        "infer", [x], stage0_meta(driver.receipt_key, RUN.run_id, "ok", x, op="infer"),
+                                        timeout_s=10, codec="float32", max_bytes=MAX_BYTES)
         return caught.value, out
 
     error, out = _with_driver(dht0, peers, body)
@@ -176,8 +183,11 @@ def test_last_stage_takes_sample_ids_only_from_the_senders_shards(stage_servers,
         sample_ids = ids
         if isinstance(ids, str):
             sample_ids = torch.as_tensor(make_shards(dataset.y_train, RUN.data, 10)[1][:8], dtype=torch.int64)
+        x, key = torch.zeros(8, 32), driver.receipt_key
+        forward = "infer" if op == "evaluate" else "forward"
+        (h,), m1, _ = await _hop(p2p, peers[0], forward, [x], stage0_meta(key, RUN.run_id, "t", x, sample_ids, op=forward))
         with pytest.raises(StageError) as caught:
-            await _hop(p2p, last, op, [torch.zeros(8, 32), sample_ids], {"mb": "t"})
+            await _hop(p2p, last, op, [h, sample_ids], relay_meta(key, "t", m1["rc"]))
         return caught.value
 
     try:
@@ -197,7 +207,8 @@ def test_a_peer_without_a_layer0_record_is_refused(stage_servers):
         p2p = await fresh_p2p(peers[-1].dht)  # a peer of the run, but not a layer0 driver
         try:
             with pytest.raises(StageError) as caught:
-                await _hop(p2p, layer1, "forward", [torch.zeros(8, 32)], {"mb": "x"})
+                x = torch.zeros(8, 32)
+                await _hop(p2p, layer1, "forward", [x], stage0_meta(ReceiptKey(str(p2p.peer_id)), RUN.run_id, "x", x))
             return caught.value
         finally:
             await p2p.shutdown()
@@ -214,8 +225,10 @@ def test_float16_wire_halves_the_bytes_and_keeps_values_close(stage_servers):
         results = {}
         for dtype in ("float32", "float16"):
             before = driver.traffic.bytes_out
+            x = x.clone()  # serialized anew in this codec
+            meta = stage0_meta(driver.receipt_key, RUN.run_id, dtype, x, op="infer", codec=dtype)
             (out,), _, _ = await call_stage(p2p, str(layer1.dht.peer_id), stage_namespace(RUN.run_id, "layer1"),
-                                            "infer", [x], {}, timeout_s=10, codec=dtype, max_bytes=MAX_BYTES,
+                                            "infer", [x], meta, timeout_s=10, codec=dtype, max_bytes=MAX_BYTES,
                                             traffic=driver.traffic)
             results[dtype] = (out, driver.traffic.bytes_out - before)
         return results
@@ -240,8 +253,9 @@ def test_large_payloads_are_streamed_both_ways():
             p2p = await fresh_p2p(first)
             try:
                 x = torch.randn(512, 2048)
+                meta = stage0_meta(ReceiptKey(str(p2p.peer_id)), wide.run_id, "w", x, op="infer")
                 (out,), _, _ = await call_stage(p2p, str(dht.peer_id), stage_namespace(wide.run_id, "layer1"), "infer",
-                                                [x], {}, timeout_s=30, codec="float32", max_bytes=64 * 2**20,
+                                                [x], meta, timeout_s=30, codec="float32", max_bytes=64 * 2**20,
                                                 expect_bytes=x.numel() * 4)
                 return x, out
             finally:

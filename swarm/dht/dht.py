@@ -84,6 +84,16 @@ def load_identity_key(path: Path) -> Any:
     return key
 
 
+def receipt_seed(identity_path: Path, run_id: str) -> bytes:
+    """The seed of this peer's per-run receipt key (swarm/integrity/receipts.py): derived from the identity's
+    private key and the run id, so a restarted peer signs with the key it signed with before, and a key of one
+    run says nothing about another."""
+    import hashlib
+
+    return hashlib.blake2b(identity_path.read_bytes(), digest_size=32, person=b"volunteer-rcpt",
+                           salt=hashlib.blake2b(run_id.encode(), digest_size=16).digest()).digest()
+
+
 class IdentityLock:
     """An exclusive lock on an identity file, so two local processes never share one peer id.
 

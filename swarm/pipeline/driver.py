@@ -45,7 +45,11 @@ from swarm.pipeline.hops import (  # noqa: F401  (DriverStats, DriverStopped, Ho
     Refused,
 )
 from swarm.integrity.health import SickCopy
-from swarm.pipeline.routing import HopPolicy, SwarmRouter, backoff_s
+from swarm.integrity.receipts import Receipt, ReceiptKey, ids_digest, tensor_digest
+from swarm.pipeline.keybook import KeyBook
+from swarm.pipeline.replies import Vouch
+from swarm.pipeline.routing import BAD_REPLY_BAN_S, HopPolicy, SwarmRouter, backoff_s
+from swarm.pipeline.wire import serialize_once
 from swarm.run.runconfig import RunConfig
 from swarm.pipeline.stage import EVAL_BATCH, StageWorker
 from swarm.pipeline.stage_rpc import Traffic, call_stage
@@ -71,8 +75,13 @@ SICK_POLL_S = 0.5
 class PipelineDriver:
     def __init__(self, run: RunConfig, worker: StageWorker, p2p: Any, executor: Executor, dataset: Dataset,
                  shards: list[Any], own_shard: int, *, peer_tag: str, seed: int = 0, traffic: Traffic | None = None,
-                 notify: Callable[[str, str], None] | None = None, call: CallStage = call_stage):
+                 notify: Callable[[str, str], None] | None = None, call: CallStage = call_stage,
+                 receipt_key: ReceiptKey | None = None, keys: KeyBook | None = None):
         self.run = run
+        # we sign stage 0's outputs (our own copy, our own data) and check every receipt a stage returns before
+        # relaying it (swarm/integrity/receipts.py)
+        self.receipt_key = receipt_key or ReceiptKey(str(p2p.peer_id))
+        self.keys = keys or KeyBook()
         self.worker = worker
         self.p2p = p2p
         self.executor = executor
@@ -91,7 +100,7 @@ class PipelineDriver:
         self.traffic = traffic or Traffic()
         self.blockage = Blockage(self.stats, self.notify)
         self.hops = HopCaller(run, p2p, self.routers, self.stats, self.blockage, traffic=self.traffic,
-                              is_stopping=lambda: self._stopping, call=call)
+                              is_stopping=lambda: self._stopping, call=call, keys=self.keys)
         self.peer_tag = peer_tag
         self._ids = itertools.count()
         self._running = asyncio.Event()
@@ -201,34 +210,72 @@ class PipelineDriver:
         return loss
 
     async def _through_the_swarms(self, mb: str, x: torch.Tensor, ids: torch.Tensor) -> float:
+        """Forward through every swarm and back. Every tensor we pass on travels with the receipt of the peer that
+        computed it, checked here first (swarm/pipeline/replies.py check_receipt); we author only stage 0's."""
         stages = self.run.model.stages
         inputs: dict[int, torch.Tensor] = {}
         served_by: dict[int, str] = {}
+        ids_d = ids_digest(ids)
         h = await self._own(self.worker.forward, mb, x)
+        forwards = {0: self._sign_own(mb, "forward", h, ids_d)}  # stage -> the receipt of its forward
         for k in range(1, stages - 1):
             inputs[k] = h
-            (h,), _, served_by[k] = await self.hops.hop(k, "forward", [h], {"mb": mb})
-        reply_tensors, meta, _ = await self.hops.hop(stages - 1, "forward_backward", [h, ids], {"mb": mb})
+            (h,), reply, served_by[k] = await self.hops.hop(
+                k, "forward", [h], self._meta(mb, forwards[k - 1]), vouch=self._vouch(mb, forwards[k - 1], ids_d))
+            forwards[k] = reply["receipt"]
+        reply_tensors, meta, _ = await self.hops.hop(
+            stages - 1, "forward_backward", [h, ids], self._meta(mb, forwards[stages - 2]),
+            vouch=self._vouch(mb, forwards[stages - 2], ids_d))
         loss = float(meta["loss"])
-        grad = reply_tensors[0]
+        grad, receipt = reply_tensors[0], meta["receipt"]
         try:
             for k in range(stages - 2, 0, -1):
-                grad = await self._backward_hop(k, mb, grad, inputs[k], served_by[k], loss)
+                grad, receipt = await self._backward_hop(k, mb, grad, receipt, inputs[k], forwards, served_by[k],
+                                                         loss, ids_d)
         except Refused as exc:  # the last stage has applied its update: this micro-batch is half done, lost
+            self._avoid_author(exc)
             raise HopGivenUp(str(exc)) from None
         await self._own(self.worker.backward, mb, grad, x, loss)
         return loss
 
-    async def _backward_hop(self, k: int, mb: str, grad: torch.Tensor, x: torch.Tensor, peer: str,
-                            loss: float) -> torch.Tensor:
-        """Backward goes to the peer that ran the forward (it reuses its activations), else anywhere."""
+    async def _backward_hop(self, k: int, mb: str, grad: torch.Tensor, receipt: Receipt, x: torch.Tensor,
+                            forwards: dict[int, Receipt], peer: str, loss: float,
+                            ids_d: bytes) -> tuple[torch.Tensor, Receipt]:
+        """Backward goes to the peer that ran the forward (it reuses its activations), else anywhere with the input
+        and the receipts that prove it (x's, the forward's at stage k)."""
+        vouch = self._vouch(mb, forwards[k - 1], ids_d)
         try:
-            (grad_in,), _, _ = await self.hops.hop(k, "backward", [grad], {"mb": mb, "loss": loss}, only=peer)
-            return grad_in
+            (grad_in,), reply, _ = await self.hops.hop(k, "backward", [grad], {**self._meta(mb, receipt), "loss": loss},
+                                                       only=peer, vouch=vouch)
+            return grad_in, reply["receipt"]
         except (HopGivenUp, NeedInputReply):
             pass
-        (grad_in,), _, _ = await self.hops.hop(k, "backward", [grad, x], {"mb": mb, "loss": loss})
-        return grad_in
+        meta = {**self._meta(mb, receipt, forwards[k - 1], forwards[k]), "loss": loss}
+        (grad_in,), reply, _ = await self.hops.hop(k, "backward", [grad, x], meta, vouch=vouch)
+        return grad_in, reply["receipt"]
+
+    def _sign_own(self, mb: str, op: str, h: torch.Tensor, ids_d: bytes) -> Receipt:
+        """The receipt of our own stage 0's output: serialized once, so what travels is what we signed."""
+        training = self.run.training
+        item = serialize_once(h, training.codec, training.wire_rank)
+        return self.receipt_key.sign(self.run.run_id, mb, op, 0, self.worker.stats.param_version, ids_d,
+                                     tensor_digest(item), ids_d)
+
+    def _meta(self, mb: str, *receipts: Receipt) -> dict:
+        return {"mb": mb, "rc": [r.to_wire() for r in receipts], "rk": self.receipt_key.public}
+
+    def _vouch(self, mb: str, previous: Receipt, ids_d: bytes) -> Vouch:
+        return Vouch(self.run.run_id, mb, previous.output, ids_d)
+
+    def _avoid_author(self, exc: Refused) -> None:
+        """A stage refused a tensor we relayed because its author is banned there: we stop using that peer too."""
+        if exc.code != "bad_author" or not exc.author:
+            return
+        for name, router in self.routers.items():
+            if exc.author in router.peers:
+                ban_s = router.failure(exc.author, time.monotonic(), min_ban_s=BAD_REPLY_BAN_S)
+                logger.warning("%s peer %s computed a tensor a stage refused; not using it for %.0f s", name,
+                               exc.author[-8:], ban_s)
 
     async def _own(self, fn: Callable, *args: Any) -> Any:
         """Our own stage-0 worker; while its copy is sick, wait for it to heal and retry (nothing is lost)."""
@@ -268,6 +315,9 @@ class PipelineDriver:
         """A stage refused a micro-batch: count it, say why, back off (exponential, capped)."""
         self.stats.refused += 1
         self.blockage.set(exc.reason)
+        if exc.code == "bad_author":  # not our doing, nor the stage's: route around the author, no backoff
+            self._avoid_author(exc)
+            return
         if exc.code == "wrong_shard":
             logger.info("a micro-batch was refused as outside our shards (%s); training on our own shard only "
                         "for %.0f s", exc.reason, COVER_HOLD_S)
@@ -301,10 +351,15 @@ class PipelineDriver:
                 y = self.dataset.y_test[ids]
                 part_loss, part_correct, part_count = await loop.run_in_executor(self.executor, self.worker.evaluate, x, y)
             else:
+                mb, ids_d = f"{self.peer_tag}-ev{next(self._ids)}", ids_digest(ids)
                 h = await loop.run_in_executor(self.executor, self.worker.infer, x)
+                receipt = self._sign_own(mb, "infer", h, ids_d)
                 for k in range(1, stages - 1):
-                    (h,), _, _ = await self.hops.hop(k, "infer", [h], {})
-                _, meta, _ = await self.hops.hop(stages - 1, "evaluate", [h, ids], {})
+                    (h,), reply, _ = await self.hops.hop(k, "infer", [h], self._meta(mb, receipt),
+                                                         vouch=self._vouch(mb, receipt, ids_d))
+                    receipt = reply["receipt"]
+                _, meta, _ = await self.hops.hop(stages - 1, "evaluate", [h, ids], self._meta(mb, receipt),
+                                                 vouch=self._vouch(mb, receipt, ids_d))
                 part_loss, part_correct, part_count = float(meta["loss_sum"]), int(meta["correct"]), int(meta["count"])
             loss_sum, correct, count = loss_sum + part_loss, correct + part_correct, count + part_count
         accuracy = correct / count if self.dataset.kind == "classification" else None

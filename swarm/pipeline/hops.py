@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from swarm.pipeline.replies import HEDGED_OPS, BadReply, check_reply
+from swarm.pipeline.replies import HEDGED_OPS, BadReply, Vouch, check_receipt, check_reply
 from swarm.pipeline.routing import BAD_REPLY_BAN_S, SwarmRouter, retry_delay_s
 from swarm.run.runconfig import RunConfig
 from swarm.pipeline.stage_rpc import StageError, Traffic, call_stage, stage_namespace
@@ -34,8 +34,11 @@ MAX_HOP_ATTEMPTS = 200  # with capped backoff: minutes of trying before a micro-
 EMPTY_SWARM_NOTICE_S = 10.0
 BLOCKED_NOTICE_S = 10.0  # the same kind of blockage is said at most this often
 HOLD_DEFAULT_S = 1.0  # a hold code without a usable retry_after_s
-HOLD_CODES = frozenset({"busy", "banned", "unknown_driver"})
-REFUSED_CODES = frozenset({"rejected", "wrong_shard"})
+# unknown_signer: the stage cannot get a receipt key right now (nobody's fault): another peer, or later
+HOLD_CODES = frozenset({"busy", "banned", "unknown_driver", "unknown_signer"})
+# bad_receipt: the stage says a receipt we relayed does not hold; bad_author: a tensor we relayed was computed by a
+# peer that stage has banned (its reply names it: we stop using that peer too)
+REFUSED_CODES = frozenset({"rejected", "wrong_shard", "bad_receipt", "bad_author"})
 HOLD_POLL_MAX_S = 1.0
 
 CallStage = Callable[..., Awaitable[tuple[list[torch.Tensor], dict, float]]]
@@ -54,12 +57,14 @@ class NeedInputReply(Exception):
 
 
 class Refused(Exception):
-    """The next stage refused the micro-batch itself (``code``: rejected or wrong_shard); nothing was applied."""
+    """The next stage refused the micro-batch itself (``code``: one of REFUSED_CODES); nothing was applied.
+    ``author``: with bad_author, the peer whose tensor it refused."""
 
-    def __init__(self, code: str, reason: str):
+    def __init__(self, code: str, reason: str, author: str = ""):
         super().__init__(reason)
         self.code = code
         self.reason = reason
+        self.author = author
 
 
 class _TryElsewhere(Exception):
@@ -113,8 +118,9 @@ class Blockage:
 class HopCaller:
     def __init__(self, run: RunConfig, p2p: Any, routers: dict[str, SwarmRouter], stats: DriverStats,
                  blockage: Blockage, *, traffic: Traffic, is_stopping: Callable[[], bool],
-                 call: CallStage = call_stage):
+                 call: CallStage = call_stage, keys: Any = None):
         self.run = run
+        self.keys = keys  # the receipt keys of the peers we call (swarm/pipeline/keybook.py), learnt from their replies
         self.p2p = p2p
         self.routers = routers
         self.stats = stats
@@ -126,8 +132,9 @@ class HopCaller:
         self._logged: set[tuple[str, str]] = set()
 
     async def hop(self, k: int, op: str, tensors: list[torch.Tensor], meta: dict, *, only: str | None = None,
-                  ) -> tuple[list[torch.Tensor], dict, str]:
-        """Call stage ``k`` until a peer serves it; ``only``: one try at that peer (no hedge)."""
+                  vouch: Vouch | None = None) -> tuple[list[torch.Tensor], dict, str]:
+        """Call stage ``k`` until a peer serves it; ``only``: one try at that peer (no hedge). With ``vouch`` the
+        reply's receipt must hold (swarm/pipeline/replies.py ``check_receipt``): it is in the reply as ``receipt``."""
         swarm = f"layer{k}"
         router = self.routers[swarm]
         tried: list[str] = []
@@ -141,8 +148,8 @@ class HopCaller:
             self._swarm_has_peers(swarm)
             try:
                 if op in HEDGED_OPS and not only:
-                    return await self._hedged(k, op, tensors, meta, peer)
-                out, reply = await self._attempt(k, op, tensors, meta, peer)
+                    return await self._hedged(k, op, tensors, meta, peer, vouch)
+                out, reply = await self._attempt(k, op, tensors, meta, peer, vouch)
                 return out, reply, peer
             except _TryElsewhere:
                 pass
@@ -155,7 +162,7 @@ class HopCaller:
 
     # ----- one attempt, and what its failure means
     async def _attempt(self, k: int, op: str, tensors: list[torch.Tensor], meta: dict, peer: str,
-                       ) -> tuple[list[torch.Tensor], dict]:
+                       vouch: Vouch | None = None) -> tuple[list[torch.Tensor], dict]:
         swarm = f"layer{k}"
         router = self.routers[swarm]
         batch = int(tensors[0].shape[0])
@@ -169,6 +176,8 @@ class HopCaller:
                 expect_bytes=coded_bytes(tuple(tensors[0].shape), training.codec, training.wire_rank),
             )
             out, reply = check_reply(self.run.model, k, op, batch, out, reply, self.run.timeouts.reply_max_abs)
+            if vouch is not None:
+                reply = {**reply, "receipt": check_receipt(k, op, vouch, peer, out, reply, self.keys)}
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -188,7 +197,8 @@ class HopCaller:
                 if code == "rejected":
                     router.failure(peer, now)  # a peer that rejects everything is also avoided
                 what = "gradients" if op == "backward" else "activations"
-                raise Refused(code, f"{swarm} {'rejects our ' + what if code == 'rejected' else 'says'}: {exc}")
+                raise Refused(code, f"{swarm} {'rejects our ' + what if code == 'rejected' else 'says'}: {exc}",
+                              getattr(exc, "author", "") or "")
             if code == "need_input":
                 raise NeedInputReply(str(exc))
             if code in HOLD_CODES:
@@ -221,13 +231,13 @@ class HopCaller:
 
     # ----- hedging
     async def _hedged(self, k: int, op: str, tensors: list[torch.Tensor], meta: dict, first: str,
-                      ) -> tuple[list[torch.Tensor], dict, str]:
+                      vouch: Vouch | None = None) -> tuple[list[torch.Tensor], dict, str]:
         """Ask ``first``; if it has not answered after the hedge delay, ask a second peer too; first answer wins."""
         router = self.routers[f"layer{k}"]
         started: dict[asyncio.Task, tuple[str, float]] = {}
 
         def launch(peer: str) -> asyncio.Task:
-            task = asyncio.create_task(self._attempt(k, op, tensors, meta, peer))
+            task = asyncio.create_task(self._attempt(k, op, tensors, meta, peer, vouch))
             started[task] = (peer, time.monotonic())
             return task
 

@@ -96,7 +96,7 @@ class PeerMetrics:
 
 class SwarmPeer:
     def __init__(self, run: RunConfig, dht: Any, swarm: str, *, device: str = "cpu", shard: int | None = None,
-                 notify: Notify | None = None, evaluate: bool = True):
+                 notify: Notify | None = None, evaluate: bool = True, receipt_seed: bytes | None = None):
         self.run = run
         self.dht = dht
         self.swarm = swarm
@@ -130,6 +130,13 @@ class SwarmPeer:
         self._eval_version = -1
         self._heals_seen = 0  # heals announced anywhere in the run when we last evaluated
         self._run_heals = 0
+        # receipts (swarm/integrity/receipts.py): our per-run signing key (derived from the identity when the node
+        # passes a seed, so a restarted peer keeps it) and the keys of the peers whose receipts we check
+        from swarm.integrity.receipts import ReceiptKey
+        from swarm.pipeline.keybook import KeyBook
+
+        self.receipt_key = ReceiptKey(str(dht.peer_id), receipt_seed)
+        self.keys = KeyBook(self._fetch_receipt_key)
 
     # ----- lifecycle
     def start(self, sync_from: list[MemberRecord] | None = None) -> None:
@@ -150,12 +157,15 @@ class SwarmPeer:
     async def _setup(self, sync_from: list[MemberRecord] | None = None) -> None:
         from swarm.dht.dht import fresh_p2p
 
+        from swarm.pipeline.stage_receipts import ReceiptDesk
+
         self.p2p = await fresh_p2p(self.dht)
         self.gate = await self._make_gate()
         self._servicer = make_servicer(
             self.worker, self.executor, max_bytes=int(self.run.training.max_payload_mb * 2**20),
             codec=self.run.training.codec, rank=self.run.training.wire_rank, is_accepting=lambda: self._accepting,
             traffic=self.traffic, gate=self.gate,
+            desk=ReceiptDesk(self.run.run_id, self.index, self.receipt_key, self.keys),
         )
         await self._servicer.add_p2p_handlers(self.p2p, namespace=stage_namespace(self.run.run_id, self.swarm))
         from swarm.dht.reachability import DialBackServicer, namespace
@@ -167,6 +177,20 @@ class SwarmPeer:
         self._tasks.append(asyncio.create_task(self._guard(self.healer.watch(self.executor), "healer")))
         if self.index == 0:
             await self._start_driver()
+
+    async def _fetch_receipt_key(self, peer_id: str, swarm: str) -> bytes:
+        """Ask ``peer_id`` for its receipt key in ``swarm``'s namespace (swarm/pipeline/keybook.py)."""
+        from hivemind.p2p import PeerID
+        from hivemind.proto import runtime_pb2
+
+        from swarm.pipeline.stage_rpc import StageServicer
+        from swarm.pipeline.wire import unpack_metadata
+
+        stub = StageServicer.get_stub(self.p2p, PeerID.from_base58(peer_id),
+                                      namespace=stage_namespace(self.run.run_id, swarm))
+        reply = await stub.rpc_receipt_key(runtime_pb2.ExpertRequest())
+        key = unpack_metadata(reply.metadata).get("key")
+        return key if isinstance(key, bytes) else b""
 
     async def _make_gate(self) -> StageGate:
         """Who may ask this stage, and (last stage) the run's targets by sample id."""
@@ -234,7 +258,8 @@ class SwarmPeer:
         self.driver = PipelineDriver(
             self.run, self.worker, self.p2p, self.executor, dataset, shards, shard % len(shards),
             peer_tag=str(self.dht.peer_id)[-8:], seed=shard, traffic=self.traffic,
-            notify=lambda level, text: self.notify(level, "pipeline", text),
+            notify=lambda level, text: self.notify(level, "pipeline", text), receipt_key=self.receipt_key,
+            keys=self.keys,
         )
         self._tasks.append(asyncio.create_task(self._guard(self.driver.run_forever(), "driver")))
         if self.evaluate_enabled:

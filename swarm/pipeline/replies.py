@@ -10,10 +10,21 @@ elsewhere. Pure functions over tensors and dicts, tested without a network.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from swarm.integrity.receipts import (
+    Expect,
+    Receipt,
+    ReceiptError,
+    figures_digest,
+    mismatch,
+    signature_valid,
+    tensor_digest,
+)
+from swarm.pipeline.wire import carry_payload, payload_of
 from swarm.run.models import TensorSpec, stage_input_spec, stage_output_spec
 from swarm.run.runconfig import ModelConfig
 
@@ -53,7 +64,7 @@ def check_reply_tensor(tensor: torch.Tensor, spec: TensorSpec, max_abs: float, w
     if not isinstance(tensor, torch.Tensor):
         raise BadReply(f"{what}: not a tensor")
     if tensor.is_floating_point() and spec.dtype.is_floating_point:
-        tensor = tensor.to(spec.dtype)
+        tensor = carry_payload(tensor, tensor.to(spec.dtype))
     problem = spec.mismatch(tensor)
     if problem:
         raise BadReply(f"{what}: {problem}")
@@ -79,6 +90,43 @@ def check_reply_meta(op: str, meta: dict, batch: int) -> None:
             raise BadReply(f"evaluate reply: count {_show(count)}, expected {batch}")
         if not _integer(correct) or not 0 <= correct <= count:
             raise BadReply(f"evaluate reply: correct {_show(correct)} outside 0..{count}")
+
+
+@dataclass(slots=True, frozen=True)
+class Vouch:
+    """What the receipt of a hop's reply must say (swarm/integrity/receipts.py): the micro-batch, the digest of
+    the activations the hop consumed (the previous receipt's output), the sample ids' digest."""
+
+    run_id: str
+    mb: str
+    input: bytes
+    ids: bytes
+
+
+def check_receipt(k: int, op: str, vouch: Vouch, peer: str, tensors: list[torch.Tensor], meta: dict,
+                  keys: Any) -> Receipt:
+    """The reply's receipt, signed by ``peer`` (whose key rides on its reply) over what it returned; or BadReply.
+    ``keys``: the driver's KeyBook (swarm/pipeline/keybook.py)."""
+    keys.learn(peer, meta.get("rk"))
+    key = keys.known(peer)
+    try:
+        receipt = Receipt.from_wire(meta.get("rc"))
+    except ReceiptError as exc:
+        raise BadReply(f"{op} reply: {exc}") from None
+    if op == "evaluate":
+        output = figures_digest(meta["loss_sum"], meta["correct"], meta["count"])
+    else:
+        item = payload_of(tensors[0])
+        if item is None:
+            raise BadReply(f"{op} reply: a tensor without its payload")
+        output = tensor_digest(item)
+    problem = mismatch(receipt, Expect(vouch.run_id, k, frozenset({op}), output, mb=vouch.mb, input=vouch.input,
+                                       ids=vouch.ids, signer=peer))
+    if problem is not None:
+        raise BadReply(f"{op} reply: its receipt does not hold: {problem}")
+    if key is None or not signature_valid(receipt, key):
+        raise BadReply(f"{op} reply: its receipt is not signed with the key it sent")
+    return receipt
 
 
 def _finite_number(value: Any) -> bool:

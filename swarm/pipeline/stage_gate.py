@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from swarm.pipeline.activations import ActivationCache, owner_cap
 from swarm.integrity.labels import DriverView, LabelSource
-from swarm.integrity.requesters import Ban, Refusal, RequesterBook
+from swarm.integrity.requesters import HEAVY_CLIP_SCALE, Ban, Refusal, RequesterBook
 from swarm.dht.records import MemberRecord
 from swarm.run.runconfig import IntegrityConfig
 
@@ -42,6 +42,8 @@ class Outcome:
     clip_scale: float = 1.0
     cosine: float | None = None
     strike: str | None = None  # why this request counts against its sender
+    author: str = ""  # the peer that computed the tensor applied (its receipt's signer); "" when not known
+    author_strike: str | None = None  # why this request counts against that author
 
 
 class StageGate:
@@ -112,15 +114,30 @@ class StageGate:
         """After an admitted request: free its slot, count its update, and hand out strikes and bans."""
         self.book.finished(requester)
         now = time.monotonic()
-        ban = None
+        bans: list[Ban | None] = []
+        # Blame the author: an update clipped to nothing was computed by the receipt's signer, not by the driver
+        # that relayed it. Without a receipt (author unknown) the requester is the author.
+        author = outcome.author if outcome.author and outcome.author != requester else requester
         if outcome.applied:
-            ban = self.book.on_update(requester, outcome.clip_scale, outcome.cosine, now)
-        if ban is None and outcome.strike is not None:
-            ban = self.book.on_strike(requester, outcome.strike, now)
+            bans.append(self.book.on_update(requester, outcome.clip_scale if author == requester else 1.0, None, now))
+            if author != requester and outcome.clip_scale < HEAVY_CLIP_SCALE:
+                bans.append(self.book.on_strike(author, f"its tensors clipped to {outcome.clip_scale:.2g} of their "
+                                                "size", now))
+        if outcome.strike is not None:
+            bans.append(self.book.on_strike(requester, outcome.strike, now))
+        if outcome.author_strike is not None and outcome.author:
+            bans.append(self.book.on_strike(outcome.author, outcome.author_strike, now))
+        for ban in bans:
+            if ban is not None:
+                self._announce(ban)
+
+    def strike(self, requester: str, reason: str) -> None:
+        """A request refused before it was admitted (malformed beyond use) still counts against its sender."""
+        ban = self.book.on_strike(requester, reason, time.monotonic())
         if ban is not None:
             self._announce(ban)
 
     def _announce(self, ban: Ban) -> None:
-        text = f"{self._swarm}: banned driver {ban.requester[-8:]} for {ban.duration_s:.0f} s: {ban.reason}"
+        text = f"{self._swarm}: banned peer {ban.requester[-8:]} for {ban.duration_s:.0f} s: {ban.reason}"
         logger.warning(text)
         self._notify("warning", "banned", text)

@@ -32,7 +32,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator  # typing's, not collections.abc's: hivemind reads `hint._name` to detect streams
 
 import torch
@@ -43,6 +43,7 @@ from swarm.integrity.health import SickCopy
 from swarm.integrity.labels import WrongShard
 from swarm.pipeline.stage import NeedInput, StageWorker
 from swarm.pipeline.stage_gate import SERVED_OPS, UPDATE_OPS, Outcome, StageGate
+from swarm.pipeline.stage_receipts import NeedChain, ReceiptDesk, ReceiptRefusal, Vouched
 from swarm.pipeline.traffic import Traffic  # noqa: F401  (re-exported: the RPC modules count their bytes in it)
 from swarm.pipeline.wire import (
     DEFAULT_RANK,
@@ -78,9 +79,10 @@ class StageServicer(ServicerBase):
 
     def __init__(self, worker: StageWorker | None = None, executor: Executor | None = None, *, max_bytes: int = 0,
                  codec: str = "float32", rank: int = DEFAULT_RANK, is_accepting: Callable[[], bool] = lambda: True,
-                 traffic: Traffic | None = None, gate: StageGate | None = None):
+                 traffic: Traffic | None = None, gate: StageGate | None = None, desk: ReceiptDesk | None = None):
         self.worker = worker
         self.gate = gate
+        self.desk = desk  # receipts: checked on requests, signed on replies (None: tests of the RPC alone)
         self.executor = executor
         self.max_bytes = max_bytes
         self.codec = codec  # activations and gradients leave in the run's codec (swarm/pipeline/codecs.py)
@@ -92,8 +94,7 @@ class StageServicer(ServicerBase):
     async def rpc_call(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         remote = str(context.remote_id)
         self.traffic.count(remote, inbound=sum(len(t.buffer) for t in request.tensors))
-        tensors, meta = await self._handle(list(request.tensors), request.metadata, context)
-        serialized = await encode_off_loop(tensors, self.codec, self.rank)
+        serialized, meta = await self._handle(list(request.tensors), request.metadata, context)
         self.traffic.count(remote, outbound=sum(len(t.buffer) for t in serialized))
         return runtime_pb2.ExpertResponse(tensors=serialized, metadata=pack_metadata(meta))
 
@@ -102,28 +103,36 @@ class StageServicer(ServicerBase):
         try:
             serialized, metadata = await join_stream(requests, self.max_bytes)
             self.traffic.count(str(context.remote_id), inbound=sum(len(t.buffer) for t in serialized))
-            tensors, meta = await self._handle(serialized, metadata, context)
+            out, meta = await self._handle(serialized, metadata, context)
         except WireError as exc:
-            tensors, meta = [], _refusal("rejected", str(exc))
-        out = await encode_off_loop(tensors, self.codec, self.rank)
+            out, meta = [], _refusal("rejected", str(exc))
         self.traffic.count(str(context.remote_id), outbound=sum(len(t.buffer) for t in out))
         for message in split_message(out, pack_metadata(meta), runtime_pb2.ExpertResponse):
             yield message
 
-    async def _handle(self, serialized: list[Any], metadata: bytes, context: Any) -> tuple[list[torch.Tensor], dict]:
+    async def rpc_receipt_key(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        """This peer's receipt key, asked of it over its own connection (swarm/pipeline/keybook.py)."""
+        key = self.desk.key.public if self.desk is not None else b""
+        return runtime_pb2.ExpertResponse(metadata=pack_metadata({"key": key}))
+
+    async def _handle(self, serialized: list[Any], metadata: bytes, context: Any) -> tuple[list[Any], dict]:
         self.active += 1
         try:
             return await self._serve(serialized, metadata, context)
         finally:
             self.active -= 1
 
-    async def _serve(self, serialized: list[Any], metadata: bytes, context: Any) -> tuple[list[torch.Tensor], dict]:
+    async def _serve(self, serialized: list[Any], metadata: bytes, context: Any) -> tuple[list[Any], dict]:
         requester = str(context.remote_id)
         try:
             meta = unpack_metadata(metadata)
         except WireError as exc:
             return [], _refusal("rejected", str(exc))
         op = meta.get("op")
+        if not isinstance(op, str) or op not in SERVED_OPS:
+            if self.gate is not None:
+                self.gate.strike(requester, "a request with an unknown op")
+            return [], _refusal("rejected", f"unknown op {str(op)[:40]!r}")
         if op in NEW_WORK_OPS and not self.is_accepting():
             return [], _refusal("paused", "this peer is paused and takes no new work")
         if self.gate is not None:
@@ -131,27 +140,71 @@ class StageServicer(ServicerBase):
             if refusal is not None:
                 return [], _refusal(refusal.code, refusal.error, refusal.retry_after_s)
         outcome = Outcome()
+        vouched = Vouched()
         try:
+            _check_op_here(self.worker, op)
             tensors = decode_tensors(serialized, self.max_bytes, coded=True)
+            if self.desk is not None:
+                vouched = await self.desk.check(requester, op, meta, tensors)
+                refusal = self._banned_author(vouched)
+                if refusal is not None:
+                    return [], refusal
             loop = asyncio.get_running_loop()
             request = Request(requester=requester, gate=self.gate)
             out, reply, outcome = await loop.run_in_executor(self.executor, _run, self.worker, op, tensors, meta, request)
-            return out, reply
+            outcome = replace(outcome, author=vouched.applied_author)
+            return await self._signed(requester, op, vouched, out, reply)
         except NeedInput:
             return [], _refusal("need_input", "no saved activations here: send the input")
+        except NeedChain:
+            return [], _refusal("need_input", "no saved activations here: send the input and its receipts")
+        except ReceiptRefusal as exc:
+            if exc.strike:
+                logger.warning("refused a request from %s: %s: %s", requester[-8:], exc.code, exc)
+                outcome = Outcome(strike=f"{exc.code}: {str(exc)[:120]}")
+            return [], _refusal(exc.code, str(exc), exc.retry_after_s)
         except SickCopy as exc:
             return [], _refusal("healing", f"this copy is sick and healing ({exc}): ask another peer")
         except WrongShard as exc:
             # a shard closed only by our grace view: the driver's read may have missed the same record
             outcome = Outcome() if exc.excusable else Outcome(strike="sample ids outside its shards")
             return [], _refusal("wrong_shard", str(exc))
+        except ContentError as exc:  # a tensor whose receipt holds: its signer computed it wrong
+            author = vouched.authors.get(exc.index, "") or requester
+            logger.warning("rejected a tensor computed by %s (relayed by %s): %s", author[-8:], requester[-8:], exc)
+            if author == requester:
+                outcome = Outcome(strike=f"rejected: {str(exc)[:120]}")
+            else:
+                outcome = Outcome(author=author, author_strike=f"sent a wrong tensor: {str(exc)[:120]}")
+            return [], {**_refusal("rejected" if author == requester else "bad_author", str(exc)), "author": author}
         except (WireError, ValueError, TypeError) as exc:  # StepRefused is a ValueError: nothing was applied
             logger.warning("rejected a request from %s: %s", requester[-8:], exc)
             outcome = Outcome(strike=f"rejected: {str(exc)[:120]}")
             return [], _refusal("rejected", str(exc))
         finally:
-            if self.gate is not None and op in SERVED_OPS:
+            if self.gate is not None:
                 self.gate.settle(requester, outcome)
+
+    def _banned_author(self, vouched: Vouched) -> dict | None:
+        """A tensor computed by a peer this stage has banned is refused, whoever relays it (no strike on the relay)."""
+        if self.gate is None:
+            return None
+        now = time.monotonic()
+        for author in set(vouched.authors.values()):
+            if author and self.gate.book.banned(author, now):
+                return {**_refusal("bad_author", f"its tensor was computed by {author[-8:]}, which this peer has "
+                                   "banned for sending wrong tensors: use another peer of its swarm"), "author": author}
+        return None
+
+    async def _signed(self, requester: str, op: str, vouched: Vouched, out: list[torch.Tensor],
+                      reply: dict) -> tuple[list[Any], dict]:
+        """Encode the reply once, and sign the digest of exactly those bytes."""
+        serialized = await encode_off_loop(out, self.codec, self.rank)
+        if self.desk is not None:
+            figures = (reply["loss_sum"], reply["correct"], reply["count"]) if op == "evaluate" else None
+            reply = {**reply, "rc": self.desk.sign(requester, op, vouched, serialized, self.worker.stats.param_version,
+                                                  figures), "rk": self.desk.key.public}
+        return serialized, reply
 
 
 @dataclass(slots=True, frozen=True)
@@ -184,9 +237,9 @@ def _run(worker: StageWorker, op: Any, tensors: list[torch.Tensor], meta: dict,
 
 def make_servicer(worker: StageWorker, executor: Executor, *, max_bytes: int, codec: str,
                   is_accepting: Callable[[], bool], traffic: Traffic, gate: StageGate | None = None,
-                  rank: int = DEFAULT_RANK) -> StageServicer:
+                  rank: int = DEFAULT_RANK, desk: ReceiptDesk | None = None) -> StageServicer:
     return StageServicer(worker, executor, max_bytes=max_bytes, codec=codec, rank=rank, is_accepting=is_accepting,
-                         traffic=traffic, gate=gate)
+                         traffic=traffic, gate=gate, desk=desk)
 
 
 def _refusal(code: str, error: str, retry_after_s: float | None = None) -> dict:
@@ -205,17 +258,17 @@ def dispatch(worker: StageWorker, op: Any, tensors: list[torch.Tensor], meta: di
         raise WireError("missing or malformed micro-batch id")
     if op == "forward":
         (x,) = _expect(tensors, 1, op)
-        return [worker.forward(mb, worker.check_input(x), owner=owner)], {"ok": True}
+        return [worker.forward(mb, _content(0, worker.check_input, x), owner=owner)], {"ok": True}
     if op == "infer":
         (x,) = _expect(tensors, 1, op)
-        return [worker.infer(worker.check_input(x))], {"ok": True}
+        return [worker.infer(_content(0, worker.check_input, x))], {"ok": True}
     if op == "backward":
         if worker.is_last:
             raise WireError("the last stage takes forward_backward, not backward")
         if len(tensors) not in (1, 2):
             raise WireError("backward takes the output gradient and optionally the input")
-        x = worker.check_input(tensors[1]) if len(tensors) == 2 else None
-        grad = worker.check_grad(tensors[0], tensors[0].shape[0])
+        x = _content(1, worker.check_input, tensors[1]) if len(tensors) == 2 else None
+        grad = _content(0, worker.check_grad, tensors[0], tensors[0].shape[0])
         if x is not None and x.shape[0] != grad.shape[0]:
             raise WireError("backward: input and gradient batches differ")
         loss = meta.get("loss")
@@ -226,7 +279,7 @@ def dispatch(worker: StageWorker, op: Any, tensors: list[torch.Tensor], meta: di
         if not worker.is_last:
             raise WireError(f"{op} is only served by the last stage")
         x, ids = _expect(tensors, 2, op)
-        x = worker.check_input(x)
+        x = _content(0, worker.check_input, x)
         y = worker.check_targets(request.targets(worker, ids, x.shape[0], "test" if op == "evaluate" else "train"),
                                  x.shape[0])
         if op == "evaluate":
@@ -235,6 +288,31 @@ def dispatch(worker: StageWorker, op: Any, tensors: list[torch.Tensor], meta: di
         loss, grad_in = worker.forward_backward(mb, x, y, owner=owner)
         return ([] if grad_in is None else [grad_in]), {"ok": True, "loss": loss}
     raise WireError(f"unknown op {op!r}")
+
+
+def _check_op_here(worker: StageWorker, op: str) -> None:
+    """Ops this stage does not serve, refused before anything is decoded."""
+    if worker.index == 0:
+        raise WireError("stage 0 runs only for its own driver, on its own data: drive from your own layer0 copy")
+    if op in ("forward_backward", "evaluate") and not worker.is_last:
+        raise WireError(f"{op} is only served by the last stage")
+    if op == "backward" and worker.is_last:
+        raise WireError("the last stage takes forward_backward, not backward")
+
+
+class ContentError(WireError):
+    """Tensor ``index`` of a request is wrong in itself (non-finite, wrong shape): its author's fault."""
+
+    def __init__(self, message: str, index: int):
+        super().__init__(message)
+        self.index = index
+
+
+def _content(index: int, check: Callable[..., torch.Tensor], tensor: torch.Tensor, *args: Any) -> torch.Tensor:
+    try:
+        return check(tensor, *args)
+    except (WireError, ValueError) as exc:
+        raise ContentError(str(exc), index) from None
 
 
 def _expect(tensors: list[torch.Tensor], count: int, op: str) -> list[torch.Tensor]:
@@ -287,6 +365,8 @@ def refusal_error(reply_meta: dict) -> StageError:
     retry_after_s = reply_meta.get("retry_after_s")
     ok = isinstance(retry_after_s, (int, float)) and not isinstance(retry_after_s, bool) and 0 <= retry_after_s < 1e6
     error.retry_after_s = float(retry_after_s) if ok else None
+    author = reply_meta.get("author")
+    error.author = author[:128] if isinstance(author, str) else ""
     return error
 
 

@@ -10,9 +10,11 @@ buffers and raises ``WireError`` (never anything else) for a malformed or oversi
 
 Float tensors travel in the run's codec (swarm/pipeline/codecs.py: float32, float16, int8, lowrank). A
 framed codec (int8, lowrank) sends one uint8 tensor per float tensor; only callers that pass
-``coded=True`` (the stage RPCs) accept those. A tensor decoded from a framed payload remembers it,
-and ``encode_tensors`` relays that payload unchanged: the driver forwards a stage's output to the
-next stage without coding it a second time.
+``coded=True`` (the stage RPCs) accept those. A decoded tensor remembers the payload it came from, and
+``encode_tensors`` relays that payload unchanged: the driver forwards a stage's output to the next stage
+byte for byte, without coding it a second time, so the next stage can check it against the signer's
+receipt (swarm/integrity/receipts.py: receipts sign the digest of what travels). ``serialize_once`` gives
+a tensor of our own the same property (stage 0's output, which the driver signs).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def encode_tensors(tensors: list[torch.Tensor], codec: str = "float32", rank: in
     out = []
     for tensor in tensors:
         relayed = getattr(tensor, _RELAY_ATTR, None)
-        if relayed is not None and codec in FRAMED_CODECS:
+        if relayed is not None:
             out.append(relayed)
             continue
         tensor = tensor.detach().cpu()
@@ -73,6 +75,27 @@ def encode_tensors(tensors: list[torch.Tensor], codec: str = "float32", rank: in
             compression = runtime_pb2.CompressionType.FLOAT16
         out.append(serialize_torch_tensor(tensor, compression))
     return out
+
+
+def serialize_once(tensor: torch.Tensor, codec: str = "float32", rank: int = DEFAULT_RANK) -> Any:
+    """Serialize ``tensor`` now and make every later ``encode_tensors`` of it send these bytes: the payload whose
+    digest a receipt signs is then the payload that travels."""
+    (item,) = encode_tensors([tensor], codec, rank)
+    setattr(tensor, _RELAY_ATTR, item)
+    return item
+
+
+def payload_of(tensor: torch.Tensor) -> Any | None:
+    """The serialized payload a decoded (or ``serialize_once``d) tensor came from, or None."""
+    return getattr(tensor, _RELAY_ATTR, None)
+
+
+def carry_payload(source: torch.Tensor, converted: torch.Tensor) -> torch.Tensor:
+    """``converted`` (e.g. ``source.to(dtype)``) relays ``source``'s payload: it is the same values."""
+    item = getattr(source, _RELAY_ATTR, None)
+    if item is not None and converted is not source:
+        setattr(converted, _RELAY_ATTR, item)
+    return converted
 
 
 async def encode_off_loop(tensors: list[torch.Tensor], codec: str = "float32", rank: int = DEFAULT_RANK) -> list[Any]:
@@ -151,9 +174,11 @@ def _decode_plain(item: Any) -> torch.Tensor:
     from hivemind.compression import deserialize_torch_tensor
 
     try:
-        return deserialize_torch_tensor(item).detach()
+        tensor = deserialize_torch_tensor(item).detach()
     except Exception as exc:  # a hostile buffer can fail in many ways; all of them are a rejection
         raise WireError(f"malformed tensor ({exc.__class__.__name__})") from None
+    setattr(tensor, _RELAY_ATTR, item)
+    return tensor
 
 
 def check_tensor(tensor: torch.Tensor, spec: TensorSpec, what: str, max_batch: int) -> torch.Tensor:

@@ -60,6 +60,7 @@ class Node:
         self.dht: Any = None
         self.membership: Any = None
         self.peer: Any = None  # swarm.pipeline.peer.SwarmPeer once serving
+        self._receipt_seed: bytes | None = None  # our receipt key's seed, from the identity (swarm.dht.dht.receipt_seed)
         self.board = Board(NodeSnapshot(
             run_name=self.run.name, run_id=self.run.run_id, swarm=self.swarm or "auto", peer_id="",
             state=NodeState.JOINING, reason="connecting to the swarm", device=options.device,
@@ -186,7 +187,8 @@ class Node:
     def _join(self) -> None:
         emit = self.board.emit
         emit("loading the network and training libraries (hivemind, torch)", kind="joining")
-        from swarm.dht.dht import DHTStartError, IdentityInUse, claim_identity, make_validators, visible_maddrs
+        from swarm.dht.dht import (DHTStartError, IdentityInUse, claim_identity, make_validators, receipt_seed,
+                                    visible_maddrs)
         from swarm.dht.nodedht import start_node_dht
         from swarm.dht.membership import Membership, least_served_swarm, publish_run
 
@@ -204,6 +206,7 @@ class Node:
             raise JoinError(str(exc)) from None
         emit(f"starting the DHT (bootstrap: {', '.join(options.initial_peers)})", kind="joining")
         validators = make_validators(run.run_id, run.swarm_names, identity_path)
+        self._receipt_seed = receipt_seed(identity_path, run.run_id)
         try:
             self.dht = start_node_dht(self._dht_settings(identity_path), validators)  # in this process
         except DHTStartError as exc:
@@ -279,7 +282,7 @@ class Node:
             self.announcer.choose_shard()
         self.board.emit(f"building {self.swarm} on {described}", kind="joining")
         self.peer = SwarmPeer(self.run, self.dht, self.swarm, device=device, shard=self.announcer.shard,
-                              notify=self._on_peer_notice)
+                              notify=self._on_peer_notice, receipt_seed=self._receipt_seed)
         resume = self.checkpoints.prepare_resume()
         # A newcomer (or a checkpoint the swarm has outrun) downloads its layer before it serves or drives
         # anything; with a checkpoint to restore, no download is needed.

@@ -1,0 +1,186 @@
+"""Signed hop receipts: every tensor a stage applies names the peer that computed it.
+
+A receipt says "I, ``signer``, ran ``op`` of stage ``stage`` (parameter version ``version``) for micro-batch
+``mb`` of run ``run_id``, on the input whose digest is ``input``, and produced the output whose digest is
+``output``; the chain started from the sample ids whose digest is ``ids``". It is signed with the signer's
+per-run Ed25519 key (``cryptography``'s, not a home-made scheme). Digests are BLAKE3 (``blake3``: 2 GB/s
+on one core, so hashing what travels costs well under 1 % of a hop) over the serialized tensor as it
+travels, after the codec: the driver relays those bytes unchanged, so a stage can check that what it
+received is what the signer produced.
+
+What the digests chain (docs/ARCHITECTURE.md, "Receipts"):
+- stage 0's forward (the driver's own copy, which looks its inputs up by id): input = ids = the digest of
+  the sample ids;
+- stage k's forward: input = the output of stage k-1's receipt;
+- the last stage's forward_backward: input = stage L-2's output, output = the input gradient it returns;
+- stage k's backward: input = the digest of the activations the gradient is with respect to (stage k's input),
+  output = the input gradient it returns. A gradient receipt of stage k+1 therefore names, in ``input``, the
+  output that stage k produced.
+
+Everything here is pure (plain data in, a verdict out) except ``ReceiptKey``, which holds a private key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+RECEIPT_FORMAT = 1
+DIGEST_BYTES = 16
+SIGNATURE_BYTES = 64
+PUBLIC_KEY_BYTES = 32
+MAX_TEXT_CHARS = 160
+OPS = frozenset({"forward", "backward", "forward_backward", "infer", "evaluate"})
+GRADIENT_OPS = frozenset({"backward", "forward_backward"})
+
+
+class ReceiptError(ValueError):
+    """A receipt that is malformed, or that does not say what it must."""
+
+
+def digest(data: bytes | bytearray | memoryview) -> bytes:
+    import blake3
+
+    return blake3.blake3(data).digest(DIGEST_BYTES)
+
+
+def tensor_digest(item: Any) -> bytes:
+    """The digest of one serialized tensor (hivemind's ``runtime_pb2.Tensor``) as it travels: its bytes and
+    what it declares about them, so the same bytes under another dtype or shape are another tensor."""
+    import blake3
+
+    h = blake3.blake3()
+    h.update(f"{item.dtype}|{list(item.size)}|{int(item.compression)}|".encode())
+    h.update(item.buffer)
+    return h.digest(DIGEST_BYTES)
+
+
+def ids_digest(ids: Any) -> bytes:
+    """The digest of sample ids (an int64 tensor or array), from their values: both ends compute it."""
+    import numpy as np
+
+    values = np.ascontiguousarray(np.asarray(ids, dtype="<i8"))
+    return digest(b"ids|" + values.tobytes())
+
+
+def figures_digest(loss_sum: float, correct: int, count: int) -> bytes:
+    """What an evaluation receipt signs: its figures, exactly as they travel."""
+    return digest(f"eval|{float(loss_sum)!r}|{int(correct)}|{int(count)}".encode())
+
+
+@dataclass(slots=True, frozen=True)
+class Receipt:
+    run_id: str
+    mb: str
+    op: str
+    stage: int
+    version: int
+    input: bytes
+    output: bytes
+    ids: bytes
+    signer: str
+    signature: bytes = b""
+
+    def body(self) -> bytes:
+        """The signed bytes: every field but the signature, unambiguous (lengths are fixed or prefixed)."""
+        parts = [str(RECEIPT_FORMAT), self.run_id, self.mb, self.op, str(self.stage), str(self.version), self.signer]
+        text = "\x1f".join(f"{len(p)}:{p}" for p in parts).encode()
+        return text + b"\x1e" + self.input + self.output + self.ids
+
+    def to_wire(self) -> list[Any]:
+        return [RECEIPT_FORMAT, self.run_id, self.mb, self.op, self.stage, self.version, self.input, self.output,
+                self.ids, self.signer, self.signature]
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> Receipt:
+        """Parse a stranger's receipt; anything malformed is a ReceiptError (never another exception)."""
+        if not isinstance(raw, (list, tuple)) or len(raw) != 11 or raw[0] != RECEIPT_FORMAT:
+            raise ReceiptError("malformed receipt")
+        _, run_id, mb, op, stage, version, inp, out, ids, signer, signature = raw
+        for text in (run_id, mb, op, signer):
+            if not isinstance(text, str) or not 0 < len(text) <= MAX_TEXT_CHARS:
+                raise ReceiptError("malformed receipt: a text field")
+        for number in (stage, version):
+            if not isinstance(number, int) or isinstance(number, bool) or not 0 <= number < 2**62:
+                raise ReceiptError("malformed receipt: a number field")
+        for blob in (inp, out, ids):
+            if not isinstance(blob, bytes) or len(blob) != DIGEST_BYTES:
+                raise ReceiptError("malformed receipt: a digest")
+        if not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES:
+            raise ReceiptError("malformed receipt: the signature")
+        if op not in OPS:
+            raise ReceiptError(f"malformed receipt: unknown op {op[:32]!r}")
+        return cls(run_id, mb, op, stage, version, inp, out, ids, signer, signature)
+
+
+def parse_all(raw: Any, count: int) -> list[Receipt]:
+    """``count`` receipts from a request's metadata field ``rc`` (a list)."""
+    if not isinstance(raw, (list, tuple)) or len(raw) != count:
+        raise ReceiptError(f"expected {count} receipt(s) in 'rc'")
+    return [Receipt.from_wire(item) for item in raw]
+
+
+class ReceiptKey:
+    """This peer's per-run signing key (Ed25519). ``seed``: 32 bytes to derive it from (a restarted peer keeps its
+    key), or None for a fresh one."""
+
+    def __init__(self, peer_id: str, seed: bytes | None = None):
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+        self.peer_id = peer_id
+        self._key = Ed25519PrivateKey.from_private_bytes(seed) if seed is not None else Ed25519PrivateKey.generate()
+        self.public = self._key.public_key().public_bytes_raw()
+
+    def sign(self, run_id: str, mb: str, op: str, stage: int, version: int, input: bytes, output: bytes,
+             ids: bytes) -> Receipt:
+        unsigned = Receipt(run_id, mb, op, stage, max(0, int(version)), input, output, ids, self.peer_id)
+        return Receipt(run_id, mb, op, stage, unsigned.version, input, output, ids, self.peer_id,
+                       self._key.sign(unsigned.body()))
+
+
+def signature_valid(receipt: Receipt, public_key: bytes) -> bool:
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    if len(public_key) != PUBLIC_KEY_BYTES:
+        return False
+    try:
+        Ed25519PublicKey.from_public_bytes(public_key).verify(receipt.signature, receipt.body())
+        return True
+    except (InvalidSignature, ValueError):
+        return False
+
+
+@dataclass(slots=True, frozen=True)
+class Expect:
+    """What a receipt must say to vouch for one tensor (None: that field is not checked)."""
+
+    run_id: str
+    stage: int
+    ops: frozenset[str]
+    output: bytes
+    mb: str | None = None
+    input: bytes | None = None
+    ids: bytes | None = None
+    signer: str | None = None
+
+
+def mismatch(receipt: Receipt, expect: Expect) -> str | None:
+    """Why ``receipt`` does not vouch for what ``expect`` describes, or None when it does (the signature is
+    checked separately: ``signature_valid``)."""
+    if receipt.run_id != expect.run_id:
+        return "a receipt of another run"
+    if receipt.stage != expect.stage or receipt.op not in expect.ops:
+        return f"a receipt of {receipt.op} at stage {receipt.stage}, not of {'/'.join(sorted(expect.ops))} at " \
+               f"stage {expect.stage}"
+    if expect.mb is not None and receipt.mb != expect.mb:
+        return "a receipt of another micro-batch"
+    if expect.signer is not None and receipt.signer != expect.signer:
+        return f"signed by {receipt.signer[-8:]}, not by {expect.signer[-8:]}"
+    if receipt.output != expect.output:
+        return "the tensor is not the one the receipt's signer produced"
+    if expect.input is not None and receipt.input != expect.input:
+        return "the receipt's input is not the output it must follow"
+    if expect.ids is not None and receipt.ids != expect.ids:
+        return "the receipt's sample ids are not the ones sent"
+    return None

@@ -1,0 +1,96 @@
+"""Whose receipt key is whose: the per-run Ed25519 public keys of the peers whose receipts we check.
+
+A key is only ever taken from the peer itself over its own authenticated libp2p connection: a driver's key
+rides on its own requests (metadata ``rk``), a stage peer's on its replies, and a key we have not seen is
+asked for with ``rpc_receipt_key`` in the namespace of the swarm the receipt says its signer serves. A key
+relayed by anyone else is never believed, so a relay cannot sign in another peer's name.
+
+Fetches are bounded: one in flight per peer, at most ``MAX_FETCHES_PER_S`` a second in all, each within
+``FETCH_TIMEOUT_S``, and a peer that did not answer is not asked again for ``FAILED_RETRY_S`` (a stranger
+naming random signers costs us a few dials a second, not a storm).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+
+from swarm.integrity.receipts import PUBLIC_KEY_BYTES
+
+logger = logging.getLogger(__name__)
+
+MAX_KEYS = 4096
+MAX_FETCHES_PER_S = 8.0
+FETCH_TIMEOUT_S = 5.0
+FAILED_RETRY_S = 10.0
+
+Fetch = Callable[[str, str], Awaitable[bytes]]  # (peer id, swarm) -> its public key
+
+
+class KeyBook:
+    def __init__(self, fetch: Fetch | None = None):
+        self._fetch = fetch
+        self._keys: OrderedDict[str, bytes] = OrderedDict()
+        self._failed: dict[str, float] = {}
+        self._pending: dict[str, asyncio.Future] = {}
+        self._tokens = MAX_FETCHES_PER_S
+        self._tokens_at = time.monotonic()
+
+    def learn(self, peer_id: str, key: object) -> None:
+        """A key that came from ``peer_id`` itself (its request or its reply); anything else is ignored."""
+        if isinstance(key, bytes) and len(key) == PUBLIC_KEY_BYTES and isinstance(peer_id, str) and peer_id:
+            self._keys[peer_id] = key
+            self._keys.move_to_end(peer_id)
+            while len(self._keys) > MAX_KEYS:
+                self._keys.popitem(last=False)
+            self._failed.pop(peer_id, None)
+
+    def known(self, peer_id: str) -> bytes | None:
+        return self._keys.get(peer_id)
+
+    async def key(self, peer_id: str, swarm: str) -> bytes | None:
+        """The key of ``peer_id``, asked of it in ``swarm`` if we do not have it; None if it cannot be had now."""
+        key = self._keys.get(peer_id)
+        if key is not None or self._fetch is None:
+            return key
+        now = time.monotonic()
+        if now - self._failed.get(peer_id, float("-inf")) < FAILED_RETRY_S:
+            return None
+        pending = self._pending.get(peer_id)
+        if pending is None:
+            if not self._take_token(now):
+                return None
+            pending = self._pending[peer_id] = asyncio.ensure_future(self._fetch_one(peer_id, swarm))
+        try:
+            return await asyncio.shield(pending)
+        finally:
+            if pending.done():
+                self._pending.pop(peer_id, None)
+
+    async def _fetch_one(self, peer_id: str, swarm: str) -> bytes | None:
+        try:
+            key = await asyncio.wait_for(self._fetch(peer_id, swarm), FETCH_TIMEOUT_S)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.info("could not get the receipt key of %s in %s: %s", peer_id[-8:], swarm,
+                        exc.__class__.__name__ if not str(exc) else exc)
+            key = None
+        if isinstance(key, bytes) and len(key) == PUBLIC_KEY_BYTES:
+            self.learn(peer_id, key)
+            return key
+        self._failed[peer_id] = time.monotonic()
+        if len(self._failed) > MAX_KEYS:
+            self._failed.clear()
+        return None
+
+    def _take_token(self, now: float) -> bool:
+        self._tokens = min(MAX_FETCHES_PER_S, self._tokens + (now - self._tokens_at) * MAX_FETCHES_PER_S)
+        self._tokens_at = now
+        if self._tokens < 1.0:
+            return False
+        self._tokens -= 1.0
+        return True

@@ -1,0 +1,175 @@
+"""The stage's side of receipts (swarm/integrity/receipts.py): what a request's receipts must vouch for before
+anything runs, whom a wrong tensor is blamed on, and the receipt this stage signs on its reply.
+
+What each op at stage k (k >= 1; stage 0 serves no one but its own driver) must carry in ``rc``:
+
+    forward, infer      [receipt of x]  by a peer of swarm k-1 (the requester itself when k-1 = 0)
+    forward_backward    [receipt of x]  likewise, and its sample ids are the ids sent
+    evaluate            [receipt of x]  likewise (an ``infer`` receipt), and its ids are the ids sent
+    backward [g]        [receipt of g]  by a peer of swarm k+1, over the output this stage produced for this
+                                        micro-batch (kept from our forward: ``Emitted``)
+    backward [g, x]     [receipt of g, receipt of x, a stage-k peer's forward receipt from x to g's input]
+                        (a retry at a peer that did not run the forward: the chain proves the input)
+
+Blame: a receipt that is missing, malformed, badly signed or that does not match the tensor is the
+requester's doing (an honest driver checks every receipt it relays: swarm/pipeline/hops.py); a tensor whose
+receipt holds but whose content is wrong (non-finite, wrong shape, clipped to nothing) is its signer's.
+A signer we cannot get a key from right now is nobody's fault: ``unknown_signer``, retry later.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from swarm.integrity.receipts import (
+    GRADIENT_OPS,
+    Expect,
+    Receipt,
+    ReceiptError,
+    ReceiptKey,
+    figures_digest,
+    ids_digest,
+    mismatch,
+    parse_all,
+    signature_valid,
+    tensor_digest,
+)
+from swarm.pipeline.keybook import KeyBook
+from swarm.pipeline.wire import payload_of
+
+MAX_EMITTED = 4096  # forwards whose output digest we keep for the backward (more than the activation cache)
+UNKNOWN_SIGNER_RETRY_S = 2.0
+INPUT_OPS = {"forward": frozenset({"forward"}), "forward_backward": frozenset({"forward"}),
+             "infer": frozenset({"infer"}), "evaluate": frozenset({"infer"})}
+
+
+class ReceiptRefusal(Exception):
+    """The request's receipts do not vouch for it. ``strike``: it counts against the requester."""
+
+    def __init__(self, code: str, text: str, *, strike: bool, retry_after_s: float | None = None):
+        super().__init__(text)
+        self.code = code
+        self.strike = strike
+        self.retry_after_s = retry_after_s
+
+
+class NeedChain(Exception):
+    """A backward of a micro-batch whose forward did not run here: resend with the input and its receipts."""
+
+
+@dataclass(slots=True, frozen=True)
+class Emitted:
+    input: bytes  # digest of the activations our forward consumed
+    output: bytes  # digest of the activations it returned (a gradient receipt's input must be this)
+    ids: bytes
+
+
+@dataclass(slots=True)
+class Vouched:
+    """What a request's receipts established, for the reply's receipt and for blame."""
+
+    mb: str = ""
+    input: bytes = b""  # digest of the activations this op is about (our input)
+    ids: bytes = b""
+    authors: dict[int, str] = field(default_factory=dict)  # tensor index -> the peer that computed it
+
+    @property
+    def applied_author(self) -> str:
+        """Who computed the tensor whose update we apply: the gradient at backward, the input otherwise."""
+        return self.authors.get(0, "")
+
+
+class ReceiptDesk:
+    def __init__(self, run_id: str, stage: int, key: ReceiptKey, keys: KeyBook):
+        self.run_id = run_id
+        self.stage = stage
+        self.key = key
+        self.keys = keys
+        self.keys.learn(key.peer_id, key.public)
+        self.emitted: OrderedDict[tuple[str, str], Emitted] = OrderedDict()
+
+    # ----- before the request runs
+    async def check(self, requester: str, op: str, meta: dict, tensors: list[Any]) -> Vouched:
+        """What the receipts vouch for, or ReceiptRefusal / NeedChain."""
+        self.keys.learn(requester, meta.get("rk"))  # the requester's own key, over its own connection
+        mb = meta.get("mb")
+        if not isinstance(mb, str) or not 0 < len(mb) <= 128:
+            raise ReceiptRefusal("rejected", "missing or malformed micro-batch id", strike=True)
+        try:
+            if op == "backward":
+                return await self._check_backward(requester, mb, meta.get("rc"), tensors)
+            return await self._check_input(requester, op, mb, meta.get("rc"), tensors)
+        except ReceiptError as exc:
+            raise ReceiptRefusal("bad_receipt", str(exc), strike=True) from None
+
+    async def _check_input(self, requester: str, op: str, mb: str, raw: Any, tensors: list[Any]) -> Vouched:
+        want = 2 if op in ("forward_backward", "evaluate") else 1
+        if len(tensors) != want:
+            raise ReceiptRefusal("rejected", f"{op} takes {want} tensor(s), got {len(tensors)}", strike=True)
+        (receipt,) = parse_all(raw, 1)
+        ids = ids_digest(tensors[1]) if want == 2 else None
+        await self._verify(requester, receipt, self.stage - 1, Expect(
+            self.run_id, self.stage - 1, INPUT_OPS[op], _digest(tensors[0]), mb=mb, ids=ids))
+        return Vouched(mb=mb, input=receipt.output, ids=receipt.ids, authors={0: receipt.signer, 1: requester})
+
+    async def _check_backward(self, requester: str, mb: str, raw: Any, tensors: list[Any]) -> Vouched:
+        if len(tensors) not in (1, 2):
+            raise ReceiptRefusal("rejected", "backward takes the output gradient and optionally the input", strike=True)
+        g_digest = _digest(tensors[0])
+        if len(tensors) == 1:
+            emitted = self.emitted.get((requester, mb))
+            if emitted is None:
+                raise NeedChain(mb)
+            (grad,) = parse_all(raw, 1)
+            await self._verify(requester, grad, self.stage + 1, Expect(
+                self.run_id, self.stage + 1, GRADIENT_OPS, g_digest, mb=mb, input=emitted.output, ids=emitted.ids))
+            return Vouched(mb=mb, input=emitted.input, ids=emitted.ids, authors={0: grad.signer})
+        grad, x, ours = parse_all(raw, 3)
+        await self._verify(requester, x, self.stage - 1, Expect(
+            self.run_id, self.stage - 1, frozenset({"forward"}), _digest(tensors[1]), mb=mb))
+        await self._verify(requester, ours, self.stage, Expect(
+            self.run_id, self.stage, frozenset({"forward"}), grad.input, mb=mb, input=x.output, ids=x.ids))
+        await self._verify(requester, grad, self.stage + 1, Expect(
+            self.run_id, self.stage + 1, GRADIENT_OPS, g_digest, mb=mb, ids=x.ids))
+        return Vouched(mb=mb, input=x.output, ids=x.ids, authors={0: grad.signer, 1: x.signer})
+
+    async def _verify(self, requester: str, receipt: Receipt, stage: int, expect: Expect) -> None:
+        if stage == 0:  # stage 0 runs only on its own driver: its receipts are the requester's own
+            expect = Expect(**{**_fields(expect), "signer": requester})
+        problem = mismatch(receipt, expect)
+        if problem is not None:
+            raise ReceiptError(problem)
+        key = self.keys.known(receipt.signer) if stage == 0 else await self.keys.key(receipt.signer, f"layer{stage}")
+        if key is None:
+            if stage == 0:
+                raise ReceiptError("no receipt key of yours: send it with your requests ('rk')")
+            raise ReceiptRefusal("unknown_signer", f"cannot get the receipt key of layer{stage} peer "
+                                 f"{receipt.signer[-8:]} now", strike=False, retry_after_s=UNKNOWN_SIGNER_RETRY_S)
+        if not signature_valid(receipt, key):
+            raise ReceiptError(f"the receipt of layer{stage} peer {receipt.signer[-8:]} is not signed by it")
+
+    # ----- the reply
+    def sign(self, requester: str, op: str, vouched: Vouched, out: list[Any], version: int,
+             figures: tuple[float, int, int] | None = None) -> list[Any]:
+        """The receipt of our reply (wire form); a forward's output digest is kept for its backward."""
+        output = figures_digest(*figures) if figures is not None else tensor_digest(out[0]) if out else b"\0" * 16
+        receipt = self.key.sign(self.run_id, vouched.mb, op, self.stage, version, vouched.input or b"\0" * 16,
+                                output, vouched.ids or b"\0" * 16)
+        if op == "forward":
+            self.emitted[(requester, vouched.mb)] = Emitted(vouched.input, output, vouched.ids)
+            while len(self.emitted) > MAX_EMITTED:
+                self.emitted.popitem(last=False)
+        return receipt.to_wire()
+
+
+def _digest(tensor: Any) -> bytes:
+    item = payload_of(tensor)
+    if item is None:  # every decoded tensor carries its payload (swarm/pipeline/wire.py)
+        raise ReceiptError("a tensor without its payload")
+    return tensor_digest(item)
+
+
+def _fields(expect: Expect) -> dict[str, Any]:
+    return {name: getattr(expect, name) for name in Expect.__slots__}
