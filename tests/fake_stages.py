@@ -19,7 +19,9 @@ from swarm.pipeline.driver import PipelineDriver
 from swarm.run.models import stage_input_spec, stage_output_spec
 from swarm.run.runconfig import RunConfig
 from swarm.pipeline.stage import StageWorker
+from swarm.integrity.receipts import Receipt, ReceiptKey, figures_digest, tensor_digest
 from swarm.pipeline.stage_rpc import refusal_error
+from swarm.pipeline.wire import serialize_once
 
 
 def honest(run: RunConfig, k: int) -> Callable:
@@ -83,6 +85,9 @@ class FakeSwarm:
         self.peers = peers
         self.service_s = service_s
         self.calls: list[tuple[str, str, list[torch.Tensor], dict, float]] = []
+        self.run_id = ""  # set by make_driver: what the fake peers' receipts name
+        self.keys: dict[str, ReceiptKey] = {}
+        self.inputs: dict[tuple[str, str], tuple[bytes, bytes]] = {}  # (peer, mb) -> its forward's input digest, ids
 
     async def call(self, p2p, peer_id, namespace, op, tensors, meta, *, timeout_s, codec, max_bytes,
                    expect_bytes=0, traffic=None, rank=8):
@@ -100,7 +105,30 @@ class FakeSwarm:
         out, reply = await asyncio.wait_for(serve(), timeout_s)
         if reply.get("ok") is not True:
             raise refusal_error(reply)
-        return out, reply, time.perf_counter() - started
+        return out, {**reply, **self._receipt(peer_id, swarm, op, meta, out, reply)}, time.perf_counter() - started
+
+    def _receipt(self, peer_id: str, swarm: str, op: str, meta: dict, out: list, reply: dict) -> dict:
+        """What a real stage signs on its reply (swarm/pipeline/stage_receipts.py), so the driver's checks hold."""
+        if "rc" in reply or not isinstance(meta.get("rc"), list):  # a behaviour that signs (or forges) its own
+            return {}
+        key = self.keys.setdefault(peer_id, ReceiptKey(peer_id))
+        mb = meta.get("mb", "")
+        received = [Receipt.from_wire(r) for r in meta["rc"]]
+        if op == "backward":
+            link = self.inputs.get((peer_id, mb)) if len(received) == 1 else (received[1].output, received[1].ids)
+            link = link or (b"\0" * 16, b"\0" * 16)
+        else:
+            link = (received[0].output, received[0].ids)
+        if op == "forward":
+            self.inputs[(peer_id, mb)] = link
+        if op == "evaluate" and all(name in reply for name in ("loss_sum", "correct", "count")):
+            output = figures_digest(reply["loss_sum"], reply["correct"], reply["count"])
+        elif out and isinstance(out[0], torch.Tensor):
+            output = tensor_digest(serialize_once(out[0]))
+        else:
+            output = b"\0" * 16
+        receipt = key.sign(self.run_id, mb, op, int(swarm.removeprefix("layer")), 0, link[0], output, link[1])
+        return {"rc": receipt.to_wire(), "rk": key.public}
 
     def calls_to(self, peer: str, op: str | None = None) -> list:
         return [c for c in self.calls if c[0] == peer and (op is None or c[1] == op)]
@@ -110,8 +138,9 @@ def make_driver(run: RunConfig, fake: FakeSwarm) -> tuple[PipelineDriver, Thread
     dataset = load_dataset(run.data, run.model)
     shards = make_shards(dataset.y_train, run.data, dataset.num_classes)
     executor = ThreadPoolExecutor(max_workers=1)
+    fake.run_id = run.run_id
     driver = PipelineDriver(run, StageWorker(run, 0), None, executor, dataset, shards, 0, peer_tag="test",
-                            call=fake.call)
+                            call=fake.call, receipt_key=ReceiptKey("QmTestDriver"))
     for swarm, peers in fake.peers.items():
         driver.set_peers(swarm, list(peers))
     return driver, executor

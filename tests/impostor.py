@@ -25,7 +25,10 @@ from swarm.run.runconfig import RunConfig
 from swarm.pipeline.stage import StageWorker
 from swarm.pipeline import stage_rpc
 from swarm.pipeline.stage_rpc import stage_namespace
-from swarm.pipeline.wire import decode_tensors, unpack_metadata
+from swarm.integrity.receipts import Receipt, ReceiptKey
+from swarm.pipeline.keybook import KeyBook
+from swarm.pipeline.stage_receipts import ReceiptDesk, Vouched
+from swarm.pipeline.wire import decode_tensors, encode_tensors, unpack_metadata
 
 MALFORMED_KINDS = ("no_tensor", "wrong_shape", "nan", "garbage_meta", "huge")
 SETUP_TIMEOUT_S = 60.0
@@ -39,7 +42,17 @@ class StageServicer(stage_rpc.StageServicer):
         self.impostor = impostor
 
     async def _handle(self, serialized, metadata, context):
-        return await self.impostor.answer(decode_tensors(serialized, self.max_bytes), unpack_metadata(metadata))
+        meta = unpack_metadata(metadata)
+        out, reply = await self.impostor.answer(decode_tensors(serialized, self.max_bytes), meta)
+        items = encode_tensors(out)
+        if self.impostor.mode == "honest" and reply.get("ok"):  # signs what it computed, as a real stage does
+            received = Receipt.from_wire(meta["rc"][0])
+            vouched = Vouched(mb=meta["mb"], input=received.output, ids=received.ids)
+            op = meta["op"]
+            figures = (reply["loss_sum"], reply["correct"], reply["count"]) if op == "evaluate" else None
+            reply = {**reply, "rc": self.impostor.desk.sign(str(context.remote_id), op, vouched, items, 0, figures),
+                     "rk": self.impostor.desk.key.public}
+        return items, reply
 
 
 class Impostor:
@@ -56,6 +69,7 @@ class Impostor:
         self.peer_id = str(self.dht.peer_id)
         self.membership = Membership(self.dht, run, validators[0].local_public_key)
         self.worker = StageWorker(run, self.index) if mode == "honest" else None
+        self.desk = ReceiptDesk(run.run_id, self.index, ReceiptKey(self.peer_id), KeyBook())
         self.dataset = load_dataset(run.data, run.model) if mode == "honest" else None
         self.executor = ThreadPoolExecutor(max_workers=1)
         self._stop = threading.Event()

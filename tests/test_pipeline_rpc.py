@@ -18,7 +18,7 @@ from swarm.run.runconfig import RunConfig
 from swarm.pipeline.stage import StageWorker
 from swarm.integrity.receipts import ReceiptKey
 from swarm.pipeline.stage_rpc import StageError, call_stage, stage_namespace
-from tests.receipting import relay_meta, stage0_meta
+from receipting import relay_meta, stage0_meta
 
 RUN = RunConfig.model_validate({
     "name": "piperpc",
