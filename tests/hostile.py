@@ -152,6 +152,9 @@ class HostilePeer:
         self._beat.start()
         self.servicers: list[Any] = []
         self.p2p = self.on_loop(self._fresh_p2p())
+        from swarm.integrity.receipts import ReceiptKey
+
+        self.receipt_key = ReceiptKey(self.peer_id)  # a driver signs its own stage 0's outputs (and anything it likes)
 
     async def _fresh_p2p(self) -> Any:
         from swarm.dht.dht import fresh_p2p
@@ -215,8 +218,8 @@ class HostilePeer:
         """One unary stage RPC with a request built here; every outcome is a Reply, nothing raises."""
         stub = stage_rpc.StageServicer.get_stub(self.p2p, PeerID.from_base58(peer_id),
                                                 namespace=stage_rpc.stage_namespace(self.run.run_id, swarm))
-        request = runtime_pb2.ExpertRequest(tensors=encode_tensors(tensors),
-                                            metadata=pack_metadata({"mb": self.mb(), **(meta or {}), "op": op}))
+        meta = {"mb": self.mb(), "rk": self.receipt_key.public, **(meta or {}), "op": op}
+        request = runtime_pb2.ExpertRequest(tensors=encode_tensors(tensors), metadata=pack_metadata(meta))
         started = time.perf_counter()
         try:
             reply = await asyncio.wait_for(stub.rpc_call(request), timeout_s)
@@ -232,6 +235,30 @@ class HostilePeer:
             return Reply(False, "malformed_reply", str(exc), seconds=elapsed)
         return Reply(bool(out_meta.get("ok")), str(out_meta.get("code", "")), str(out_meta.get("error", "")),
                      out, out_meta, elapsed)
+
+    def signed_as_stage0(self, mb: str, x: torch.Tensor, ids: torch.Tensor, op: str = "forward") -> dict:
+        """The metadata that carries ``x`` as our own stage 0's output for sample ``ids``, signed by us (what an
+        honest driver sends; a hostile one signs whatever it likes as its own stage 0)."""
+        from swarm.integrity.receipts import ids_digest, tensor_digest
+        from swarm.pipeline.wire import serialize_once
+
+        ids_d = ids_digest(ids)
+        receipt = self.receipt_key.sign(self.run.run_id, mb, op, 0, 0, ids_d, tensor_digest(serialize_once(x)), ids_d)
+        return {"mb": mb, "rc": [receipt.to_wire()]}
+
+    def forward_chain(self, x: torch.Tensor, ids: torch.Tensor, upto: int) -> tuple[str, torch.Tensor, list]:
+        """Sign ``x`` as our stage 0's output for ``ids`` and run real forwards through stages 1..upto-1, relaying each
+        receipt: (micro-batch id, the activations stage ``upto`` takes, their receipt's wire form)."""
+        mb = self.mb()
+        meta = self.signed_as_stage0(mb, x, ids)
+        h = x
+        for k in range(1, upto):
+            swarm = f"layer{k}"
+            reply = self.call(self.online(swarm)[0].peer_id, swarm, "forward", [h], meta)
+            if not reply.ok:
+                raise RuntimeError(f"forward at {swarm}: {reply.code}: {reply.error}")
+            h, meta = reply.tensors[0], {"mb": mb, "rc": [reply.meta["rc"]]}
+        return mb, h, meta["rc"]
 
     def flood(self, peer_id: str, swarm: str, x: torch.Tensor, count: int, timeout_s: float = 30.0) -> list[Reply]:
         """``count`` concurrent ``forward``s (each keeps activations at the server until it expires)."""

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from copies import CopyOracle, params_finite, relative_distance
-from hostile import HostilePeer
+from hostile import HostilePeer, Reply
 from procs import Swarm, wait_until, write_run
 from volunteer.config import load_run
 
@@ -107,9 +107,15 @@ def test_sample_ids_from_another_drivers_shard_are_refused(driver, run_swarm):
     # a claim stays open to the others for 3 heartbeats after a stage first sees it (DriverView): this test may
     # run within that of the swarm's start, when the honest driver's shard is still open to everyone
     deadline = time.monotonic() + 15.0
+    def attempt():  # a real forward through the stages before (they check no shards), then the last stage
+        try:
+            mb, h, rc = driver.forward_chain(torch.zeros(8, 128), ids, STAGES - 1)
+        except RuntimeError as exc:  # our record is not known to layer1 yet
+            return Reply(False, "unknown_driver", str(exc), meta={"retry_after_s": 0.5})
+        return driver.call(_peer(driver, last), last, "forward_backward", [h, ids], {"mb": mb, "rc": rc})
+
     while True:
-        reply = _until_known(lambda: driver.call(_peer(driver, last), last, "forward_backward",
-                                                 [torch.zeros(8, 128), ids]))
+        reply = _until_known(attempt)
         if not reply.ok or time.monotonic() > deadline:
             break
         time.sleep(0.5)
