@@ -93,7 +93,7 @@ async def _hop_timings(run: Any, client_dht: Any, peer: Any, reps: int,
     p2p = await P2P.replicate(await client_dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr, return_future=True))
     local = StageWorker(run, 1)
     inputs = {name: torch.randn(size // (4 * HOP_WIDTH), HOP_WIDTH) for name, (size, _) in HOP_CASES.items()}
-    samples: dict[str, dict[str, list[float]]] = {name: {"hop": [], "rpc": [], "local": [], "cpu": []}
+    samples: dict[str, dict[str, list[float]]] = {name: {"hop": [], "rpc": [], "local": [], "cpu": [], "receipt": []}
                                                   for name in HOP_CASES}
     failures: list[str] = []
     try:
@@ -117,28 +117,45 @@ async def _hop_timings(run: Any, client_dht: Any, peer: Any, reps: int,
         await p2p.shutdown()
     out = {name: {"hop_ms": 1000 * median(t["hop"]), "rpc_ms": 1000 * median(t["rpc"]),
                   "local_ms": 1000 * median(t["local"]), "cpu_ms": 1000 * sum(t["cpu"]) / len(t["cpu"]),
-                  "reps": reps} for name, t in samples.items()}
+                  "receipt_ms": 1000 * median(t["receipt"]), "reps": reps} for name, t in samples.items()}
     for name, t in out.items():
-        say(f"hop {name}: {t['hop_ms']:.2f} ms (local forward {t['local_ms']:.2f} ms)")
+        say(f"hop {name}: {t['hop_ms']:.2f} ms (local forward {t['local_ms']:.2f} ms, receipts {t['receipt_ms']:.3f} ms)")
     out["failures"] = failures  # type: ignore[assignment]
     return out
 
 
 async def _one_hop(p2p: Any, peer: Any, local: Any, run: Any, x: Any, mb: str, size: int, transport: str,
                    cpu_pids: list[int]) -> dict[str, float]:
-    """One forward hop to ``peer`` and the same forward on a local worker: seconds of each, and CPU."""
-    import swarm.pipeline.stage_rpc as stage_rpc
+    """One forward hop to ``peer`` and the same forward on a local worker: seconds of each, and CPU. The hop is what a
+    driver does: serialize its stage-0 output once, sign its receipt, call, check the reply's receipt
+    (swarm/integrity/receipts.py); ``receipt`` is the part of it those receipt steps took."""
+    import torch
 
+    import swarm.pipeline.stage_rpc as stage_rpc
+    from swarm.integrity.receipts import ids_digest, tensor_digest
+    from swarm.pipeline.replies import Vouch, check_receipt
+    from swarm.pipeline.wire import serialize_once
+
+    key, keys = _driver_keys(p2p)
+    x = x.clone()  # a fresh stage-0 output, serialized anew, as the driver's is each micro-batch
+    ids = torch.arange(x.shape[0], dtype=torch.int64)
     default_limit = stage_rpc.UNARY_LIMIT_BYTES  # call_stage reads it at each call: force the transport
     stage_rpc.UNARY_LIMIT_BYTES = {"unary": P2PD_UNARY_CAP_BYTES - 1, "stream": 0}.get(transport, default_limit)
     try:
         cpu = sum(process_cpu_seconds(pid) for pid in cpu_pids)
         started = time.perf_counter()
+        ids_d = ids_digest(ids)
+        signed = key.sign(run.run_id, mb, "forward", 0, 0, ids_d, tensor_digest(serialize_once(x)), ids_d)
+        receipt_s = time.perf_counter() - started
         try:
-            (y,), _, rpc_s = await stage_rpc.call_stage(
+            (y,), reply, rpc_s = await stage_rpc.call_stage(
                 p2p, str(peer.dht.peer_id), stage_rpc.stage_namespace(run.run_id, "layer1"), "forward", [x],
-                {"mb": mb}, timeout_s=HOP_TIMEOUT_S, codec="float32",
+                {"mb": mb, "rc": [signed.to_wire()], "rk": key.public}, timeout_s=HOP_TIMEOUT_S, codec="float32",
                 max_bytes=int(run.training.max_payload_mb * MIB), expect_bytes=size)
+            checked = time.perf_counter()
+            check_receipt(1, "forward", Vouch(run.run_id, mb, signed.output, ids_d), str(peer.dht.peer_id), [y], reply,
+                          keys)
+            receipt_s += time.perf_counter() - checked
         except Exception as exc:
             raise BenchmarkError(f"hop {mb} ({size} bytes, {transport}) failed: {exc.__class__.__name__}: {exc}") from exc
         hop_s = time.perf_counter() - started
@@ -153,4 +170,18 @@ async def _one_hop(p2p: Any, peer: Any, local: Any, run: Any, x: Any, mb: str, s
     stage_rpc.dispatch(local, "forward", [x], {"mb": mb})
     local_s = time.perf_counter() - started
     local.cache.pop(mb, time.monotonic())
-    return {"hop": hop_s, "rpc": rpc_s, "local": local_s, "cpu": cpu}
+    return {"hop": hop_s, "rpc": rpc_s, "local": local_s, "cpu": cpu, "receipt": receipt_s}
+
+
+_KEYS: dict[str, Any] = {}
+
+
+def _driver_keys(p2p: Any) -> tuple[Any, Any]:
+    """The benchmark driver's receipt key and the keys it learns from replies (one pair per client)."""
+    from swarm.integrity.receipts import ReceiptKey
+    from swarm.pipeline.keybook import KeyBook
+
+    peer_id = str(p2p.peer_id)
+    if peer_id not in _KEYS:
+        _KEYS[peer_id] = (ReceiptKey(peer_id), KeyBook())
+    return _KEYS[peer_id]

@@ -45,6 +45,7 @@ from swarm.pipeline.hops import (  # noqa: F401  (DriverStats, DriverStopped, Ho
     Refused,
 )
 from swarm.integrity.health import SickCopy
+from swarm.integrity.evaluations import MAX_REPLICAS, Figures, consensus
 from swarm.integrity.receipts import Receipt, ReceiptKey, ids_digest, tensor_digest
 from swarm.pipeline.keybook import KeyBook
 from swarm.pipeline.replies import Vouch
@@ -318,6 +319,9 @@ class PipelineDriver:
         if exc.code == "bad_author":  # not our doing, nor the stage's: route around the author, no backoff
             self._avoid_author(exc)
             return
+        if exc.code == "unknown_signer":  # a peer that computed part of this micro-batch is gone: the next one passes
+            await asyncio.sleep(REFUSED_BACKOFF_BASE_S)
+            return
         if exc.code == "wrong_shard":
             logger.info("a micro-batch was refused as outside our shards (%s); training on our own shard only "
                         "for %.0f s", exc.reason, COVER_HOLD_S)
@@ -340,7 +344,35 @@ class PipelineDriver:
 
     # ----- evaluation
     async def evaluate(self) -> tuple[float | None, float]:
-        """Forward-only pass of the test split through the whole pipeline: (accuracy, mean loss)."""
+        """Forward-only pass of the test split through the whole pipeline: (accuracy, mean loss). With several peers
+        in the last swarm, the same pass goes through up to ``MAX_REPLICAS`` of them, and what is published is what
+        they agree on (swarm/integrity/evaluations.py): one lying last stage cannot publish its own figure."""
+        stages = self.run.model.stages
+        if stages == 1:
+            figures = [await self._evaluate_through(None)]
+        else:
+            router = self.routers[f"layer{stages - 1}"]
+            now = time.monotonic()
+            usable = sorted(router.peers, key=lambda p: (router.peers[p].banned_until > now, router.expected_s(p)))
+            figures = []
+            for peer in usable[:MAX_REPLICAS] or [None]:
+                try:
+                    figures.append(await self._evaluate_through(peer))
+                except (HopGivenUp, NeedInputReply, Refused) as exc:
+                    logger.info("evaluation through last-stage peer %s failed: %s", (peer or "?")[-8:], exc)
+            if not figures:
+                raise HopGivenUp("no last-stage peer completed the evaluation")
+        verdict = consensus(figures)
+        for outlier in verdict.outliers:
+            ban_s = self.routers[f"layer{stages - 1}"].failure(outlier, time.monotonic(), min_ban_s=BAD_REPLY_BAN_S)
+            logger.warning("last-stage peer %s evaluated far from the others; not using it for %.0f s", outlier[-8:],
+                           ban_s)
+        self.stats.eval_accuracy, self.stats.eval_loss = verdict.accuracy, verdict.loss
+        self.stats.eval_replicas, self.stats.eval_validated = verdict.replicas, verdict.validated
+        return verdict.accuracy, verdict.loss
+
+    async def _evaluate_through(self, last: str | None) -> Figures:
+        """The test split through the pipeline, its last hop at peer ``last`` (None: any peer, or no hop at all)."""
         loop = asyncio.get_running_loop()
         stages = self.run.model.stages
         loss_sum, correct, count = 0.0, 0, 0
@@ -358,10 +390,9 @@ class PipelineDriver:
                     (h,), reply, _ = await self.hops.hop(k, "infer", [h], self._meta(mb, receipt),
                                                          vouch=self._vouch(mb, receipt, ids_d))
                     receipt = reply["receipt"]
-                _, meta, _ = await self.hops.hop(stages - 1, "evaluate", [h, ids], self._meta(mb, receipt),
+                _, meta, _ = await self.hops.hop(stages - 1, "evaluate", [h, ids], self._meta(mb, receipt), only=last,
                                                  vouch=self._vouch(mb, receipt, ids_d))
                 part_loss, part_correct, part_count = float(meta["loss_sum"]), int(meta["correct"]), int(meta["count"])
             loss_sum, correct, count = loss_sum + part_loss, correct + part_correct, count + part_count
         accuracy = correct / count if self.dataset.kind == "classification" else None
-        self.stats.eval_accuracy, self.stats.eval_loss = accuracy, loss_sum / max(count, 1)
-        return accuracy, self.stats.eval_loss
+        return Figures(last or "", accuracy, loss_sum / max(count, 1))

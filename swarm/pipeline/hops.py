@@ -34,11 +34,11 @@ MAX_HOP_ATTEMPTS = 200  # with capped backoff: minutes of trying before a micro-
 EMPTY_SWARM_NOTICE_S = 10.0
 BLOCKED_NOTICE_S = 10.0  # the same kind of blockage is said at most this often
 HOLD_DEFAULT_S = 1.0  # a hold code without a usable retry_after_s
-# unknown_signer: the stage cannot get a receipt key right now (nobody's fault): another peer, or later
-HOLD_CODES = frozenset({"busy", "banned", "unknown_driver", "unknown_signer"})
+HOLD_CODES = frozenset({"busy", "banned", "unknown_driver"})
 # bad_receipt: the stage says a receipt we relayed does not hold; bad_author: a tensor we relayed was computed by a
-# peer that stage has banned (its reply names it: we stop using that peer too)
-REFUSED_CODES = frozenset({"rejected", "wrong_shard", "bad_receipt", "bad_author"})
+# peer that stage has banned (its reply names it: we stop using that peer too); unknown_signer: the stage cannot get
+# the key of the peer that computed a tensor we relayed (it is gone): that micro-batch cannot pass, nobody's fault
+REFUSED_CODES = frozenset({"rejected", "wrong_shard", "bad_receipt", "bad_author", "unknown_signer"})
 HOLD_POLL_MAX_S = 1.0
 
 CallStage = Callable[..., Awaitable[tuple[list[torch.Tensor], dict, float]]]
@@ -88,6 +88,8 @@ class DriverStats:
     eval_accuracy: float | None = None
     eval_loss: float | None = None
     eval_at_samples: int = 0
+    eval_replicas: int = 0  # last-stage peers the latest evaluation went through (swarm/integrity/evaluations.py)
+    eval_validated: bool = False  # two of them agreed on it
     hop_ms: dict[str, float] = field(default_factory=dict)
     depth: int = 0  # in_flight auto: the lanes allowed to work now (0: a fixed in_flight)
 

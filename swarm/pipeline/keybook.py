@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 MAX_KEYS = 4096
 MAX_FETCHES_PER_S = 8.0
-FETCH_TIMEOUT_S = 5.0
+FETCH_TIMEOUT_S = 3.0
 FAILED_RETRY_S = 10.0
 
 Fetch = Callable[[str, str], Awaitable[bytes]]  # (peer id, swarm) -> its public key
@@ -86,6 +86,14 @@ class KeyBook:
         if len(self._failed) > MAX_KEYS:
             self._failed.clear()
         return None
+
+    def prefetch(self, peer_ids: list[str], swarm: str) -> None:
+        """Ask for the keys of ``swarm``'s peers we do not have yet, in the background (on the running loop): a
+        peer that signs a tensor and then dies (killed, or gone) can no longer be asked, and its receipts must still
+        be checkable by the next stage."""
+        for peer_id in peer_ids:
+            if peer_id not in self._keys and peer_id not in self._pending:
+                asyncio.ensure_future(self.key(peer_id, swarm))
 
     def _take_token(self, now: float) -> bool:
         self._tokens = min(MAX_FETCHES_PER_S, self._tokens + (now - self._tokens_at) * MAX_FETCHES_PER_S)

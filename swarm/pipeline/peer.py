@@ -457,6 +457,7 @@ class SwarmPeer:
             self._loop.call_soon_threadsafe(self.edges.set_records, mine if cut_off else list(views.get(self.swarm, [])))
         if self.averaging is not None:
             self._loop.call_soon_threadsafe(self.averaging.set_views, dict(views))
+        self._prefetch_keys(views)
         if self.driver is None:
             return
         online = {name: [r.peer_id for r in records if r.state == "online"] for name, records in views.items()}
@@ -470,6 +471,18 @@ class SwarmPeer:
             self.driver.cover_shards(unheld)
 
         self._loop.call_soon_threadsafe(apply)
+
+    def _prefetch_keys(self, views: dict[str, list[MemberRecord]]) -> None:
+        """The receipt keys of the swarms whose receipts we check (ours, the one before, the one after), fetched
+        while their peers are alive (swarm/pipeline/keybook.py)."""
+        if self._servicer is None or self.index == 0:
+            return
+        for k in (self.index - 1, self.index, self.index + 1):
+            if k < 1 or k >= self.run.model.stages:  # stage 0's receipts are signed by the requester itself
+                continue
+            name = f"layer{k}"
+            ids = [r.peer_id for r in views.get(name, []) if r.state == "online"]
+            self._loop.call_soon_threadsafe(self.keys.prefetch, ids, name)
 
     def set_shard(self, shard: int) -> None:
         """layer0: drive our micro-batches from another shard (the next views recompute the coverage)."""

@@ -49,6 +49,7 @@ from swarm.pipeline.wire import WireError, check_tensor
 logger = logging.getLogger(__name__)
 
 EVAL_BATCH = 512
+EMIT_FRACTION = 0.5  # of timeouts.reply_max_abs: the largest value a stage's reply carries
 LOSS_EMA_ALPHA = 0.1
 THROUGHPUT_WINDOW_S = 10.0
 MIN_BUSY_FOR_CAPACITY_S = 0.05  # of compute in the window before a capacity is published
@@ -99,6 +100,10 @@ class WorkerState:
     clock: float
     loss_ema: float | None
     param_version: int
+
+
+class InputOutOfRange(WireError):
+    """The request's input (not this copy) makes outputs too large to send."""
 
 
 class NeedInput(Exception):
@@ -238,6 +243,7 @@ class StageWorker:
             self._refuse_if_sick()
             saved = self._graph(x)
             self._check_emitted(saved.outputs, "outputs")
+            self._refuse_out_of_bound(saved.outputs)
             if self.is_first and not owner:  # our own driver's data: a collapsed copy shows here
                 self.health.observe_own_forward(saved.inputs, saved.outputs)
                 self._refuse_if_sick()
@@ -256,6 +262,7 @@ class StageWorker:
             finally:
                 self.module.train(was_training)
             self._check_emitted(outputs, "outputs")
+            self._refuse_out_of_bound(outputs)
             return outputs.cpu()
 
     @torch.no_grad()
@@ -283,7 +290,7 @@ class StageWorker:
             self._apply(saved, batch_size=grad_out.shape[0], loss=loss, owner=owner, scale=out_scale, out_rms=out_rms,
                         junior=junior)
             self._simulate()
-            return None if saved.inputs.grad is None else saved.inputs.grad.cpu()
+            return None if saved.inputs.grad is None else self._within_reply_bound(saved.inputs.grad.cpu())
 
     def forward_backward(self, mb_id: str, x: torch.Tensor, y: torch.Tensor, owner: str = "") -> tuple[float, torch.Tensor | None]:
         """Last stage: loss and input gradient of one micro-batch, with the update applied."""
@@ -299,7 +306,22 @@ class StageWorker:
             self._apply(saved, batch_size=x.shape[0], loss=value, owner=owner,
                         junior=bool(owner) and self.on_probation(owner))
             self._simulate(2)
-            return value, None if saved.inputs.grad is None else saved.inputs.grad.cpu()
+            return value, None if saved.inputs.grad is None else self._within_reply_bound(saved.inputs.grad.cpu())
+
+    def _within_reply_bound(self, grad_in: torch.Tensor) -> torch.Tensor:
+        """What we emit stays within what a driver accepts from us (``timeouts.reply_max_abs``): a gradient we were
+        sent by a hostile next stage, before our clip history exists, would otherwise come out of our backward
+        larger than the bound, and the driver would blame us, its honest computer, for it."""
+        bound = EMIT_FRACTION * self.run.timeouts.reply_max_abs
+        peak = float(grad_in.abs().max()) if grad_in.numel() else 0.0
+        return grad_in * (bound / peak) if peak > bound else grad_in
+
+    def _refuse_out_of_bound(self, outputs: torch.Tensor) -> None:
+        """Activations past what a driver accepts come only from inputs out of range: refuse them (the input's
+        author is blamed, swarm/pipeline/stage_rpc.py), rather than emit what the driver would blame us for."""
+        bound = EMIT_FRACTION * self.run.timeouts.reply_max_abs
+        if outputs.numel() and float(outputs.detach().abs().max()) > bound:
+            raise InputOutOfRange(f"layer{self.index}: these inputs make outputs beyond {bound:.3g}: not served")
 
     def _clip_grad_out(self, grad_out: torch.Tensor, junior: bool = False) -> tuple[torch.Tensor, float, float]:
         """Centered clipping of the incoming output gradient (per-sample RMS, so batch sizes compare)."""

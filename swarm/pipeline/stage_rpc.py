@@ -258,10 +258,10 @@ def dispatch(worker: StageWorker, op: Any, tensors: list[torch.Tensor], meta: di
         raise WireError("missing or malformed micro-batch id")
     if op == "forward":
         (x,) = _expect(tensors, 1, op)
-        return [worker.forward(mb, _content(0, worker.check_input, x), owner=owner)], {"ok": True}
+        return [_content(0, worker.forward, mb, _content(0, worker.check_input, x), owner=owner)], {"ok": True}
     if op == "infer":
         (x,) = _expect(tensors, 1, op)
-        return [worker.infer(_content(0, worker.check_input, x))], {"ok": True}
+        return [_content(0, worker.infer, _content(0, worker.check_input, x))], {"ok": True}
     if op == "backward":
         if worker.is_last:
             raise WireError("the last stage takes forward_backward, not backward")
@@ -273,7 +273,7 @@ def dispatch(worker: StageWorker, op: Any, tensors: list[torch.Tensor], meta: di
             raise WireError("backward: input and gradient batches differ")
         loss = meta.get("loss")
         loss = float(loss) if isinstance(loss, (int, float)) else None
-        grad_in = worker.backward(mb, grad, x, loss, owner=owner)
+        grad_in = _content(0, worker.backward, mb, grad, x, loss, owner=owner)
         return ([] if grad_in is None else [grad_in]), {"ok": True}
     if op in ("forward_backward", "evaluate"):
         if not worker.is_last:
@@ -285,7 +285,7 @@ def dispatch(worker: StageWorker, op: Any, tensors: list[torch.Tensor], meta: di
         if op == "evaluate":
             loss_sum, correct, count = worker.evaluate(x, y)
             return [], {"ok": True, "loss_sum": loss_sum, "correct": correct, "count": count}
-        loss, grad_in = worker.forward_backward(mb, x, y, owner=owner)
+        loss, grad_in = _content(0, worker.forward_backward, mb, x, y, owner=owner)
         return ([] if grad_in is None else [grad_in]), {"ok": True, "loss": loss}
     raise WireError(f"unknown op {op!r}")
 
@@ -308,9 +308,11 @@ class ContentError(WireError):
         self.index = index
 
 
-def _content(index: int, check: Callable[..., torch.Tensor], tensor: torch.Tensor, *args: Any) -> torch.Tensor:
+def _content(index: int, fn: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``fn(*args)``; a check of tensor ``index`` that fails, or a computation its values break (outputs non-finite or
+    out of range: swarm/pipeline/stage.py), is that tensor's author's fault."""
     try:
-        return check(tensor, *args)
+        return fn(*args, **kwargs)
     except (WireError, ValueError) as exc:
         raise ContentError(str(exc), index) from None
 

@@ -1,0 +1,104 @@
+"""Signed hop receipts (swarm/integrity/receipts.py): what they vouch for, and what they refuse (pure, no network)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from swarm.integrity.receipts import (
+    Expect,
+    Receipt,
+    ReceiptError,
+    ReceiptKey,
+    ids_digest,
+    mismatch,
+    parse_all,
+    signature_valid,
+    tensor_digest,
+)
+from swarm.pipeline.wire import decode_tensors, encode_tensors, payload_of, serialize_once
+
+RUN = "run-12345678"
+
+
+def _signed(key: ReceiptKey, **changes) -> Receipt:
+    fields = dict(run_id=RUN, mb="mb-1", op="forward", stage=1, version=7, input=b"i" * 16, output=b"o" * 16,
+                  ids=b"d" * 16)
+    fields.update(changes)
+    return key.sign(**fields)
+
+
+def test_a_receipt_verifies_with_its_signers_key_only():
+    alice, mallory = ReceiptKey("QmAlice"), ReceiptKey("QmMallory")
+    receipt = _signed(alice)
+    assert signature_valid(receipt, alice.public)
+    assert not signature_valid(receipt, mallory.public)
+    # any field changed after signing breaks the signature: a relay cannot edit what it relays
+    for change in (dict(output=b"x" * 16), dict(mb="mb-2"), dict(stage=2), dict(op="backward"), dict(ids=b"e" * 16),
+                   dict(signer="QmMallory"), dict(version=8), dict(run_id="run-other")):
+        assert not signature_valid(dataclasses.replace(receipt, **change), alice.public), change
+
+
+def test_a_key_derived_from_the_same_seed_signs_the_same():
+    seed = bytes(range(32))
+    first, again = ReceiptKey("QmA", seed), ReceiptKey("QmA", seed)
+    assert first.public == again.public
+    assert signature_valid(_signed(first), again.public)
+
+
+def test_the_wire_form_round_trips_and_malformed_ones_are_refused():
+    receipt = _signed(ReceiptKey("QmAlice"))
+    assert Receipt.from_wire(receipt.to_wire()) == receipt
+    wire = receipt.to_wire()
+    bad = [None, "text", [], wire[:-1], [2, *wire[1:]], [*wire[:4], "1", *wire[5:]], [*wire[:6], b"short", *wire[7:]],
+           [*wire[:3], "explode", *wire[4:]], [*wire[:10], b"\0" * 10], [*wire[:2], {"a": 1}, *wire[3:]],
+           [*wire[:4], True, *wire[5:]], [*wire[:4], -1, *wire[5:]]]
+    for raw in bad:
+        with pytest.raises(ReceiptError):
+            Receipt.from_wire(raw)
+    with pytest.raises(ReceiptError):
+        parse_all([wire], 2)
+    with pytest.raises(ReceiptError):
+        parse_all("not a list", 1)
+
+
+def test_mismatch_names_what_does_not_hold():
+    receipt = _signed(ReceiptKey("QmAlice"))
+    expect = Expect(RUN, 1, frozenset({"forward"}), b"o" * 16, mb="mb-1", input=b"i" * 16, ids=b"d" * 16,
+                    signer="QmAlice")
+    assert mismatch(receipt, expect) is None
+    cases = {
+        "another run": dict(run_id="run-other"),
+        "not of": dict(stage=2),
+        "another micro-batch": dict(mb="mb-9"),
+        "not by": dict(signer="QmBob"),
+        "not the one the receipt's signer produced": dict(output=b"z" * 16),
+        "not the output it must follow": dict(input=b"z" * 16),
+        "sample ids": dict(ids=b"z" * 16),
+    }
+    for text, change in cases.items():
+        assert text in mismatch(receipt, dataclasses.replace(expect, **change)), text
+
+
+def test_the_digest_is_of_what_travels_and_a_relay_keeps_the_bytes():
+    """The driver relays a stage's output byte for byte: the digest at the next stage is the signer's."""
+    h = torch.randn(8, 32)
+    for codec in ("float32", "float16", "int8"):
+        item = serialize_once(h.clone(), codec)
+        (received,) = decode_tensors([item], 2**20, coded=True)
+        (relayed,) = encode_tensors([received], codec)
+        assert tensor_digest(relayed) == tensor_digest(item), codec
+        assert payload_of(received) is item
+    # another tensor, or the same bytes declared as another shape, has another digest
+    a, b = encode_tensors([h]), encode_tensors([h + 1e-6])
+    assert tensor_digest(a[0]) != tensor_digest(b[0])
+    reshaped = encode_tensors([h.reshape(16, 16)])[0]
+    assert reshaped.buffer == a[0].buffer and tensor_digest(reshaped) != tensor_digest(a[0])
+
+
+def test_ids_digest_is_of_the_values():
+    ids = torch.arange(8, dtype=torch.int64)
+    assert ids_digest(ids) == ids_digest(ids.numpy()) == ids_digest(ids.clone())
+    assert ids_digest(ids) != ids_digest(ids.flip(0))
