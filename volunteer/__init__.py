@@ -15,7 +15,10 @@ Map:
 - control.py    the control socket `volunteer ctl` talks to
 - headless.py   the idle governor, bandwidth budget and GPU memory cap the node's governors use
 - policy.py     when a headless node may train: one pure decision over plain observations
-- idle.py       is the user at this machine (idle sources, other programs' CPU/GPU, battery)
+- idle.py       what the node polls: is the user at this machine, is it busy (``IdleObserver``), and
+                the doctor's probe of what works here
+- idlesources.py the idle sources: logind sessions, the X screensaver, terminals
+- busy.py       other programs' CPU and GPU use, and the battery
 - eventlog.py   headless output: one line per event and a periodic summary
 - device.py     the torch device and thread count, and its name for the volunteer (CPU model, GPU name)
 - contribution.py what this machine gave a run, kept across restarts; the farewell line
