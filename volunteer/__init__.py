@@ -12,7 +12,9 @@ Map:
 - node/         the node engine: a lifecycle (join, serve, leave) over named parts (commands,
                 governors, checkpoints, announcer); see its map
 - checkpoint.py checkpoints of the node's copy of its layer: saved atomically, restored on restart
-- control.py    the control socket `volunteer ctl` talks to
+- control.py    the control socket `volunteer ctl` talks to: the node's end (server) and the protocol
+- controlclient.py `volunteer ctl`'s end: ask one node, or every node of a data dir
+- controlwire.py what both ends share: where the sockets live, the errors, one line each way
 - headless.py   the idle governor, bandwidth budget and GPU memory cap the node's governors use
 - policy.py     when a headless node may train: one pure decision over plain observations
 - idle.py       what the node polls: is the user at this machine, is it busy (``IdleObserver``), and
