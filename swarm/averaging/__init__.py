@@ -10,6 +10,7 @@ Files:
     params_rpc.py  the parameter service (streaming RPC) and ``fetch_params``, its plain client
     validation.py  scoring copies of one layer on the run's validation split, within a pulled context
     agent.py       ``SwarmAveraging``: Dpwa pulls and best-model exchange (scored here), beside training
+    exchange.py    best-model exchange's scoring: the context it pulls, the copies scored on the validation split
     sync.py        a newcomer's download of its layer before it goes online
     allreduce.py   ``mode: allreduce``: synchronous group averaging in rounds, all or nothing
     edges.py       ``mode: dsgd | pdmm_isvr | admm_isvr``: swarm/ecl's nodes as the stage's update, over a
