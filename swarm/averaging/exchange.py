@@ -7,7 +7,7 @@ validation loss beats ours by ``exchange.margin``. Nobody's reported loss or clo
 is no trial to roll back: the measurement comes before the adoption. Under label-skewed shards the
 old rule (lowest reported training loss, then a trial on our own shard's micro-batches) rolled back
 96 % of its adoptions: a copy that generalises better has a higher loss on one skewed shard
-(docs/ARCHITECTURE.md, "Inside a swarm", has the measured table).
+(docs/decisions/best-model-exchange.md has the measured table).
 
 agent.py (``SwarmAveraging.exchange_once``) decides when, fetches the candidates and adopts the
 winner through its influence bounds; ``ExchangeScorer`` here pulls the context and scores.
