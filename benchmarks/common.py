@@ -1,6 +1,7 @@
 """Shared by the benchmarks: statistics, the JSON report and its flags, bounded waits, run configs.
 
-The processes a benchmark starts (and their reaping) are in benchmarks/fleet.py.
+The processes a benchmark starts (and their reaping) are in benchmarks/fleet.py, which imports this
+module; this module imports nothing of fleet.py, so the arrow runs one way.
 """
 
 from __future__ import annotations
@@ -143,18 +144,3 @@ def load_run_config(path: Path) -> Any:
 
     return RunConfig.model_validate(yaml.safe_load(path.read_text()))
 
-
-# ----- the processes moved to benchmarks/fleet.py
-
-_MOVED_TO_FLEET = frozenset({"Fleet", "Proc", "LOOPBACK", "TAG_ENV", "START_TIMEOUT_S", "cpu_used", "new_identity",
-                             "process_cpu_seconds", "tagged_pids"})
-
-
-def __getattr__(name: str) -> Any:
-    """``from benchmarks.common import Fleet`` (benchmarks written before the split) still works;
-    new code imports benchmarks.fleet, which imports this module (hence lazily)."""
-    if name in _MOVED_TO_FLEET:
-        from benchmarks import fleet
-
-        return getattr(fleet, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

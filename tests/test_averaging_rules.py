@@ -192,3 +192,11 @@ def test_good_parameters_pass_and_optimizer_state_round_trips():
         check_optimizer(shapes, bad)
     with pytest.raises(ParamsRejected, match="does not belong"):
         check_optimizer(shapes, {"nope/exp_avg": torch.zeros(1)})
+
+
+def test_an_edge_graph_keeps_a_late_heartbeat_for_a_record_lifetime_but_not_a_crash_or_a_pause():
+    seen = {"late": 0.0, "crashed": 0.0, "paused": 0.0, "gone": 0.0}
+    listed = {"paused": "paused", "online": "online"}
+    kept = rules.edge_graph_members(seen, listed, unreachable={"crashed"}, now=10.0, grace_s=15.0)
+    assert kept == {"late": 0.0, "gone": 0.0, "online": 10.0}
+    assert rules.edge_graph_members(kept, listed, unreachable=set(), now=20.0, grace_s=15.0) == {"online": 20.0}

@@ -12,10 +12,15 @@ Map:
 - node/         the node engine: a lifecycle (join, serve, leave) over named parts (commands,
                 governors, checkpoints, announcer); see its map
 - checkpoint.py checkpoints of the node's copy of its layer: saved atomically, restored on restart
-- control.py    the control socket `volunteer ctl` talks to
+- control.py    the control socket `volunteer ctl` talks to: the node's end (server) and the protocol
+- controlclient.py `volunteer ctl`'s end: ask one node, or every node of a data dir
+- controlwire.py what both ends share: where the sockets live, the errors, one line each way
 - headless.py   the idle governor, bandwidth budget and GPU memory cap the node's governors use
 - policy.py     when a headless node may train: one pure decision over plain observations
-- idle.py       is the user at this machine (idle sources, other programs' CPU/GPU, battery)
+- idle.py       what the node polls: is the user at this machine, is it busy (``IdleObserver``), and
+                the doctor's probe of what works here
+- idlesources.py the idle sources: logind sessions, the X screensaver, terminals
+- busy.py       other programs' CPU and GPU use, and the battery
 - eventlog.py   headless output: one line per event and a periodic summary
 - device.py     the torch device and thread count, and its name for the volunteer (CPU model, GPU name)
 - contribution.py what this machine gave a run, kept across restarts; the farewell line

@@ -17,11 +17,14 @@ Where: ``<data_dir>/control/<run_id>-<swarm>.sock`` (``auto`` until the node has
 has at most 107 bytes: for a deeper data dir the sockets live in ``$XDG_RUNTIME_DIR/volunteer/<hash of
 the data dir>/`` (or ``<temp dir>/volunteer-<uid>/<hash>/``), which ctl computes the same way. ``volunteer
 ctl`` finds the nodes of a data dir by asking every socket there (``live_nodes``).
+
+This file is the node's end (``ControlServer``, ``serve_node``). `volunteer ctl`'s end is
+controlclient.py, and what both ends share (where the sockets live, the errors, reading one line)
+is controlwire.py; their names are importable from here too, as they always were.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -30,50 +33,29 @@ import selectors
 import socket
 import stat
 import struct
-import tempfile
 import threading
-import time
 from pathlib import Path
 
+from volunteer.controlclient import (  # noqa: F401  (re-exported: importers of volunteer.control)
+    CLIENT_TIMEOUT_S, MAX_REPLY_BYTES, START_HINT, live_nodes, send_command,
+)
+from volunteer.controlwire import (  # noqa: F401  (re-exported: importers of volunteer.control)
+    COMMANDS, CONTROL_DIR_NAME, MAX_CONNECTIONS, MAX_SOCKET_PATH_BYTES, SOCKET_NAME_ALLOWANCE, SOCKET_SUFFIX,
+    STATUS, BadMessage, ControlError, NodeNotRunning, SocketInUse, control_dir, read_line, short_control_root,
+    socket_files, socket_path,
+)
 from volunteer.snapshot import Command, Engine
 
 logger = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 64 * 1024
-MAX_REPLY_BYTES = 64 * 1024 * 1024  # a snapshot with long histories and many peers
 CONNECTION_TIMEOUT_S = 2.0  # per connection: a client that is slower gets an error and is dropped
-CLIENT_TIMEOUT_S = 5.0
 STALE_PROBE_TIMEOUT_S = 1.0
-MAX_CONNECTIONS = 16
-MAX_SOCKET_PATH_BYTES = 107  # sun_path is 108 bytes with its NUL
 SOCKET_MODE = 0o600
 DIR_MODE = 0o700
 SHUTDOWN_JOIN_S = CONNECTION_TIMEOUT_S + 1.0
-_RECV_BYTES = 65536
-STATUS = "status"
-COMMANDS: dict[str, Command | None] = {STATUS: None, **{command.value: command for command in Command}}
-START_HINT = "start one with `volunteer join --headless`"
 APPLY_WAIT_S = 2.0  # how long a reply waits for the engine to apply the command
-CONTROL_DIR_NAME = "control"
-SOCKET_SUFFIX = ".sock"
 MAX_SOCKETS_PER_SWARM = 16  # volunteers of one run and swarm sharing one data dir
-SOCKET_NAME_ALLOWANCE = 48  # bytes kept for '/<run_id>-<swarm>-N.sock' before the short dir is used
-
-
-class ControlError(Exception):
-    """The control socket cannot be served or asked; the message says what to do."""
-
-
-class NodeNotRunning(ControlError):
-    """Nothing listens at the control socket's path."""
-
-
-class SocketInUse(ControlError):
-    """A live node already answers at this path."""
-
-
-class _BadRequest(Exception):
-    pass
 
 
 class ControlServer:
@@ -207,7 +189,7 @@ class ControlServer:
             return _error(f"refused: uid {uid} does not own this node; run `volunteer ctl` as its owner")
         try:
             cmd = _parse_request(read_line(conn, self._connection_timeout_s, MAX_REQUEST_BYTES))
-        except _BadRequest as exc:
+        except BadMessage as exc:
             return _error(str(exc))
         command = COMMANDS[cmd]
         if command is not None:
@@ -218,66 +200,18 @@ class ControlServer:
         return {"ok": True, "snapshot": _json_safe(self._engine.snapshot().to_json())}
 
 
-def send_command(path: str | os.PathLike, cmd: str | Command, timeout_s: float = CLIENT_TIMEOUT_S) -> dict:
-    """Ask the node listening at path; its reply ({"ok": true, "snapshot": ...}) or a ControlError."""
-    path = Path(path)
-    cmd = cmd.value if isinstance(cmd, Command) else cmd
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout_s)
+def serve_node(data_dir: str | os.PathLike, run_id: str, swarm: str, engine: Engine) -> ControlServer:
+    """Start a ControlServer at the first free socket name of this run and swarm."""
+    for index in range(MAX_SOCKETS_PER_SWARM):
+        server = ControlServer(socket_path(data_dir, run_id, swarm, index), engine)
         try:
-            sock.connect(str(path))
-        except FileNotFoundError:
-            raise NodeNotRunning(f"no node is running here: {path} does not exist — {START_HINT}") from None
-        except ConnectionRefusedError:
-            raise NodeNotRunning(
-                f"no node is running here: {path} is left from a node that stopped — {START_HINT}"
-            ) from None
-        except PermissionError:
-            raise ControlError(f"cannot open {path}: permission denied; run this as the node's owner") from None
-        except OSError as exc:
-            raise ControlError(f"cannot reach the node at {path}: {exc}") from exc
-        try:
-            sock.sendall(json.dumps({"cmd": cmd}).encode() + b"\n")
-        except OSError:
-            pass  # the node hung up early: its reply, if any, says why
-        try:
-            line = read_line(sock, timeout_s, MAX_REPLY_BYTES)
-        except _BadRequest as exc:
-            raise ControlError(f"the node at {path} did not answer properly: {exc}") from None
-    try:
-        reply = json.loads(line)
-    except ValueError:
-        raise ControlError(f"the node at {path} sent a garbled reply: {line[:80]!r}") from None
-    if not isinstance(reply, dict) or not reply.get("ok"):
-        error = reply.get("error") if isinstance(reply, dict) else None
-        raise ControlError(error or f"the node at {path} sent an unexpected reply: {line[:80]!r}")
-    return reply
-
-
-def read_line(conn: socket.socket, timeout_s: float, max_bytes: int) -> bytes:
-    """One line (without its newline) before a deadline; a dribbling peer cannot stretch it."""
-    deadline_s = time.monotonic() + timeout_s
-    data = bytearray()
-    while True:
-        remaining_s = deadline_s - time.monotonic()
-        if remaining_s <= 0:
-            raise _BadRequest(f"no complete line within {timeout_s:g} s")
-        conn.settimeout(remaining_s)
-        try:
-            chunk = conn.recv(_RECV_BYTES)
-        except TimeoutError:
-            raise _BadRequest(f"no complete line within {timeout_s:g} s") from None
-        except OSError as exc:
-            raise _BadRequest(f"connection failed: {exc}") from None
-        newline = chunk.find(b"\n")
-        data += chunk if newline < 0 else chunk[:newline]
-        if len(data) > max_bytes:
-            raise _BadRequest(f"line longer than {max_bytes} bytes")
-        if newline >= 0 or not chunk:  # a peer that closes its side without a newline sent one line too
-            break
-    if not data:
-        raise _BadRequest("empty line")
-    return bytes(data)
+            server.start()
+        except SocketInUse:
+            continue
+        return server
+    raise ControlError(
+        f"{MAX_SOCKETS_PER_SWARM} nodes of {run_id}/{swarm} already listen in {control_dir(data_dir)}"
+    )
 
 
 def peer_uid(conn: socket.socket) -> int | None:
@@ -293,10 +227,10 @@ def _parse_request(line: bytes) -> str:
     try:
         request = json.loads(line)
     except ValueError:
-        raise _BadRequest('not JSON: send one line like {"cmd": "status"}') from None
+        raise BadMessage('not JSON: send one line like {"cmd": "status"}') from None
     cmd = request.get("cmd") if isinstance(request, dict) else None
     if cmd not in COMMANDS:
-        raise _BadRequest(f"unknown command {cmd!r}; known: {', '.join(COMMANDS)}")
+        raise BadMessage(f"unknown command {cmd!r}; known: {', '.join(COMMANDS)}")
     return cmd
 
 
@@ -369,76 +303,3 @@ def _remove_stale_socket(path: Path) -> None:
         f"another node is already running here ({path} answers); stop it with `volunteer ctl quit` "
         "or give this one another data dir"
     )
-
-
-# ----- where the sockets live, and finding them
-
-
-def control_dir(data_dir: str | os.PathLike) -> Path:
-    """``<data_dir>/control``, or where that is too long for a socket's path (a deep home or temp dir),
-    a private dir named by a hash of the data dir under $XDG_RUNTIME_DIR (or the temp dir): node and
-    ctl compute the same place from the data dir alone."""
-    home = Path(data_dir) / CONTROL_DIR_NAME
-    if len(os.fsencode(home.absolute())) + SOCKET_NAME_ALLOWANCE <= MAX_SOCKET_PATH_BYTES:
-        return home
-    digest = hashlib.sha256(os.fsencode(home.absolute())).hexdigest()[:16]
-    return short_control_root() / digest
-
-
-def short_control_root() -> Path:
-    """Our own dir for control sockets when a data dir is too deep: $XDG_RUNTIME_DIR/volunteer (per user,
-    0700 by systemd) or <temp dir>/volunteer-<uid>."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and Path(runtime).is_dir():
-        return Path(runtime) / "volunteer"
-    return Path(tempfile.gettempdir()) / f"volunteer-{os.getuid()}"
-
-
-def socket_path(data_dir: str | os.PathLike, run_id: str, swarm: str, index: int = 0) -> Path:
-    """``<data_dir>/control/<run_id>-<swarm>.sock``; index 1, 2... gives ``-2.sock``, ``-3.sock``."""
-    suffix = f"-{index + 1}" if index else ""
-    return control_dir(data_dir) / f"{run_id}-{swarm}{suffix}{SOCKET_SUFFIX}"
-
-
-def serve_node(data_dir: str | os.PathLike, run_id: str, swarm: str, engine: Engine) -> ControlServer:
-    """Start a ControlServer at the first free socket name of this run and swarm."""
-    for index in range(MAX_SOCKETS_PER_SWARM):
-        server = ControlServer(socket_path(data_dir, run_id, swarm, index), engine)
-        try:
-            server.start()
-        except SocketInUse:
-            continue
-        return server
-    raise ControlError(
-        f"{MAX_SOCKETS_PER_SWARM} nodes of {run_id}/{swarm} already listen in {control_dir(data_dir)}"
-    )
-
-
-def socket_files(data_dir: str | os.PathLike) -> list[Path]:
-    directory = control_dir(data_dir)
-    try:
-        return sorted(path for path in directory.iterdir() if path.name.endswith(SOCKET_SUFFIX))
-    except OSError:
-        return []
-
-
-def live_nodes(data_dir: str | os.PathLike, timeout_s: float = CLIENT_TIMEOUT_S) -> list[tuple[Path, dict]]:
-    """(socket, status snapshot) of every node answering in this data dir; stale sockets are skipped.
-
-    The sockets are asked at once, so a busy node costs one timeout, not one per socket.
-    """
-    from concurrent.futures import ThreadPoolExecutor
-
-    def ask(path: Path) -> dict | None:
-        try:
-            return send_command(path, STATUS, timeout_s=timeout_s)["snapshot"]
-        except ControlError as exc:
-            logger.info("skipping %s: %s", path, exc)
-            return None
-
-    paths = socket_files(data_dir)
-    if not paths:
-        return []
-    with ThreadPoolExecutor(max_workers=min(len(paths), MAX_CONNECTIONS)) as pool:
-        answers = list(pool.map(ask, paths))
-    return [(path, snapshot) for path, snapshot in zip(paths, answers) if snapshot is not None]

@@ -5,14 +5,9 @@ Threads: the decisions to start something are drawn on the compute thread right 
 what a pull brings is checked and applied back on the compute thread, under the stage's lock, so
 it lands *between* two steps. An exchange's scoring (validation.py) runs on the compute thread too.
 
-Best-model exchange (the decision): every ``exchange.every_samples`` samples, pull the copies of
-``exchange.candidates`` random online peers and one copy of every other layer (the context), score
-them and ours on the run's validation split here (validation.py says why this way), and adopt the
-best when its validation loss beats ours by ``exchange.margin``. Nobody's reported loss or clock
-decides, so there is no trial to roll back: the measurement comes before the adoption. Under
-label-skewed shards the old rule (lowest reported training loss, then a trial on our own shard's
-micro-batches) rolled back 96 % of its adoptions: a copy that generalises better has a higher loss on
-one skewed shard (docs/ARCHITECTURE.md, "Inside a swarm", has the measured table).
+Best-model exchange (the decision, and the scoring: exchange.py): every ``exchange.every_samples``
+samples, score a few random peers' copies and ours on the run's validation split, and adopt the best
+when it beats ours by ``exchange.margin``. Nobody's reported loss or clock decides.
 
 Optimizer state (the decision): a Dpwa interpolation and an adoption keep our optimizer state.
 Adam's moments are running statistics of the gradients near our copy; after a partial move toward
@@ -45,6 +40,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarm.averaging.checks import ParamsRejected, check_params, total_norm
+from swarm.averaging.exchange import (  # noqa: F401  (CONTEXT_TRIES, OWN, load_validation: re-exported)
+    CONTEXT_TRIES, OWN, ExchangeScorer, fmt_score, load_validation,
+)
 from swarm.averaging.influence import InfluenceGuard, distance, per_tensor, toward
 from swarm.averaging.params_rpc import ParamsRefused, fetch_params
 from swarm.averaging.rules import (
@@ -60,8 +58,6 @@ from swarm.pipeline.wire import WireError
 logger = logging.getLogger(__name__)
 
 AVERAGED_NOTICE_S = 30.0
-CONTEXT_TRIES = 3  # peers of another swarm asked for a copy to score ours with, before giving up this exchange
-OWN = "<own>"  # our copy's name among the scored ones (never a peer id)
 Notify = Callable[[str, str, str], None]  # (level, kind, text)
 
 
@@ -115,7 +111,7 @@ class SwarmAveraging:
         self._last_pull_s = 0.0
         self._exchange_task: asyncio.Task | None = None
         self.views: dict[str, list[MemberRecord]] = {}  # every swarm's records (exchange context)
-        self._validation: tuple | None = None  # (x, y) validation samples, loaded at the first exchange
+        self.scorer = ExchangeScorer(run, swarm, worker, self._choice_rng, self._fetch, self._reject)
         self._closed = False
         self._notice_at = -AVERAGED_NOTICE_S
         self._unannounced = 0
@@ -288,7 +284,7 @@ class SwarmAveraging:
                                          cfg.candidates)
         if not candidates:
             return False
-        context = await self._context()
+        context = await self.scorer.context(self.views, self.me)
         if context is None:
             return False
         copies: dict[str, dict] = {}
@@ -299,7 +295,7 @@ class SwarmAveraging:
         if not copies:
             return False
         self.stats.exchanges += 1
-        scored = await self.loop.run_in_executor(self.executor, self._score, context, copies)
+        scored = await self.loop.run_in_executor(self.executor, self.scorer.score, context, copies)
         if scored is None:
             return False
         own, scores, clocks = scored
@@ -318,81 +314,15 @@ class SwarmAveraging:
             return False
         self.stats.adopted += 1
         self.notify("info", "adopted", f"adopted the copy of {winner[-8:]}: validation loss "
-                                       f"{_fmt_score(scores[winner])} vs ours {_fmt_score(own)} "
-                                       f"({len(self._validation[0])} samples, scored here)")
+                                       f"{fmt_score(scores[winner])} vs ours {fmt_score(own)} "
+                                       f"({self.scorer.samples} samples, scored here)")
         return True
-
-    async def _context(self) -> tuple[list, list] | None:
-        """Copies of every other layer (one random online peer of each swarm), checked, as modules."""
-        from swarm.run.models import build_stage
-
-        before, after = [], []
-        for index, swarm in enumerate(self.run.swarm_names):
-            if swarm == self.swarm:
-                continue
-            module = build_stage(self.run.model, index)
-            peers = [r.peer_id for r in self.views.get(swarm, []) if r.state == "online" and r.peer_id != self.me]
-            self._choice_rng.shuffle(peers)
-            for peer in peers[:CONTEXT_TRIES]:
-                fetched = await self._fetch(peer, self.cfg.timeout_s, swarm=swarm)
-                if fetched is None:
-                    continue
-                try:
-                    check_params(module.state_dict(), fetched[0], self.cfg.max_norm_ratio)
-                except ParamsRejected as exc:
-                    self._reject(peer, f"{swarm} copy for scoring: {exc}")
-                    continue
-                module.load_state_dict(fetched[0])
-                break
-            else:
-                logger.info("exchange skipped: no usable copy of %s to score ours with", swarm)
-                return None
-            (before if index < self.worker.index else after).append(module)
-        return before, after
-
-    def _score(self, context: tuple[list, list], copies: dict[str, dict]):
-        """Compute thread: (our score, the candidates' scores, their clocks), or None when a copy does
-        not fit ours (it is then rejected and its server banned)."""
-        from swarm.averaging.validation import score_copies
-        from swarm.run.models import build_stage
-
-        if self._validation is None:
-            self._validation = load_validation(self.run, self.cfg.exchange.validation_samples)
-        own = self.worker.capture()
-        fitting: dict[str, dict] = {}
-        for peer, state in copies.items():
-            try:
-                check_params(own.params, state, self.cfg.max_norm_ratio)
-                fitting[peer] = state
-            except ParamsRejected as exc:
-                self._reject(peer, str(exc))
-        if not fitting:
-            return None
-        scratch = build_stage(self.run.model, self.worker.index)
-        x, y = self._validation
-        scores = score_copies(self.run.model, context[0], scratch, {OWN: own.params, **fitting}, context[1], x, y)
-        clocks = {peer: own.clock for peer in fitting}  # the peer's clock is its claim: the merge keeps ours
-        return scores.pop(OWN), scores, clocks
 
     def _adopt(self, peer: str, state: dict, clock: float) -> None:
         with self.worker.lock:
             check_params(self.worker.module.state_dict(), state, self.cfg.max_norm_ratio)
             bounded, clock = self._bounded(peer, state, clock, self.cfg.exchange.factor)
             self.worker.mix_in(bounded, self.cfg.exchange.factor, clock)
-
-
-def load_validation(run: RunConfig, max_samples: int) -> tuple:
-    """The first ``max_samples`` of the run's validation split (deterministic: every peer has it)."""
-    from swarm.averaging.validation import validation_subset
-    from swarm.run.data import load_dataset
-
-    dataset = load_dataset(run.data, run.model)
-    return validation_subset(dataset.x_val, dataset.y_val, max_samples)
-
-
-def _fmt_score(score) -> str:
-    accuracy = f", accuracy {score.accuracy:.3f}" if score.accuracy is not None else ""
-    return f"{score.loss:.3f}{accuracy}"
 
 
 def _running(task: asyncio.Task | None) -> bool:

@@ -7,10 +7,9 @@ the simulation runs) inside a peer, in place of the optimizer:
   swarm (plus itself), so peers with the same view agree on the edges, their signs ``A_ij = -A_ji``
   and their offsets without talking. A new view (a peer joined, left, paused, or we stopped listening
   to it after a bad message) rebuilds the graph: surviving edges keep their dual, new ones start at
-  the neutral dual, and ECL's common eta follows the new mean degree. A peer whose record says it
-  stopped training (paused, offline) leaves the graph at once, and so does one whose record is missing
-  while our messages to it fail (a crash); one whose record is only missing stays one more record
-  lifetime (``timeouts.record_ttl_s``), so a late heartbeat does not reset its edges.
+  the neutral dual, and ECL's common eta follows the new mean degree. Who is in the view is
+  ``rules.edge_graph_members``: a peer that stopped training or crashed leaves at once, one whose
+  record is only missing stays a record lifetime (``timeouts.record_ttl_s``).
 - **Update.** ``StageWorker.set_update_rule``: after each backward, on the compute thread and under
   the stage's lock, the node applies the messages that arrived since the last step, then its local
   step (ECL's proximal primal update, or DSGD's SGD step) on the flattened parameters, written back
@@ -28,13 +27,9 @@ the simulation runs) inside a peer, in place of the optimizer:
   against our own copy, our message made, theirs applied. A reply gets the same checks before it is
   applied. A message that fails a check is rejected, logged and never applied, and its sender is
   left out of our graph for ``averaging.ban_s``.
-- **Bounded influence.** A message moves its reference by ``w * (message - reference)``: DSGD our
-  parameters (``w`` the mixing weight), ECL the edge's dual (``w = theta``; the dual enters the
-  primal step divided by ``1/mu + eta E``, so bounding the dual's move bounds the copy's). Before it
-  is applied, that difference goes through an ``InfluenceGuard`` (influence.py, rules in
-  swarm/integrity/mixing.py): an outlier is rejected like a bad message, a larger step is clipped
-  (the message moved toward the reference), and a sender whose budget for the window is spent is
-  skipped. Honest messages sit well inside the bounds, so ECL's math is unchanged for them.
+- **Bounded influence** (edge_checks.py). Before it is applied, a DSGD message's step goes through an
+  ``InfluenceGuard``: an outlier is rejected like a bad message, a larger step is clipped, and a
+  sender whose budget for the window is spent is skipped. ECL duals keep the finite and norm checks.
 
 Threads: ``set_records``, ``answer`` and the swaps run on the event loop; ``_update`` on the compute
 thread and ``answer_now`` on a worker thread, both under the stage's lock (so they never overlap); the
@@ -55,10 +50,11 @@ from typing import Any
 
 import torch
 
+from swarm.averaging.edge_checks import bound_message, norm_problem
 from swarm.averaging.edge_notices import EdgeStats, lag_warning, notice_text
 from swarm.averaging.edge_rpc import BadReply, EdgeRefused, EdgeServicer, swap_edge_messages
-from swarm.averaging.influence import InfluenceGuard, flat_scales
-from swarm.averaging.rules import BanList
+from swarm.averaging.influence import InfluenceGuard
+from swarm.averaging.rules import BanList, edge_graph_members
 from swarm.ecl.graph import PeerGraph, build_graph
 from swarm.ecl.pairing import EdgeGenerations, answer_swap, initiates, swaps_due
 from swarm.ecl.updates import ADMM_THETA, PDMM_THETA, BadMessageError, DsgdNode, EclConfig, EclNode, common_eta
@@ -69,12 +65,10 @@ from swarm.pipeline.stage_rpc import Traffic
 
 logger = logging.getLogger(__name__)
 
-GRAPH_STATES = frozenset({"online"})  # peers that train, hence step and send
 INBOX_PER_SENDER = 8  # messages queued per neighbour while we do not step; the oldest go first
 NOTICE_S = 30.0
 FIRST_NOTICE_S = 5.0  # the first notice comes early: the user sees at once that the edges work
 LAG_WINDOW = 64  # deliveries over which the lag (our steps from sending to the reply) is measured
-NORM_FLOOR = 1e-6
 Notify = Callable[[str, str, str], None]  # (level, kind, text)
 Send = Callable[[str, torch.Tensor, int], Any]  # async (peer, message, step) -> their message; raises on failure
 
@@ -149,18 +143,7 @@ class EdgeAveraging:
         now = time.monotonic()
         banned = self.banned.active(now)
         listed = {r.peer_id: r.state for r in records}
-        for peer, state in listed.items():
-            if state in GRAPH_STATES:
-                self._last_seen[peer] = now
-        # A peer whose record says it stopped training leaves at once, and so does one whose record is
-        # missing while our last message to it failed (a crash); one whose record is only missing (a
-        # late heartbeat on a loaded machine) stays for a grace period, so a slow heartbeat does not
-        # reset edges.
-        for peer in list(self._last_seen):
-            said_so = peer in listed and listed[peer] not in GRAPH_STATES
-            unreachable = peer not in listed and peer in self._unreachable  # its record and our messages fail
-            if said_so or unreachable or now - self._last_seen[peer] > self.grace_s:
-                del self._last_seen[peer]
+        self._last_seen = edge_graph_members(self._last_seen, listed, self._unreachable, now, self.grace_s)
         ids = {peer for peer in self._last_seen if peer not in banned} | {self.me}
         view = tuple(sorted(ids))
         if view == self.graph.peers:
@@ -309,47 +292,14 @@ class EdgeAveraging:
                     break
 
     def _norm_problem(self, node: EclNode | DsgdNode, sender: str, message: torch.Tensor) -> str | None:
-        """Why ``message`` is too large to apply (its norm against our copy and our message), or None."""
-        own_norm = max(float(node.params.norm()), NORM_FLOOR)
-        bound = self.cfg.max_norm_ratio * max(own_norm, float(node.make_message(sender).norm()))
-        norm = float(message.norm())
-        if norm > bound:
-            return f"its norm {norm:.3g} is over {self.cfg.max_norm_ratio:g} times ours"
-        return None
+        return norm_problem(node, sender, message, self.cfg.max_norm_ratio)
 
     def _bounded(self, node: EclNode | DsgdNode, sender: str, message: torch.Tensor) -> torch.Tensor | None:
-        """The message, or one moved toward its reference so its step fits the bounds; None: over budget.
-        Raises BadMessageError for an outlier."""
-        if isinstance(node, DsgdNode):
-            reference, weight = node.params, node.weights[sender]
-        else:
-            reference, weight = node.duals[sender], node.config.theta
-        if message.shape != reference.shape or message.dtype != reference.dtype:
-            return message  # the node's own check refuses it
-        difference = message - reference
-        dist = float(difference.double().norm())
-        now = time.monotonic()
-        # ECL duals are neither clipped nor judged as outliers here: a clipped dual no longer tracks the
-        # edge constraint (clipping honest duals at 5 % of the norm took PDMM-ISVR from 0.98 to 0.72 of
-        # the local reference), and judging them by distance rejected honest neighbours of a 3-peer PDMM
-        # ring until its copies drifted apart (tests/test_edges_swarm.py). Duals keep the checks of
-        # edge_rpc (finite, norm ratio); a tighter bound on a dual's effect is open work.
-        if isinstance(node, EclNode):
-            return message
-        verdict = self.guard.judge(sender, dist, weight, float(node.params.double().norm()), now)
-        if verdict.rejected:
-            raise BadMessageError(verdict.reason)
-        if verdict.scale <= 0.0:
-            self.stats.over_budget += 1
-            return None
-        factors, step = flat_scales(node.params, difference, self._numels, weight, verdict.scale, self.cfg.influence)
-        self.guard.accepted(sender, dist, step, now, factors is not None)
-        if factors is None:
-            return message
-        self.stats.clipped += 1
-        logger.info("clipped an edge message from %s: distance %.3g, step %.3g (%s)", sender[-8:], dist, step,
-                    verdict.reason or "max_step_ratio per tensor")
-        return reference + factors * difference
+        """``bound_message`` (edge_checks.py), counted; None: over budget. Raises BadMessageError for an outlier."""
+        bounded = bound_message(node, sender, message, self.guard, self._numels, self.cfg.influence, time.monotonic())
+        self.stats.over_budget += bounded.message is None
+        self.stats.clipped += bounded.clipped
+        return bounded.message
 
     @torch.no_grad()
     def _write_back(self, flat: torch.Tensor) -> None:

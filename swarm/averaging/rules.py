@@ -1,4 +1,5 @@
-"""The decisions of averaging, exchange and sync: plain functions and small bookkeeping classes.
+"""The decisions of averaging, exchange, sync and the edge modes' graph: plain functions and small
+bookkeeping classes.
 
 No networking, no threads, no clocks of their own (callers pass ``now``), so every rule is tested
 without a network. The interpolation itself and the clock merge reuse ``swarm.ecl.gossip`` (the
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
 from swarm.ecl.gossip import clock_factor, draw_candidates, exchange_winner, merged_clock
@@ -33,8 +34,8 @@ from swarm.dht.records import MemberRecord
 from swarm.run.runconfig import AveragingConfig
 
 __all__ = [
-    "BanList", "FlowControl", "donor_order", "exchange_candidates", "exchange_winner", "interpolation_factor",
-    "merged_clock", "pull_candidates", "should_pull",
+    "BanList", "FlowControl", "donor_order", "edge_graph_members", "exchange_candidates", "exchange_winner",
+    "interpolation_factor", "merged_clock", "pull_candidates", "should_pull",
 ]
 
 SCORE_SUCCESS = 1.0
@@ -46,6 +47,7 @@ SCORE_HALF_LIFE_S = 60.0
 RANDOM_SPAN = 2.0
 DONOR_TOP_K = 3  # newcomers pick a random donor among the k most trained peers, spreading the load
 SERVING_STATES = frozenset({"online"})
+GRAPH_STATES = frozenset({"online"})  # the edge modes' graph: peers that train, hence step and send
 
 
 # ----- interpolation
@@ -171,3 +173,24 @@ def exchange_candidates(records: Sequence[MemberRecord], me: str, excluded: set[
     random lets every copy be scored in turn, and a liar costs one pull and one scoring at most.
     """
     return draw_candidates(pull_candidates(records, me, excluded), rng, count)
+
+
+# ----- the edge modes' graph
+def edge_graph_members(last_seen: Mapping[str, float], listed: Mapping[str, str], unreachable: Set[str], now: float,
+                       grace_s: float) -> dict[str, float]:
+    """Who stays in an edge mode's graph (edges.py), each with when its record last said it trains.
+
+    ``listed``: peer id -> state from the newest records of the swarm. A peer whose record says it
+    stopped training (paused, offline) leaves at once, and so does one whose record is missing while
+    our last message to it failed (a crash); one whose record is only missing (a late heartbeat on a
+    loaded machine) stays for ``grace_s``, so a slow heartbeat does not reset its edges.
+    """
+    seen = dict(last_seen)
+    seen.update({peer: now for peer, state in listed.items() if state in GRAPH_STATES})
+    kept = {}
+    for peer, seen_at in seen.items():
+        said_so = peer in listed and listed[peer] not in GRAPH_STATES
+        crashed = peer not in listed and peer in unreachable  # its record and our messages fail
+        if not (said_so or crashed or now - seen_at > grace_s):
+            kept[peer] = seen_at
+    return kept

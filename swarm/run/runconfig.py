@@ -6,6 +6,9 @@ so volunteers with a different config never mix.
 
 Only fields that change what is trained enter the hash: the bootstrap peers and
 the timeouts are local, operational choices and can differ between volunteers.
+
+The sections are strict models (config_base.py); the ``averaging`` section and its parts are in
+averaging_config.py, exported from here as well.
 """
 
 from __future__ import annotations
@@ -14,7 +17,12 @@ import hashlib
 import json
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from swarm.run.averaging_config import (  # noqa: F401  (re-exported: the run config's names live here)
+    EDGE_MODES, AveragingConfig, ExchangeConfig, GraphConfig, InfluenceConfig,
+)
+from swarm.run.config_base import CrossFieldError, Strict
 
 RUN_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,47}$"
 HASH_EXCLUDED_FIELDS = frozenset({"bootstrap_peers", "timeouts"})
@@ -27,22 +35,7 @@ DEFAULT_WIRE_RANK = HASH_WHEN_SET[("training", "wire_rank")]
 WIRE_CODECS = ("float32", "float16", "int8", "lowrank")  # swarm/pipeline/codecs.py, swarm/pipeline/wire.py
 
 
-class CrossFieldError(ValueError):
-    """A rule between fields; ``fields`` are their paths from the model that checks it, so that a
-    loader can name them (pydantic places a model-level error at the model, not at its fields)."""
-
-    def __init__(self, fields: tuple[str, ...], message: str):
-        super().__init__(message)
-        self.fields = fields
-
-
-class _Strict(BaseModel):
-    """Unknown keys are errors: a typo in a config must not silently use a default."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ModelConfig(_Strict):
+class ModelConfig(Strict):
     kind: Literal["mlp", "transformer"] = "mlp"
     stages: int = Field(4, ge=1, le=64, description="number of layer swarms (layer0 .. layer{stages-1})")
     seed: int = Field(0, description="seeds the initial weights so the first peers of a swarm agree")
@@ -68,7 +61,7 @@ class ModelConfig(_Strict):
         return self
 
 
-class DataConfig(_Strict):
+class DataConfig(Strict):
     source: Literal["digits", "text", "npz"] = "digits"
     path: str | None = Field(None, description="an .npz file with arrays X and y, or a text file / folder")
     test_fraction: float = Field(0.2, gt=0.0, lt=1.0)
@@ -92,7 +85,7 @@ class DataConfig(_Strict):
         return self
 
 
-class OptimizerConfig(_Strict):
+class OptimizerConfig(Strict):
     """Every stage server steps its copy with this. The default is the robust choice for asynchronous
     updates: Adam at 1e-3 converged with stale gradients where SGD with momentum 0.9 at 0.05 diverged
     (in simulation, and in real swarms on a busy CPU: benchmarks/staleness.py); stale steps are scaled
@@ -111,7 +104,7 @@ class OptimizerConfig(_Strict):
                                      "take the full step")
 
 
-class TrainingConfig(_Strict):
+class TrainingConfig(Strict):
     batch_size: int = Field(32, ge=1, le=65536)
     in_flight: Annotated[int, Field(ge=1, le=256)] | Literal["auto"] = Field(
         4, description="micro-batches in flight per driver; auto: enough to cover the measured round trip x "
@@ -172,95 +165,7 @@ class TrainingConfig(_Strict):
         return self.wire_codec or self.wire_dtype
 
 
-class ExchangeConfig(_Strict):
-    """Best-model exchange (NetTorrent): every ``every_samples`` local samples a peer pulls the copies of
-    ``candidates`` random online peers of its swarm and scores them, and its own, on the run's
-    validation split (swarm/averaging/validation.py); it adopts the best one if its validation loss
-    beats ours by ``margin``. Nobody's self-reported loss decides."""
-
-    every_samples: int = Field(0, ge=0, description="best-model exchange period; 0 disables it")
-    margin: float = Field(0.02, ge=0.0, lt=1.0, description="relative validation-loss improvement needed to adopt")
-    factor: float = Field(1.0, gt=0.0, le=1.0, description="1.0 replaces our weights")
-    candidates: int = Field(2, ge=1, le=64, description="copies of other peers pulled and scored per exchange")
-    validation_samples: int = Field(256, ge=1, le=1_000_000, description="validation samples (sequences for text) "
-                                    "each copy is scored on: at most the validation split")
-
-
-class InfluenceConfig(_Strict):
-    """What one peer's copy (a Dpwa pull, a best-model adoption) or edge message can do to ours
-    (swarm/integrity/mixing.py). Distances are ``||theirs - ours||`` over the floating tensors; for ECL
-    messages ``ours`` is the edge's dual. Ratios are fractions of our copy's norm."""
-
-    max_step_ratio: float = Field(0.1, gt=0.0, le=1.0, description="one pull, adoption or edge message moves our "
-                                  "copy (or an edge's dual) by at most this fraction of its norm")
-    max_distance_ratio: float = Field(0.5, gt=0.0, description="a copy or message this far from ours (fraction of "
-                                      "our norm) is no honest swarm peer's: rejected, its sender banned for ban_s")
-    clip_multiplier: float = Field(3.0, gt=1.0, le=1000.0, description="a difference is clipped to this many times "
-                                   "the median of the recently accepted ones (centered clipping)")
-    outlier_multiplier: float = Field(10.0, gt=1.0, le=1e6, description="a difference this many times the median "
-                                      "of the accepted ones is rejected, its sender banned for ban_s")
-    history: int = Field(32, ge=4, le=100_000, description="accepted differences the median is taken over")
-    min_history: int = Field(8, ge=1, le=100_000, description="until this many were accepted, only the ratio "
-                             "limits apply (no clip or outlier test from the history)")
-    floor_ratio: float = Field(0.01, ge=0.0, le=1.0, description="the median counts as at least this fraction of "
-                               "our norm, so identical copies do not make every later difference an outlier")
-    window_s: float = Field(60.0, gt=0.0, description="the period the per-peer budget and fair share are counted over")
-    max_drift_ratio: float = Field(0.0, ge=0.0, description="all pulls or messages of one peer within window_s move "
-                                   "our copy by at most this many times its norm together; 0 (the default) turns "
-                                   "this off: honest steps go back and forth, and their sum grows with the pull "
-                                   "rate (measured: an honest PDMM edge spent a 0.25 budget within the minute)")
-    fair_share_slack: float = Field(2.0, ge=1.0, description="a peer is pulled at most this many times its fair share "
-                                    "of the pulls within window_s (it is skipped meanwhile)")
-
-    @model_validator(mode="after")
-    def _history_holds_the_minimum(self) -> "InfluenceConfig":
-        if self.min_history > self.history:
-            raise ValueError(f"averaging.influence.min_history ({self.min_history}) must not exceed history "
-                             f"({self.history}): the median would never be used")
-        return self
-
-
-EDGE_MODES = frozenset({"dsgd", "pdmm_isvr", "admm_isvr"})  # averaging over a peer graph (swarm/averaging/edges.py)
-
-
-class GraphConfig(_Strict):
-    """The peer graph of the edge modes (dsgd, pdmm_isvr, admm_isvr): built by every peer from the
-    swarm's online records, so the peers of a swarm agree on it without talking."""
-
-    kind: Literal["ring", "double_ring", "random"] = Field("ring", description="who exchanges with whom")
-    period_steps: int = Field(8, ge=1, le=100_000, description="K: each edge exchanges once every K local steps, "
-                                                                "at its own offset")
-    seed: int = Field(0, description="seeds the random graph")
-    eta_scale: float = Field(1.0, gt=0.0, le=1000.0, description="pdmm/admm: the constraint strength is "
-                                                                  "common_eta(mu, graph) times this")
-    mixing: Literal["metropolis", "uniform"] = Field("metropolis", description="dsgd: mixing weights")
-
-
-class AveragingConfig(_Strict):
-    mode: Literal["none", "dpwa", "allreduce", "dsgd", "pdmm_isvr", "admm_isvr"] = "dpwa"
-    fetch_probability: float = Field(0.1, ge=0.0, le=1.0, description="chance of starting a pull per step")
-    pull_budget: float = Field(0.0, ge=0.0, le=0.9, description="dpwa: besides fetch_probability's draws, pull "
-                               "whenever pulls took less than this share of the time (the next one starts once "
-                               "the last one's duration x (1/pull_budget - 1) has passed): a small layer near "
-                               "its peers averages after nearly every step, a large one on a slow link is left "
-                               "to fetch_probability; 0: off")
-    interpolation: Literal["constant", "clock", "loss"] = "clock"
-    constant_factor: float = Field(0.5, ge=0.0, le=1.0)
-    divergence_threshold: float = Field(0.0, ge=0.0, description="0 disables the divergence rule")
-    timeout_s: float = Field(10.0, gt=0.0)
-    wire_dtype: Literal["float32", "float16"] = "float32"
-    max_norm_ratio: float = Field(10.0, gt=1.0, description="reject peer params whose total norm is this many "
-                                                              "times larger (or smaller) than ours")
-    ban_s: float = Field(300.0, ge=0.0, description="no pulls from a peer that served bad parameters for this long")
-    sync_timeout_s: float = Field(60.0, gt=0.0, description="a newcomer's whole download of its layer")
-    max_state_mb: float = Field(4096.0, gt=0.0, description="largest layer (with optimizer state) a pull accepts")
-    allreduce_every_s: float = Field(30.0, gt=0.0, description="mode allreduce: period of the group rounds")
-    graph: GraphConfig = GraphConfig()
-    exchange: ExchangeConfig = ExchangeConfig()
-    influence: InfluenceConfig = InfluenceConfig()
-
-
-class IntegrityConfig(_Strict):
+class IntegrityConfig(Strict):
     """The run's immune system (swarm/integrity/): how far one peer can move a copy, and when a copy is
     sick. Every bound is a pure function of these numbers, unit-tested in tests/test_integrity_*.py."""
 
@@ -298,7 +203,7 @@ class IntegrityConfig(_Strict):
     heal_steps: int = Field(200, ge=0, description="for this many updates after healing")
 
 
-class TimeoutsConfig(_Strict):
+class TimeoutsConfig(Strict):
     heartbeat_s: float = Field(5.0, gt=0.0, le=600.0)
     record_ttl_heartbeats: float = Field(3.0, ge=1.5, le=20.0)
     others_every_heartbeats: int = Field(5, ge=1, le=100, description="a peer that drives nothing reads the "
@@ -324,7 +229,7 @@ class TimeoutsConfig(_Strict):
         return self.heartbeat_s * self.record_ttl_heartbeats
 
 
-class RunConfig(_Strict):
+class RunConfig(Strict):
     name: str = Field(pattern=RUN_NAME_PATTERN)
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
