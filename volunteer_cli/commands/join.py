@@ -20,7 +20,7 @@ POLL_S = 0.2
 
 
 def run_join(args: argparse.Namespace) -> int:
-    run, _ = load_run(args.run)
+    run, run_path = load_run(args.run)
     prefs = load_preferences(args.prefs)
     valid = run.swarm_names
     if args.swarm != "auto" and args.swarm not in valid:
@@ -53,6 +53,7 @@ def run_join(args: argparse.Namespace) -> int:
     node = Node(
         NodeOptions(
             run=run,
+            run_path=run_path,
             swarm=args.swarm,
             rebalance_s=args.rebalance_s,
             initial_peers=list(initial_peers),
