@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import socket
+
 import numpy as np
 import pytest
 
 from swarm.run.runconfig import RunConfig
-from volunteer.preflight import PreflightError, check_run, needs_data
+from volunteer.preflight import (PreflightError, check_listen_free, check_run, check_writable_parent, listen_endpoints,
+                                 needs_data, private_dir)
 
 
 def run_of(**sections) -> RunConfig:
@@ -47,3 +50,33 @@ def test_only_nodes_that_read_the_data_need_it():
     assert needs_data(run_of(averaging={"exchange": {"every_samples": 100}}), "layer1")
     # a middle stage of a run whose data file it does not hold still serves
     check_run(run_of(data={"source": "npz", "path": "/nonexistent/x.npz"}), "layer1")
+
+
+def test_listen_endpoints_are_the_explicit_ports():
+    found = listen_endpoints(["/ip4/0.0.0.0/tcp/0", "/ip4/127.0.0.1/tcp/31337", "/ip4/0.0.0.0/udp/31337/quic-v1",
+                              "/ip6/::1/tcp/4001", "/dns4/example.org/tcp/1"])
+    assert [(e.host, e.transport, e.port) for e in found] == [
+        ("127.0.0.1", "tcp", 31337), ("0.0.0.0", "udp", 31337), ("::1", "tcp", 4001)]
+
+
+def test_a_port_another_process_shares_with_reuseport_counts_as_taken():
+    with socket.socket() as held:  # what p2pd does: SO_REUSEPORT lets a second p2pd start on it silently
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(PreflightError, match=f"--listen /ip4/127.0.0.1/tcp/{port}: TCP port {port} is already "
+                                                 "in use on this machine"):
+            check_listen_free([f"/ip4/127.0.0.1/tcp/{port}"], "--listen")
+    check_listen_free([f"/ip4/127.0.0.1/tcp/{port}", "/ip4/0.0.0.0/tcp/0"], "--listen")
+
+
+def test_a_folder_that_takes_no_files_is_named_with_the_fix(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(PreflightError, match=f"data dir {blocker / 'data'}: cannot write there .*; pass --data-dir"):
+        private_dir(blocker / "data", "data dir", "pass --data-dir with a folder you can write to")
+    with pytest.raises(PreflightError, match=f"identity {blocker / 'id.key'}: cannot write in {blocker}"):
+        check_writable_parent(blocker / "id.key", "identity", "pass --identity ...")
+    assert private_dir(tmp_path / "ok", "data dir", "") == tmp_path / "ok"
+    assert not list((tmp_path / "ok").iterdir())  # the write check leaves nothing behind

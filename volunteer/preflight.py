@@ -2,24 +2,118 @@
 
 A mistake found after the join costs the volunteer 10-60 s, a traceback, and litter: the run is
 listed under its name in the DHT, and every later joiner of that name is warned about it. So a
-node checks here first, and announces nothing until these pass:
+command checks here first, and announces nothing until these pass:
 
+- ``private_dir``, ``check_writable_parent``: the data dir and the identity file's folder can be
+  written (a read-only disk, a file where a folder should be);
+- ``check_listen_free``: no other process listens on an explicit listen port (libp2p shares ports
+  with SO_REUSEPORT, so a second p2pd on a taken port starts without error and answers nothing);
 - ``check_run``: the data loads, the model's stages chain, and the head fits the labels.
+
+Everything but ``check_run`` uses the standard library only: the CLI calls those before torch loads.
 """
 
 from __future__ import annotations
 
+import errno
+import socket
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 CHAIN_CHECK_BATCH = 2  # samples pushed through the stages to check that they chain
+_PORT_ERRNOS = {errno.EADDRINUSE: "is already in use on this machine (another `volunteer bootstrap` or `join`?)",
+                errno.EACCES: "needs privileges to listen on (ports below 1024 need root)"}
 
 
 class PreflightError(ValueError):
     """A check before joining failed; the message names what to change and how."""
 
 
+# ----- folders
+def private_dir(path: Path, what: str, fix: str) -> Path:
+    """Create ``path`` (mode 0700, like paths.ensure_private_dir) and check a file can be written in it."""
+    from volunteer.paths import ensure_private_dir
+
+    try:
+        ensure_private_dir(path)
+        _probe_write(path)
+    except OSError as exc:
+        raise PreflightError(f"{what} {path}: cannot write there ({_reason(exc)}); {fix}") from None
+    return path
+
+
+def check_writable_parent(file: Path, what: str, fix: str) -> None:
+    """``file`` (an identity key and its lock) can be created or locked: its folder exists or can be made,
+    and takes new files."""
+    folder = file.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        _probe_write(folder)
+    except OSError as exc:
+        raise PreflightError(f"{what} {file}: cannot write in {folder} ({_reason(exc)}); {fix}") from None
+
+
+def _probe_write(folder: Path) -> None:
+    with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check-"):
+        pass
+
+
 def _reason(exc: OSError) -> str:
     return exc.strerror or exc.__class__.__name__
+
+
+# ----- listen ports
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One socket a listen multiaddr asks for."""
+
+    maddr: str
+    family: int  # socket.AF_INET or AF_INET6
+    host: str
+    transport: str  # "tcp" or "udp"
+    port: int
+
+
+def listen_endpoints(maddrs: list[str]) -> list[Endpoint]:
+    """The sockets with an explicit port that ``maddrs`` ask for (port 0 picks a free one: nothing to check;
+    an address this parser does not know is left to p2pd)."""
+    out: list[Endpoint] = []
+    for maddr in maddrs:
+        parts = maddr.strip("/").split("/")
+        if len(parts) < 4 or parts[0] not in ("ip4", "ip6") or parts[2] not in ("tcp", "udp"):
+            continue
+        if not parts[3].isdigit() or int(parts[3]) == 0:
+            continue
+        family = socket.AF_INET if parts[0] == "ip4" else socket.AF_INET6
+        out.append(Endpoint(maddr, family, parts[1], parts[2], int(parts[3])))
+    return out
+
+
+def check_listen_free(maddrs: list[str], source: str, fix: str = "choose another port, or 0 for a free one") -> None:
+    """Raise PreflightError naming ``source`` (e.g. "--listen") when a listen port is taken here."""
+    for endpoint in listen_endpoints(maddrs):
+        code = _bind_errno(endpoint)
+        if code in _PORT_ERRNOS:
+            raise PreflightError(
+                f"{source} {endpoint.maddr}: {endpoint.transport.upper()} port {endpoint.port} "
+                f"{_PORT_ERRNOS[code]}: {fix}"
+            )
+
+
+def _bind_errno(endpoint: Endpoint) -> int | None:
+    """The errno of binding the endpoint's socket, None when it binds. No SO_REUSEPORT: a p2pd that holds the
+    port with it still refuses us. TCP sets SO_REUSEADDR as p2pd does, so a port in TIME_WAIT counts as free."""
+    kind = socket.SOCK_STREAM if endpoint.transport == "tcp" else socket.SOCK_DGRAM
+    try:
+        with socket.socket(endpoint.family, kind) as probe:
+            if kind == socket.SOCK_STREAM:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((endpoint.host, endpoint.port))
+    except OSError as exc:
+        return exc.errno
+    return None
 
 
 # ----- the run's model against its data

@@ -198,11 +198,12 @@ def _main(argv: Sequence[str] | None) -> int:
         parser.print_help()
         return EXIT_USAGE
     from volunteer.config import ConfigError
+    from volunteer.preflight import PreflightError
 
     try:
         module_name, function_name = COMMANDS[args.command]
         return getattr(importlib.import_module(module_name), function_name)(args)
-    except (ConfigError, UserError) as exc:
+    except (ConfigError, UserError, PreflightError) as exc:
         print(f"volunteer {args.command}: {exc}", file=sys.stderr)
         return EXIT_USAGE
 
