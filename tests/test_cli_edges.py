@@ -1,5 +1,5 @@
 """Tracebacks a new user met outside `join`, through the installed `volunteer` entry point: `eval` of a model
-from another run."""
+from another run, and `ctl` printing into a pipe its reader closed (`volunteer ctl resume | head -1`)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from fake_engine import FakeEngine  # noqa: E402
 from procs import volunteer_exe, write_run  # noqa: E402
 
+from volunteer.control import serve_node  # noqa: E402
+from volunteer.snapshot import Command  # noqa: E402
+
 EXIT_USAGE = 2
+EXIT_SIGPIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader left
 
 
 def export_digits_model(path: Path) -> None:
@@ -52,3 +57,18 @@ def test_eval_of_a_model_from_another_run_names_the_fields_that_differ(swarm, tm
     assert done.returncode == EXIT_USAGE, done.stderr
     assert done.stderr == (f"volunteer eval: {narrow}: data.source 'npz' has 20 features; set model.input_dim "
                            "to 20\n")
+
+
+def test_ctl_into_a_closed_pipe_does_its_work_and_exits_quietly(swarm, tmp_path):
+    engine = FakeEngine()
+    with serve_node(tmp_path / "data", "testrun-0123abcd", "layer1", engine):
+        proc = subprocess.Popen([volunteer_exe(), "ctl", "resume", "--data-dir", str(tmp_path / "data")],
+                                env=swarm.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc.stdout.close()  # the reader left before ctl printed (`| head -1` after its first line)
+        try:
+            _, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert engine.commands == [Command.RESUME]
+    assert proc.returncode == EXIT_SIGPIPE and err == b"", err.decode()
