@@ -7,6 +7,7 @@ outlived it by scanning /proc/*/environ, whatever its parent or process group.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -20,12 +21,23 @@ from pathlib import Path
 from volunteer.hygiene import tagged_pids as pids_with_env
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+BASE58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
 TAG_ENV = "VOLUNTEER_TEST_TAG"
 
 
 def volunteer_exe() -> str:
     exe = Path(sys.executable).parent / "volunteer"
     return str(exe) if exe.exists() else (shutil.which("volunteer") or "volunteer")
+
+
+def unused_peer_id() -> str:
+    """A well-formed libp2p peer id (sha256 multihash, base58) that nobody holds."""
+    number = int.from_bytes(b"\x12\x20" + hashlib.sha256(b"nobody").digest(), "big")
+    out = ""
+    while number:
+        number, digit = divmod(number, 58)
+        out = BASE58[digit] + out
+    return out
 
 
 def tagged_pids(tag: str) -> list[int]:

@@ -2,23 +2,10 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import subprocess
 
-from procs import volunteer_exe, write_run
-
-BASE58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
-
-
-def unused_peer_id() -> str:
-    """A well-formed libp2p peer id (sha256 multihash, base58) that nobody holds."""
-    number = int.from_bytes(b"\x12\x20" + hashlib.sha256(b"nobody").digest(), "big")
-    out = ""
-    while number:
-        number, digit = divmod(number, 58)
-        out = BASE58[digit] + out
-    return out
+from procs import unused_peer_id, volunteer_exe, write_run
 
 
 def doctor(swarm, *args: str) -> subprocess.CompletedProcess:

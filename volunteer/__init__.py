@@ -5,6 +5,8 @@ here imports either.
 
 Map:
 - config.py     loading YAML run configs and preferences with errors that name file, field and fix
+- preflight.py  what a command checks before it joins: the data dir, the listen ports, the run's data
+                against its model (one line with the field and the fix, nothing announced)
 - prefs.py      the local preferences schema (volunteer.yaml)
 - paths.py      per-user data and config dirs
 - snapshot.py   the status snapshot, events and commands shared by the engine, TUI and control socket

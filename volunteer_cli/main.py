@@ -185,10 +185,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        return _main(argv)
+        code = _main(argv)
+        sys.stdout.flush()  # here, not at exit: a reader that left (`| head -1`) is caught below
+        return code
     except KeyboardInterrupt:  # before a command installs its own handler (join: volunteer/hygiene.py)
         print("stopping… interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        return _reader_left()
+
+
+def _reader_left() -> int:
+    """stdout's reader closed the pipe (`volunteer ctl resume | head -1`): the command did its work, and
+    what it had left to print has nobody to read it. Exit as a program killed by SIGPIPE does, quietly."""
+    import os
+    import signal
+
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush must not fail again
+    return 128 + signal.SIGPIPE
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -198,11 +212,12 @@ def _main(argv: Sequence[str] | None) -> int:
         parser.print_help()
         return EXIT_USAGE
     from volunteer.config import ConfigError
+    from volunteer.preflight import PreflightError
 
     try:
         module_name, function_name = COMMANDS[args.command]
         return getattr(importlib.import_module(module_name), function_name)(args)
-    except (ConfigError, UserError) as exc:
+    except (ConfigError, UserError, PreflightError) as exc:
         print(f"volunteer {args.command}: {exc}", file=sys.stderr)
         return EXIT_USAGE
 

@@ -28,7 +28,7 @@ from volunteer.node.completion import Completion
 from volunteer.node.contribution import Contribution
 from volunteer.node.governors import Governors
 from volunteer.node.health import Health
-from volunteer.node.options import JoinError, NodeOptions, RunConflict
+from volunteer.node.options import JoinError, NodeOptions, RunConflict, RunDoesNotFit
 from volunteer.node.reachability import Reachability
 from volunteer.node.rebalancer import Rebalancer
 from volunteer.snapshot import Command, EventLevel, EventListener, NodeSnapshot, NodeState, SnapshotListener
@@ -187,6 +187,7 @@ class Node:
     def _join(self) -> None:
         emit = self.board.emit
         emit("loading the network and training libraries (hivemind, torch)", kind="joining")
+        self._preflight()
         from swarm.dht.dht import (DHTStartError, IdentityInUse, claim_identity, make_validators, receipt_seed,
                                     visible_maddrs)
         from swarm.dht.nodedht import start_node_dht
@@ -234,6 +235,17 @@ class Node:
             return
         self.set_state(NodeState.ONLINE, "")
         emit(f"online in {self.swarm} of run {run.run_id}", kind="online")
+
+    def _preflight(self) -> None:
+        """The data loads, the stages chain, the head fits the labels: checked before the DHT, so a mistake in
+        the run config is one line (with the field and the fix) and leaves nothing announced."""
+        from volunteer.preflight import PreflightError, check_run
+
+        try:
+            check_run(self.run, self.options.swarm)
+        except PreflightError as exc:
+            where = self.options.run_path or f"run {self.run.name}"
+            raise RunDoesNotFit(f"{where}: {exc}") from None
 
     def _check_other_runs(self, me: str) -> None:
         """Another run of our name with another config: stop with how to join it while ours is empty

@@ -22,9 +22,17 @@ class RunConflict(JoinError):
     exit_code = 2
 
 
+class RunDoesNotFit(JoinError):
+    """The run's model does not fit its data (volunteer/preflight.py), found before joining: a config to fix,
+    so a service must not restart into it (exit status 2)."""
+
+    exit_code = 2
+
+
 @dataclass(slots=True, kw_only=True)
 class NodeOptions:
     run: RunConfig
+    run_path: Path | None = None  # the run config's file, named in errors about it
     swarm: str  # "layerK" or "auto"
     initial_peers: list[str]
     data_dir: Path

@@ -20,17 +20,33 @@ async def _count_peers(dht, node) -> int:
     return len(node.protocol.routing_table.uid_to_peer_id)
 
 
+def _check_local(identity: Path, listen: list[str] | None) -> None:
+    """The identity's folder takes files and no other process listens on our ports, before anything loads: a
+    second bootstrap peer on a taken port would otherwise start, share it (SO_REUSEPORT), and print addresses
+    that reach the first one."""
+    from volunteer.preflight import check_listen_free, check_writable_parent
+
+    check_writable_parent(identity, "identity", "pass --identity with a path in a folder you can write to "
+                          "(or set VOLUNTEER_DATA_DIR)")
+    if listen:
+        check_listen_free(listen, "--listen")
+    else:
+        check_listen_free(DEFAULT_BOOTSTRAP_LISTEN, "listen address", f"pass --listen with another port, e.g. "
+                          f"/ip4/0.0.0.0/tcp/{DEFAULT_PORT + 1} /ip4/0.0.0.0/udp/{DEFAULT_PORT + 1}/quic-v1")
+
+
 def run_bootstrap(args: argparse.Namespace) -> int:
     from volunteer_cli.commands.common import check_initial_peers, setup_process
     from volunteer.paths import user_data_dir
 
     check_initial_peers(args.initial_peers)
+    identity = Path(args.identity).expanduser() if args.identity else user_data_dir() / "bootstrap" / "identity.key"
+    _check_local(identity, args.listen)
 
     watchdog, shutdown = setup_process(args.verbose)
     from swarm.dht.dht import (DHTSettings, DHTStartError, IdentityInUse, claim_identity, make_validators, shutdown_dht,
                            start_dht, visible_maddrs)
 
-    identity = Path(args.identity).expanduser() if args.identity else user_data_dir() / "bootstrap" / "identity.key"
     dht = lock = None
     try:
         try:

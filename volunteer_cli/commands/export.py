@@ -128,8 +128,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
     from swarm.run.data import load_dataset
     from swarm.run.local import evaluate
-    from swarm.run.models import bits_per_char, build_stage
-    from swarm.run.runconfig import RunConfig
+    from swarm.run.models import bits_per_char
 
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
@@ -137,12 +136,15 @@ def run_eval(args: argparse.Namespace) -> int:
         raise UserError(f"--model {path}: not a model file written by `volunteer export` ({exc.__class__.__name__})") from None
     if not isinstance(payload, dict) or payload.get("format") != EXPORT_FORMAT:
         raise UserError(f"--model {path}: not a model file written by `volunteer export`")
-    run = RunConfig.model_validate(payload["run"]) if args.run is None else load_run(args.run)[0]
-    stages = []
-    for k, state in enumerate(payload["stages"]):
-        module = build_stage(run.model, k)
-        module.load_state_dict(state, strict=True)
-        stages.append(module)
+    stored = _stored_run(path, payload)
+    run = stored if args.run is None else load_run(args.run)[0]
+    stages = _load_stages(path, payload, stored, run, args.run)
+    from volunteer.preflight import PreflightError, check_run
+
+    try:
+        check_run(run, "auto")  # the test split loads and fits the model (eval reads the data as layer0 does)
+    except PreflightError as exc:
+        raise UserError(f"{args.run or f'the run config stored in {path}'}: {exc}") from None
     dataset = load_dataset(run.data, run.model)
     accuracy, loss = evaluate(stages, dataset, run.model)
     result = {"run_id": run.run_id, "test_accuracy": accuracy, "test_loss": loss, "test_samples": len(dataset.x_test)}
@@ -154,3 +156,42 @@ def run_eval(args: argparse.Namespace) -> int:
         acc = f"test accuracy {accuracy:.2%}, " if accuracy is not None else ""
         print(f"{run.run_id}: {acc}test loss {loss:.4f} on {result['test_samples']} test samples")
     return 0
+
+
+def _stored_run(path: Path, payload: dict):
+    """The run config the model was exported with."""
+    from swarm.run.runconfig import RunConfig
+
+    try:
+        return RunConfig.model_validate(payload.get("run"))
+    except ValueError:
+        raise UserError(f"--model {path}: its run config does not load in this client version; pass the run "
+                        "it was exported from with --run") from None
+
+
+def _load_stages(path: Path, payload: dict, stored, run, run_arg: str | None) -> list:
+    """The file's stages in ``run``'s model; a file from another model is a UserError naming the fields."""
+    from swarm.run.models import build_stage
+
+    states = payload.get("stages")
+    fits = isinstance(states, list) and len(states) == run.model.stages
+    stages = []
+    for k, state in enumerate(states if fits else []):
+        module = build_stage(run.model, k)
+        try:
+            module.load_state_dict(state, strict=True)
+        except (RuntimeError, TypeError, AttributeError):
+            fits = False
+            break
+        stages.append(module)
+    if fits:
+        return stages
+    mine, theirs = run.model.model_dump(), stored.model.model_dump()
+    differ = [f"model.{key}: {theirs[key]!r} in the file, {mine[key]!r} in --run" for key in mine
+              if mine[key] != theirs[key]]
+    detail = "; ".join(differ) if differ else "its stages do not fit its own run config"
+    if run_arg is None:
+        raise UserError(f"--model {path}: {detail}; export it again with `volunteer export`")
+    raise UserError(f"--model {path} was exported from run {payload.get('run_id')}, whose model differs from "
+                    f"--run {run_arg} ({run.run_id}): {detail}. Drop --run to evaluate it with the run config "
+                    "stored in the file")

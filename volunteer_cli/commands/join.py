@@ -20,7 +20,7 @@ POLL_S = 0.2
 
 
 def run_join(args: argparse.Namespace) -> int:
-    run, _ = load_run(args.run)
+    run, run_path = load_run(args.run)
     prefs = load_preferences(args.prefs)
     valid = run.swarm_names
     if args.swarm != "auto" and args.swarm not in valid:
@@ -38,26 +38,26 @@ def run_join(args: argparse.Namespace) -> int:
             "To host one: `volunteer bootstrap` prints the address to pass"
         )
 
+    data_dir, identity = _check_local(args, prefs)
+
     from volunteer_cli.commands.common import setup_process
-    from volunteer.paths import ensure_private_dir, user_data_dir
 
     watchdog, shutdown = setup_process(args.verbose)
     _lower_priority(prefs.resources.low_priority)  # before the node's threads and DHT process: they inherit it
     from volunteer.node import Node, NodeOptions
 
-    data_dir = ensure_private_dir(Path(args.data_dir or prefs.data_dir or user_data_dir()).expanduser())
-    identity = args.identity or prefs.identity_path
     from volunteer.logfile import open_session_log
 
     session_log = open_session_log(data_dir)
     node = Node(
         NodeOptions(
             run=run,
+            run_path=run_path,
             swarm=args.swarm,
             rebalance_s=args.rebalance_s,
             initial_peers=list(initial_peers),
             data_dir=data_dir,
-            identity_path=Path(identity).expanduser() if identity else None,
+            identity_path=identity,
             host_maddrs=args.listen or prefs.network.listen or DEFAULT_VOLUNTEER_LISTEN,
             announce_maddrs=args.announce or prefs.network.announce,
             use_relay=prefs.network.use_relay,
@@ -99,6 +99,25 @@ def run_join(args: argparse.Namespace) -> int:
     if shutdown.signum is not None and not node.serving:
         return _interrupted_code(shutdown)
     return code
+
+
+def _check_local(args: argparse.Namespace, prefs) -> tuple[Path, Path | None]:
+    """The data dir and the identity's folder take files, and no other process listens on our ports: checked
+    before anything loads (volunteer/preflight.py). Returns the data dir (created) and the identity file."""
+    from volunteer.paths import user_data_dir
+    from volunteer.preflight import check_listen_free, check_writable_parent, private_dir
+
+    data_dir = private_dir(Path(args.data_dir or prefs.data_dir or user_data_dir()).expanduser(), "data dir",
+                           "pass --data-dir with a folder you can write to (or set data_dir in your preferences)")
+    identity = args.identity or prefs.identity_path
+    identity_path = Path(identity).expanduser() if identity else None
+    if identity_path is not None:
+        check_writable_parent(identity_path, "identity", "pass --identity with a path in a folder you can write to")
+    if args.listen:
+        check_listen_free(args.listen, "--listen")
+    else:
+        check_listen_free(prefs.network.listen, "network.listen (preferences)")
+    return data_dir, identity_path
 
 
 def _say_farewell(node, session_log, json_lines: bool) -> None:
