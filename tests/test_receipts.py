@@ -102,3 +102,27 @@ def test_ids_digest_is_of_the_values():
     ids = torch.arange(8, dtype=torch.int64)
     assert ids_digest(ids) == ids_digest(ids.numpy()) == ids_digest(ids.clone())
     assert ids_digest(ids) != ids_digest(ids.flip(0))
+
+
+def test_a_stream_cut_short_is_a_network_fault_not_a_hostile_reply():
+    """A pull whose stream broke carries fewer tensors, or a last one shorter than it declares: the puller retries
+    and bans nobody (a cut stream made newcomers start from seeded weights and banned honest donors for 300 s)."""
+    from swarm.averaging.params_rpc import _cut_short
+
+    (whole,) = encode_tensors([torch.randn(64, 32)])
+    cut = type(whole)()
+    cut.CopyFrom(whole)
+    cut.buffer = whole.buffer[: len(whole.buffer) // 2]
+    assert not _cut_short(whole) and _cut_short(cut)
+
+
+def test_export_asks_the_best_copy_first_and_the_others_after():
+    from swarm.dht.records import MemberRecord
+    from volunteer_cli.commands.export import export_order
+
+    def record(peer, loss, clock, state="online", reachable=1):
+        return MemberRecord(peer, state, "v", 0.0, 0.0, loss=loss, clock=clock, reachable=reachable)
+
+    records = [record("a", 0.5, 10), record("b", 0.2, 5), record("c", -1.0, 99), record("d", 0.1, 1, "offline"),
+               record("e", 0.05, 1, reachable=0)]
+    assert [r.peer_id for r in export_order(records)] == ["b", "a", "c"]

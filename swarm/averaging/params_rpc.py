@@ -173,8 +173,13 @@ async def fetch_params(p2p: Any, peer_id: str, run: Any, swarm: str, timeout_s: 
     if not reply.get("ok"):
         raise ParamsRefused(str(reply.get("code", "error"))[:40], str(reply.get("error", ""))[:500])
     names, optimizer_names = _names(reply.get("names")), _names(reply.get("optimizer_names", []))
-    if len(names) + len(optimizer_names) != len(serialized) or len(set(names)) != len(names):
-        raise WireError(f"the reply names {len(names) + len(optimizer_names)} tensors but carries {len(serialized)}")
+    named = len(names) + len(optimizer_names)
+    if len(serialized) < named or (serialized and _cut_short(serialized[-1])):
+        # a stream that ended early is a network fault, not a hostile reply: the caller retries, bans nobody
+        raise ConnectionError(f"pulling {swarm} from {peer_id[-8:]}: the stream ended early ({len(serialized)} of "
+                              f"{named} tensors)")
+    if named != len(serialized) or len(set(names)) != len(names):
+        raise WireError(f"the reply names {named} tensors but carries {len(serialized)}")
     tensors = _decode_each(serialized, limit)
     meta: dict[str, Any] = {
         "peer_id": peer_id, "clock": _number(reply.get("clock"), "clock"), "loss": _loss(reply.get("loss")),
@@ -184,6 +189,17 @@ async def fetch_params(p2p: Any, peer_id: str, run: Any, swarm: str, timeout_s: 
     if with_optimizer:
         meta["optimizer_state"] = dict(zip(optimizer_names, tensors[len(names):]))
     return dict(zip(names, tensors[: len(names)])), meta
+
+
+_ITEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8}
+
+
+def _cut_short(item: Any) -> bool:
+    """A plain tensor whose buffer is shorter than its declared shape needs: the last part of a stream that broke."""
+    width = _ITEM_BYTES.get(item.dtype)
+    if width is None or item.compression != 0 or any(d < 0 for d in item.size):
+        return False
+    return len(item.buffer) < width * math.prod(item.size)
 
 
 def _decode_each(serialized: list[Any], max_bytes: int) -> list[torch.Tensor]:

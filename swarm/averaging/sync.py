@@ -34,6 +34,7 @@ from swarm.dht.records import MemberRecord
 from swarm.pipeline.stage import WorkerState
 
 SYNC_WIRE_DTYPE = "float32"  # a newcomer starts from an exact copy; averaging.wire_dtype is for pulls
+SYNC_TRIES_PER_DONOR = 3
 WITNESSES = 2  # other peers' copies a download is compared with, at most
 NOT_CONFIRMED = "not confirmed"
 
@@ -51,7 +52,12 @@ async def sync_layer(averaging: SwarmAveraging, records: list[MemberRecord]) -> 
         remaining_s = deadline - time.monotonic()
         if remaining_s <= 0:
             break
-        fetched = await averaging._fetch(peer, remaining_s, with_optimizer=True, wire_dtype=SYNC_WIRE_DTYPE)
+        fetched = None
+        for _ in range(SYNC_TRIES_PER_DONOR):  # a cut stream is a network fault: ask the same donor again
+            fetched = await averaging._fetch(peer, max(0.1, deadline - time.monotonic()), with_optimizer=True,
+                                             wire_dtype=SYNC_WIRE_DTYPE)
+            if fetched is not None or time.monotonic() >= deadline or peer in averaging.excluded(time.monotonic()):
+                break
         if fetched is None:
             continue
         state, meta = fetched

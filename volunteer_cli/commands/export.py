@@ -15,16 +15,17 @@ EXPORT_FORMAT = "volunteer-model-v1"
 EXPORT_LISTEN = ["/ip4/127.0.0.1/tcp/0"]
 
 
-def best_donor(records: list) -> object | None:
-    """The copy to export: lowest loss EMA among live peers that can be dialled (not behind NAT); without
-    losses, the most trained one."""
+EXPORT_TRIES_PER_DONOR = 2  # a cut stream is retried once before the next donor is asked
+
+
+def export_order(records: list) -> list:
+    """The copies to export from, best first: lowest loss EMA among live peers that can be dialled (not behind
+    NAT), then those without a loss, most trained first. The next is asked when one fails."""
     from swarm.dht.records import dialable
 
     live = [r for r in dialable(records) if r.state in ("online", "paused", "finishing")]
-    with_loss = [r for r in live if r.loss >= 0]
-    if with_loss:
-        return min(with_loss, key=lambda r: (r.loss, -r.clock))
-    return max(live, key=lambda r: r.clock) if live else None
+    with_loss = sorted((r for r in live if r.loss >= 0), key=lambda r: (r.loss, -r.clock))
+    return with_loss + sorted((r for r in live if r.loss < 0), key=lambda r: -r.clock)
 
 
 def run_export(args: argparse.Namespace) -> int:
@@ -53,16 +54,15 @@ def run_export(args: argparse.Namespace) -> int:
         except DHTStartError as exc:
             raise UserError(str(exc)) from None
         views = Membership(dht, run, b"").read_all()
-        donors = {}
+        candidates = {}
         for name in run.swarm_names:
-            donor = best_donor(views.get(name, []))
-            if donor is None:
+            candidates[name] = export_order(views.get(name, []))
+            if not candidates[name]:
                 raise UserError(f"swarm {name} has no live peer to export from; try again when it has one")
-            donors[name] = donor
-        print(f"exporting run {run.run_id} from: " +
+        states, donors = asyncio.run(_download(dht, run, candidates, args.timeout_s))
+        print(f"exported run {run.run_id} from: " +
               ", ".join(f"{n} <- {d.peer_id[-8:]} (loss {d.loss:.3f}, clock {d.clock})" for n, d in donors.items()),
               file=sys.stderr)
-        states = asyncio.run(_download(dht, run, donors, args.timeout_s))
     finally:
         if dht is not None:
             shutdown_dht(dht)
@@ -76,19 +76,35 @@ def run_export(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _download(dht, run, donors: dict, timeout_s: float) -> dict:
+async def _download(dht, run, candidates: dict, timeout_s: float) -> tuple[dict, dict]:
+    """Each swarm's layer from its first donor that delivers it: (states, donors used). A cut stream is retried,
+    then the next donor is asked; only when every one failed is it an error, naming each failure."""
     from swarm.averaging.params_rpc import ParamsRefused, fetch_params
     from swarm.dht.dht import fresh_p2p
 
     p2p = await fresh_p2p(dht)
     try:
-        states = {}
-        for name, donor in donors.items():
-            try:
-                states[name], _ = await fetch_params(p2p, donor.peer_id, run, name, timeout_s=timeout_s)
-            except (ParamsRefused, asyncio.TimeoutError, OSError, ValueError) as exc:
-                raise UserError(f"could not download {name} from {donor.peer_id[-8:]}: {exc}") from None
-        return states
+        states, donors = {}, {}
+        for name, order in candidates.items():
+            failures = []
+            for donor in order:
+                for _ in range(EXPORT_TRIES_PER_DONOR):
+                    try:
+                        states[name], _ = await fetch_params(p2p, donor.peer_id, run, name, timeout_s=timeout_s)
+                        donors[name] = donor
+                        break
+                    except (ConnectionError, asyncio.TimeoutError) as exc:  # a cut stream, a slow peer: again
+                        failures.append(f"{donor.peer_id[-8:]}: {exc.__class__.__name__}: {exc}")
+                    except (ParamsRefused, OSError, ValueError) as exc:
+                        failures.append(f"{donor.peer_id[-8:]}: {exc}")
+                        break
+                if name in states:
+                    break
+                print(f"could not download {name} from {donor.peer_id[-8:]}; trying the next peer", file=sys.stderr)
+            if name not in states:
+                raise UserError(f"could not download {name} from any of its {len(order)} peer(s): "
+                                + "; ".join(failures[-4:]))
+        return states, donors
     finally:
         await p2p.shutdown()
 
