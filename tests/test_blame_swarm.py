@@ -100,7 +100,7 @@ async def _drive(dht0, peers, hostile_id: str) -> dict:
     shards = make_shards(dataset.y_train, RUN.data, dataset.num_classes)
     driver = PipelineDriver(RUN, StageWorker(RUN, 0), p2p, executor, dataset, shards, 0, peer_tag="blame")
     driver.set_peers("layer1", [str(layer1.dht.peer_id)])
-    driver.set_peers("layer2", [str(honest_last.dht.peer_id), hostile_id])
+    driver.set_peers("layer2", [hostile_id])  # every micro-batch through it until layer1 bans it (10 strikes)
     task = asyncio.create_task(driver.run_forever())
     deadline = time.monotonic() + DRIVE_LIMIT_S
     banned_at = None
@@ -109,6 +109,7 @@ async def _drive(dht0, peers, hostile_id: str) -> dict:
             await asyncio.sleep(0.2)
             if banned_at is None and any(b.requester == hostile_id for b in layer1.gate.book.bans):
                 banned_at = driver.stats.microbatches
+                driver.set_peers("layer2", [str(honest_last.dht.peer_id), hostile_id])  # now it has a choice
             if banned_at is not None and driver.stats.microbatches - banned_at >= AFTER_BAN_MICROBATCHES:
                 break
             assert not task.done(), f"the driver ended: {task.exception()!r}"
