@@ -92,7 +92,7 @@ def test_a_dead_copy_is_never_kept_as_the_last_good_one():
     assert batch_spread(worker.forward("mb-1", x)) > 0, "healed into the copy from before the collapse"
 
 
-def test_a_snapshot_that_keeps_getting_sick_gives_way_to_the_starting_copy():
+def test_a_snapshot_that_keeps_getting_sick_gives_way_to_the_one_before():
     worker = StageWorker(_run(), 0)
     healer = Healer(worker, notify=lambda *a: None)
     start = {k: v.clone() for k, v in worker.module.state_dict().items()}
@@ -108,3 +108,19 @@ def test_a_snapshot_that_keeps_getting_sick_gives_way_to_the_starting_copy():
     healer.heal()
     assert all(torch.equal(t, start[k]) for k, t in worker.module.state_dict().items())
 
+
+
+def test_a_trained_copy_is_never_reset_to_its_seeded_weights():
+    """Measured: a stage that healed 33 times ended on "clock 0", its seeded weights, for good."""
+    worker = StageWorker(_run(), 0)
+    healer = Healer(worker, notify=lambda *a: None)
+    healer.take_snapshot()  # the seeded copy, clock 0
+    with torch.no_grad():
+        worker.module[0].weight.add_(1.0)
+    worker.stats.clock = 5000.0  # it trained
+    healer.take_snapshot()
+    trained = worker.module[0].weight.clone()
+    for _ in range(RESTORES_BEFORE_FALLBACK + 3):
+        worker.health.mark_sick("test")
+        healer.heal()
+        assert torch.equal(worker.module[0].weight, trained) and worker.stats.clock == 5000.0

@@ -145,3 +145,32 @@ def test_the_watch_task_heals_and_reports():
     assert [kind for kind, _ in notices] == ["healing", "healed"]
     assert "test poison" in notices[0][1]
     assert all(torch.isfinite(p).all() for p in worker.module.parameters())
+
+
+def test_the_step_size_scale_never_ratchets_to_zero():
+    """Measured: heal after heal took a copy's scale to 5.6e-18x (frozen for good); now it stops at 0.3**3."""
+    scale = 1.0
+    for _ in range(40):
+        scale = lowered_scale(scale, 0.3)
+    assert scale == pytest.approx(0.3**3)
+
+
+def test_a_norm_that_creeps_up_snapshot_after_snapshot_is_caught():
+    """Measured: 10.5 -> 398 under a stranger's ascent, 1.25x per snapshot, never 10x the *last* snapshot."""
+    from swarm.integrity.health import HealthMonitor
+    from swarm.run.runconfig import IntegrityConfig
+
+    monitor = HealthMonitor(IntegrityConfig())
+    norm = 10.5
+    for _ in range(12):
+        monitor.set_baseline(norm)
+        norm *= 1.25
+        monitor.observe_param_norm(norm)
+        if monitor.sick:
+            break
+    assert monitor.sick and "recent good copy" in monitor.sick_reason
+    honest = HealthMonitor(IntegrityConfig())
+    for step in range(40):  # honest training: the norm grows slowly, and a recent snapshot is always near it
+        honest.set_baseline(10.0 + step * 0.5)
+        honest.observe_param_norm(10.5 + step * 0.5)
+    assert not honest.sick

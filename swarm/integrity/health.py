@@ -21,12 +21,17 @@ state and is called on the compute thread (under the stage's lock). The healing 
 from __future__ import annotations
 
 import math
+from collections import deque
 import threading
 from dataclasses import dataclass
 
 from swarm.run.runconfig import IntegrityConfig
 
-NORM_EXPLODE_RATIO = 10.0  # sick when ||params|| exceeds this many times the last good snapshot's
+NORM_EXPLODE_RATIO = 10.0  # sick when ||params|| exceeds this many times the smallest of the recent good snapshots'
+# A snapshot is retaken every few hundred updates while the copy looks healthy, so a norm that grows 1.25x per
+# snapshot (measured: 10.5 -> 398 under a stranger's ascent) never exceeded 10x the *last* one. The reference is the
+# smallest norm among this many recent good snapshots: a slow drift past 10x is caught too.
+NORM_HISTORY_SNAPSHOTS = 16
 LOSS_EMA_ALPHA = 0.1
 LOSS_WARMUP_UPDATES = 20  # a loss EMA over fewer updates is not yet a signal
 DEAD_LIVE_RATIO = 0.1  # collapsed when the share of output features that still vary falls below this x the healthy share
@@ -127,6 +132,7 @@ class HealthMonitor:
         self._lock = threading.Lock()
         self._reason: str | None = None
         self.baseline: Baseline | None = None
+        self._norms: deque[float] = deque(maxlen=NORM_HISTORY_SNAPSHOTS)  # of the recent good snapshots
         self.loss_ema: float | None = None  # of the losses computed here (last stage only)
         self._losses_seen = 0
         self.times_sick = 0
@@ -205,14 +211,18 @@ class HealthMonitor:
             self.live_peak = self.live_ema if self.live_peak is None else max(self.live_peak, self.live_ema)
 
     def observe_param_norm(self, norm: float) -> None:
-        baseline = self.baseline.param_norm if self.baseline is not None else 0.0
+        baseline = min(self._norms) if self._norms else 0.0
         if norm_exploded(norm, baseline):
-            what = "not finite" if not math.isfinite(norm) else f"{norm:.3g}, {norm / baseline:.0f}x the last good one"
+            what = "not finite" if not math.isfinite(norm) else \
+                f"{norm:.3g}, {norm / baseline:.0f}x that of a recent good copy"
             self.mark_sick(f"the parameter norm is {what}")
 
     def set_baseline(self, param_norm: float) -> None:
-        """A good snapshot was taken: the signals compare against it from now on."""
+        """A good snapshot was taken: the signals compare against it (and the norm against the recent ones) from now
+        on."""
         self.baseline = Baseline(param_norm=param_norm, loss_ema=self.loss_ema if self._losses_seen else None)
+        if math.isfinite(param_norm) and param_norm > 0:
+            self._norms.append(param_norm)
 
     def healed(self) -> None:
         with self._lock:
