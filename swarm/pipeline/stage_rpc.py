@@ -41,6 +41,7 @@ from hivemind.proto import runtime_pb2
 
 from swarm.integrity.health import SickCopy
 from swarm.integrity.labels import WrongShard
+from swarm.pipeline.fair_queue import FairQueue
 from swarm.pipeline.stage import NeedInput, StageWorker
 from swarm.pipeline.stage_gate import SERVED_OPS, UPDATE_OPS, Outcome, StageGate
 from swarm.pipeline.stage_receipts import NeedChain, ReceiptDesk, ReceiptRefusal, Vouched
@@ -83,6 +84,7 @@ class StageServicer(ServicerBase):
         self.worker = worker
         self.gate = gate
         self.desk = desk  # receipts: checked on requests, signed on replies (None: tests of the RPC alone)
+        self.fair = FairQueue(executor)  # the compute thread serves requesters in turn (swarm/pipeline/fair_queue.py)
         self.executor = executor
         self.max_bytes = max_bytes
         self.codec = codec  # activations and gradients leave in the run's codec (swarm/pipeline/codecs.py)
@@ -149,9 +151,8 @@ class StageServicer(ServicerBase):
                 refusal = self._banned_author(vouched)
                 if refusal is not None:
                     return [], refusal
-            loop = asyncio.get_running_loop()
             request = Request(requester=requester, gate=self.gate)
-            out, reply, outcome = await loop.run_in_executor(self.executor, _run, self.worker, op, tensors, meta, request)
+            out, reply, outcome = await self.fair.run(requester, _run, self.worker, op, tensors, meta, request)
             outcome = replace(outcome, author=vouched.applied_author)
             return await self._signed(requester, op, vouched, out, reply)
         except NeedInput:
