@@ -196,7 +196,6 @@ class SwarmPeer:
         """Who may ask this stage, and (last stage) the run's targets by sample id."""
         from swarm.run.data import load_dataset, make_shards
         from swarm.integrity.labels import LabelSource
-        from swarm.integrity.requesters import gate_config
         from swarm.dht.membership import Membership
 
         loop = asyncio.get_running_loop()
@@ -211,7 +210,7 @@ class SwarmPeer:
             return await loop.run_in_executor(None, reader.read, "layer0")
 
         # a shard claim reaches the other drivers at their next read: a read each heartbeat, plus one missed
-        gate = StageGate(gate_config(self.run.integrity, self.run.data.partition), labels=labels, refresh=read_drivers,
+        gate = StageGate(self.run.integrity, labels=labels, refresh=read_drivers,
                          notify=self.notify, cache=self.worker.cache, swarm=self.swarm,
                          claim_grace_s=CLAIM_GRACE_HEARTBEATS * self.run.timeouts.heartbeat_s)
         self.worker.on_probation = lambda owner: gate.book.on_probation(owner, time.monotonic())

@@ -37,7 +37,6 @@ from torch.func import functional_call
 from swarm.pipeline.activations import ActivationCache, Saved
 from swarm.averaging.state import load_optimizer_tensors, optimizer_tensors
 from swarm.integrity.clip import NormHistory, clip_scale, combined_bound, step_ceiling
-from swarm.integrity.direction import DirectionTracker
 from swarm.integrity.guard import StepGuard
 from swarm.integrity.health import HealthMonitor, SickCopy
 from swarm.run.local import make_optimizer
@@ -85,7 +84,6 @@ class UpdateReport:
     """What the bounds did to the latest applied update (the servicer turns it into strikes)."""
 
     clip_scale: float  # 1.0 = not clipped; the smaller of the output-gradient and parameter-gradient scales
-    cosine: float | None  # with the swarm's direction (swarm/integrity/direction.py); None for local updates
     tensors_scaled: int  # parameter tensors whose move the step bound shortened
     staleness: int = 0  # updates applied here between this micro-batch's forward and its backward
     step_factor: float = 1.0  # what the staleness-aware rule scaled this update's step by
@@ -200,7 +198,6 @@ class StageWorker:
         self.grad_norms = NormHistory(cfg.clip_history, cfg.clip_multiplier)  # parameter gradients (total norm)
         self.grad_out_rms = NormHistory(cfg.clip_history, cfg.clip_multiplier)  # incoming output gradients
         self.guard = StepGuard(self.module, self.optimizer, cfg.max_step_ratio)
-        self.directions = DirectionTracker()
         self.last_update: UpdateReport | None = None  # of the latest applied update (read by the servicer)
         # drivers new here while established ones train (swarm/integrity/requesters.py): their updates are
         # clipped to the median accepted norm, not a multiple, and do not move the clip history
@@ -343,7 +340,6 @@ class StageWorker:
             param.grad = grad if grad is not None else torch.zeros_like(param)
             grads.append(param.grad)
         grad_scale, grad_norm = self._clip_param_grads(params, grads, junior)
-        cosine = self.directions.observe(owner, grads, time.monotonic()) if owner else None
         factor = 1.0 if self._custom_rule else self.step_size.before_step(staleness, grads, self.staleness.mean())
         result = self.guard.run(self._update, bound_steps=not self._custom_rule)
         self.staleness.record(staleness)
@@ -351,8 +347,8 @@ class StageWorker:
             self.grad_norms.accept(grad_norm * grad_scale, was_clipped=grad_scale < 1.0)
             if out_rms is not None:
                 self.grad_out_rms.accept(out_rms, was_clipped=scale < 1.0)
-        self.last_update = UpdateReport(clip_scale=min(scale, grad_scale), cosine=cosine,
-                                        tensors_scaled=result.tensors_scaled, staleness=staleness, step_factor=factor)
+        self.last_update = UpdateReport(clip_scale=min(scale, grad_scale), tensors_scaled=result.tensors_scaled,
+                                        staleness=staleness, step_factor=factor)
         self.stats.record_update(batch_size, loss, time.monotonic())
         info = StepInfo(batch_size=batch_size, loss=loss, forward_at=saved.created, staleness=staleness)
         for hook in self._step_hooks:
