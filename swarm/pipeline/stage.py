@@ -35,12 +35,12 @@ from torch import nn
 from torch.func import functional_call
 
 from swarm.pipeline.activations import ActivationCache, Saved
-from swarm.averaging.state import load_optimizer_tensors, optimizer_tensors
 from swarm.integrity.clip import NormHistory, clip_scale, combined_bound, step_ceiling
 from swarm.integrity.guard import StepGuard
 from swarm.integrity.health import HealthMonitor, SickCopy
 from swarm.run.local import make_optimizer
 from swarm.run.models import build_stage, loss_fn, stage_input_spec, target_spec
+from swarm.run.optim_state import load_optimizer_tensors, optimizer_tensors
 from swarm.run.runconfig import RunConfig
 from swarm.pipeline.staleness import StalenessWindow, StepSize
 from swarm.pipeline.wire import WireError, check_tensor
@@ -94,7 +94,7 @@ class WorkerState:
     """A consistent CPU copy of a stage: what the parameter service serves and healing restores."""
 
     params: dict[str, torch.Tensor]  # the module's state_dict (parameters and buffers)
-    optimizer: dict[str, torch.Tensor] | None  # named optimizer tensors (swarm/averaging/state.py), if taken
+    optimizer: dict[str, torch.Tensor] | None  # named optimizer tensors (swarm/run/optim_state.py), if taken
     clock: float
     loss_ema: float | None
     param_version: int
