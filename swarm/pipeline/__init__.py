@@ -2,6 +2,7 @@
 
 Map:
 - stage.py       one peer's copy of one stage: forward, backward with the (clipped, guarded) update
+- stage_stats.py what a stage counts and hands out: StageStats, StepInfo, UpdateReport, WorkerState
 - activations.py saved forward graphs, bounded, an equal share per driver
 - staleness.py   staleness of updates (window: mean, p95, max) and the staleness-aware step size
 - stage_rpc.py   the stage RPCs (server and client call); stage_gate.py: who may ask, fair share, bans
