@@ -1,12 +1,11 @@
-"""What the stage's bounds (swarm/integrity: clipping, the guarded step, the direction check) do to honest training.
+"""What the stage's bounds (swarm/integrity: clipping, the guarded step, fair share and bans) do to honest training.
 
 In one process, without a network: a chain of ``StageWorker``s trained exactly as a pipeline trains
 them (forward through every stage, ``forward_backward`` at the last, ``backward`` down to stage 0),
 by two drivers that alternate micro-batches from their own shards, each a named requester at every
 stage. The same samples train the reference model of ``swarm.run.local`` (no bounds). Prints, per setup:
 accuracy of both at equal samples, the fraction of updates clipped and of steps shortened per stage,
-the drivers' cosines with the swarm's direction (the mean over each window of ``ascent_min_updates``:
-its minimum is what the ban threshold must stay below), and the guard's cost per step.
+and the guard's cost per step.
 
     python -m benchmarks.bounds --json [--quick]
 """
@@ -15,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import numpy as np
@@ -29,7 +27,7 @@ from swarm.pipeline.stage import StageWorker
 from volunteer.config import load_run
 
 # the bounds as good as off: clipping at 1000x the median, any step (ceiling ||theta|| / lr), no bans
-UNBOUNDED = {"clip_multiplier": 1000.0, "max_step_ratio": 1.0, "ban_strikes": 1e9, "ascent_cosine": -1.0}
+UNBOUNDED = {"clip_multiplier": 1000.0, "max_step_ratio": 1.0, "ban_strikes": 1e9}
 SETUPS = {
     "digits-mlp (adam)": ("configs/runs/digits-mlp.yaml", {}),
     "digits-mlp sgd momentum 0.9": ("configs/runs/digits-mlp.yaml", {"optimizer": {"name": "sgd", "lr": 0.05,
@@ -53,7 +51,7 @@ ATTACK_PER_STEP = 4  # the attacker's requests per honest micro-batch (the measu
 
 def _attack(book: RequesterBook, stage, h: torch.Tensor, grad: torch.Tensor, step: int, now: float) -> dict:
     """Gradient ascent at stage 1: the honest micro-batch's own gradient, negated, as often as the gate allows."""
-    out = {"accepted": 0, "refused": 0, "cosines": [], "banned_at_s": None}
+    out = {"accepted": 0, "refused": 0, "banned_at_s": None}
     for j in range(ATTACK_PER_STEP):
         if book.admit("attacker", True, now) is not None:
             out["refused"] += 1
@@ -63,9 +61,7 @@ def _attack(book: RequesterBook, stage, h: torch.Tensor, grad: torch.Tensor, ste
         book.finished("attacker")
         report = stage.last_update
         out["accepted"] += 1
-        if report.cosine is not None:
-            out["cosines"].append(report.cosine)
-        if book.on_update("attacker", report.clip_scale, report.cosine, now) is not None:
+        if book.on_update("attacker", report.clip_scale, now) is not None:
             out["banned_at_s"] = now
     return out
 
@@ -77,10 +73,9 @@ def train_chain(run: RunConfig, samples: int, seed: int = 0, attack_from: int | 
     drivers = {"driver-a": MicroBatches(data.x_train, data.y_train, shards[0], run.training.batch_size, 1),
                "driver-b": MicroBatches(data.x_train, data.y_train, shards[1 % len(shards)], run.training.batch_size, 2)}
     workers = [StageWorker(run, k) for k in range(run.model.stages)]
-    cosines: dict[str, list[float]] = {name: [] for name in drivers}
     guard_s, seen, step = 0.0, 0, 0
     book = RequesterBook(run.integrity)
-    attack = {"accepted": 0, "refused": 0, "cosines": [], "banned_at_s": None}
+    attack = {"accepted": 0, "refused": 0, "banned_at_s": None}
     while seen < samples:
         name = list(drivers)[step % 2]
         now = step * STEP_S
@@ -97,24 +92,17 @@ def train_chain(run: RunConfig, samples: int, seed: int = 0, attack_from: int | 
                 grad_at_1 = grad
             grad = workers[k].backward(mb, grad, None, None, owner=name if k else "")
             if k == 1:
-                book.on_update(name, workers[1].last_update.clip_scale, workers[1].last_update.cosine, now)
+                book.on_update(name, workers[1].last_update.clip_scale, now)
         if attack_from is not None and seen >= attack_from:
             part = _attack(book, workers[1], hs[1], grad_at_1, step, now)
             for key in ("accepted", "refused"):
                 attack[key] += part[key]
-            attack["cosines"] += part["cosines"]
             attack["banned_at_s"] = attack["banned_at_s"] or part["banned_at_s"]
-        for worker in workers[1:]:
-            if worker.last_update is not None and worker.last_update.cosine is not None:
-                cosines[name].append(worker.last_update.cosine)
         seen += len(x)
         step += 1
     for worker in workers:
         guard_s += _guard_cost_s(worker)
     accuracy = _accuracy(workers, data)
-    window = run.integrity.ascent_min_updates
-    window_means = {name: [statistics.mean(c[i:i + window]) for i in range(0, len(c) - window + 1, window // 2)]
-                    for name, c in cosines.items()}
     honest_bans = [b.requester for b in book.bans if b.requester != "attacker"]
     result = {
         "accuracy": accuracy,
@@ -123,15 +111,12 @@ def train_chain(run: RunConfig, samples: int, seed: int = 0, attack_from: int | 
         "param_grad_clipped_fraction": [round(w.grad_norms.clipped_fraction, 4) for w in workers],
         "grad_out_clipped_fraction": [round(w.grad_out_rms.clipped_fraction, 4) for w in workers[:-1]],
         "step_shortened_fraction": [round(w.guard.scaled_steps / max(w.guard.steps, 1), 4) for w in workers],
-        "cosine_mean": {n: round(statistics.mean(c), 3) for n, c in cosines.items() if c},
-        "cosine_window_mean_min": {n: round(min(m), 3) for n, m in window_means.items() if m},
         "guard_ms_per_step_mean_over_stages": round(guard_s * 1e3 / len(workers), 4),
     }
     if attack_from is not None:
         result["attack"] = {"accepted": attack["accepted"], "refused": attack["refused"],
                             "banned_after_s": None if attack["banned_at_s"] is None
-                            else round(attack["banned_at_s"] - attack_from / run.training.batch_size * STEP_S, 2),
-                            "cosine_mean": round(statistics.mean(attack["cosines"]), 3) if attack["cosines"] else None}
+                            else round(attack["banned_at_s"] - attack_from / run.training.batch_size * STEP_S, 2)}
     return result
 
 

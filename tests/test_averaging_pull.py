@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from swarm.averaging.params_rpc import fetch_params
-from swarm.averaging.state import optimizer_tensors
+from swarm.run.optim_state import optimizer_tensors
 from swarm.dht.dht import DHTSettings, shutdown_dht, start_dht
 from swarm.pipeline.peer import SwarmPeer
 from swarm.dht.records import MemberRecord

@@ -15,7 +15,7 @@ from swarm.averaging.rules import (
     BanList, FlowControl, donor_order, exchange_candidates, exchange_winner, interpolation_factor, merged_clock,
     budget_allows, pull_candidates, should_pull,
 )
-from swarm.averaging.state import load_optimizer_tensors, optimizer_tensors
+from swarm.run.optim_state import load_optimizer_tensors, optimizer_tensors
 from swarm.dht.records import MemberRecord
 from swarm.run.runconfig import AveragingConfig, RunConfig
 from swarm.pipeline.stage import StageWorker

@@ -110,6 +110,14 @@ def test_run_id_is_name_plus_canonical_hash():
     assert a.run_id.startswith("x-") and len(a.run_id) == len("x-") + 8
 
 
+def test_a_removed_field_keeps_the_run_id_earlier_clients_compute():
+    """The direction check's fields (integrity.ascent_*) left with it; a run keeps the id it had, and a config
+    that still sets one is refused instead of silently ignored."""
+    assert RunConfig(name="x").run_id == "x-a3bb3a9e", "the id clients before the removal computed"
+    with pytest.raises(ValueError, match="ascent_cosine"):
+        RunConfig.model_validate({"name": "x", "integrity": {"ascent_cosine": -1.0}})
+
+
 def test_builtin_runs_load():
     for name in ("digits-mlp", "charlm"):
         run, path = load_run(name)

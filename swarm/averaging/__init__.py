@@ -6,7 +6,6 @@ Files:
                    who is in an edge mode's graph
     checks.py      checks on received parameters and optimizer state (names, shapes, dtypes, finite, norm)
     influence.py   ``InfluenceGuard``: swarm/integrity/mixing.py's bounds on one copy or edge message, on tensors
-    state.py       optimizer state as named tensors, so it can travel between peers
     params_rpc.py  the parameter service (streaming RPC) and ``fetch_params``, its plain client
     validation.py  scoring copies of one layer on the run's validation split, within a pulled context
     agent.py       ``SwarmAveraging``: Dpwa pulls and best-model exchange (scored here), beside training
@@ -19,5 +18,6 @@ Files:
     edge_checks.py what an edge message must pass before it is applied: its norm, then the influence bounds
     edge_notices.py what the edge modes tell the user: their counters, the periodic notice, the lag warning
 
-Importing this package imports nothing (swarm/pipeline/stage.py uses state.py; the rest pulls in hivemind).
+Importing this package imports nothing (its modules pull in hivemind). The optimizer state as named tensors, which
+the parameter service sends, is swarm/run/optim_state.py: the stage captures it without importing averaging.
 """

@@ -141,7 +141,7 @@ async def fetch_params(p2p: Any, peer_id: str, run: Any, swarm: str, timeout_s: 
 
     ``meta``: ``peer_id``, ``clock`` (samples trained into the copy), ``loss`` (its loss EMA or None),
     ``param_version``, ``bytes`` received and ``seconds`` taken; with ``with_optimizer`` also
-    ``optimizer_state`` (named tensors, see swarm/averaging/state.py). The whole call is bounded by
+    ``optimizer_state`` (named tensors, see swarm/run/optim_state.py). The whole call is bounded by
     ``timeout_s``. Raises ``ParamsRefused`` (the peer declined), ``WireError`` (a ValueError: a malformed
     or oversized reply), ``asyncio.TimeoutError``, or ``ConnectionError`` (the peer is unreachable or
     the stream broke). The tensors are *not* checked against a layer:

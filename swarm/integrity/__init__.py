@@ -8,8 +8,9 @@ Map:
 - heal.py        self-healing: the last good snapshot, the health check every few steps, the restore
 - clip.py        how large one update may be: centered clipping around the accepted ones, a history-free ceiling
 - guard.py       the guarded step: never commit non-finite state; bound each tensor's move
-- direction.py   which way each driver pushes the copy (cosine with the swarm's direction)
 - requesters.py  fair share, in-flight cap, strikes and bans per driver (pure decisions + RequesterBook)
+- receipts.py    signed hop receipts: every tensor a stage applies names the peer that computed it
+- evaluations.py evaluations validated by replication over peers of the last stage, each figure signed
 - labels.py      targets by sample id, shard checks, the view of the run's drivers
 - mixing.py      bounded influence through averaging: reject, clip or skip one peer's copy or edge message
                  (centered clipping around the accepted distances, a step cap, a budget per window)

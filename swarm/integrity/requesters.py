@@ -1,7 +1,7 @@
 """Who may ask a stage for work, and how much: fair share, in-flight cap, strikes and bans per driver.
 
-The decisions are pure functions (``fair_share_allows``, ``decayed``, ``ban_duration_s``,
-``ascent_suspected``); ``RequesterBook`` keeps the per-driver numbers they are fed with. The stage
+The decisions are pure functions (``fair_share_allows``, ``probation_allows``, ``decayed``,
+``ban_duration_s``); ``RequesterBook`` keeps the per-driver numbers they are fed with. The stage
 servicer (swarm/pipeline/stage_rpc.py) asks ``admit`` before a request runs and reports what happened after
 (``on_update``, ``on_strike``); a ban comes back as a ``Ban`` for the servicer to log and announce.
 
@@ -11,23 +11,22 @@ servicer (swarm/pipeline/stage_rpc.py) asks ``admit`` before a request runs and 
   senior drivers' share). One driver alone has the whole stage; a flood is answered ``busy``.
 - Probation: a driver with fewer than ``probation_updates`` updates applied here, while a driver past
   probation is active, may apply at most ``probation_share`` x the established drivers' mean count per
-  window (and ``PROBATION_BURST`` at least). Its direction is judged (ascent) before it has any weight:
-  measured, 64 ascent updates accepted at the full fair share (32 burst, then 2x the honest driver)
-  took accuracy from 0.95 to 0.72 in a second. A lone driver, or drivers that all joined together,
-  are on probation against nobody and have the whole stage.
+  window (and ``PROBATION_BURST`` at least): measured, 64 ascent updates accepted at the full fair share
+  (32 burst, then 2x the honest driver) took accuracy from 0.95 to 0.72 in a second. A lone driver, or
+  drivers that all joined together, are on probation against nobody and have the whole stage.
 - In flight: at most ``max_in_flight_per_requester`` requests of one driver are computed or queued
   here at once (500 concurrent forwards must not starve the real drivers).
 - Strikes: a rejected request, a request outside the driver's shards, and an update clipped to less
   than half its size each add one to a score that halves every ``strike_half_life_s``; at
   ``ban_strikes`` the driver is banned. Honest drivers are clipped now and then, never in a row.
-- Ascent: the mean cosine of a driver's last ``ascent_min_updates`` updates with the swarm's direction
-  (direction.py) below ``ascent_cosine`` bans it at once.
+- No direction check: a ban for updates that "oppose the swarm's direction" can be outvoted by colluding
+  newcomers, and it banned every honest driver of label-skewed runs; with signed receipts
+  (swarm/integrity/receipts.py) a driver no longer authors the gradients it relays, so none is judged here.
 - A ban lasts ``ban_s``, doubling with each further ban of the same driver, capped at ``max_ban_s``.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -58,18 +57,6 @@ class Ban:
     duration_s: float
 
 
-def gate_config(cfg: IntegrityConfig, partition: str) -> IntegrityConfig:
-    """The integrity settings a stage's door applies for a run whose layer0 shards are ``partition``.
-
-    On label-skewed shards honest drivers push the copy in different directions: measured, a driver with
-    5 of 10 classes had a mean cosine of -0.26 over 64 updates with the other's direction, and the -0.25
-    rule banned it. There the direction ban is off unless the run sets ``ascent_cosine`` itself;
-    probation and the clip bounds still hold a newcomer."""
-    if partition == "label_skewed" and "ascent_cosine" not in cfg.model_fields_set:
-        return cfg.model_copy(update={"ascent_cosine": -1.0})
-    return cfg
-
-
 def fair_share_allows(own: int, others: list[int], slack: float, burst: int) -> bool:
     """May a driver with ``own`` updates in the window apply one more, given the other active drivers' counts?"""
     if own < burst or not others:
@@ -92,14 +79,6 @@ def ban_duration_s(times_banned_before: int, base_s: float, cap_s: float) -> flo
     return min(cap_s, base_s * 2 ** min(times_banned_before, 30))
 
 
-def ascent_suspected(cosines: list[float] | deque[float], min_updates: int, threshold: float) -> bool:
-    """A driver whose updates kept opposing the swarm's direction (mean cosine below ``threshold``)."""
-    if len(cosines) < min_updates:
-        return False
-    recent = list(cosines)[-min_updates:]
-    return sum(recent) / len(recent) < threshold
-
-
 @dataclass(slots=True)
 class _Requester:
     updates: deque[float] = field(default_factory=deque)  # times of applied updates, within the window
@@ -108,7 +87,6 @@ class _Requester:
     scored_at: float = 0.0
     banned_until: float = 0.0
     times_banned: int = 0
-    cosines: deque[float] = field(default_factory=deque)
     last_seen: float = 0.0
     applied: int = 0  # updates applied here since first seen (probation ends at cfg.probation_updates)
     first_seen: float = 0.0
@@ -130,8 +108,7 @@ class RequesterBook:
                 idle = [r for r, e in self._book.items() if e.in_flight == 0 and e.banned_until <= now]
                 for r in sorted(idle, key=lambda r: self._book[r].last_seen)[: len(self._book) // 4 + 1]:
                     del self._book[r]
-            entry = self._book[requester] = _Requester(cosines=deque(maxlen=self.cfg.ascent_min_updates),
-                                                       first_seen=now)
+            entry = self._book[requester] = _Requester(first_seen=now)
         entry.last_seen = now
         return entry
 
@@ -146,8 +123,8 @@ class RequesterBook:
         with self._lock:
             entry = self._get(requester, now)
             if entry.banned_until > now:
-                return Refusal("banned", "this peer refuses your requests for a while (too many rejected, "
-                               "clipped or opposing updates)", entry.banned_until - now)
+                return Refusal("banned", "this peer refuses your requests for a while (too many rejected "
+                               "or clipped updates)", entry.banned_until - now)
             if entry.in_flight >= cfg.max_in_flight_per_requester:
                 return Refusal("busy", f"more than {cfg.max_in_flight_per_requester} of your requests are "
                                "queued here: wait for replies", 0.2)
@@ -193,18 +170,12 @@ class RequesterBook:
             if entry is not None and entry.in_flight > 0:
                 entry.in_flight -= 1
 
-    def on_update(self, requester: str, clip_scale: float, cosine: float | None, now: float) -> Ban | None:
+    def on_update(self, requester: str, clip_scale: float, now: float) -> Ban | None:
         """An update of this driver was applied (after clipping by ``clip_scale``)."""
         with self._lock:
             entry = self._get(requester, now)
             entry.updates.append(now)
             entry.applied += 1
-            if cosine is not None and math.isfinite(cosine):
-                entry.cosines.append(cosine)
-                if ascent_suspected(entry.cosines, self.cfg.ascent_min_updates, self.cfg.ascent_cosine):
-                    mean = sum(entry.cosines) / len(entry.cosines)
-                    return self._ban(requester, entry, now, f"its updates oppose the swarm's direction "
-                                                           f"(mean cosine {mean:.2f} over {len(entry.cosines)})")
         if clip_scale < HEAVY_CLIP_SCALE:
             return self.on_strike(requester, f"updates clipped to {clip_scale:.2g} of their size", now)
         return None
@@ -223,7 +194,6 @@ class RequesterBook:
         entry.banned_until = now + duration
         entry.times_banned += 1
         entry.score = 0.0
-        entry.cosines.clear()
         entry.applied = 0  # back on probation when the ban ends
         ban = Ban(requester, reason, duration)
         self.bans.append(ban)

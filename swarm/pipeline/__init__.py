@@ -2,9 +2,12 @@
 
 Map:
 - stage.py       one peer's copy of one stage: forward, backward with the (clipped, guarded) update
+- stage_stats.py what a stage counts and hands out: StageStats, StepInfo, UpdateReport, WorkerState
 - activations.py saved forward graphs, bounded, an equal share per driver
 - staleness.py   staleness of updates (window: mean, p95, max) and the staleness-aware step size
 - stage_rpc.py   the stage RPCs (server and client call); stage_gate.py: who may ask, fair share, bans
+- stage_receipts.py the stage's side of receipts: what a request's receipts vouch for, whom a wrong tensor blames
+- keybook.py     whose receipt key is whose: the keys of the peers whose receipts we check
 - wire.py        tensors on the wire: (de)serialization in the run's codec, streaming, checks on arrival
 - codecs.py      boundary codecs (int8 blockwise, lowrank int8 factors): framing and hostile-payload checks
 - traffic.py     bytes on the wire per link, and the rates they make
@@ -14,4 +17,7 @@ Map:
 - routing.py     which peer gets a hop, bans and holds, timeouts and hedge delays from measured times
 - replies.py     checks on a stage's reply (count, dtype, shape, finite, magnitude, metadata)
 - peer.py        a peer's training runtime: its stage served over RPC, and on layer0 the driver
+- peer_eval.py   layer0's evaluations of the pipeline: when they run, their stamp, the last one at a finish
+- peer_metrics.py what a peer reports to its node each heartbeat (PeerMetrics, collect_metrics)
+- peer_views.py  what a peer remembers of the records between reads: the shards other drivers held
 """

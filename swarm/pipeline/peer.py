@@ -13,17 +13,17 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import math
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from swarm.dht.records import MemberRecord, dialable
 from swarm.run.runconfig import EDGE_MODES, RunConfig
+from swarm.pipeline.peer_eval import Evaluations
+from swarm.pipeline.peer_metrics import PeerMetrics, collect_metrics
+from swarm.pipeline.peer_views import HELD_MEMORY_VIEWS, HeldShards  # noqa: F401  (HELD_MEMORY_VIEWS re-exported)
 from swarm.pipeline.stage import StageWorker
 from swarm.pipeline.stage_gate import StageGate
 from swarm.pipeline.stage_rpc import Traffic, make_servicer, stage_namespace
@@ -33,65 +33,8 @@ logger = logging.getLogger(__name__)
 SETUP_TIMEOUT_S = 60.0
 DRAIN_TIMEOUT_S = 60.0
 CLAIM_GRACE_HEARTBEATS = 3  # a new shard claim stays open to the other drivers this long (integrity/labels.py)
-# A driver covers a shard only when none of its last this-many reads of layer0 showed a holder: a stage
-# closes a shard that either of its last two reads shows held (integrity/labels.py), and under load a
-# holder's record misses a read now and then. Covering on one read made 32 volunteers on 2 cores strike
-# and ban their honest drivers at layer3 (benchmarks/README.md, benchmarks.soak).
-HELD_MEMORY_VIEWS = 3
 
 Notify = Callable[[str, str, str], None]  # (level, kind, text)
-
-
-class HeldShards:
-    """The data shards other online drivers held in the last ``HELD_MEMORY_VIEWS`` reads of layer0. A driver
-    covers a shard only when none of them showed a holder: under load a holder's record misses a read now
-    and then, and the stages refuse micro-batches of a shard someone else holds (``wrong_shard``). A view
-    that is not a new read (layer0 is not read every heartbeat) counts once, not once per heartbeat."""
-
-    def __init__(self) -> None:
-        self._views: deque[set[int]] = deque(maxlen=HELD_MEMORY_VIEWS)
-
-    def note(self, layer0: list[MemberRecord], me: str, fresh: bool = True) -> None:
-        if fresh or not self._views:
-            self._views.append({r.shard for r in layer0 if r.state == "online" and r.peer_id != me and r.shard >= 0})
-
-    def unheld(self, shards: int) -> list[int]:
-        held = set().union(*self._views)
-        return [i for i in range(shards) if i not in held]
-
-
-@dataclass(slots=True, frozen=True)
-class PeerMetrics:
-    samples_per_s: float
-    loss: float | None
-    clock: int
-    param_version: int
-    served: int
-    bytes_in: int
-    bytes_out: int
-    in_flight: int
-    samples: int = 0  # samples in the micro-batches served (what this volunteer computed)
-    # layer0 driver only
-    sent: int = 0
-    trained: int = 0
-    lost: int = 0
-    refused: int = 0  # micro-batches a stage refused before anything was applied (not lost)
-    waiting_for: str = ""
-    blocked_reason: str = ""  # why no micro-batch flows right now ("" when they do)
-    test_accuracy: float | None = None
-    test_loss: float | None = None
-    eval_samples: int = 0
-    eval_at: float = -1.0  # wall time of that evaluation
-    eval_version: int = -1  # our copy's param_version when it ran
-    # integrity (every peer)
-    healing: str = ""  # why this copy is sick and healing; "" when healthy
-    heals: int = 0
-    last_heal_at: float = 0.0
-    # staleness of the recent updates (swarm/pipeline/staleness.py), in updates; None before the first one
-    staleness_mean: float | None = None
-    staleness_p95: float | None = None
-    staleness_max: int | None = None
-    capacity: float | None = None  # samples/s at full use (StageStats.capacity); None until measured
 
 
 class SwarmPeer:
@@ -124,12 +67,8 @@ class SwarmPeer:
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"rpc-{swarm}", daemon=True)
         self._tasks: list[asyncio.Task] = []
         self._accepting = True
-        self._run_samples = 0
         self.healer: Any = None  # swarm.integrity.heal.Healer
-        self._eval_at = -1.0
-        self._eval_version = -1
-        self._heals_seen = 0  # heals announced anywhere in the run when we last evaluated
-        self._run_heals = 0
+        self.evaluations = Evaluations(run, self.notify, accepting=lambda: self._accepting)  # on layer0
         # receipts (swarm/integrity/receipts.py): our per-run signing key (derived from the identity when the node
         # passes a seed, so a restarted peer keeps it) and the keys of the peers whose receipts we check
         from swarm.integrity.receipts import ReceiptKey
@@ -196,7 +135,6 @@ class SwarmPeer:
         """Who may ask this stage, and (last stage) the run's targets by sample id."""
         from swarm.run.data import load_dataset, make_shards
         from swarm.integrity.labels import LabelSource
-        from swarm.integrity.requesters import gate_config
         from swarm.dht.membership import Membership
 
         loop = asyncio.get_running_loop()
@@ -211,7 +149,7 @@ class SwarmPeer:
             return await loop.run_in_executor(None, reader.read, "layer0")
 
         # a shard claim reaches the other drivers at their next read: a read each heartbeat, plus one missed
-        gate = StageGate(gate_config(self.run.integrity, self.run.data.partition), labels=labels, refresh=read_drivers,
+        gate = StageGate(self.run.integrity, labels=labels, refresh=read_drivers,
                          notify=self.notify, cache=self.worker.cache, swarm=self.swarm,
                          claim_grace_s=CLAIM_GRACE_HEARTBEATS * self.run.timeouts.heartbeat_s)
         self.worker.on_probation = lambda owner: gate.book.on_probation(owner, time.monotonic())
@@ -262,8 +200,9 @@ class SwarmPeer:
             keys=self.keys,
         )
         self._tasks.append(asyncio.create_task(self._guard(self.driver.run_forever(), "driver")))
+        self.evaluations.driver, self.evaluations.worker = self.driver, self.worker
         if self.evaluate_enabled:
-            self._tasks.append(asyncio.create_task(self._guard(self._evaluate_forever(), "evaluator")))
+            self._tasks.append(asyncio.create_task(self._guard(self.evaluations.run_forever(), "evaluator")))
 
     async def _guard(self, coro: Any, name: str) -> None:
         try:
@@ -274,31 +213,6 @@ class SwarmPeer:
             logger.exception("%s failed", name)
             self.notify("error", "error", f"the {name} failed: {exc.__class__.__name__}: {exc}")
 
-    async def _evaluate_forever(self) -> None:
-        """Every ``eval_every_s``; sooner (after half a period) when a copy of the run healed since the last one.
-        The first one runs as soon as the driver has trained a micro-batch, so a run publishes a figure
-        within one period of starting to train, however long its pipeline."""
-        period_s = self.run.training.eval_every_s
-        last = -math.inf
-        while True:
-            await asyncio.sleep(min(1.0, period_s))
-            since_s = time.monotonic() - last
-            healed = self._run_heals > self._heals_seen
-            if since_s < period_s and not (healed and since_s >= period_s / 2):
-                continue
-            if not self._accepting or self.driver.stats.trained == 0:
-                continue
-            last = time.monotonic()
-            try:
-                accuracy, loss = await asyncio.wait_for(self.driver.evaluate(), timeout=max(60.0, period_s * 3))
-            except Exception as exc:
-                logger.info("evaluation failed: %s", exc)
-                self.notify("warning", "evaluated", f"could not evaluate the pipeline ({exc.__class__.__name__}: "
-                            f"{exc}); the last published figure keeps its age")
-                continue
-            self._stamp_evaluation()
-            self.notify("info", "evaluated", f"evaluated the pipeline: {_evaluation_text(accuracy, loss)}")
-
     def start_final_evaluation(self, deadline_s: float) -> concurrent.futures.Future | None:
         """layer0, when it finishes (our weights have stopped moving): one more evaluation of the pipeline,
         run on our loop so the node's engine keeps ticking. Retried until ``deadline_s`` from now (a hop can
@@ -306,39 +220,7 @@ class SwarmPeer:
         else a future of True (published) or False (it could not run: the user was told why)."""
         if self.driver is None or self.driver.stats.trained == 0 or not self._thread.is_alive():
             return None
-        return asyncio.run_coroutine_threadsafe(self._final_evaluation(time.monotonic() + deadline_s), self._loop)
-
-    async def _final_evaluation(self, deadline: float) -> bool:
-        attempt, reason = 0, ""
-        while time.monotonic() < deadline:
-            attempt += 1
-            if self.driver.stats.waiting_for:  # a stage has no online peer: nothing to evaluate through
-                reason = f"waiting for a peer of {self.driver.stats.waiting_for}"
-                await asyncio.sleep(1.0)
-                continue
-            try:
-                accuracy, loss = await asyncio.wait_for(self.driver.evaluate(),
-                                                        timeout=max(1.0, deadline - time.monotonic()))
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                reason = f"{exc.__class__.__name__}: {exc}" if str(exc) else exc.__class__.__name__
-                logger.info("final evaluation, attempt %d, failed: %s", attempt, reason)
-                await asyncio.sleep(1.0)
-                continue
-            self._stamp_evaluation()
-            self.notify("info", "evaluated", f"final evaluation of the pipeline: {_evaluation_text(accuracy, loss)}")
-            return True
-        self.notify("warning", "evaluated", f"the final evaluation could not run ({reason or 'no time left'}); "
-                    "the last published figure keeps its age")
-        return False
-
-    def _stamp_evaluation(self) -> None:
-        """An evaluation carries when it ran, on which version of our copy, and what the run had healed."""
-        self.driver.stats.eval_at_samples = self._run_samples
-        self._eval_at = time.time()
-        self._eval_version = self.worker.stats.param_version
-        self._heals_seen = self._run_heals
+        return asyncio.run_coroutine_threadsafe(self.evaluations.final(time.monotonic() + deadline_s), self._loop)
 
     def reset_good_snapshot(self) -> None:
         """The copy was replaced from outside (a checkpoint restored): make it the last good one."""
@@ -438,9 +320,7 @@ class SwarmPeer:
         last reads showed held, the gate's last views of the drivers) takes a view only when it is new, so
         that one read that missed a record is not counted as several."""
         layer0_fresh = fresh is None or "layer0" in fresh
-        # Run-wide samples trained: what the drivers completed (clocks merge when copies average).
-        self._run_samples = sum(r.trained for r in views.get("layer0", []))
-        self._run_heals = sum(r.heals for records in views.values() for r in records)
+        self.evaluations.note_views(views)
         if self.gate is not None and layer0_fresh:  # every driver, reachable or not: the labels need each one's shard
             self._loop.call_soon_threadsafe(self.gate.set_drivers, list(views.get("layer0", [])))
         # Nobody dials a peer that says it cannot be dialled (behind NAT): no route, pull or edge to it. A peer
@@ -491,28 +371,6 @@ class SwarmPeer:
             self._loop.call_soon_threadsafe(self.driver.set_own_shard, shard % len(self.driver.shards))
 
     def metrics(self) -> PeerMetrics:
-        worker = self.worker
-        assert worker is not None
-        stats = worker.stats
-        common = dict(
-            samples_per_s=stats.samples_per_s(time.monotonic()), loss=stats.loss_ema, clock=int(round(stats.clock)),
-            param_version=stats.param_version, served=stats.served, samples=stats.samples, bytes_in=self.traffic.bytes_in,
-            bytes_out=self.traffic.bytes_out, in_flight=self.in_flight(), capacity=stats.capacity(time.monotonic()),
-        )
-        stale = worker.staleness.summary()
-        if stale is not None:
-            common.update(staleness_mean=stale.mean, staleness_p95=stale.p95, staleness_max=stale.max)
+        assert self.worker is not None
         heal = self.healer.status() if self.healer is not None else None
-        if heal is not None:
-            common.update(healing=heal.healing, heals=heal.heals, last_heal_at=heal.last_heal_at)
-        if self.driver is None:
-            return PeerMetrics(**common)
-        d = self.driver.stats
-        return PeerMetrics(**common, sent=d.sent, trained=d.trained, lost=d.lost, refused=d.refused,
-                           waiting_for=d.waiting_for, blocked_reason=d.blocked_reason, test_accuracy=d.eval_accuracy,
-                           test_loss=d.eval_loss, eval_samples=d.eval_at_samples, eval_at=self._eval_at,
-                           eval_version=self._eval_version)
-
-
-def _evaluation_text(accuracy: float | None, loss: float) -> str:
-    return f"test loss {loss:.3f}" + (f", accuracy {accuracy:.1%}" if accuracy is not None else "")
+        return collect_metrics(self.worker, self.traffic, self.in_flight(), heal, self.driver, self.evaluations)

@@ -1,4 +1,4 @@
-"""One peer's copy of one stage: forward, backward with the update, and the statistics it announces.
+"""One peer's copy of one stage: forward, backward with the update, and the statistics it announces (stage_stats.py).
 
 No networking here: the RPC servicer (stage_rpc.py) and the local driver call these methods from a
 single compute thread. Design choices:
@@ -25,36 +25,28 @@ import math
 import os
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
 from swarm.pipeline.activations import ActivationCache, Saved
-from swarm.averaging.state import load_optimizer_tensors, optimizer_tensors
 from swarm.integrity.clip import NormHistory, clip_scale, combined_bound, step_ceiling
-from swarm.integrity.direction import DirectionTracker
 from swarm.integrity.guard import StepGuard
 from swarm.integrity.health import HealthMonitor, SickCopy
 from swarm.run.local import make_optimizer
 from swarm.run.models import build_stage, loss_fn, stage_input_spec, target_spec
+from swarm.run.optim_state import load_optimizer_tensors, optimizer_tensors
 from swarm.run.runconfig import RunConfig
 from swarm.pipeline.staleness import StalenessWindow, StepSize
+from swarm.pipeline.stage_stats import StageStats, StepInfo, UpdateReport, WorkerState
 from swarm.pipeline.wire import WireError, check_tensor
 
 logger = logging.getLogger(__name__)
 
 EVAL_BATCH = 512
 EMIT_FRACTION = 0.5  # of timeouts.reply_max_abs: the largest value a stage's reply carries
-LOSS_EMA_ALPHA = 0.1
-THROUGHPUT_WINDOW_S = 10.0
-MIN_BUSY_FOR_CAPACITY_S = 0.05  # of compute in the window before a capacity is published
-
-
 SIMULATED_STEP_ENV = "VOLUNTEER_SIMULATED_STEP_S"
 
 
@@ -70,105 +62,12 @@ def simulated_step_s() -> float:
         return 0.0
 
 
-@dataclass(slots=True, frozen=True)
-class StepInfo:
-    """What a step hook hears about one applied update."""
-
-    batch_size: int
-    loss: float | None  # the micro-batch's loss, as the last stage computed it
-    forward_at: float  # monotonic time of the forward (at this stage) whose gradient was applied
-    staleness: int = 0  # updates applied here between that forward and this update (swarm/pipeline/staleness.py)
-
-
-@dataclass(slots=True, frozen=True)
-class UpdateReport:
-    """What the bounds did to the latest applied update (the servicer turns it into strikes)."""
-
-    clip_scale: float  # 1.0 = not clipped; the smaller of the output-gradient and parameter-gradient scales
-    cosine: float | None  # with the swarm's direction (swarm/integrity/direction.py); None for local updates
-    tensors_scaled: int  # parameter tensors whose move the step bound shortened
-    staleness: int = 0  # updates applied here between this micro-batch's forward and its backward
-    step_factor: float = 1.0  # what the staleness-aware rule scaled this update's step by
-
-
-@dataclass(slots=True)
-class WorkerState:
-    """A consistent CPU copy of a stage: what the parameter service serves and healing restores."""
-
-    params: dict[str, torch.Tensor]  # the module's state_dict (parameters and buffers)
-    optimizer: dict[str, torch.Tensor] | None  # named optimizer tensors (swarm/averaging/state.py), if taken
-    clock: float
-    loss_ema: float | None
-    param_version: int
-
-
 class InputOutOfRange(WireError):
     """The request's input (not this copy) makes outputs too large to send."""
 
 
 class NeedInput(Exception):
     """Backward reached a peer that has no saved activations for this micro-batch: resend with the input."""
-
-
-class StageStats:
-    """Clock, loss EMA and measured throughput of this copy (what the membership record carries)."""
-
-    def __init__(self) -> None:
-        self.clock = 0.0  # samples trained into this copy (fractional once merged by averaging)
-        self.param_version = 0  # updates applied
-        self.served = 0  # micro-batches whose update we applied (the update counter staleness is counted on)
-        self.samples = 0  # the samples in them (this process's contribution; the clock also merges peers')
-        self.loss_ema: float | None = None
-        self._window: deque[tuple[float, int]] = deque()
-        self._busy: deque[tuple[float, float]] = deque()  # (monotonic end, seconds computing) per request
-        self._last_capacity: float | None = None
-        self._window_lock = threading.Lock()  # the compute thread appends, the node's thread reads
-
-    def record_update(self, batch_size: int, loss: float | None, now: float) -> None:
-        self.clock += batch_size
-        self.param_version += 1
-        self.served += 1
-        self.samples += batch_size
-        if loss is not None and math.isfinite(loss):
-            self.loss_ema = loss if self.loss_ema is None else (1 - LOSS_EMA_ALPHA) * self.loss_ema + LOSS_EMA_ALPHA * loss
-        with self._window_lock:
-            self._window.append((now, batch_size))
-
-    @contextmanager
-    def busy(self) -> Iterator[None]:
-        """Time one request's compute (forward, backward, inference) for ``capacity``."""
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            with self._window_lock:
-                self._busy.append((time.monotonic(), time.perf_counter() - started))
-
-    def capacity(self, now: float) -> float | None:
-        """Samples/s this copy could train at if it computed all the time: the samples of the window's
-        updates over the seconds it spent computing (their forwards, backwards and any inference). None
-        until it has computed a little (rebalancing compares peers by it, swarm/rebalance.py). A copy with
-        no work in the window keeps its last figure: when the pipeline stalls (a swarm lost its peers),
-        rebalancing needs capacities most, and nothing is measured then."""
-        with self._window_lock:
-            while self._busy and now - self._busy[0][0] > THROUGHPUT_WINDOW_S:
-                self._busy.popleft()
-            while self._window and now - self._window[0][0] > THROUGHPUT_WINDOW_S:
-                self._window.popleft()
-            seconds = sum(s for _, s in self._busy)
-            samples = sum(n for _, n in self._window)
-            if seconds >= MIN_BUSY_FOR_CAPACITY_S and samples > 0:
-                self._last_capacity = samples / seconds
-            return self._last_capacity
-
-    def samples_per_s(self, now: float) -> float:
-        with self._window_lock:
-            while self._window and now - self._window[0][0] > THROUGHPUT_WINDOW_S:
-                self._window.popleft()
-            if not self._window:
-                return 0.0
-            span = max(now - self._window[0][0], 1.0)
-            return sum(n for _, n in self._window) / span
 
 
 class StageWorker:
@@ -200,7 +99,6 @@ class StageWorker:
         self.grad_norms = NormHistory(cfg.clip_history, cfg.clip_multiplier)  # parameter gradients (total norm)
         self.grad_out_rms = NormHistory(cfg.clip_history, cfg.clip_multiplier)  # incoming output gradients
         self.guard = StepGuard(self.module, self.optimizer, cfg.max_step_ratio)
-        self.directions = DirectionTracker()
         self.last_update: UpdateReport | None = None  # of the latest applied update (read by the servicer)
         # drivers new here while established ones train (swarm/integrity/requesters.py): their updates are
         # clipped to the median accepted norm, not a multiple, and do not move the clip history
@@ -343,7 +241,6 @@ class StageWorker:
             param.grad = grad if grad is not None else torch.zeros_like(param)
             grads.append(param.grad)
         grad_scale, grad_norm = self._clip_param_grads(params, grads, junior)
-        cosine = self.directions.observe(owner, grads, time.monotonic()) if owner else None
         factor = 1.0 if self._custom_rule else self.step_size.before_step(staleness, grads, self.staleness.mean())
         result = self.guard.run(self._update, bound_steps=not self._custom_rule)
         self.staleness.record(staleness)
@@ -351,8 +248,8 @@ class StageWorker:
             self.grad_norms.accept(grad_norm * grad_scale, was_clipped=grad_scale < 1.0)
             if out_rms is not None:
                 self.grad_out_rms.accept(out_rms, was_clipped=scale < 1.0)
-        self.last_update = UpdateReport(clip_scale=min(scale, grad_scale), cosine=cosine,
-                                        tensors_scaled=result.tensors_scaled, staleness=staleness, step_factor=factor)
+        self.last_update = UpdateReport(clip_scale=min(scale, grad_scale), tensors_scaled=result.tensors_scaled,
+                                        staleness=staleness, step_factor=factor)
         self.stats.record_update(batch_size, loss, time.monotonic())
         info = StepInfo(batch_size=batch_size, loss=loss, forward_at=saved.created, staleness=staleness)
         for hook in self._step_hooks:

@@ -40,7 +40,6 @@ class Outcome:
 
     applied: bool = False  # an update was applied
     clip_scale: float = 1.0
-    cosine: float | None = None
     strike: str | None = None  # why this request counts against its sender
     author: str = ""  # the peer that computed the tensor applied (its receipt's signer); "" when not known
     author_strike: str | None = None  # why this request counts against that author
@@ -119,7 +118,7 @@ class StageGate:
         # that relayed it. Without a receipt (author unknown) the requester is the author.
         author = outcome.author if outcome.author and outcome.author != requester else requester
         if outcome.applied:
-            bans.append(self.book.on_update(requester, outcome.clip_scale if author == requester else 1.0, None, now))
+            bans.append(self.book.on_update(requester, outcome.clip_scale if author == requester else 1.0, now))
             if author != requester and outcome.clip_scale < HEAVY_CLIP_SCALE:
                 bans.append(self.book.on_strike(author, f"its tensors clipped to {outcome.clip_scale:.2g} of their "
                                                 "size", now))

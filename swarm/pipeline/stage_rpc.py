@@ -13,7 +13,7 @@ Two handlers per stage, in the namespace ``{run_id}.layer{k}``: ``rpc_call`` (un
 ``ids`` are int64 row indices into the run's train split (forward_backward) or test split (evaluate):
 the last stage looks the targets up in its own copy of the run's data (swarm/integrity/labels.py);
 targets never come from the wire. Only online layer0 peers of the run are served, each within its
-fair share, and a driver that keeps sending rejected, clipped or opposing updates is banned for a
+fair share, and a driver that keeps sending rejected or clipped updates is banned for a
 while (swarm/pipeline/stage_gate.py). Every update is clipped and guarded at the stage (swarm/pipeline/stage.py).
 
 Replies carry ``{"ok": true}`` or ``{"ok": false, "code": ..., "error": ..., ["retry_after_s": s]}``
@@ -233,7 +233,7 @@ def _run(worker: StageWorker, op: Any, tensors: list[torch.Tensor], meta: dict,
     report = worker.last_update
     if op not in UPDATE_OPS or report is None:
         return out, reply, Outcome()
-    return out, reply, Outcome(applied=True, clip_scale=report.clip_scale, cosine=report.cosine)
+    return out, reply, Outcome(applied=True, clip_scale=report.clip_scale)
 
 
 def make_servicer(worker: StageWorker, executor: Executor, *, max_bytes: int, codec: str,

@@ -7,6 +7,7 @@ Map:
 - config_base.py the strict model every section is, and CrossFieldError (a rule between fields)
 - models.py      building the stages of a model from the run config
 - data.py        data sets, train/test split and shards (IID or label-skewed), rarest-first shard choice
-- local.py       a single-process reference trainer: the yardstick for the distributed run
+- local.py       a single-process reference trainer: the yardstick for the distributed run; make_optimizer
+- optim_state.py optimizer state as named tensors, so it can travel between peers and be checked
 - corpus/        the text corpus shipped with the client (charlm)
 """

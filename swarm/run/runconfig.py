@@ -31,6 +31,9 @@ HASH_EXCLUDED_FIELDS = frozenset({"bootstrap_peers", "timeouts"})
 HASH_WHEN_SET = {("training", "end_at_target"): False, ("training", "sample_budget"): 0,
                  ("training", "in_flight_max"): 16, ("training", "wire_codec"): None, ("training", "wire_rank"): 8,
                  ("averaging", "pull_budget"): 0.0}
+# Fields removed after runs existed still enter the run id at the value every run had (the direction check's,
+# removed with it: no shipped config set them), so clients before and after the removal still train together.
+HASH_REMOVED = {("integrity", "ascent_cosine"): -0.25, ("integrity", "ascent_min_updates"): 64}
 DEFAULT_WIRE_RANK = HASH_WHEN_SET[("training", "wire_rank")]
 WIRE_CODECS = ("float32", "float16", "int8", "lowrank")  # swarm/pipeline/codecs.py, swarm/pipeline/wire.py
 
@@ -191,10 +194,6 @@ class IntegrityConfig(Strict):
     strike_half_life_s: float = Field(30.0, gt=0.0, description="strikes decay with this half-life")
     ban_s: float = Field(60.0, ge=0.0, description="first ban; each further ban of the same driver doubles it")
     max_ban_s: float = Field(3600.0, ge=0.0, description="cap on a ban")
-    ascent_cosine: float = Field(-0.25, ge=-1.0, le=0.0, description="banned when the mean cosine of a driver's "
-                                 "updates with the other drivers' recent direction stays below this (label-skewed runs: "
-                                 "off unless set, honest skewed drivers oppose each other)")
-    ascent_min_updates: int = Field(64, ge=4, description="updates of a driver the mean cosine is taken over")
     # health and healing: when a copy is sick, and how it recovers
     snapshot_every_steps: int = Field(200, ge=1, description="a healthy copy keeps a last-good snapshot this often")
     loss_explode_ratio: float = Field(4.0, gt=1.0, description="sick when the loss EMA exceeds this many times "
@@ -290,6 +289,8 @@ class RunConfig(Strict):
         for (section, name), default in HASH_WHEN_SET.items():
             if data.get(section, {}).get(name) == default:
                 del data[section][name]
+        for (section, name), value in HASH_REMOVED.items():
+            data[section][name] = value
         return data
 
     @property

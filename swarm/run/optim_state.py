@@ -2,6 +2,10 @@
 
 torch keys optimizer state by parameter object; peers only share parameter *names*. Hyperparameters
 (``param_groups``) are not sent: every peer builds its optimizer from the same run config.
+
+It lives beside the optimizer it describes (local.py's ``make_optimizer``), below both users: the stage
+captures and restores it (swarm/pipeline/stage.py) without knowing how copies are averaged, and averaging
+sends it to newcomers (swarm/averaging/params_rpc.py, checked by swarm/averaging/checks.py).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ def optimizer_tensors(module: nn.Module, optimizer: torch.optim.Optimizer) -> di
 
 def load_optimizer_tensors(module: nn.Module, optimizer: torch.optim.Optimizer,
                            tensors: Mapping[str, torch.Tensor]) -> None:
-    """Replace the optimizer state with ``tensors`` (checked beforehand by ``checks.check_optimizer``)."""
+    """Replace the optimizer state with ``tensors`` (checked beforehand: averaging/checks.py ``check_optimizer``)."""
     by_param: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
         param, _, key = name.rpartition("/")
