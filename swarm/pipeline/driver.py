@@ -45,14 +45,15 @@ from swarm.pipeline.hops import (  # noqa: F401  (DriverStats, DriverStopped, Ho
     Refused,
 )
 from swarm.integrity.health import SickCopy
-from swarm.integrity.evaluations import MAX_REPLICAS, Figures, consensus
 from swarm.integrity.receipts import Receipt, ReceiptKey, ids_digest, tensor_digest
 from swarm.pipeline.keybook import KeyBook
 from swarm.pipeline.replies import Vouch
 from swarm.pipeline.routing import BAD_REPLY_BAN_S, HopPolicy, SwarmRouter, backoff_s
+from swarm.pipeline.driver_eval import evaluate
+from swarm.pipeline.spot_checks import SpotChecker
 from swarm.pipeline.wire import serialize_once
 from swarm.run.runconfig import RunConfig
-from swarm.pipeline.stage import EVAL_BATCH, StageWorker
+from swarm.pipeline.stage import StageWorker
 from swarm.pipeline.stage_rpc import Traffic, call_stage
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,7 @@ class PipelineDriver:
         self.blockage = Blockage(self.stats, self.notify)
         self.hops = HopCaller(run, p2p, self.routers, self.stats, self.blockage, traffic=self.traffic,
                               is_stopping=lambda: self._stopping, call=call, keys=self.keys)
+        self.spot = SpotChecker(self.hops, seed=seed)  # a share of forward hops replicated at a second peer
         self.peer_tag = peer_tag
         self._ids = itertools.count()
         self._running = asyncio.Event()
@@ -221,9 +223,10 @@ class PipelineDriver:
         forwards = {0: self._sign_own(mb, "forward", h, ids_d)}  # stage -> the receipt of its forward
         for k in range(1, stages - 1):
             inputs[k] = h
-            (h,), reply, served_by[k] = await self.hops.hop(
-                k, "forward", [h], self._meta(mb, forwards[k - 1]), vouch=self._vouch(mb, forwards[k - 1], ids_d))
+            meta, vouch = self._meta(mb, forwards[k - 1]), self._vouch(mb, forwards[k - 1], ids_d)
+            (h,), reply, served_by[k] = await self.hops.hop(k, "forward", [h], meta, vouch=vouch)
             forwards[k] = reply["receipt"]
+            await self.spot.after_forward(k, inputs[k], meta, vouch, served_by[k], h)
         reply_tensors, meta, _ = await self.hops.hop(
             stages - 1, "forward_backward", [h, ids], self._meta(mb, forwards[stages - 2]),
             vouch=self._vouch(mb, forwards[stages - 2], ids_d))
@@ -316,7 +319,7 @@ class PipelineDriver:
         """A stage refused a micro-batch: count it, say why, back off (exponential, capped)."""
         self.stats.refused += 1
         self.blockage.set(exc.reason)
-        if exc.code == "bad_author":  # not our doing, nor the stage's: route around the author, no backoff
+        if exc.code in ("bad_author", "spot_check"):  # not our doing: its author is routed around, no backoff
             self._avoid_author(exc)
             return
         if exc.code == "unknown_signer":  # a peer that computed part of this micro-batch is gone: the next one passes
@@ -342,57 +345,8 @@ class PipelineDriver:
             logger.exception("a micro-batch failed unexpectedly; the lane goes on (further %s are not logged)", kind)
             self.notify("error", f"a micro-batch failed ({kind}: {exc}); the driver goes on")
 
-    # ----- evaluation
+    # ----- evaluation (swarm/pipeline/driver_eval.py)
     async def evaluate(self) -> tuple[float | None, float]:
-        """Forward-only pass of the test split through the whole pipeline: (accuracy, mean loss). With several peers
-        in the last swarm, the same pass goes through up to ``MAX_REPLICAS`` of them, and what is published is what
-        they agree on (swarm/integrity/evaluations.py): one lying last stage cannot publish its own figure."""
-        stages = self.run.model.stages
-        if stages == 1:
-            figures = [await self._evaluate_through(None)]
-        else:
-            router = self.routers[f"layer{stages - 1}"]
-            now = time.monotonic()
-            usable = sorted(router.peers, key=lambda p: (router.peers[p].banned_until > now, router.expected_s(p)))
-            figures = []
-            for peer in usable[:MAX_REPLICAS] or [None]:
-                try:
-                    figures.append(await self._evaluate_through(peer))
-                except (HopGivenUp, NeedInputReply, Refused) as exc:
-                    logger.info("evaluation through last-stage peer %s failed: %s", (peer or "?")[-8:], exc)
-            if not figures:
-                raise HopGivenUp("no last-stage peer completed the evaluation")
-        verdict = consensus(figures)
-        for outlier in verdict.outliers:
-            ban_s = self.routers[f"layer{stages - 1}"].failure(outlier, time.monotonic(), min_ban_s=BAD_REPLY_BAN_S)
-            logger.warning("last-stage peer %s evaluated far from the others; not using it for %.0f s", outlier[-8:],
-                           ban_s)
-        self.stats.eval_accuracy, self.stats.eval_loss = verdict.accuracy, verdict.loss
-        self.stats.eval_replicas, self.stats.eval_validated = verdict.replicas, verdict.validated
-        return verdict.accuracy, verdict.loss
-
-    async def _evaluate_through(self, last: str | None) -> Figures:
-        """The test split through the pipeline, its last hop at peer ``last`` (None: any peer, or no hop at all)."""
-        loop = asyncio.get_running_loop()
-        stages = self.run.model.stages
-        loss_sum, correct, count = 0.0, 0, 0
-        for start in range(0, len(self.dataset.x_test), EVAL_BATCH):
-            x = self.dataset.x_test[start : start + EVAL_BATCH]
-            ids = torch.arange(start, start + len(x), dtype=torch.int64)  # test-split rows
-            if stages == 1:
-                y = self.dataset.y_test[ids]
-                part_loss, part_correct, part_count = await loop.run_in_executor(self.executor, self.worker.evaluate, x, y)
-            else:
-                mb, ids_d = f"{self.peer_tag}-ev{next(self._ids)}", ids_digest(ids)
-                h = await loop.run_in_executor(self.executor, self.worker.infer, x)
-                receipt = self._sign_own(mb, "infer", h, ids_d)
-                for k in range(1, stages - 1):
-                    (h,), reply, _ = await self.hops.hop(k, "infer", [h], self._meta(mb, receipt),
-                                                         vouch=self._vouch(mb, receipt, ids_d))
-                    receipt = reply["receipt"]
-                _, meta, _ = await self.hops.hop(stages - 1, "evaluate", [h, ids], self._meta(mb, receipt), only=last,
-                                                 vouch=self._vouch(mb, receipt, ids_d))
-                part_loss, part_correct, part_count = float(meta["loss_sum"]), int(meta["correct"]), int(meta["count"])
-            loss_sum, correct, count = loss_sum + part_loss, correct + part_correct, count + part_count
-        accuracy = correct / count if self.dataset.kind == "classification" else None
-        return Figures(last or "", accuracy, loss_sum / max(count, 1))
+        """Forward-only pass of the test split through the whole pipeline: (accuracy, mean loss), replicated over up to
+        ``MAX_REPLICAS`` last-stage peers and published as they agree (swarm/integrity/evaluations.py)."""
+        return await evaluate(self)

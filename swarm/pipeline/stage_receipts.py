@@ -41,8 +41,10 @@ from swarm.pipeline.wire import payload_of
 
 MAX_EMITTED = 4096  # forwards whose output digest we keep for the backward (more than the activation cache)
 UNKNOWN_SIGNER_RETRY_S = 2.0
+# infer takes a forward's activations too: a driver's spot check (swarm/pipeline/spot_checks.py) asks a second peer
+# for the output of an input another peer computed in training
 INPUT_OPS = {"forward": frozenset({"forward"}), "forward_backward": frozenset({"forward"}),
-             "infer": frozenset({"infer"}), "evaluate": frozenset({"infer"})}
+             "infer": frozenset({"infer", "forward"}), "evaluate": frozenset({"infer"})}
 
 
 class ReceiptRefusal(Exception):

@@ -1,0 +1,85 @@
+"""The driver's spot checks (swarm/integrity/spot.py): a share of forward hops is also computed by a second peer of
+the same swarm (``infer`` on the same input and receipt: it applies nothing), and the two signed outputs are
+compared. When they disagree a third peer arbitrates; the odd one out is not used for ``BAD_REPLY_BAN_S``, and if it
+was the peer whose output this micro-batch carries, the micro-batch is dropped before anything downstream applied
+it (``Refused``, code ``spot_check``). With no third peer the disagreement is only said: two copies alone cannot
+tell which one lies.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Any
+
+import torch
+
+from swarm.integrity.spot import SPOT_SHARE, agree, odd_one_out
+from swarm.pipeline.hops import HopCaller, HopGivenUp, NeedInputReply, Refused
+from swarm.pipeline.replies import Vouch
+from swarm.pipeline.routing import BAD_REPLY_BAN_S
+
+logger = logging.getLogger(__name__)
+
+
+class SpotChecker:
+    def __init__(self, hops: HopCaller, share: float = SPOT_SHARE, seed: int = 0):
+        self.hops = hops
+        self.share = share
+        self.rng = random.Random(seed)
+        self.checked = 0  # forward hops replicated
+        self.agreed = 0
+        self.caught = 0  # odd ones out found
+        self._said: set[tuple[str, str]] = set()
+
+    async def after_forward(self, k: int, x: torch.Tensor, meta: dict, vouch: Vouch, primary: str,
+                            out: torch.Tensor) -> None:
+        """Maybe replicate the forward hop that ``primary`` served; raises Refused when ``primary`` is caught."""
+        router = self.hops.routers[f"layer{k}"]
+        if self.share <= 0 or len(router.peers) < 2 or self.rng.random() >= self.share:
+            return
+        other = router.choose(time.monotonic(), exclude=[primary])
+        if other is None or other == primary:
+            return
+        second = await self._infer(k, x, meta, vouch, other)
+        if second is None:
+            return
+        self.checked += 1
+        if agree(out, second):
+            self.agreed += 1
+            return
+        third = router.choose(time.monotonic(), exclude=[primary, other])
+        arbiter = await self._infer(k, x, meta, vouch, third) if third not in (None, primary, other) else None
+        if arbiter is None:
+            self._say_once(primary, other, f"spot check at layer{k}: peers {primary[-8:]} and {other[-8:]} computed "
+                                           "different outputs for the same input; no third peer to tell which is wrong")
+            return
+        odd = odd_one_out([out, second, arbiter])
+        if odd is None:
+            return
+        culprit = (primary, other, third)[odd]
+        self.caught += 1
+        ban_s = router.failure(culprit, time.monotonic(), min_ban_s=BAD_REPLY_BAN_S)
+        logger.warning("spot check at layer%d: peer %s computed an output two other peers disagree with; not using it "
+                       "for %.0f s", k, culprit[-8:], ban_s)
+        if culprit == primary:
+            raise Refused("spot_check", f"layer{k} peer {primary[-8:]} failed a spot check (its output disagrees with "
+                                        "two other peers'): the micro-batch is dropped before anything applied it")
+
+    async def _infer(self, k: int, x: torch.Tensor, meta: dict, vouch: Vouch, peer: str) -> torch.Tensor | None:
+        try:
+            (out,), _, _ = await self.hops.hop(k, "infer", [x], meta, only=peer, vouch=vouch)
+            return out
+        except (HopGivenUp, NeedInputReply, Refused) as exc:  # a replica that fails is no evidence either way
+            logger.debug("spot check at layer%d peer %s: %s", k, peer[-8:], exc)
+            return None
+
+    def _say_once(self, a: str, b: str, text: str) -> None:
+        pair = (min(a, b), max(a, b))
+        if pair not in self._said:
+            self._said.add(pair)
+            logger.warning(text)
+
+    def stats(self) -> dict[str, Any]:
+        return {"checked": self.checked, "agreed": self.agreed, "caught": self.caught}

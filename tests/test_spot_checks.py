@@ -1,0 +1,66 @@
+"""Spot checks (swarm/integrity/spot.py, swarm/pipeline/spot_checks.py): a layer1 peer that signs plausible but wrong
+activations is caught by replication and routed around; honest copies that differ a little are not."""
+
+from __future__ import annotations
+
+import torch
+
+from fake_stages import FakeSwarm, drive, honest
+from swarm.integrity.spot import agree, odd_one_out
+from swarm.run.models import stage_output_spec
+from swarm.run.runconfig import RunConfig
+
+RUN = RunConfig.model_validate({
+    "name": "spottest", "model": {"stages": 3, "hidden_dim": 16}, "training": {"batch_size": 8, "in_flight": 2},
+    "timeouts": {"rpc_s": 30},
+})
+
+
+def test_agreement_is_a_cosine_and_a_norm_ratio_not_equality():
+    a = torch.randn(8, 16)
+    assert agree(a, a + 0.05 * torch.randn(8, 16))  # copies that averaging keeps close
+    assert not agree(a, -a) and not agree(a, torch.randn(8, 16))  # another computation
+    assert not agree(a, 3 * a)  # the same direction, another magnitude
+    assert odd_one_out([a, a * 1.01, torch.randn(8, 16)]) == 2
+    assert odd_one_out([a, -a, torch.randn(8, 16)]) is None  # no two agree: nobody can be singled out
+    assert odd_one_out([a, a]) is None
+
+
+def _liar(run: RunConfig, k: int):
+    """Answers forwards and infers with plausible activations (right shape, the honest scale) that are not the
+    layer's computation; gradients honestly."""
+    good = honest(run, k)
+
+    def answer(op, tensors, meta):
+        if op in ("forward", "infer"):
+            shape = tuple(d or tensors[0].shape[0] for d in stage_output_spec(run.model, k).shape)
+            return [0.1 * torch.randn(shape).abs() * torch.sign(torch.randn(shape))], {"ok": True}
+        return good(op, tensors, meta)
+
+    return answer
+
+
+def test_a_peer_with_wrong_activations_is_caught_and_routed_around():
+    fake = FakeSwarm({"layer1": {"liar": _liar(RUN, 1), "good1": honest(RUN, 1), "good2": honest(RUN, 1)},
+                      "layer2": {"last": honest(RUN, 2)}})
+
+    async def check_every_hop(driver):
+        driver.spot.share = 1.0
+
+    driver = drive(RUN, fake, seconds=3.0, during=check_every_hop, min_microbatches=40)
+    assert driver.spot.caught >= 1, driver.spot.stats()
+    assert driver.routers["layer1"].peers["liar"].banned_until > 0
+    late = [c for c in fake.calls_to("liar", "forward") if c[4] > fake.calls[-1][4] - 1.0]
+    assert not late, "the liar is not asked for forwards once it is caught"
+    assert driver.stats.microbatches >= 40 and driver.stats.lost == 0
+
+
+def test_honest_copies_pass_their_spot_checks():
+    fake = FakeSwarm({"layer1": {"a": honest(RUN, 1), "b": honest(RUN, 1)}, "layer2": {"last": honest(RUN, 2)}})
+
+    async def check_every_hop(driver):
+        driver.spot.share = 1.0
+
+    driver = drive(RUN, fake, seconds=1.0, during=check_every_hop, min_microbatches=20)
+    assert driver.spot.checked >= 20 and driver.spot.agreed == driver.spot.checked and driver.spot.caught == 0
+    assert all(stats.banned_until == 0 for stats in driver.routers["layer1"].peers.values())
