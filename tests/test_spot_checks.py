@@ -17,6 +17,7 @@ RUN = RunConfig.model_validate({
 
 
 def test_agreement_is_a_cosine_and_a_norm_ratio_not_equality():
+    torch.manual_seed(0)
     a = torch.randn(8, 16)
     assert agree(a, a + 0.05 * torch.randn(8, 16))  # copies that averaging keeps close
     assert not agree(a, -a) and not agree(a, torch.randn(8, 16))  # another computation
@@ -24,6 +25,8 @@ def test_agreement_is_a_cosine_and_a_norm_ratio_not_equality():
     assert odd_one_out([a, a * 1.01, torch.randn(8, 16)]) == 2
     assert odd_one_out([a, -a, torch.randn(8, 16)]) is None  # no two agree: nobody can be singled out
     assert odd_one_out([a, a]) is None
+    drifted = a + 1.5 * a.norm() / 16 * torch.randn(8, 16)  # an honest copy that drifted: not close, not far
+    assert not agree(a, drifted) and odd_one_out([a, a * 1.01, drifted]) is None
 
 
 def _liar(run: RunConfig, k: int):
