@@ -64,6 +64,9 @@ def _attacks() -> dict[str, Attack]:
         *(Attack(f"malformed_{b}", "server", b, swarm="layer2") for b in ("no_tensor", "wrong_shape", "nan",
                                                                             "garbage_metadata")),
         Attack("last_stage_huge_gradient", "server", "huge", swarm="layer2"),
+        # a last stage that signs its replies (its receipts hold) and lies in one way (tests/hostile_stage.py)
+        Attack("signed_last_stage_huge_gradient", "signed_server", "huge_gradient", swarm="layer2"),
+        Attack("signed_last_stage_lying_eval", "signed_server", "lying_eval", swarm="layer2"),
         *(Attack(f"poison_{p}", "poison", p, per_swarm=2) for p in ("nan", "x1000", "same_norm")),
         Attack("sgd_momentum_oversubscribed", "none", "busy", per_swarm=2, optimizer="sgd_momentum",
                busy=3 * (os.cpu_count() or 2)),
@@ -122,12 +125,27 @@ def start_attack(attack: Attack, hostile: HostilePeer, labels: str) -> Handle:
     if attack.role == "poison":
         _start_poison(handle)
         return handle
+    if attack.role == "signed_server":
+        _start_signed_server(handle)
+        return handle
     honest_driver = hostile.online("layer0")[0]
     hostile.announce("layer0", shard=(honest_driver.shard + 1) % hostile.run.data.shards)
     handle.announced_at = time.monotonic()
     loop_body = {"flood": _flood}.get(attack.kind, _driver_loop)
     handle.task = asyncio.run_coroutine_threadsafe(loop_body(handle, labels, honest_driver.shard), hostile._loop)
     return handle
+
+
+def _start_signed_server(handle: Handle) -> None:
+    """A stage of the attacked swarm that computes from the honest copy's weights and signs what it returns."""
+    from hostile_stage import serve_signed_stage
+    from swarm.averaging.params_rpc import fetch_params
+
+    hostile, swarm = handle.hostile, handle.attack.swarm
+    donor = hostile.online(swarm)[0]
+    params, _ = hostile.on_loop(fetch_params(hostile.p2p, donor.peer_id, hostile.run, swarm, timeout_s=20))
+    handle.servicers.append(serve_signed_stage(hostile, swarm, params, handle.attack.kind))
+    hostile.announce(swarm)
 
 
 def _start_poison(handle: Handle) -> None:

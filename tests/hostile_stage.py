@@ -1,0 +1,77 @@
+"""A hostile stage peer that plays by the protocol: a real stage (worker, gate, receipt desk) that signs every reply
+with its own key, so drivers and the next stages accept its tensors as its own, and then lies in one way
+(``TWISTS``). What signed receipts change is who gets blamed: these attacks test that it is the signer.
+
+- ``huge_gradient``: trains honestly, but the input gradient it returns is sign(g) x 9.9e5 (under a driver's reply
+  bound of 1e6, so it passes the driver's checks);
+- ``lying_eval``: trains honestly, but every evaluation it answers says 100 % accuracy and zero loss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+TWISTS = ("huge_gradient", "lying_eval")
+HUGE_VALUE = 9.9e5
+
+
+def serve_signed_stage(hostile: Any, swarm: str, params: dict[str, torch.Tensor], twist: str) -> Any:
+    """Register a real, signing stage servicer of ``swarm`` on ``hostile`` (a tests/hostile.py HostilePeer)."""
+    from swarm.integrity.labels import LabelSource
+    from swarm.pipeline import stage_rpc
+    from swarm.pipeline.keybook import KeyBook
+    from swarm.pipeline.stage import StageWorker
+    from swarm.pipeline.stage_gate import StageGate
+    from swarm.pipeline.stage_receipts import ReceiptDesk
+    from swarm.run.data import load_dataset, make_shards
+
+    if twist not in TWISTS:
+        raise ValueError(f"unknown twist {twist!r}; choose one of {TWISTS}")
+    run = hostile.run
+    k = int(swarm.removeprefix("layer"))
+    worker = StageWorker(run, k)
+    worker.module.load_state_dict(params)
+    _twist(worker, twist)
+    dataset = load_dataset(run.data, run.model)
+    labels = LabelSource(dataset.y_train, dataset.y_test, make_shards(dataset.y_train, run.data, dataset.num_classes))
+
+    async def read_drivers() -> list:
+        return await asyncio.get_running_loop().run_in_executor(None, hostile.membership.read, "layer0")
+
+    async def fetch_key(peer_id: str, name: str) -> bytes:
+        from hivemind.p2p import PeerID
+        from hivemind.proto import runtime_pb2
+
+        from swarm.pipeline.wire import unpack_metadata
+
+        stub = stage_rpc.StageServicer.get_stub(hostile.p2p, PeerID.from_base58(peer_id),
+                                                namespace=stage_rpc.stage_namespace(run.run_id, name))
+        reply = await stub.rpc_receipt_key(runtime_pb2.ExpertRequest())
+        return unpack_metadata(reply.metadata).get("key", b"")
+
+    gate = StageGate(run.integrity, labels=labels, refresh=read_drivers, swarm=swarm)
+    desk = ReceiptDesk(run.run_id, k, hostile.receipt_key, KeyBook(fetch_key))
+    servicer = stage_rpc.make_servicer(worker, ThreadPoolExecutor(max_workers=1), codec=run.training.codec,
+                                       max_bytes=int(run.training.max_payload_mb * 2**20), is_accepting=lambda: True,
+                                       traffic=stage_rpc.Traffic(), gate=gate, desk=desk)
+    hostile.on_loop(servicer.add_p2p_handlers(hostile.p2p, namespace=stage_rpc.stage_namespace(run.run_id, swarm)))
+    hostile.servicers.append(servicer)
+    servicer.requests = 0
+    return servicer
+
+
+def _twist(worker: Any, twist: str) -> None:
+    if twist == "huge_gradient":
+        honest = worker.forward_backward
+
+        def forward_backward(mb, x, y, owner=""):
+            loss, grad = honest(mb, x, y, owner=owner)
+            return loss, torch.where(grad >= 0, HUGE_VALUE, -HUGE_VALUE)
+
+        worker.forward_backward = forward_backward
+    elif twist == "lying_eval":
+        worker.evaluate = lambda x, y: (0.0, len(y), len(y))
