@@ -76,3 +76,9 @@ def test_joining_screen_before_any_figure() -> None:
 
 def test_help_screen() -> None:
     check_snapshot("help_80x24", capture(FakeEngine(), (80, 24), "question_mark"))
+
+
+def test_a_stall_and_a_refusing_stage_are_shown_on_top():
+    stalled = sample_snapshot(samples_per_s=0.0, stalled_s=42.0, run_alarms=(
+        "layer1 refuses all 4 drivers: 10 strikes, the last: wrong shard; no micro-batch can pass it",))
+    check_snapshot("stalled_80x24", capture(FakeEngine(stalled), (80, 24)))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+from swarm.dht.alarms import own_stall_alarm
 from volunteer.snapshot import RUN_COMPLETE_PREFIX, EventLevel, NodeSnapshot, NodeState, SwarmRow, bits_per_byte
 
 NO_VALUE = "–"  # shown where a figure is not known yet (no loss before the first batch)
@@ -153,6 +154,9 @@ def not_training_line(snapshot: NodeSnapshot, *, leaving: bool = False, silent_s
         parts.append(f"{STATE_LABELS[snapshot.state]}: {reason} ({hint})")
     elif snapshot.reason:  # online but idle: a layer nobody serves, a bandwidth cap, a driver that waits
         parts.append(f"ONLINE, NOT TRAINING: {snapshot.reason.removeprefix('waiting: ')} (training starts by itself)")
+    elif own_stall_alarm(snapshot.stalled_s, snapshot.swarm):  # online, nothing says why, and nothing completes
+        parts.append(own_stall_alarm(snapshot.stalled_s, snapshot.swarm))
+    parts += [f"RUN ALARM: {alarm}" for alarm in snapshot.run_alarms]
     if silent_s >= stale_after_s:
         parts.append(f"NO NEWS from the node for {format_duration(silent_s)}: it may be stuck (press q to leave)")
     return " · ".join(parts)

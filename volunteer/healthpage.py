@@ -140,6 +140,8 @@ def _swarms_html(report: dict[str, Any], marked: str | None) -> str:
             flags.append("NO ONLINE PEER: the pipeline cannot pass this layer")
         if name == marked:
             flags.append("bottleneck")
+        if s.get("stalled_s"):
+            flags.append(f"no micro-batch completed for {s['stalled_s']:.0f} s")
         heals = report.get("heals", {}).get(name, 0)
         rows.append(f'<tr class="swarm{" bottleneck" if name == marked else ""}"><td>{_e(name)}</td>'
                     f'<td>{s["online"]} / {s["total"]}</td><td>{s["throughput"]:.1f}</td><td>{heals}</td>'
@@ -166,9 +168,23 @@ def _peers_html(report: dict[str, Any]) -> str:
                         f'<td title="{_e(p["peer_id"])}">{_e(str(p["peer_id"])[-8:])}</td><td>{_e(p["state"])}</td>'
                         f'<td>{p["throughput"]:.1f}</td><td>{loss}</td><td>{_mbps(p)}</td>'
                         f'<td class="reachable">{_e(REACHABLE_TEXT.get(p.get("reachable"), "not known"))}</td><td>{_e(p["version"])}</td>'
-                        f'<td>{_e(_age(p["age_s"]))}</td><td>{int(p.get("trained", 0)):,}</td></tr>')
+                        f'<td>{_e(_age(p["age_s"]))}</td><td>{int(p.get("trained", 0)):,}</td>'
+                        f'<td class="stalled">{_stalled(p)}</td><td class="refuses">{_e(_refuses(p))}</td></tr>')
     return ('<table id="peers"><tr><th>swarm</th><th>peer</th><th>state</th><th>samples/s</th><th>loss</th>'
-            '<th>Mb/s in / out</th><th>dialled from outside</th><th>version</th><th>heartbeat</th><th>trained</th></tr>' + "".join(rows) + "</table>")
+            '<th>Mb/s in / out</th><th>dialled from outside</th><th>version</th><th>heartbeat</th><th>trained</th>'
+            '<th>without progress</th><th>refuses drivers</th></tr>' + "".join(rows) + "</table>")
+
+
+def _stalled(peer: dict[str, Any]) -> str:
+    """Seconds the peer wanted to train and completed no micro-batch ("-" when not published)."""
+    return "-" if peer.get("stalled_s") is None else f"{float(peer['stalled_s']):.0f} s"
+
+
+def _refuses(peer: dict[str, Any]) -> str:
+    if peer.get("drivers_refused") is None:
+        return "-"
+    text = f"{int(peer['drivers_refused'])} of {int(peer.get('drivers_seen') or 0)}"
+    return text + (f": {peer['ban_reason']}" if peer.get("drivers_refused") and peer.get("ban_reason") else "")
 
 
 STYLE = ("body{font-family:sans-serif;margin:1.5em;max-width:70em}table{border-collapse:collapse;margin:.5em 0}"
@@ -191,6 +207,7 @@ def render_page(data: dict[str, Any], refresh_s: int = 5) -> str:
         status.append(f'<p id="complete">RUN COMPLETE: {_e(report["complete"])}</p>')
     if report.get("idle_reason"):
         status.append(f'<p id="idle" class="error">NOT TRAINING: {_e(report["idle_reason"])}</p>')
+    status += [f'<p class="error alarm">RUN ALARM: {_e(alarm)}</p>' for alarm in report.get("alarms", [])]
     points = [Point(**p) for p in data.get("history", [])]
     return (head + f'<h1>Run {_e(report["run_id"])}</h1>' + read + error + "".join(status)
             + _evaluation_html(report) + '<div id="plot">' + plot_svg(points) + "</div><h2>Swarms</h2>"

@@ -181,6 +181,11 @@ class NodeSnapshot:
     reachability: str = "unknown"
     reachability_detail: str = ""
     reachability_at: float | None = None
+    # seconds this node wanted to train and completed no micro-batch (None while it does not want to); the
+    # run's alarms, computed from every swarm's records (swarm/dht/alarms.py: a stage that refuses every
+    # driver, stalled drivers)
+    stalled_s: float | None = None
+    run_alarms: tuple[str, ...] = ()
 
     @property
     def evaluation_age_s(self) -> float | None:

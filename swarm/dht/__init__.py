@@ -8,6 +8,7 @@ Map:
 - records.py        signed, schema-validated membership records: wire format and tolerant parsing
 - membership.py     announcing our record on a heartbeat, reading a swarm's records, other runs of our
                     name, why a run trains nothing (a layer with no online peer)
+- alarms.py         run-level alarms from every swarm's records: a stage that refuses every driver, stalled drivers
 - completion.py     when a run is complete (its target reached or its sample budget spent), from the records
 - maddrs.py         peer addresses checked by hand before anything loads (/ip4/HOST/tcp/PORT/p2p/PEER_ID)
 - reachability.py   can strangers dial this node? a dial-back check and the verdict a node behind NAT acts on

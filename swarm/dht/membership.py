@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from swarm.dht.records import MemberRecord, parse_swarm, swarm_key
+from swarm.dht.records import MemberRecord, as_seen, is_fresh, parse_swarm, swarm_key
 from swarm.run.runconfig import RunConfig, config_differences
 
 logger = logging.getLogger(__name__)
@@ -32,6 +32,8 @@ class Membership:
         self.run = run
         self.owner_subkey = owner_subkey
         self.ttl_s = run.timeouts.record_ttl_s
+        self.seen: dict[str, list[MemberRecord]] = {}  # swarm -> its view after the last read_all (merge_view)
+        self.fresh: set[str] = set()  # the swarms the last read_all read (the others kept their last view)
 
     def announce(self, swarm: str, record: MemberRecord, ttl_s: float | None = None,
                  timeout_s: float | None = None) -> bool:
@@ -47,24 +49,51 @@ class Membership:
     def read(self, swarm: str) -> list[MemberRecord]:
         future = latest(self.dht, swarm_key(self.run.run_id, swarm))
         found = _result(future, self.run.timeouts.rpc_s, default=None)
-        return parse_swarm(found.value if found is not None else None, now=dht_time())
+        return parse_swarm(found.value if found is not None else None, now=dht_time(),
+                           heartbeat_s=self.run.timeouts.heartbeat_s)
 
-    def read_all(self, names: list[str] | None = None) -> dict[str, list[MemberRecord]]:
-        """Every swarm (or ``names``) at once: the gets run concurrently inside the DHT process."""
-        futures = {
-            name: latest(self.dht, swarm_key(self.run.run_id, name))
-            for name in (self.run.swarm_names if names is None else names)
-        }
+    def read_all(self, names: list[str] | None = None, timeout_s: float | None = None) -> dict[str, list[MemberRecord]]:
+        """Every swarm (or ``names``) at once: the gets run concurrently inside the DHT process, all of them
+        within ``timeout_s`` together (by default ``timeouts.rpc_s``), so a slow DHT on a loaded machine delays
+        a reader by that much at most, not that much per swarm.
+
+        Each swarm's records are merged with its last read (``merge_view``): a read that failed or came back
+        without some records (a partial answer) keeps the records of the last one while their heartbeats are
+        fresh, and a record whose heartbeat is stale is offline. ``self.fresh`` names the swarms read now."""
+        names = self.run.swarm_names if names is None else names
+        futures = {name: latest(self.dht, swarm_key(self.run.run_id, name)) for name in names}
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.run.timeouts.rpc_s)
         now = dht_time()
+        self.fresh = set()
         out: dict[str, list[MemberRecord]] = {}
         for name, future in futures.items():
+            read = None
             try:
-                found = future.result(timeout=self.run.timeouts.rpc_s)
-            except Exception as exc:  # a slow or failed lookup is one empty swarm, not a crash
-                logger.warning("reading swarm %s failed: %s", name, exc)
-                found = None
-            out[name] = parse_swarm(found.value if found is not None else None, now=now)
+                found = future.result(timeout=max(0.0, deadline - time.monotonic()))
+                read = parse_swarm(found.value if found is not None else None, now=now)
+                self.fresh.add(name)
+            except Exception as exc:  # a slow or failed lookup keeps the last view of that swarm, not a crash
+                logger.warning("reading swarm %s failed: %s", name, exc.__class__.__name__ if not str(exc) else exc)
+                future.cancel()
+            out[name] = self.seen[name] = merge_view(self.seen.get(name, []), read, now,
+                                                     self.run.timeouts.heartbeat_s)
         return out
+
+
+def merge_view(previous: list[MemberRecord], read: list[MemberRecord] | None, now: float,
+               heartbeat_s: float) -> list[MemberRecord]:
+    """One swarm's view after a read: ``read`` (None when it failed) with the records of ``previous`` it lacks
+    while their heartbeats are fresh, the newest heartbeat per peer, and every stale record offline
+    (records.py ``as_seen``). A DHT answer can miss records (a node that did not answer in time): without the
+    merge, a swarm of 8 online peers could read as 1 for a heartbeat."""
+    best: dict[str, MemberRecord] = {r.peer_id: r for r in previous if is_fresh(r, now, heartbeat_s)}
+    for record in read or []:
+        seen = best.get(record.peer_id)
+        if seen is None or record.updated_at >= seen.updated_at:
+            best[record.peer_id] = record
+    if read is None:
+        best.update({r.peer_id: r for r in previous if r.peer_id not in best})  # a failed read forgets nobody
+    return [as_seen(r, now, heartbeat_s) for r in sorted(best.values(), key=lambda r: r.peer_id)]
 
 
 READ_RECORDS_PER_BEAT = 4  # records of one swarm a peer takes in per heartbeat, on average, once the swarm is large

@@ -28,7 +28,11 @@ OWNER_PREFIX = b"[owner:"
 MAX_VERSION_CHARS = 64
 # newer than some clients: a record without them parses with the defaults
 OPTIONAL_FIELDS = frozenset({"staleness_mean", "staleness_p95", "staleness_max", "mbps_in", "mbps_out", "capacity",
-                             "movable", "reachable"})
+                             "movable", "reachable", "stalled_s", "drivers_refused", "drivers_seen", "ban_reason"})
+ONLINE_WITHIN_HEARTBEATS = 3.0  # a record whose heartbeat is older than this many heartbeats is offline, whatever
+# its DHT lifetime says (a record stored with a long expiration outlives its peer)
+MAX_BAN_REASON_CHARS = 160
+MAX_DRIVERS = 10**6
 MAX_CAPACITY = 1e9  # samples/s: a figure above this is a lie or a bug
 
 
@@ -70,6 +74,14 @@ class MemberRecord:
     # can other hosts dial this peer (swarm/dht/reachability.py): 1 yes, 0 no (behind NAT: nobody routes to it,
     # pulls from it or pairs with it), -1 not known (not checked yet, or a client before the field)
     reachable: int = -1
+    # seconds this peer wanted to train and completed no micro-batch (layer0: none trained everywhere; other
+    # stages: none served); 0 while work flows, -1 = not published (not online, or a client before the field)
+    stalled_s: float = -1.0
+    # the run's online drivers this stage refuses right now (banned in its StageGate.book), of the drivers it
+    # knows; -1 = not published. ban_reason: the last ban's reason ("" when none)
+    drivers_refused: int = -1
+    drivers_seen: int = -1
+    ban_reason: str = ""
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -121,6 +133,10 @@ class _MemberValueSchema(pydantic_v1.BaseModel):
     capacity: Optional[pydantic_v1.StrictFloat] = None
     movable: Optional[pydantic_v1.StrictBool] = None
     reachable: Optional[pydantic_v1.StrictInt] = None
+    stalled_s: Optional[pydantic_v1.StrictFloat] = None
+    drivers_refused: Optional[pydantic_v1.StrictInt] = None
+    drivers_seen: Optional[pydantic_v1.StrictInt] = None
+    ban_reason: Optional[pydantic_v1.constr(strict=True, max_length=MAX_BAN_REASON_CHARS)] = None  # type: ignore[valid-type]
 
     class Config:
         extra = pydantic_v1.Extra.forbid
@@ -212,16 +228,38 @@ def parse_member(subkey: Any, value: Any, now: float) -> MemberRecord | None:
             raise ValueError("movable must be true or false")
         if isinstance(record.reachable, bool) or record.reachable not in (-1, 0, 1):
             raise ValueError("reachable must be 1, 0 or -1")
+        if not (isinstance(record.stalled_s, (int, float)) and math.isfinite(record.stalled_s)
+                and -1 <= record.stalled_s < 1e9):
+            raise ValueError("stalled_s must be finite seconds, -1 for none")
+        counts = (record.drivers_refused, record.drivers_seen)
+        if not all(isinstance(v, int) and not isinstance(v, bool) and -1 <= v <= MAX_DRIVERS for v in counts):
+            raise ValueError("driver counts must be integers from -1 to 10^6")
+        if not isinstance(record.ban_reason, str) or len(record.ban_reason) > MAX_BAN_REASON_CHARS:
+            raise ValueError(f"ban_reason must be text of at most {MAX_BAN_REASON_CHARS} characters")
         return record
     except (TypeError, ValueError) as exc:
         logger.warning("skipping a bad membership record: %s", exc)
         return None
 
 
-def parse_swarm(entries: dict[Any, Any] | None, now: float) -> list[MemberRecord]:
+def is_fresh(record: MemberRecord, now: float, heartbeat_s: float) -> bool:
+    """Whether the record's heartbeat is recent enough to stand for its peer (``ONLINE_WITHIN_HEARTBEATS``)."""
+    return now - record.updated_at <= ONLINE_WITHIN_HEARTBEATS * heartbeat_s
+
+
+def as_seen(record: MemberRecord, now: float, heartbeat_s: float) -> MemberRecord:
+    """The record as a reader must take it: a peer whose heartbeat stopped is offline, even while the DHT still
+    keeps a record that says otherwise (a long expiration, a crash after a store)."""
+    if record.state == "offline" or is_fresh(record, now, heartbeat_s):
+        return record
+    return dataclasses.replace(record, state="offline", throughput=0.0, stalled_s=-1.0)
+
+
+def parse_swarm(entries: dict[Any, Any] | None, now: float, heartbeat_s: float | None = None) -> list[MemberRecord]:
     """All valid records of one swarm, newest heartbeat first per peer id.
 
-    ``entries`` is the ``{subkey: ValueWithExpiration}`` dict from ``dht.get(key, latest=True)``.
+    ``entries`` is the ``{subkey: ValueWithExpiration}`` dict from ``dht.get(key, latest=True)``. With
+    ``heartbeat_s``, a record whose heartbeat is stale is taken as offline (``as_seen``).
     """
     best: dict[str, MemberRecord] = {}
     for subkey, item in (entries or {}).items():
@@ -232,4 +270,5 @@ def parse_swarm(entries: dict[Any, Any] | None, now: float) -> list[MemberRecord
         seen = best.get(record.peer_id)
         if seen is None or record.updated_at > seen.updated_at:
             best[record.peer_id] = record
-    return sorted(best.values(), key=lambda r: r.peer_id)
+    records = sorted(best.values(), key=lambda r: r.peer_id)
+    return records if heartbeat_s is None else [as_seen(r, now, heartbeat_s) for r in records]

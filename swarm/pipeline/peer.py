@@ -373,4 +373,5 @@ class SwarmPeer:
     def metrics(self) -> PeerMetrics:
         assert self.worker is not None
         heal = self.healer.status() if self.healer is not None else None
-        return collect_metrics(self.worker, self.traffic, self.in_flight(), heal, self.driver, self.evaluations)
+        return collect_metrics(self.worker, self.traffic, self.in_flight(), heal, self.driver, self.evaluations,
+                               self.gate)

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from swarm.integrity.heal import HealStatus
     from swarm.pipeline.peer_eval import Evaluations
     from swarm.pipeline.stage import StageWorker
+    from swarm.pipeline.stage_gate import StageGate
     from swarm.pipeline.traffic import Traffic
 
 
@@ -50,10 +51,15 @@ class PeerMetrics:
     staleness_p95: float | None = None
     staleness_max: int | None = None
     capacity: float | None = None  # samples/s at full use (StageStats.capacity); None until measured
+    # the run's online drivers our stage refuses right now (banned), of those it knows; the last ban's reason
+    # (StageGate.refusals); -1 before the gate is up
+    drivers_refused: int = -1
+    drivers_seen: int = -1
+    ban_reason: str = ""
 
 
 def collect_metrics(worker: StageWorker, traffic: Traffic, in_flight: int, heal: HealStatus | None, driver: Any,
-                    evaluations: Evaluations) -> PeerMetrics:
+                    evaluations: Evaluations, gate: StageGate | None = None) -> PeerMetrics:
     """This peer's figures now; the driver's and the evaluations' only on layer0 (``driver`` None elsewhere)."""
     stats = worker.stats
     common = dict(
@@ -64,6 +70,9 @@ def collect_metrics(worker: StageWorker, traffic: Traffic, in_flight: int, heal:
     stale = worker.staleness.summary()
     if stale is not None:
         common.update(staleness_mean=stale.mean, staleness_p95=stale.p95, staleness_max=stale.max)
+    if gate is not None:
+        refused, seen, reason = gate.refusals(time.monotonic())
+        common.update(drivers_refused=refused, drivers_seen=seen, ban_reason=reason)
     if heal is not None:
         common.update(healing=heal.healing, heals=heal.heals, last_heal_at=heal.last_heal_at)
     if driver is None:

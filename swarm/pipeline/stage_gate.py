@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from swarm.pipeline.activations import ActivationCache, owner_cap
 from swarm.integrity.labels import DriverView, LabelSource
 from swarm.integrity.requesters import HEAVY_CLIP_SCALE, Ban, Refusal, RequesterBook
-from swarm.dht.records import MemberRecord
+from swarm.dht.records import MAX_BAN_REASON_CHARS, MemberRecord
 from swarm.run.runconfig import IntegrityConfig
 
 logger = logging.getLogger(__name__)
@@ -135,6 +135,15 @@ class StageGate:
         ban = self.book.on_strike(requester, reason, time.monotonic())
         if ban is not None:
             self._announce(ban)
+
+    def refusals(self, now: float) -> tuple[int, int, str]:
+        """(the run's online drivers this stage refuses right now, the online drivers it knows of, the last ban's
+        reason, "" while it refuses none): what the record publishes, so that status can say "layer1 refuses
+        all 4 drivers" once instead of four log lines (swarm/dht/alarms.py)."""
+        drivers = list(self.view.current)
+        refused = sum(1 for driver in drivers if self.book.banned(driver, now))
+        reason = self.book.bans[-1].reason if refused and self.book.bans else ""
+        return refused, len(drivers), reason[:MAX_BAN_REASON_CHARS]
 
     def _announce(self, ban: Ban) -> None:
         text = f"{self._swarm}: banned peer {ban.requester[-8:]} for {ban.duration_s:.0f} s: {ban.reason}"

@@ -15,7 +15,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from volunteer import __version__
-from volunteer.node.records import build_record, run_evaluation, shown_samples_per_s, view_fields
+from volunteer.node.records import StallClock, build_record, run_evaluation, shown_samples_per_s, view_fields
 from volunteer.snapshot import NodeState
 
 if TYPE_CHECKING:
@@ -44,6 +44,7 @@ class Announcer:
 
         self.reads = ReadSchedule()  # which swarms each heartbeat reads (swarm/dht/membership.py read_period)
         self.fresh: set[str] = set()  # the swarms the last heartbeat read
+        self.stall = StallClock()  # seconds online without a completed micro-batch (status, dashboard, record)
 
     def tick(self, now_s: float) -> None:
         if now_s >= self.next_beat_s:
@@ -67,8 +68,9 @@ class Announcer:
             drives = node.swarm == "layer0" and node.peer is not None
             names = self.reads.due(names, node.swarm, drives, node.run.timeouts.others_every_heartbeats)
         read = node.membership.read_all(names) if names else {}
-        self.reads.done(read)
-        self.fresh = set(read)
+        fresh = node.membership.fresh if names else set()  # a failed read kept its last view: due again next beat
+        self.reads.done({name: records for name, records in read.items() if name in fresh})
+        self.fresh = set(fresh)
         self.views = {**self.views, **read}
 
     def choose_shard(self) -> None:
@@ -115,7 +117,8 @@ class Announcer:
         if snap.loss is not None:
             self._history_loss.append(snap.loss)
         marked = next((s.name for s in snap.swarms if s.bottleneck), None)
-        board.publish(**view_fields(self.views, node.run.swarm_names, node.swarm, snap.peer_id, time.time(), marked),
+        board.publish(**view_fields(self.views, node.run.swarm_names, node.swarm, snap.peer_id, time.time(), marked,
+                                    heartbeat_s=node.run.timeouts.heartbeat_s),
                       **self._resource_fields(), samples_per_s_history=tuple(self._history_speed),
                       loss_history=tuple(self._history_loss))
 
@@ -173,8 +176,15 @@ class Announcer:
         else:
             fields.update(run_evaluation(self.views))
         throttled = node.governors.throttle_reason()
+        # layer0 completes micro-batches (trained everywhere), every other stage serves them
+        completed = m.trained if node.swarm == "layer0" else m.served
+        now_s = time.monotonic()
+        stalled_s = self.stall.update(completed, state == NodeState.ONLINE and throttled is None, now_s)
+        fields["stalled_s"] = None if stalled_s is None else round(stalled_s, 1)
         cut_off = node.reachability.cut_off_reason()  # behind NAT, in a swarm that drivers must dial
         idle = idle_reason(self.views, node.run.swarm_names, "" if cut_off else node.swarm) if self.views else ""
+        if idle and self.stall.progressed_within(node.run.timeouts.record_ttl_s, now_s):
+            idle = ""  # micro-batches passed every layer a moment ago: our view is behind, not the run
         if throttled is not None and state == NodeState.ONLINE:
             fields["reason"] = throttled
         elif cut_off and state == NodeState.ONLINE:

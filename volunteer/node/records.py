@@ -22,6 +22,29 @@ def shown_samples_per_s(measured: float, state: NodeState) -> float:
     return measured if state in TRAINING_STATES else 0.0
 
 
+class StallClock:
+    """Seconds the node wanted to train (``wants``) and completed no micro-batch (``completed``, a counter that
+    grows with each one). Counted from when training could start (the node came online, a pause or a throttle
+    ended), never from before; None while the node does not want to train."""
+
+    def __init__(self) -> None:
+        self.completed = -1
+        self.since_s: float | None = None
+        self.progress_s: float | None = None  # when the counter last grew (None: not seen grow yet)
+
+    def update(self, completed: int, wants: bool, now_s: float) -> float | None:
+        if self.completed >= 0 and completed != self.completed:
+            self.progress_s = now_s
+        if not wants or self.since_s is None or completed != self.completed:
+            self.since_s = now_s if wants else None
+        self.completed = completed
+        return None if self.since_s is None else max(0.0, now_s - self.since_s)
+
+    def progressed_within(self, window_s: float, now_s: float) -> bool:
+        """A micro-batch completed in the last ``window_s``: every layer had a peer a moment ago."""
+        return self.progress_s is not None and now_s - self.progress_s <= window_s
+
+
 def bottleneck_swarm(swarms: list[SwarmRow], previous: str | None = None,
                      margin: float = BOTTLENECK_MARGIN) -> str | None:
     """The swarm to mark as the bottleneck: one with no peer online, else the least throughput. The swarm
@@ -70,7 +93,18 @@ def build_record(snap: NodeSnapshot, *, state: str, version: str, started_at_s: 
         capacity=_capacity(m),
         movable=bool(movable),
         reachable=int(reachable),
+        stalled_s=round(float(snap.stalled_s), 1) if snap.stalled_s is not None else NO_FIGURE,
+        **_refusal_fields(m),
     )
+
+
+def _refusal_fields(metrics: Any) -> dict[str, Any]:
+    """The drivers our stage refuses right now, of those it knows, and why (StageGate.refusals); -1 when unknown."""
+    from swarm.dht.records import MAX_BAN_REASON_CHARS
+
+    refused, seen = getattr(metrics, "drivers_refused", -1), getattr(metrics, "drivers_seen", -1)
+    return {"drivers_refused": int(refused), "drivers_seen": int(seen),
+            "ban_reason": str(getattr(metrics, "ban_reason", ""))[:MAX_BAN_REASON_CHARS]}
 
 
 def _capacity(metrics: Any) -> float:
@@ -97,10 +131,16 @@ def run_evaluation(views: dict[str, list[Any]]) -> dict[str, Any]:
 
 
 def view_fields(views: dict[str, list[Any]], swarm_names: list[str], swarm: str, me: str,
-                now_s: float, previous_bottleneck: str | None = None) -> dict[str, Any]:
-    """The snapshot's ``swarms`` (with the bottleneck marked, see ``bottleneck_swarm``) and ``peers``
-    (our swarm's records)."""
+                now_s: float, previous_bottleneck: str | None = None, heartbeat_s: float | None = None) -> dict[str, Any]:
+    """The snapshot's ``swarms`` (with the bottleneck marked, see ``bottleneck_swarm``), ``peers`` (our swarm's
+    records) and the run's ``alarms`` (swarm/dht/alarms.py). With ``heartbeat_s``, a record whose heartbeat is
+    stale at ``now_s`` shows offline, however recently it was read (records.py ``as_seen``)."""
+    from swarm.dht.alarms import run_alarms
     from swarm.dht.membership import summarize
+    from swarm.dht.records import as_seen
+
+    if heartbeat_s is not None:
+        views = {name: [as_seen(r, now_s, heartbeat_s) for r in records] for name, records in views.items()}
 
     swarms = []
     for name in swarm_names:
@@ -117,7 +157,7 @@ def view_fields(views: dict[str, list[Any]], swarm_names: list[str], swarm: str,
         )
         for r in views.get(swarm, [])
     )
-    return {"swarms": tuple(swarms), "peers": peers}
+    return {"swarms": tuple(swarms), "peers": peers, "run_alarms": tuple(run_alarms(views, swarm_names))}
 
 
 def _or(value: float | None, default: float) -> float:

@@ -85,6 +85,11 @@ def build_report(run, views: dict, now: float, this_machine=None) -> dict:
                 "capacity": round(r.capacity, 1) if r.capacity > 0 else None, "movable": r.movable,
                 # can other hosts dial it (swarm/dht/reachability.py): True, False (behind NAT), None (not known)
                 "reachable": {1: True, 0: False}.get(r.reachable),
+                # seconds it wanted to train and completed no micro-batch (None: not published or not online)
+                "stalled_s": r.stalled_s if r.stalled_s >= 0 and r.state == "online" else None,
+                # the run's online drivers its stage refuses right now, of those it knows (None: not published)
+                "drivers_refused": r.drivers_refused if r.drivers_refused >= 0 else None,
+                "drivers_seen": r.drivers_seen if r.drivers_seen >= 0 else None, "ban_reason": r.ban_reason,
             })
             if name == "layer0" and (r.test_accuracy >= 0 or r.test_loss >= 0):
                 evaluations.append((r.eval_samples, r.updated_at, r))
@@ -97,14 +102,18 @@ def build_report(run, views: dict, now: float, this_machine=None) -> dict:
                          "staleness_max": max((s[2] for s in measured), default=None),
                          # Mb/s through the swarm's online peers (each counts what it sent and received)
                          "mbps_in": round(sum(max(0.0, r.mbps_in) for r in online), 3),
-                         "mbps_out": round(sum(max(0.0, r.mbps_out) for r in online), 3)}
+                         "mbps_out": round(sum(max(0.0, r.mbps_out) for r in online), 3),
+                         # the longest an online peer of the swarm went without a completed micro-batch
+                         "stalled_s": max((r.stalled_s for r in online if r.stalled_s >= 0), default=None)}
         swarms[name] = rows
+    from swarm.dht.alarms import run_alarms
     from swarm.dht.membership import idle_reason
 
     from swarm.dht.completion import run_complete
 
     report = {"run_id": run.run_id, "swarms": swarms, "summary": summary,
               "idle_reason": idle_reason(views, run.swarm_names),
+              "alarms": run_alarms(views, run.swarm_names),  # swarm/dht/alarms.py: refusing stages, stalls
               "complete": run_complete(run.training, views)}  # "" while the run has not reached its end
     if evaluations:
         *_, latest = max(evaluations, key=lambda item: item[:2])
@@ -139,11 +148,14 @@ def _staleness(record) -> dict | None:
 
 
 def render_report(report: dict) -> str:
+    from swarm.dht.alarms import STALL_ALARM_S
+
     lines = [f"run {report['run_id']}"]
     if report.get("complete"):
         lines.append(f"  RUN COMPLETE: {report['complete']}; its volunteers take no more work")
     if report.get("idle_reason"):
         lines.append(f"  NOT TRAINING: {report['idle_reason']}")
+    lines += [f"  RUN ALARM: {alarm}" for alarm in report.get("alarms", [])]
     if "evaluation" in report:
         from volunteer.snapshot import describe_evaluation
 
@@ -167,6 +179,10 @@ def render_report(report: dict) -> str:
                 st_text += f"  {row['mbps_in']:.2f}/{row['mbps_out']:.2f} Mb/s in/out"
             if row.get("reachable") is False:
                 st_text += "  NOT DIALLABLE (behind NAT: nobody routes to it)"
+            if row.get("stalled_s") is not None and row["stalled_s"] >= STALL_ALARM_S:
+                st_text += f"  STALLED {row['stalled_s']:.0f}s (no micro-batch completed)"
+            if row.get("drivers_refused"):
+                st_text += f"  refuses {row['drivers_refused']}/{row['drivers_seen']} drivers"
             lines.append(f"  {short_id(row['peer_id']):>8}  {row['state']:<9} seen {row['age_s']:>5.1f}s ago  "
                          f"v{row['version']}  {row['throughput']:.1f}/s  loss {loss}  clock {row['clock']}{st_text}")
     if report.get("this_machine"):
