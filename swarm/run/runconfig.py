@@ -289,13 +289,16 @@ class RunConfig(Strict):
         for (section, name), default in HASH_WHEN_SET.items():
             if data.get(section, {}).get(name) == default:
                 del data[section][name]
-        for (section, name), value in HASH_REMOVED.items():
-            data[section][name] = value
         return data
 
     @property
     def config_hash(self) -> str:
-        blob = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":")).encode()
+        """Of the canonical fields, and of the removed ones at the value every run had (HASH_REMOVED): not part of
+        ``canonical()``, which is published as a config others load, and a config that sets them is refused."""
+        data = self.canonical()
+        for (section, name), value in HASH_REMOVED.items():
+            data.setdefault(section, {})[name] = value
+        blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()
 
     @property
