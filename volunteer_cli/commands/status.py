@@ -47,6 +47,9 @@ def run_status(args: argparse.Namespace) -> int:
                   args.every_s, shutdown.event, announce=lambda text: print(text, flush=True))
             return 0
         views = membership.read_all()
+        empty = [name for name, records in views.items() if not records]
+        if empty:  # a fresh client's first lookup can miss records a moment old: one more look before "nobody"
+            views.update(membership.read_all(empty))
     finally:
         if dht is not None:
             dht.shutdown()
