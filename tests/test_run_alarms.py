@@ -44,16 +44,16 @@ def test_a_stage_that_refuses_every_driver_is_one_alarm_not_one_line_per_driver(
 
 
 def test_a_read_that_missed_records_or_failed_keeps_the_fresh_ones_and_a_stale_one_goes_offline():
-    heartbeat_s = 2.0
+    heartbeat_s = 5.0  # a record is fresh for 3 heartbeats (15 s here; never less than 10 s)
     seen = [_record(f"p{i}", updated_at=100.0) for i in range(8)]
     partial = merge_view(seen, [_record("p0", updated_at=102.0)], now=102.0, heartbeat_s=heartbeat_s)
     assert [r.state for r in partial] == ["online"] * 8  # a partial DHT answer is not 7 peers gone
     failed = merge_view(partial, None, now=103.0, heartbeat_s=heartbeat_s)
     assert len(failed) == 8
     # 3 heartbeats later nobody refreshed p1..p7: they are offline, then forgotten by the next good read
-    later = merge_view(failed, None, now=109.0, heartbeat_s=heartbeat_s)
+    later = merge_view(failed, None, now=118.0, heartbeat_s=heartbeat_s)
     assert [r.state for r in later] == ["offline"] * 8
-    assert [r.peer_id for r in merge_view(later, [_record("p0", updated_at=109.0)], 109.0, heartbeat_s)] == ["p0"]
+    assert [r.peer_id for r in merge_view(later, [_record("p0", updated_at=118.0)], 118.0, heartbeat_s)] == ["p0"]
 
 
 def test_status_text_and_health_page_carry_the_alarms_and_the_seconds_without_progress():

@@ -29,6 +29,7 @@ MAX_VERSION_CHARS = 64
 # newer than some clients: a record without them parses with the defaults
 OPTIONAL_FIELDS = frozenset({"staleness_mean", "staleness_p95", "staleness_max", "mbps_in", "mbps_out", "capacity",
                              "movable", "reachable", "stalled_s", "drivers_refused", "drivers_seen", "ban_reason"})
+ONLINE_WITHIN_MIN_S = 10.0
 ONLINE_WITHIN_HEARTBEATS = 3.0  # a record whose heartbeat is older than this many heartbeats is offline, whatever
 # its DHT lifetime says (a record stored with a long expiration outlives its peer)
 MAX_BAN_REASON_CHARS = 160
@@ -243,8 +244,10 @@ def parse_member(subkey: Any, value: Any, now: float) -> MemberRecord | None:
 
 
 def is_fresh(record: MemberRecord, now: float, heartbeat_s: float) -> bool:
-    """Whether the record's heartbeat is recent enough to stand for its peer (``ONLINE_WITHIN_HEARTBEATS``)."""
-    return now - record.updated_at <= ONLINE_WITHIN_HEARTBEATS * heartbeat_s
+    """Whether the record's heartbeat is recent enough to stand for its peer (``ONLINE_WITHIN_HEARTBEATS``, and never
+    less than ``ONLINE_WITHIN_MIN_S``: with 1 s heartbeats on a loaded machine a 3 s window made live peers flicker
+    offline, and drivers stopped routing to them)."""
+    return now - record.updated_at <= max(ONLINE_WITHIN_HEARTBEATS * heartbeat_s, ONLINE_WITHIN_MIN_S)
 
 
 def as_seen(record: MemberRecord, now: float, heartbeat_s: float) -> MemberRecord:
