@@ -39,8 +39,8 @@ class SpotChecker:
         router = self.hops.routers[f"layer{k}"]
         if self.share <= 0 or len(router.peers) < 2 or self.rng.random() >= self.share:
             return
-        other = router.choose(time.monotonic(), exclude=[primary])
-        if other is None or other == primary:
+        other = self._usable(router, exclude=[primary])
+        if other is None:
             return
         second = await self._infer(k, x, meta, vouch, other)
         if second is None:
@@ -49,8 +49,8 @@ class SpotChecker:
         if agree(out, second):
             self.agreed += 1
             return
-        third = router.choose(time.monotonic(), exclude=[primary, other])
-        arbiter = await self._infer(k, x, meta, vouch, third) if third not in (None, primary, other) else None
+        third = self._usable(router, exclude=[primary, other])
+        arbiter = await self._infer(k, x, meta, vouch, third) if third is not None else None
         if arbiter is None:
             self._say_once(primary, other, f"spot check at layer{k}: peers {primary[-8:]} and {other[-8:]} computed "
                                            "different outputs for the same input; no third peer to tell which is wrong")
@@ -66,6 +66,19 @@ class SpotChecker:
         if culprit == primary:
             raise Refused("spot_check", f"layer{k} peer {primary[-8:]} failed a spot check (its output disagrees with "
                                         "two other peers'): the micro-batch is dropped before anything applied it")
+
+    @staticmethod
+    def _usable(router: Any, exclude: list[str]) -> str | None:
+        """Another peer to replicate on, or None: never one the router bans or that holds us off (a black hole, a
+        peer that failed a check), since a spot check must not make a lane wait out a timeout."""
+        now = time.monotonic()
+        peer = router.choose(now, exclude=exclude)
+        if peer is None or peer in exclude:
+            return None
+        stats = router.peers.get(peer)
+        if stats is None or stats.banned_until > now or stats.held_until > now:
+            return None
+        return peer
 
     async def _infer(self, k: int, x: torch.Tensor, meta: dict, vouch: Vouch, peer: str) -> torch.Tensor | None:
         try:
