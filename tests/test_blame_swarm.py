@@ -123,5 +123,5 @@ async def _drive(dht0, peers, hostile_id: str) -> dict:
         executor.shutdown(wait=False)
         await p2p.shutdown()
     return {"accuracy": accuracy, "validated": driver.stats.eval_validated, "replicas": driver.stats.eval_replicas,
-            "stage0": driver.worker.module, "banned_at": banned_at, "after_ban": driver.stats.microbatches - (banned_at or driver.stats.microbatches),
+            "stage0": driver.worker.module, "banned_at": banned_at, "after_ban": driver.stats.microbatches - (driver.stats.microbatches if banned_at is None else banned_at),
             "microbatches": driver.stats.microbatches, "lost": driver.stats.lost, "refused": driver.stats.refused}

@@ -35,6 +35,7 @@ from swarm.pipeline.activations import ActivationCache, Saved
 from swarm.integrity.clip import NormHistory, clip_scale, combined_bound, step_ceiling
 from swarm.integrity.guard import StepGuard
 from swarm.integrity.health import HealthMonitor, SickCopy
+from swarm.integrity.requesters import HEAVY_CLIP_SCALE
 from swarm.run.local import make_optimizer
 from swarm.run.models import build_stage, loss_fn, stage_input_spec, target_spec
 from swarm.run.optim_state import load_optimizer_tensors, optimizer_tensors
@@ -60,6 +61,10 @@ def simulated_step_s() -> float:
         return max(0.0, float(os.environ.get(SIMULATED_STEP_ENV, "0")))
     except ValueError:
         return 0.0
+
+
+class AbsurdGradient(WireError):
+    """A remote output gradient whose update would be clipped to nothing (its signer's fault): never applied."""
 
 
 class InputOutOfRange(WireError):
@@ -186,6 +191,7 @@ class StageWorker:
             saved.outputs.backward(grad_out.to(self.device, saved.outputs.dtype))
             self._check_emitted(saved.inputs.grad, "input gradients")
             self._apply(saved, batch_size=grad_out.shape[0], loss=loss, owner=owner, scale=out_scale, out_rms=out_rms,
+                        refuse_absurd=bool(owner),
                         junior=junior)
             self._simulate()
             return None if saved.inputs.grad is None else self._within_reply_bound(saved.inputs.grad.cpu())
@@ -230,7 +236,7 @@ class StageWorker:
         return (grad_out * scale if scale < 1.0 else grad_out), scale, rms * scale
 
     def _apply(self, saved: Saved, batch_size: int, loss: float | None, owner: str = "", scale: float = 1.0,
-               out_rms: float | None = None, junior: bool = False) -> None:
+               out_rms: float | None = None, junior: bool = False, refuse_absurd: bool = False) -> None:
         """Clip the parameter gradient, scale it by its staleness, step under the guard (nothing non-finite is
         ever committed), record it. A forward recomputed here at the backward is 0 updates stale."""
         staleness = max(0, self.stats.served - saved.version)
@@ -241,6 +247,11 @@ class StageWorker:
             param.grad = grad if grad is not None else torch.zeros_like(param)
             grads.append(param.grad)
         grad_scale, grad_norm = self._clip_param_grads(params, grads, junior)
+        if refuse_absurd and min(scale, grad_scale) < HEAVY_CLIP_SCALE:
+            # refused where it arrives: applied (clipped to nothing) its input gradient would still leave here large,
+            # and the stage before us would blame us, its honest computer, for what our next stage sent
+            raise AbsurdGradient(f"layer{self.index}: the output gradient is absurd for this copy (its update would be "
+                                 f"clipped to {min(scale, grad_scale):.2g} of its size): not applied")
         factor = 1.0 if self._custom_rule else self.step_size.before_step(staleness, grads, self.staleness.mean())
         result = self.guard.run(self._update, bound_steps=not self._custom_rule)
         self.staleness.record(staleness)

@@ -11,8 +11,9 @@ What each op at stage k (k >= 1; stage 0 serves no one but its own driver) must 
     backward [g, x]     [receipt of g, receipt of x, a stage-k peer's forward receipt from x to g's input]
                         (a retry at a peer that did not run the forward: the chain proves the input)
 
-Blame: a receipt that is missing, malformed, badly signed or that does not match the tensor is the
-requester's doing (an honest driver checks every receipt it relays: swarm/pipeline/hops.py); a tensor whose
+Blame: a receipt that is missing, malformed, or that does not match the tensor is the requester's doing (an honest
+driver checks every receipt it relays: swarm/pipeline/hops.py); a signature that does not verify with the key its
+signer gives us is nobody's strike (the signer may have shown the driver another key); a tensor whose
 receipt holds but whose content is wrong (non-finite, wrong shape, clipped to nothing) is its signer's.
 A signer we cannot get a key from right now is nobody's fault: ``unknown_signer``, retry later.
 """
@@ -155,7 +156,12 @@ class ReceiptDesk:
             raise ReceiptRefusal("unknown_signer", f"cannot get the receipt key of layer{stage} peer "
                                  f"{receipt.signer[-8:]} now", strike=False, retry_after_s=UNKNOWN_SIGNER_RETRY_S)
         if not signature_valid(receipt, key):
-            raise ReceiptError(f"the receipt of layer{stage} peer {receipt.signer[-8:]} is not signed by it")
+            if receipt.signer == requester:
+                raise ReceiptError("your receipt is not signed with the key you sent ('rk')")
+            # Either the relay forged it or the signer showed the driver one key and us another: we cannot tell which,
+            # and a strike on the relay would let a hostile signer get honest drivers banned. Refused, nobody struck.
+            raise ReceiptRefusal("bad_receipt", f"the receipt of layer{stage} peer {receipt.signer[-8:]} does not "
+                                 "verify with the key it gives us", strike=False)
 
     # ----- the reply
     def sign(self, requester: str, op: str, vouched: Vouched, out: list[Any], version: int,
