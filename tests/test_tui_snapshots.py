@@ -82,3 +82,22 @@ def test_a_stall_and_a_refusing_stage_are_shown_on_top():
     stalled = sample_snapshot(samples_per_s=0.0, stalled_s=42.0, run_alarms=(
         "layer1 refuses all 4 drivers: 10 strikes, the last: wrong shard; no micro-batch can pass it",))
     check_snapshot("stalled_80x24", capture(FakeEngine(stalled), (80, 24)))
+
+
+@pytest.mark.parametrize("size", [(80, 24), (100, 30)], ids=["80x24", "100x30"])
+def test_no_figure_of_your_work_is_cut_or_pushed_out(size: tuple[int, int]) -> None:
+    """Issue 30, item 9: at 80x24 "in total 25.7k in 2m 28" and "device Intel Xeon (cp" lost their ends, and at
+    100x30 the staleness row pushed "reachable" off the panel. A long value now folds onto a second line and the
+    rows run from the most to the least needed."""
+    snapshot = sample_snapshot(device="Intel Xeon Platinum 8480C (cpu, 1 of 2 threads)", total_samples=25_712,
+                               total_online_s=148.0, total_sessions=2, staleness_mean=1.2, staleness_p95=3.0,
+                               staleness_max=4, reachability="local", links=())
+    screen = capture(FakeEngine(snapshot), size)
+    cut = screen.splitlines()[1].index("The run")  # the figures column, beside the run's table
+    left = "\n".join(line[:cut] for line in screen.splitlines())
+    flat = " ".join(left.split())
+    assert "25.7k in 2m 28s" in flat, left
+    assert "reachable this machine only" in flat, left
+    if size[1] >= 30:  # 24 rows leave the panel 7: the least needed rows go at the bottom
+        assert "staleness avg 1.2 · p95 3 · max 4 updates" in flat, left
+        assert "device Intel Xeon Platinum 8480C (cpu)" in flat, left

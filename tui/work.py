@@ -4,6 +4,8 @@ memory, network)."""
 
 from __future__ import annotations
 
+import re
+
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
@@ -64,19 +66,29 @@ def contribution_total(snapshot: NodeSnapshot) -> Text:
     return Text.assemble((format_count(snapshot.total_samples), "bold"), f" in {format_duration(snapshot.total_online_s)}")
 
 
+def short_device(device: str) -> str:
+    """'Intel Xeon (cpu, 1 of 2 threads)' -> 'Intel Xeon (cpu)', 'NVIDIA H200 (cuda:0, 141 GiB)' -> 'NVIDIA H200
+    (cuda:0)': the chip and where the stage runs; the threads and the GPU's size are in the log and `doctor`."""
+    return re.sub(r" \(([^,()]+),[^()]*\)$", r" (\1)", device)
+
+
 def figures_table(snapshot: NodeSnapshot) -> Table:
     """The label/value grid under the sparklines."""
     grid = Table.grid(padding=(0, 0))
     grid.add_column(style="dim", min_width=LABEL_WIDTH, no_wrap=True)
-    grid.add_column(overflow="ellipsis", no_wrap=True)
+    # a value folds onto a second line rather than lose its end (at 80 columns "in total 25.7k in 2m 28" and
+    # "device Intel Xeon (cp" were cut), and the rows go from the most to the least needed, so that what a short
+    # terminal cuts at the bottom is the least needed (at 100x30 the staleness row pushed "reachable" out)
+    grid.add_column(overflow="fold")
     # What this volunteer computed: this session, then all its sessions of the run (kept across restarts).
     # The copy's clock is in the peers table, on the row marked "you".
     grid.add_row("served", Text.assemble((format_count(snapshot.session_samples), "bold"), " samples"))
     grid.add_row("in total", contribution_total(snapshot))
+    grid.add_row("reachable", reachability_text(snapshot))
     if snapshot.staleness_max is not None:  # updates between a micro-batch's forward and its backward here
         grid.add_row("staleness", Text.assemble(format_staleness(snapshot.staleness_mean, snapshot.staleness_p95,
                                                                  snapshot.staleness_max), " updates"))
-    grid.add_row("device", snapshot.device)
+    grid.add_row("device", short_device(snapshot.device))
     grid.add_row("cpu, ram", f"{snapshot.cpu_percent:.0f}%, {format_bytes(snapshot.memory_bytes)}")
     if snapshot.gpu_memory_bytes is not None:
         grid.add_row("gpu mem", format_bytes(snapshot.gpu_memory_bytes))
@@ -85,7 +97,6 @@ def figures_table(snapshot: NodeSnapshot) -> Table:
         grid.add_row("Mb/s", f"{snapshot.mbps_in:.2f} in, {snapshot.mbps_out:.2f} out")
     for link in snapshot.links[:LINKS_SHOWN]:
         grid.add_row(f"  {short_id(link.peer_id)}", f"{link.mbps_in:.2f} in, {link.mbps_out:.2f} out")
-    grid.add_row("reachable", reachability_text(snapshot))
     return grid
 
 
