@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -144,3 +145,29 @@ def load_run_config(path: Path) -> Any:
 
     return RunConfig.model_validate(yaml.safe_load(path.read_text()))
 
+
+
+# ----- penalties in the volunteers' logs
+
+# What a volunteer logs when it holds a peer off: with no attacker in a run, every line is a penalty on an
+# honest peer (issue 28: skewed data must never look like an attack). Timeouts are counted apart: holding off
+# a peer that did not answer in time is no accusation.
+PENALTY_LINES: dict[str, re.Pattern[str]] = {
+    "stage_bans": re.compile(r"banned peer \w{8} for"),  # a stage bans a driver (strikes)
+    "bad_reply": re.compile(r"bad \w+ reply from"),  # a driver holds off a stage whose reply failed a check
+    "bad_author": re.compile(r"computed a tensor a stage refused"),  # a driver holds off a tensor's author
+    "spot_check": re.compile(r"spot check at layer\d+: peer"),  # outvoted by two other peers
+    "eval_outlier": re.compile(r"evaluated far from the others"),  # outvoted in an evaluation
+    "averaging_rejected": re.compile(r"rejected \w{8}: "),  # a pulled copy refused as an outlier
+    "edge_rejected": re.compile(r"rejected an edge message from"),  # an edge mode's message refused
+}
+TIMEOUT_LINE = re.compile(r"timed out; banned for")
+
+
+def count_penalties(texts: list[str]) -> dict[str, int]:
+    """How often each kind of penalty appears in these logs (``timeouts`` apart, not a penalty), and ``total``."""
+    joined = "\n".join(texts)
+    counts = {kind: len(pattern.findall(joined)) for kind, pattern in PENALTY_LINES.items()}
+    counts["total"] = sum(counts.values())
+    counts["timeouts"] = len(TIMEOUT_LINE.findall(joined))
+    return counts

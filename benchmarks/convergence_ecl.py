@@ -1,6 +1,6 @@
 """Convergence study of the decentralized optimizers on heterogeneous digits shards (docs/ECL.md).
 
-    python -m benchmarks.convergence_ecl --json [--out DIR] [--epochs E] [--graph random]
+    python -m benchmarks.convergence_ecl --json [--out DIR] [--epochs E] [--graph random] [--nodes N]
 
 prints one JSON object, method -> model -> final node-averaged test accuracy (the single-node
 "reference" is the baseline measured in the same run), and writes one accuracy-per-epoch plot per
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     from swarm.ecl import study
 
-    config = study.StudyConfig(epochs=args.epochs, graph=args.graph, seed=args.seed,
+    config = study.StudyConfig(epochs=args.epochs, graph=args.graph, seed=args.seed, nodes=args.nodes,
                                classes_per_shard=args.classes_per_shard, dual_init=args.dual_init,
                                delay_ticks=args.delay_ticks)
     started = time.perf_counter()
@@ -57,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"folder for the plots (default {DEFAULT_OUT})")
     parser.add_argument("--epochs", type=int, default=200, help="epochs of every method (default 200)")
     parser.add_argument("--graph", choices=["ring", "double_ring", "random"], default="random")
+    parser.add_argument("--nodes", type=int, default=8, help="nodes (a live swarm's peers) (default 8)")
     parser.add_argument("--seed", type=int, default=0, help="seeds data split, shards, graph, speeds, init")
     parser.add_argument("--classes-per-shard", type=int, default=8, help="classes each node holds (default 8 of 10)")
     parser.add_argument("--dual-init", choices=["neutral", "zero"], default="neutral",

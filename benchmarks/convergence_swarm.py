@@ -32,7 +32,7 @@ reads) rather than its steady state.
 
 Sampling starts with the first driver that trains (the others may still be joining on a busy machine); a
 sample evaluates only the chains of drivers that have trained. A curve row is (run-wide samples, worst
-chain's accuracy, seconds since the first driver trained, chains evaluated).
+chain's accuracy, seconds since the first driver trained, chains evaluated, the chains' mean accuracy).
 
 Prints one JSON object: per cell the curve, the accuracy and ratio at each point, heals and lost
 micro-batches; ``diverged_cells`` (the worst chain's final true accuracy at or below 0.2, chance being 0.1, or below half the
@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import finish, machine_notes, parser, ratio, rounded, say, wait_until, write_run
+from benchmarks.common import count_penalties, finish, machine_notes, parser, ratio, rounded, say, wait_until, write_run
 from benchmarks.fleet import Fleet
 from benchmarks.staleness import present, true_accuracies, wait_first_driver
 
@@ -115,12 +115,15 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(one)
             cell = combine(runs)
             cell.update(label=label, optimizer=optimizer, busy=busy, peers=peers, mode=mode, partition=partition)
-            shown = ("ratios", "final_accuracy_min", "final_bits_per_byte_max", "heals", "lost", "error")
+            shown = ("ratios", "mean_ratios", "honest_penalties", "final_accuracy_min", "final_bits_per_byte_max", "heals", "lost", "error")
+            cell["honest_penalties"] = cell.get("penalties", {}).get("total", 0)  # no attacker in this benchmark
             say(f"cell {label}: " + ", ".join(f"{k}={rounded(cell[k])}" for k in shown if k in cell))
             cells.append(cell)
     reached = [c for c in cells if c.get("ratios")]
     report = {
         "cells": cells,
+        # no attacker anywhere: every penalty (a ban, a rejected copy or edge message) fell on an honest peer
+        "honest_penalties": {c["label"]: c["honest_penalties"] for c in cells if c.get("honest_penalties")},
         "diverged_cells": [c["label"] for c in cells if "error" not in c and _diverged(c, lm)],
         "error_cells": [c["label"] for c in cells if "error" in c],  # the harness could not run them
         # digits: the worst cell's accuracy over one process's; charlm: the worst cell's test loss over one
@@ -246,19 +249,21 @@ def _cell(fleet: Fleet, maddr: str, label: str, config: dict[str, Any], peers: i
                 trained = max(trained, curve[-1][0])
             figures = true_accuracies(reader, oracle, stages, trained_only=True, measure=measure)
             if figures:
-                curve.append((trained, worst(figures), round(time.monotonic() - t0, 1), len(figures)))
+                curve.append((trained, worst(figures), round(time.monotonic() - t0, 1), len(figures),
+                              round(sum(figures) / len(figures), 4)))
             if trained >= points[-1] and curve and curve[-1][0] >= points[-1]:
                 break
         records = {k: present(reader, k) for k in range(stages)}
     finally:
         reader.close()
         fleet.stop(procs + hogs)
+    penalties = count_penalties([p.stdout() + p.stderr() for p in procs])
     drivers = records[0]
     final = curve[-1][1] if curve else None
     return {"curve": curve, **({"final_bits_per_byte_max": final} if lm else {"final_accuracy_min": final}),
             "trained": sum(r.trained for r in drivers), "lost": sum(r.lost for r in drivers),
             "heals": sum(r.heals for rows in records.values() for r in rows),
-            "samples_per_s": _rate(curve)}
+            "samples_per_s": _rate(curve), "penalties": penalties}
 
 
 def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -277,6 +282,7 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     cell["runs"] = runs
     cell["lost"] = sum(r.get("lost", 0) for r in good)
     cell["heals"] = sum(r.get("heals", 0) for r in good)
+    cell["penalties"] = {k: sum(r.get("penalties", {}).get(k, 0) for r in good) for k in good[0].get("penalties", {})}
     for key, worst in (("final_accuracy_min", min), ("final_bits_per_byte_max", max)):  # diverged in any run
         finals = [r[key] for r in good if r.get(key) is not None]
         if key in cell:
@@ -340,17 +346,20 @@ def _compare(cell: dict[str, Any], config: dict[str, Any], points: tuple[int, ..
     (``ratios``); and the mean of every sample within ``WINDOW`` of the point that evaluated all the chains,
     against one process at the point (``window_ratios``: one sample of the worst chain swings by several
     points between two reads a second apart)."""
-    out: dict[str, Any] = {"at": {}, "ratios": {}, "window_ratios": {}}
+    out: dict[str, Any] = {"at": {}, "ratios": {}, "window_ratios": {}, "mean_ratios": {}}
     chains_max = max((row[3] for row in cell["curve"]), default=0)
     for point in points:
         later = [row for row in cell["curve"] if row[0] >= point]
         if not later:
             continue
-        samples, accuracy, _, chains = later[0]
+        samples, accuracy, _, chains = later[0][:4]
         local = baseline.accuracy(config, samples)
         out["at"][str(point)] = {"samples": samples, "swarm": accuracy, "local": local, "chains": chains}
         # digits: accuracy over one process's (higher is better); charlm: bits per byte over one process's
         out["ratios"][str(point)] = ratio(accuracy, local)
+        if len(later[0]) > 4:  # the chains' mean, as the simulator's node-averaged accuracy (swarm/ecl/study.py)
+            out["mean_ratios"][str(point)] = ratio(later[0][4], local)
+            out["at"][str(point)]["swarm_mean"] = later[0][4]
         near = [row[1] for row in cell["curve"] if abs(row[0] - point) <= WINDOW * point and row[3] == chains_max]
         if near:
             out["window_ratios"][str(point)] = ratio(sum(near) / len(near), baseline.accuracy(config, point))

@@ -191,3 +191,19 @@ def test_short_sessions_are_counted_in_seconds():
     from volunteer.contribution import format_hours
 
     assert (format_hours(35.0), format_hours(150.0), format_hours(5400.0)) == ("35 s", "2 min", "1.5 h")
+
+
+def test_the_machine_total_says_it_sums_identities_the_farewell_counts_its_own(tmp_path: Path):
+    """Issue 30, item 9: the farewell's "in total" (10,165 micro-batches over 2 sessions) differed from the total
+    `status` printed (30,099 over 5) without saying why: one counts an identity, the other the machine."""
+    from swarm.run.runconfig import RunConfig
+    from volunteer_cli.commands.status import build_report, render_report
+
+    run = RunConfig(name="digits-mlp")
+    mine = Tally(30099, 963168, 4000.0, 5, 0.0, 1.0, ("layer1",))
+    last = render_report(build_report(run, {}, now=100.0, this_machine=(mine, 3))).splitlines()[-1]
+    assert last.endswith("over 5 sessions of 3 volunteer identities (a volunteer's farewell counts its own)")
+    session = Tally(10, 320, 60.0, 1, 0.0, 1.0, ("layer1",))
+    total = Tally(10165, 325280, 600.0, 2, 0.0, 1.0, ("layer1",))
+    assert "sessions of this identity (`volunteer status` sums every identity on this machine)" in farewell(
+        RUN_ID, session, total)

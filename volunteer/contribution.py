@@ -130,17 +130,23 @@ def save_runs(path: Path, peer_id: str, runs: dict[str, Tally]) -> None:
 
 def machine_total(data_dir: Path, run_id: str) -> Tally:
     """This run's figures summed over every identity in the data dir (several volunteers on one machine)."""
-    total = Tally()
+    return machine_tallies(data_dir, run_id)[0]
+
+
+def machine_tallies(data_dir: Path, run_id: str) -> tuple[Tally, int]:
+    """This run's figures summed over every identity in the data dir, and how many identities gave any: a
+    volunteer's farewell counts its own identity's sessions only, `volunteer status` all of them."""
+    total, identities = Tally(), 0
     directory = Path(data_dir) / CONTRIBUTION_DIR
     try:
         files = sorted(directory.glob(f"*{FILE_SUFFIX}"))
     except OSError:
-        return total
+        return total, 0
     for path in files:
         tally = load_runs(path).get(run_id)
         if tally is not None:
-            total = total.plus(tally)
-    return total
+            total, identities = total.plus(tally), identities + 1
+    return total, identities
 
 
 def format_hours(seconds: float) -> str:
@@ -163,7 +169,8 @@ def farewell(run_id: str, session: Tally, total: Tally, log_path: str = "") -> s
     lines = [f"Thank you. This session you computed {describe_tally(session)} for run {run_id}."]
     if total.sessions > 1:
         since = time.strftime("%Y-%m-%d", time.localtime(total.first_at)) if total.first_at else "the start"
-        lines.append(f"In total since {since}: {describe_tally(total)} over {total.sessions} sessions.")
+        lines.append(f"In total since {since}: {describe_tally(total)} over {total.sessions} sessions of this "
+                     "identity (`volunteer status` sums every identity on this machine).")
     if log_path:
         lines.append(f"Log of this session: {log_path}")
     return "\n".join(lines)

@@ -5,6 +5,13 @@ published is what the replicas agree on, not what one of them says.
 Copies of a layer differ a little (averaging keeps them close, not equal), so two honest replicas agree within
 ``ACCURACY_TOLERANCE`` (or ``LOSS_TOLERANCE``, relative, for a language model), not exactly. Pure: figures in, a
 verdict out.
+
+A replica far from the others is left out of the published figure and **not penalised**: each replica evaluates
+its own copy, and on label-skewed shards honest copies differ by far more than any tolerance (issue 28: a 4-peer
+skewed run's last-stage copies evaluated 0.45-0.95 early on, and banning the "outliers" held off 30 honest peers
+in 4 minutes). What a lying evaluator gains is nothing: with three replicas the median is published, with two the
+worse figure, so its boast never reaches the record. Penalties belong to what can be checked: a receipt, a
+tensor's content, a spot check of the same input through two copies (swarm/pipeline/spot_checks.py).
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ class Verdict:
     loss: float
     validated: bool  # at least two replicas agreed
     replicas: int
-    outliers: tuple[str, ...] = ()  # peers whose figure is far from the agreed one (3 or more replicas)
+    outliers: tuple[str, ...] = ()  # peers whose figure is far from the median (3 or more replicas): left out
 
 
 def _key(f: Figures) -> float:

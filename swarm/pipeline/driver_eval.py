@@ -14,7 +14,6 @@ import torch
 from swarm.integrity.evaluations import MAX_REPLICAS, Figures, consensus
 from swarm.integrity.receipts import ids_digest
 from swarm.pipeline.hops import HopGivenUp, NeedInputReply, Refused
-from swarm.pipeline.routing import BAD_REPLY_BAN_S
 from swarm.pipeline.stage import EVAL_BATCH
 
 if TYPE_CHECKING:
@@ -43,10 +42,10 @@ async def evaluate(driver: PipelineDriver) -> tuple[float | None, float]:
         if not figures:
             raise HopGivenUp("no last-stage peer completed the evaluation")
     verdict = consensus(figures)
-    for outlier in verdict.outliers:
-        ban_s = driver.routers[f"layer{stages - 1}"].failure(outlier, time.monotonic(), min_ban_s=BAD_REPLY_BAN_S)
-        logger.warning("last-stage peer %s evaluated far from the others; not using it for %.0f s", outlier[-8:],
-                       ban_s)
+    if verdict.outliers:  # left out of the published figure, and nothing more: see swarm/integrity/evaluations.py
+        logger.info("last-stage peer(s) %s evaluated far from the median (%s); left out of the published figure",
+                    ", ".join(p[-8:] for p in verdict.outliers),
+                    "; ".join(f"{f.peer[-8:]}: {f.accuracy if f.accuracy is not None else f.loss:.3f}" for f in figures))
     driver.stats.eval_accuracy, driver.stats.eval_loss = verdict.accuracy, verdict.loss
     driver.stats.eval_replicas, driver.stats.eval_validated = verdict.replicas, verdict.validated
     return verdict.accuracy, verdict.loss

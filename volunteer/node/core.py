@@ -300,8 +300,10 @@ class Node:
         # anything; with a checkpoint to restore, no download is needed.
         # (never from a peer that says nobody can dial it: swarm/dht/reachability.py)
         sync_from = dialable(self.announcer.views.get(self.swarm, [])) if resume.state is None else None
-        if sync_from is not None:
-            self.set_state(NodeState.SYNCING, f"downloading {self.swarm} from its peers")
+        if sync_from is not None:  # with nobody to download from, say so rather than "downloading" (issue 30)
+            others = [r for r in sync_from if r.peer_id != str(self.dht.peer_id)]
+            self.set_state(NodeState.SYNCING, f"downloading {self.swarm} from its peers" if others else
+                           f"no peer of {self.swarm} online yet: starting from the seeded weights")
         self.peer.start(sync_from=sync_from)
         self.checkpoints.finish_resume(resume)
         self.peer.update_views(self.announcer.views)

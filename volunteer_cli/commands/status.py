@@ -64,11 +64,11 @@ def run_status(args: argparse.Namespace) -> int:
 
 def _this_machine(args: argparse.Namespace, run_id: str):
     """What the volunteers of this data dir gave the run (volunteer/contribution.py), None if nothing."""
-    from volunteer.contribution import machine_total
+    from volunteer.contribution import machine_tallies
     from volunteer_cli.commands.common import resolve_data_dir
 
-    total = machine_total(resolve_data_dir(args.data_dir, args.prefs), run_id)
-    return total if total.sessions else None
+    total, identities = machine_tallies(resolve_data_dir(args.data_dir, args.prefs), run_id)
+    return (total, identities) if total.sessions else None
 
 
 def build_report(run, views: dict, now: float, this_machine=None) -> dict:
@@ -137,8 +137,10 @@ def build_report(run, views: dict, now: float, this_machine=None) -> dict:
                                 "eval_every_s": run.training.eval_every_s}
     heals = {name: sum(r.heals for r in views.get(name, [])) for name in run.swarm_names}
     report["heals"] = heals
-    if this_machine is not None:
-        report["this_machine"] = this_machine.to_json()
+    if this_machine is not None:  # a Tally, or (Tally, identities it sums)
+        tally, identities = this_machine if isinstance(this_machine, tuple) else (this_machine, 1)
+        report["this_machine"] = tally.to_json()
+        report["this_machine_identities"] = identities
     return report
 
 
@@ -192,6 +194,9 @@ def render_report(report: dict) -> str:
         from volunteer.contribution import Tally, describe_tally
 
         mine = Tally.from_json(report["this_machine"])
+        identities = report.get("this_machine_identities", 1)
         lines.append(f"this machine gave the run {describe_tally(mine)} over {mine.sessions} "
-                     f"session{'s' if mine.sessions != 1 else ''}")
+                     f"session{'s' if mine.sessions != 1 else ''}"
+                     + (f" of {identities} volunteer identities (a volunteer's farewell counts its own)"
+                        if identities > 1 else ""))
     return "\n".join(lines)
