@@ -25,15 +25,19 @@ def test_a_run_without_an_end_is_never_complete():
     assert run_complete(TrainingConfig(), views) == ""
 
 
-def test_the_target_counts_only_when_the_run_asks_for_it_and_the_newest_evaluation_decides():
+def test_the_target_counts_only_when_the_run_asks_for_it_and_the_current_evaluations_decide():
     training = TrainingConfig(end_at_target=True, target_accuracy=0.9)
     assert run_complete(training, {}) == ""
     assert run_complete(training, {"layer0": [_layer0(accuracy=0.85, eval_at=10.0)]}) == ""
+    # an evaluation three periods (30 s) older than the newest is no longer current
     reached = run_complete(training, {"layer0": [_layer0(accuracy=0.85, eval_at=10.0),
-                                                 _layer0(accuracy=0.93, eval_at=20.0)]})
+                                                 _layer0(accuracy=0.93, eval_at=50.0)]})
     assert reached == "test accuracy 93.0% reached the run's target 90.0%"
     assert run_complete(training, {"layer0": [_layer0(accuracy=0.93, eval_at=10.0),
-                                              _layer0(accuracy=0.85, eval_at=20.0)]}) == ""
+                                              _layer0(accuracy=0.85, eval_at=50.0)]}) == ""
+    # two current ones: the more modest decides (one record's claim ends nothing: swarm/dht/published.py)
+    assert run_complete(training, {"layer0": [_layer0(accuracy=0.85, eval_at=40.0),
+                                              _layer0(accuracy=0.93, eval_at=50.0)]}) == ""
 
 
 def test_a_language_model_ends_in_bits_per_byte_and_a_budget_in_samples():
@@ -115,3 +119,26 @@ def test_the_dashboard_says_the_run_is_complete_without_offering_a_resume():
     line = not_training_line(sample_snapshot(state=NodeState.PAUSED, samples_per_s=0.0,
                                              reason=f"{COMPLETE_PREFIX}a layer0 copy trained 128 samples"))
     assert line == "PAUSED: run complete: a layer0 copy trained 128 samples (nothing more to train here; press q to leave)"
+
+
+def test_one_record_claiming_the_target_or_the_budget_ends_nothing():
+    """Issue 25: any key can publish a layer0 record. One claiming accuracy 1.0, or a clock of 2^62 samples, must
+    not pause every volunteer of the run as "complete" while the honest drivers are short of the end
+    (swarm/dht/published.py: the median of the drivers' figures)."""
+    from swarm.dht.completion import run_complete
+    from swarm.dht.records import MemberRecord
+    from swarm.run.runconfig import TrainingConfig
+
+    def driver(peer: str, accuracy: float, clock: int) -> MemberRecord:
+        return MemberRecord(peer_id=peer, state="online", version="t", started_at=0.0, updated_at=100.0, clock=clock,
+                            test_accuracy=accuracy, test_loss=0.2, eval_samples=clock, eval_at=99.0)
+
+    honest = [driver("QmHonestA", 0.90, 20_000), driver("QmHonestB", 0.91, 21_000)]
+    liar = driver("QmLiar", 1.0, 2**62)
+    at_target = TrainingConfig(end_at_target=True, target_accuracy=0.95)
+    assert run_complete(at_target, {"layer0": [liar, *honest]}) == ""
+    assert run_complete(at_target, {"layer0": [liar, honest[0]]}) == ""  # of two, the more modest figure
+    assert run_complete(TrainingConfig(sample_budget=100_000), {"layer0": [liar, *honest]}) == ""
+    # the honest majority at the target ends it
+    assert "reached the run's target" in run_complete(at_target, {"layer0": [liar, driver("QmC", 0.96, 30_000),
+                                                                                driver("QmD", 0.97, 30_000)]})

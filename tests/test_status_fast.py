@@ -72,3 +72,34 @@ def test_status_sees_a_peers_record_and_never_imports_torch(swarm, tmp_path: Pat
     assert report["summary"]["layer0"]["empty"]
     imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
     assert "hivemind.dht.node" in imported and "torch" not in imported
+
+
+def test_status_shows_the_median_of_the_drivers_evaluations_not_the_boldest_claim():
+    """Issue 25: a stranger's record claiming accuracy 1.0 after 2^62 samples, kept fresh, was what `volunteer
+    status` showed. Any key can publish a record; the median of the drivers' current evaluations is what one liar
+    cannot set."""
+    from swarm.dht.records import MemberRecord
+    from swarm.run.runconfig import RunConfig
+    from volunteer_cli.commands.status import build_report, render_report
+
+    run = RunConfig(name="digits-mlp")
+    now = 1000.0
+
+    def driver(peer: str, accuracy: float, samples: int, eval_at: float = now - 2) -> MemberRecord:
+        return MemberRecord(peer_id=peer, state="online", version="t", started_at=0.0, updated_at=now - 1,
+                            test_accuracy=accuracy, test_loss=0.2, eval_samples=samples, eval_at=eval_at)
+
+    liar = driver("QmLiar0000000000", 1.0, 2**62, eval_at=now)
+    honest = [driver("QmHonestA0000000", 0.95, 40_000), driver("QmHonestB0000000", 0.93, 41_000)]
+    ev = build_report(run, {"layer0": [liar, *honest]}, now=now)["evaluation"]
+    assert ev["test_accuracy"] == 0.95 and ev["samples"] == 40_000 and ev["drivers"] == 3
+    assert ev["range"] == [0.93, 1.0]
+    assert "the median of 3 drivers', 0.93-1" in render_report(build_report(run, {"layer0": [liar, *honest]}, now=now))
+    # two drivers: the worse figure; an evaluation three periods older than the newest is not current
+    assert build_report(run, {"layer0": [liar, honest[0]]}, now=now)["evaluation"]["test_accuracy"] == 0.95
+    old = driver("QmOld00000000000", 0.10, 100, eval_at=now - 10 * run.training.eval_every_s)
+    ev = build_report(run, {"layer0": [old, *honest]}, now=now)["evaluation"]
+    assert ev["drivers"] == 2 and ev["test_accuracy"] == 0.93
+    # one driver: its own figure, said to be its own
+    one = build_report(run, {"layer0": [honest[0]]}, now=now)
+    assert one["evaluation"]["drivers"] == 1 and "(by " in render_report(one)

@@ -21,15 +21,16 @@ def bits_per_byte(loss_nats: float) -> float:
 def run_complete(training: Any, views: dict[str, list[Any]]) -> str:
     """Why the run is complete ("" while it is not), from the swarms' records. ``training`` is the run's
     TrainingConfig; ``views`` maps swarm names to their MemberRecords."""
+    from swarm.dht.published import representative_clock, representative_evaluation
+
     layer0 = views.get("layer0", [])
-    if training.sample_budget > 0:
-        trained = max((r.clock for r in layer0), default=0)
+    if training.sample_budget > 0:  # the median copy's clock: one record claiming 2^62 samples ends nothing
+        trained = representative_clock(layer0)
         if trained >= training.sample_budget:
             return f"a layer0 copy trained {trained:,} samples, the run's budget of {training.sample_budget:,}"
     if training.end_at_target:
-        published = [r for r in layer0 if r.test_accuracy >= 0 or r.test_loss >= 0]
-        if published:
-            latest = max(published, key=lambda r: (r.eval_at, r.eval_samples))
+        latest, _ = representative_evaluation(layer0, training.eval_every_s)  # the median: swarm/dht/published.py
+        if latest is not None:
             if latest.test_accuracy >= 0:
                 if latest.test_accuracy >= training.target_accuracy:
                     return (f"test accuracy {latest.test_accuracy:.1%} reached the run's target "

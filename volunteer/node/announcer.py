@@ -174,7 +174,7 @@ class Announcer:
             fields.update(test_accuracy=m.test_accuracy, test_loss=m.test_loss,
                           test_at=m.eval_at if m.eval_at >= 0 else None)
         else:
-            fields.update(run_evaluation(self.views))
+            fields.update(run_evaluation(self.views, node.run.training.eval_every_s))
         throttled = node.governors.throttle_reason()
         # layer0 completes micro-batches (trained everywhere), every other stage serves them
         completed = m.trained if node.swarm == "layer0" else m.served

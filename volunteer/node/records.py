@@ -119,12 +119,14 @@ def _staleness_fields(metrics: Any) -> dict[str, Any]:
             "staleness_max": int(maximum) if maximum is not None else -1}
 
 
-def run_evaluation(views: dict[str, list[Any]]) -> dict[str, Any]:
-    """The newest evaluation any layer0 peer published (for peers that do not evaluate)."""
-    published = [r for r in views.get("layer0", []) if r.test_accuracy >= 0 or r.test_loss >= 0]
-    if not published:
+def run_evaluation(views: dict[str, list[Any]], eval_every_s: float = 10.0) -> dict[str, Any]:
+    """The run's evaluation for peers that do not evaluate: the median of the layer0 peers' current ones
+    (swarm/dht/published.py: one record's claim of 1.0 moves nothing)."""
+    from swarm.dht.published import representative_evaluation
+
+    latest, _ = representative_evaluation(views.get("layer0", []), eval_every_s)
+    if latest is None:
         return {}
-    latest = max(published, key=lambda r: (r.eval_at, r.eval_samples))
     return {"test_accuracy": latest.test_accuracy if latest.test_accuracy >= 0 else None,
             "test_loss": latest.test_loss if latest.test_loss >= 0 else None,
             "test_at": latest.eval_at if latest.eval_at >= 0 else None}

@@ -214,7 +214,7 @@ def _watch(run, maddr: str, children: Children, shutdown, watchdog, say, target:
             now = time.monotonic()
             if membership.fresh:
                 read_at = now
-            figures = read_figures(views, run.swarm_names)
+            figures = read_figures(views, run.swarm_names, run.training.eval_every_s)
             for line in monitor.observe(figures, now, time.time(), now - read_at):
                 say(line)
             accuracy, loss = figures.test_accuracy, figures.test_loss

@@ -31,14 +31,14 @@ class Figures:
     alarms: list[str] = field(default_factory=list)
 
 
-def read_figures(views: dict, swarm_names: list[str]) -> Figures:
+def read_figures(views: dict, swarm_names: list[str], eval_every_s: float = 10.0) -> Figures:
     """The figures of one read of every swarm: samples and losses from layer0's online drivers, peers per swarm."""
     from swarm.dht.alarms import run_alarms
+    from swarm.dht.published import representative_evaluation
 
     layer0 = views.get("layer0", [])
     online0 = [r for r in layer0 if r.state == "online"]
-    published = [r for r in layer0 if r.test_accuracy >= 0 or r.test_loss >= 0]
-    latest = max(published, key=lambda r: (r.eval_samples, r.eval_at)) if published else None
+    latest, _ = representative_evaluation(layer0, eval_every_s)  # the median of the current ones
     losses = [r.loss for r in online0 if r.loss >= 0]
     return Figures(
         samples=sum(r.trained for r in layer0), lost=sum(r.lost for r in layer0),

@@ -119,7 +119,9 @@ def build_report(run, views: dict, now: float, this_machine=None) -> dict:
               "alarms": run_alarms(views, run.swarm_names),  # swarm/dht/alarms.py: refusing stages, stalls
               "complete": run_complete(run.training, views)}  # "" while the run has not reached its end
     if evaluations:
-        *_, latest = max(evaluations, key=lambda item: item[:2])
+        from swarm.dht.published import representative_evaluation
+
+        latest, current = representative_evaluation([r for *_, r in evaluations], run.training.eval_every_s)
         from volunteer.snapshot import evaluation_is_stale
 
         # The evaluation's own time (records before it carried one: the heartbeat that published it)
@@ -134,7 +136,9 @@ def build_report(run, views: dict, now: float, this_machine=None) -> dict:
                                 "samples": latest.eval_samples, "by": latest.peer_id,
                                 "measured_at": measured_at, "age_s": age_s, "copy_version": latest.eval_version,
                                 "stale": evaluation_is_stale(age_s, run.training.eval_every_s),
-                                "eval_every_s": run.training.eval_every_s}
+                                "eval_every_s": run.training.eval_every_s,
+                                # how many drivers' current evaluations the figure is the median of, and their range
+                                "drivers": len(current), "range": _figure_range(current)}
     heals = {name: sum(r.heals for r in views.get(name, [])) for name in run.swarm_names}
     report["heals"] = heals
     if this_machine is not None:  # a Tally, or (Tally, identities it sums)
@@ -142,6 +146,13 @@ def build_report(run, views: dict, now: float, this_machine=None) -> dict:
         report["this_machine"] = tally.to_json()
         report["this_machine_identities"] = identities
     return report
+
+
+def _figure_range(records: list) -> list[float] | None:
+    if len(records) < 2:
+        return None
+    figures = [r.test_accuracy if r.test_accuracy >= 0 else r.test_loss for r in records]
+    return [round(min(figures), 4), round(max(figures), 4)]
 
 
 def _staleness(record) -> dict | None:
@@ -167,7 +178,9 @@ def render_report(report: dict) -> str:
         ev = report["evaluation"]
         figure = describe_evaluation(ev["test_accuracy"], ev["test_loss"], ev["age_s"], ev["eval_every_s"])
         loss = f", test loss {ev['test_loss']:.3f}" if ev["test_accuracy"] is not None else ""  # else in the figure
-        lines.append(f"  {figure}{loss} after {ev['samples']} samples (by {short_id(ev['by'])})")
+        by = (f"the median of {ev['drivers']} drivers', {ev['range'][0]:.3g}-{ev['range'][1]:.3g}"
+              if ev.get("drivers", 1) > 1 and ev.get("range") else f"by {short_id(ev['by'])}")
+        lines.append(f"  {figure}{loss} after {ev['samples']} samples ({by})")
     for name, rows in report["swarms"].items():
         s = report["summary"][name]
         flag = "  <-- NO ONLINE PEER: the pipeline cannot pass this layer" if s["empty"] else ""
