@@ -10,6 +10,7 @@ Map:
                     name, why a run trains nothing (a layer with no online peer)
 - alarms.py         run-level alarms from every swarm's records: a stage that refuses every driver, stalled drivers
 - completion.py     when a run is complete (its target reached or its sample budget spent), from the records
+- published.py      what readers take of the figures records claim: the median of the drivers' current ones
 - maddrs.py         peer addresses checked by hand before anything loads (/ip4/HOST/tcp/PORT/p2p/PEER_ID)
 - reachability.py   can strangers dial this node? a dial-back check and the verdict a node behind NAT acts on
 - hivemind_fixes.py a fix to hivemind 1.1.12: unary calls that time out must not kill the P2P read loop
