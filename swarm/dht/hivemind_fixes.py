@@ -1,5 +1,5 @@
-"""A fix to hivemind 1.1.12 that a loaded machine needs: unary calls that time out must not kill the P2P
-client's read loop.
+"""Two fixes to hivemind 1.1.12: unary calls that time out must not kill the P2P client's read loop (a loaded
+machine needs it), and a stream message is refused by its announced size before it is read (a stranger's).
 
 ``ControlClient._read_from_persistent_conn`` (hivemind/p2p/p2p_daemon_bindings/control.py) hands each
 reply of the daemon to the future of its call with ``set_result``. A call that timed out is cancelled,
@@ -14,6 +14,15 @@ call through it times out; the node looks online and trains nothing. Measured: 3
 call nobody waits for any more is dropped, as hivemind meant) and logs, instead of ending, on anything
 else a single message does. Idempotent; applied on import of swarm.dht.dht (before hivemind forks its DHT
 process, which inherits it).
+
+The second: ``P2P.receive_raw_data`` reads a stream message's 8-byte length and then that many bytes, whatever the
+length says, before anything of ours can look at it. Measured (issue 25): one 300 MiB part from a stranger took a
+stage's RSS from 610 to 1,363 MB before the stage's own 256 MiB check refused it, and nothing needs a peer's
+identity or a record to send it. ``receive_raw_data`` (patched in) refuses a length over ``MAX_FRAME_BYTES``
+without reading on; hivemind's stream handler logs the error and closes the stream, a caller reading replies gets
+the error as a failed call. Our own stream messages are at most 3 MiB (swarm/pipeline/wire.py STREAM_CHUNK_BYTES
+1 MiB, swarm/averaging/params_rpc.py PULL_CHUNK_BYTES 3 MiB) plus at most 64 KiB of metadata; unary calls go
+through the daemon's persistent connection, which p2pd caps at 4 MiB.
 """
 
 from __future__ import annotations
@@ -26,6 +35,23 @@ logger = logging.getLogger(__name__)
 
 _APPLIED = False
 _ORIGINAL = None  # hivemind's own loop, kept for tests/test_hivemind_fixes.py
+MAX_FRAME_BYTES = 8 * 2**20
+
+
+class FrameTooLarge(ValueError):
+    """A stream message announced more bytes than this node reads in one message."""
+
+
+async def receive_raw_data(reader: asyncio.StreamReader) -> bytes:
+    """hivemind's ``P2P.receive_raw_data``, refusing a message longer than ``MAX_FRAME_BYTES`` by its header."""
+    from hivemind.p2p.p2p_daemon import P2P
+
+    header = await reader.readexactly(P2P.HEADER_LEN)
+    length = int.from_bytes(header, P2P.BYTEORDER)
+    if length > MAX_FRAME_BYTES:
+        raise FrameTooLarge(f"a stream message announced {length:,} bytes, over the {MAX_FRAME_BYTES:,} this node "
+                            "reads in one message: refused unread")
+    return await reader.readexactly(length)
 
 
 def _settle(future: asyncio.Future | None, result=None, exception: BaseException | None = None) -> None:
@@ -75,10 +101,12 @@ def apply() -> None:
     global _APPLIED, _ORIGINAL
     if _APPLIED:
         return
+    from hivemind.p2p.p2p_daemon import P2P
     from hivemind.p2p.p2p_daemon_bindings.control import ControlClient
 
     _ORIGINAL = ControlClient.__dict__["_read_from_persistent_conn"]
     ControlClient._read_from_persistent_conn = read_from_persistent_conn
+    P2P.receive_raw_data = staticmethod(receive_raw_data)
     _APPLIED = True
 
 
