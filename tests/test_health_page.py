@@ -56,6 +56,30 @@ def test_the_history_keeps_one_point_per_new_evaluation():
                                                                                             (3000, 0.8, 20.0)]
 
 
+def test_the_history_is_kept_across_restarts_of_the_page(tmp_path: Path):
+    """Issue 30, item 7: the curve started when the page started; an organiser wants the run's history."""
+    path = tmp_path / "health" / "run-x.jsonl"
+    first = History(path=path)
+    assert first.add(_report(samples=1000, accuracy=0.5), now=2.0) and first.add(_report(samples=3000, accuracy=0.8),
+                                                                                 now=4.0)
+    path.open("a").write("not json\n")  # a torn line from a killed page is skipped
+    again = History(path=path)
+    assert [p.samples for p in again.points] == [1000, 3000]
+    assert not again.add(_report(samples=3000, accuracy=0.8), now=5.0)  # already kept
+    assert again.add(_report(samples=5000, accuracy=0.9), now=6.0)
+    assert [p.samples for p in History(path=path).points] == [1000, 3000, 5000]
+
+
+def test_the_peers_table_says_what_each_peer_did_and_one_evaluation_is_a_dot():
+    report = _report()
+    report["swarms"]["layer1"] = [dict(report["swarms"]["layer0"][0], peer_id="12D3KooWstage1xyz", served=812,
+                                       trained=0)]
+    page = render_page(page_data(report, History(), read_at=1.0, now=2.0))
+    assert "trained 1,234 samples" in page and "served 812 micro-batches" in page  # not "trained 0" for a stage
+    svg = plot_svg([Point(at=1.0, samples=330_240, accuracy=0.91, loss=0.3, throughput=10.0)])
+    assert "<circle" in svg and "330,241" not in svg and "the only evaluation so far" in svg
+
+
 def test_the_page_marks_the_bottleneck_and_escapes_what_strangers_wrote():
     history = History()
     history.add(_report(samples=1000, accuracy=0.5), now=1.0)

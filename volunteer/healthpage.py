@@ -13,9 +13,12 @@ markup): it is escaped, never interpolated raw.
 from __future__ import annotations
 
 import html
+import json
+import logging
 import math
 from collections import deque
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 HISTORY_POINTS = 2000  # ~2.8 h at one read per 5 s
@@ -32,10 +35,39 @@ class Point:
 
 
 class History:
-    """The run's evaluation and throughput as this reader saw them, one point per new evaluation."""
+    """The run's evaluation and throughput as this reader saw them, one point per new evaluation. With ``path``
+    the points are kept in a JSON-lines file: a page started again (or later) shows the run's curve from the
+    first evaluation it ever read, not from when it started. A line that does not parse is skipped."""
 
-    def __init__(self, max_points: int = HISTORY_POINTS):
+    def __init__(self, max_points: int = HISTORY_POINTS, path: Path | None = None):
         self.points: deque[Point] = deque(maxlen=max_points)
+        self.path = path
+        if path is not None:
+            self._load(path)
+
+    def _load(self, path: Path) -> None:
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except OSError:
+            return
+        for line in lines:
+            try:
+                point = Point(**json.loads(line))
+            except (ValueError, TypeError):
+                continue
+            if not self.points or point.samples > self.points[-1].samples:
+                self.points.append(point)
+
+    def _keep(self, point: Point) -> None:
+        if self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(asdict(point)) + "\n")
+        except OSError as exc:  # a read-only or full disk: the page goes on with what it has in memory
+            logging.getLogger(__name__).warning("could not keep the run's history in %s: %s", self.path, exc)
+            self.path = None
 
     def add(self, report: dict[str, Any], now: float) -> bool:
         """Add the report's evaluation if it is newer than the last point (True if added)."""
@@ -49,6 +81,7 @@ class History:
         self.points.append(Point(at=now, samples=samples, accuracy=ev.get("test_accuracy"),
                                  loss=loss if loss is not None and loss >= 0 else None,
                                  throughput=pipeline_throughput(report)))
+        self._keep(self.points[-1])
         return True
 
     def to_json(self) -> list[dict[str, Any]]:
@@ -93,6 +126,12 @@ def plot_svg(points: list[Point], width: int = PLOT_W, height: int = PLOT_H) -> 
         return (head + frame + f'<text x="{width // 2}" y="{height // 2}" text-anchor="middle">no evaluation '
                 f'yet: the curve starts with the first one a driver publishes</text></svg>')
     xs, ys = [x for x, _ in series], [y for _, y in series]
+    if len(series) == 1:  # one evaluation: a dot and its figure, not an empty box with an axis of x..x+1
+        left, top = PLOT_PAD, 10
+        cx, cy = left + (width - PLOT_PAD - 10) / 2, top + (height - PLOT_PAD - 10) / 2
+        return (head + frame + f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="4" fill="#1f77b4"/>'
+                f'<text x="{cx:.1f}" y="{cy - 10:.1f}" text-anchor="middle">{label} {ys[0]:.3g} after {xs[0]:,} '
+                f'samples: the only evaluation so far</text></svg>')
     x0, x1 = min(xs), max(max(xs), min(xs) + 1)
     y0, y1 = (0.0, 1.0) if use_accuracy else (min(ys), max(max(ys), min(ys) + 1e-6))
     left, top, w, h = PLOT_PAD, 10, width - PLOT_PAD - 10, height - PLOT_PAD - 10
@@ -168,11 +207,19 @@ def _peers_html(report: dict[str, Any]) -> str:
                         f'<td title="{_e(p["peer_id"])}">{_e(str(p["peer_id"])[-8:])}</td><td>{_e(p["state"])}</td>'
                         f'<td>{p["throughput"]:.1f}</td><td>{loss}</td><td>{_mbps(p)}</td>'
                         f'<td class="reachable">{_e(REACHABLE_TEXT.get(p.get("reachable"), "not known"))}</td><td>{_e(p["version"])}</td>'
-                        f'<td>{_e(_age(p["age_s"]))}</td><td>{int(p.get("trained", 0)):,}</td>'
+                        f'<td>{_e(_age(p["age_s"]))}</td><td class="work">{_e(_work(name, p))}</td>'
                         f'<td class="stalled">{_stalled(p)}</td><td class="refuses">{_e(_refuses(p))}</td></tr>')
     return ('<table id="peers"><tr><th>swarm</th><th>peer</th><th>state</th><th>samples/s</th><th>loss</th>'
-            '<th>Mb/s in / out</th><th>dialled from outside</th><th>version</th><th>heartbeat</th><th>trained</th>'
+            '<th>Mb/s in / out</th><th>dialled from outside</th><th>version</th><th>heartbeat</th><th>work done</th>'
             '<th>without progress</th><th>refuses drivers</th></tr>' + "".join(rows) + "</table>")
+
+
+def _work(swarm: str, peer: dict[str, Any]) -> str:
+    """What the peer did for the run: a driver trains samples, every other stage serves micro-batches (it trains
+    none of its own: "trained 0" read as idle for every peer of layers 1-3)."""
+    if swarm == "layer0":
+        return f"trained {int(peer.get('trained') or 0):,} samples"
+    return f"served {int(peer.get('served') or 0):,} micro-batches"
 
 
 def _stalled(peer: dict[str, Any]) -> str:

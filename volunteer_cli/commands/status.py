@@ -43,8 +43,11 @@ def run_status(args: argparse.Namespace) -> int:
         if args.serve is not None:
             from volunteer_cli.commands.status_serve import serve
 
+            from volunteer_cli.commands.common import resolve_data_dir
+
+            history = resolve_data_dir(args.data_dir, args.prefs) / "health" / f"{run.run_id}.jsonl"
             serve(lambda: build_report(run, membership.read_all(), now=time.time()), args.serve_host, args.serve,
-                  args.every_s, shutdown.event, announce=lambda text: print(text, flush=True))
+                  args.every_s, shutdown.event, announce=lambda text: print(text, flush=True), history_path=history)
             return 0
         views = membership.read_all()
         empty = [name for name, records in views.items() if not records]

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any, Callable
 
 logger = logging.getLogger("volunteer.status")
@@ -25,12 +26,12 @@ logger = logging.getLogger("volunteer.status")
 class HealthState:
     """What the page shows; written by the reader loop, read by the HTTP threads."""
 
-    def __init__(self) -> None:
+    def __init__(self, history_path: Path | None = None) -> None:
         from volunteer.healthpage import History
 
         self.lock = threading.Lock()
         self.report: dict[str, Any] = {}
-        self.history = History()
+        self.history = History(path=history_path)
         self.read_at: float | None = None
         self.error = ""
 
@@ -78,11 +79,12 @@ def make_handler(state: HealthState, refresh_s: int) -> type[BaseHTTPRequestHand
 
 
 def serve(read: Callable[[], dict[str, Any]], host: str, port: int, every_s: float, stop: threading.Event,
-          announce: Callable[[str], None] = print) -> None:
-    """Serve the page until ``stop`` is set; ``read`` returns a fresh report (it may raise)."""
+          announce: Callable[[str], None] = print, history_path: Path | None = None) -> None:
+    """Serve the page until ``stop`` is set; ``read`` returns a fresh report (it may raise). ``history_path``:
+    where the run's curve is kept across restarts of the page (volunteer/healthpage.py History)."""
     from volunteer_cli.main import UserError
 
-    state = HealthState()
+    state = HealthState(history_path)
     try:
         server = ThreadingHTTPServer((host, port), make_handler(state, refresh_s=max(1, round(every_s))))
     except OSError as exc:
