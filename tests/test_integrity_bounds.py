@@ -17,6 +17,7 @@ from swarm.integrity.requesters import (
     ban_duration_s,
     decayed,
     fair_share_allows,
+    newcomers_allow,
     probation_allows,
 )
 from swarm.dht.records import MemberRecord
@@ -230,6 +231,30 @@ def test_a_newcomer_is_held_back_until_it_has_served_its_probation():
     # a ban sends a driver back to probation
     book._ban("stranger", book._book["stranger"], 12.0, "test")
     assert book._book["stranger"].applied == 0
+
+
+def test_newcomers_together_share_one_pool_however_many_keys_they_have():
+    """Issue 25, item 5: probation was per identity and identities cost nothing, so 100 fresh keys had 100 shares
+    (and 100 bursts). Together they now get one established driver's share; the established driver keeps its own."""
+    cfg = IntegrityConfig(fair_share_burst=32, fair_share_slack=2.0, probation_updates=64, probation_share=0.25)
+    book = RequesterBook(cfg)
+
+    def apply(requester: str, now: float) -> str | None:
+        refusal = book.admit(requester, True, now=now)
+        if refusal is not None:
+            return refusal.code
+        book.finished(requester)
+        book.on_update(requester, 1.0, now=now)
+        return None
+
+    for t in range(80):  # an honest driver past its probation: 80 updates in the 10 s window
+        assert apply("honest", t * 0.01) is None
+    applied = sum(apply(f"sybil{k}", 1.0 + k * 0.001 + t * 0.0001) is None for k in range(100) for t in range(8))
+    assert applied == 80, "4 x 0.25 x the honest driver's 80 (one driver's share) for all 100 keys together"
+    assert "taken by the others" in book.admit("sybil99", True, now=1.5).error
+    assert all(apply("honest", 1.6 + t * 0.001) is None for t in range(80))  # the established driver is not held
+    assert newcomers_allow(pool=3, established=[1], share=0.25)  # a small burst is always open to the pool
+    assert newcomers_allow(pool=500, established=[], share=0.25)  # nobody established: no probation, no pool
 
 
 def test_strikes_decay_and_bans_double():

@@ -14,6 +14,11 @@ servicer (swarm/pipeline/stage_rpc.py) asks ``admit`` before a request runs and 
   window (and ``PROBATION_BURST`` at least): measured, 64 ascent updates accepted at the full fair share
   (32 burst, then 2x the honest driver) took accuracy from 0.95 to 0.72 in a second. A lone driver, or
   drivers that all joined together, are on probation against nobody and have the whole stage.
+- Newcomers together: every driver on probation shares one pool of ``NEWCOMER_POOL`` x one newcomer's share (one
+  established driver's, at least ``PROBATION_BURST`` updates per window), however many there are (their updates
+  are clipped to the median meanwhile, swarm/pipeline/stage.py): probation alone is per identity, and
+  identities cost nothing, so 100 fresh keys had 100 shares (and 100 bursts). A newcomer earns its own share by
+  the updates it gets applied here (``probation_updates``), in turn with the others of the pool.
 - In flight: at most ``max_in_flight_per_requester`` requests of one driver are computed or queued
   here at once (500 concurrent forwards must not starve the real drivers).
 - Strikes: a rejected request, a request outside the driver's shards, and an update clipped to less
@@ -39,7 +44,11 @@ from swarm.run.runconfig import IntegrityConfig
 # update does; a strike is for the absurd (30,000x the median: 1e30 gradients), not the unusual.
 HEAVY_CLIP_SCALE = 1e-4
 MIN_COMPETING_UPDATES = 2  # updates in the window from which another driver bounds our fair share
-PROBATION_BURST = 4  # updates per window a driver on probation may always apply
+PROBATION_BURST = 4  # updates per window a driver on probation may always apply (within the newcomers' pool)
+# every driver on probation together: this many newcomers' shares, i.e. (at probation_share 0.25) as much as one
+# established driver. 2 held the 7 honest newcomers of an 8-peer swarm on probation ~90 s (448 updates at 50 per
+# window of an established driver's 100); 4 halves that, and 100 keys still get one driver's share, not 25.
+NEWCOMER_POOL = 4.0
 MAX_REQUESTERS = 1024  # per-driver entries kept; idle ones are dropped first
 
 
@@ -69,6 +78,14 @@ def probation_allows(own: int, established: list[int], share: float, burst: int 
     if own < burst or not established:
         return True
     return own < share * sum(established) / len(established)
+
+
+def newcomers_allow(pool: int, established: list[int], share: float, burst: int = PROBATION_BURST) -> bool:
+    """May one more update of a driver on probation be applied, given the updates every driver on probation
+    applied in the window together (``pool``) and the established drivers' counts?"""
+    if not established:
+        return True
+    return pool < max(burst, NEWCOMER_POOL * share * sum(established) / len(established))
 
 
 def decayed(score: float, elapsed_s: float, half_life_s: float) -> float:
@@ -146,15 +163,23 @@ class RequesterBook:
         never do: a stranger that sends a few updates would otherwise hold the honest driver to twice
         its own few (on probation both spiral down to the burst, tests/test_integrity_bounds.py)."""
         cfg = self.cfg
-        seniors, juniors, elders = [], [], []
+        seniors, juniors, elders, pool = [], [], [], own
         for r, e in self._book.items():
-            if r != requester and (n := self._window(e, now)) >= MIN_COMPETING_UPDATES:
+            if r == requester:
+                continue
+            n = self._window(e, now)
+            if not self._established(e):
+                pool += n  # every newcomer's updates count against the newcomers' pool, a burst's too
+            if n >= MIN_COMPETING_UPDATES:
                 (seniors if self._established(e) else juniors).append(n)
                 if self._established(e) and e.first_seen <= entry.first_seen:
                     elders.append(n)
         retry = max(0.1, cfg.fair_share_window_s - (now - entry.updates[0]) if entry.updates else 1.0)
         on_probation = entry.applied < cfg.probation_updates
         if on_probation and seniors:
+            if not newcomers_allow(pool, seniors, cfg.probation_share):
+                return Refusal("busy", "this stage's share for drivers new here is taken by the others: yours "
+                               f"grows after {cfg.probation_updates} updates", retry)
             if probation_allows(own, seniors, cfg.probation_share):
                 return None
             return Refusal("busy", "you are new here: your share of this stage's updates grows after "
