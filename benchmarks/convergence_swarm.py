@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         _, maddr = fleet.bootstrap()
         for optimizer, busy, peers, mode, partition in itertools.product(*axes):
             optimizer = "sgd" if mode in EDGE_MODES else optimizer
-            label = f"{optimizer}-{mode}-p{peers}-busy{busy}-{partition}"
+            label = f"{optimizer}-{mode}-p{peers}-busy{busy}-{partition}" + ("-rival" if args.rival else "")
             if mode in EDGE_MODES and args.graph != "ring":
                 label += f"-{args.graph}"
             if label in seen:
@@ -138,12 +138,14 @@ def main(argv: list[str] | None = None) -> int:
                      "sample_s": args.sample_s,
                      "cell_limit_s": args.cell_limit_s, "cores": os.cpu_count(),
                      "fetch_probability": args.fetch_probability, "step_s": args.step_s,
-                     "pull_budget": args.pull_budget, "graph": args.graph,
+                     "pull_budget": args.pull_budget, "graph": args.graph, "rival": args.rival,
                      "staleness": args.staleness or "divide_momentum"},
         "machine": machine_notes(),
     }
     if args.plot:
-        report["plot"] = plot(cells, baseline, Path(args.plot))
+        from benchmarks.convergence_plot import plot
+
+        report["plot"] = plot(cells, Path(args.plot))
     return finish(report, "convergence_swarm", started, args)
 
 
@@ -172,6 +174,8 @@ def _parser() -> Any:
                      "divide_momentum)")
     out.add_argument("--graph", choices=("ring", "double_ring", "random"), default="ring", help="the edge modes' "
                      "peer graph (averaging.graph.kind)")
+    out.add_argument("--rival", action="store_true", help="a second run of the same shape (its own name, the same "
+                     "number of volunteers) trains on this machine throughout each cell: competing swarms")
     out.add_argument("--stages", type=int, default=2)
     out.add_argument("--in-flight", default="4", help="micro-batches in flight per driver, or auto")
     out.add_argument("--sample-s", type=float, default=1.0, help="seconds between true-accuracy samples")
@@ -221,8 +225,12 @@ def _cell(fleet: Fleet, maddr: str, label: str, config: dict[str, Any], peers: i
 
     run = RunConfig.model_validate(config)
     path = write_run(fleet.workdir / f"{label}.yaml", config)
-    counts = {k: peers for k in range(stages)}
     hogs = [fleet.start(f"{label}-busy{i}", [sys.executable, "-c", "while True: pass"]) for i in range(busy)]
+    if args.rival:  # a second run of the same shape training on this machine throughout the cell (issue 30, item 1)
+        rival_config = dict(config, name=f"rival-{config['name']}"[:48])
+        rival_path = write_run(fleet.workdir / f"{label}-rival.yaml", rival_config)
+        hogs += [fleet.join(f"{label}-rival-layer{k}-{m}", rival_path, f"layer{k}", maddr)
+                 for k in range(stages) for m in range(peers)]
     reader = HostilePeer(run, [maddr], fleet.workdir / f"{label}-reader.key", process_group=fleet._process_group(),
                          heartbeat_s=1.0)
     # the other swarms fill first and the drivers start together: a driver that trained alone while 15 processes
@@ -370,29 +378,6 @@ def _compare(cell: dict[str, Any], config: dict[str, Any], points: tuple[int, ..
 def _last_ratio(cell: dict[str, Any], key: str = "ratios") -> float:
     ratios = cell[key]
     return ratios[max(ratios, key=int)] or 0.0
-
-
-def plot(cells: list[dict[str, Any]], baseline: LocalBaseline, out: Path) -> str:
-    """The cells' worst-chain curves (and one process's) against samples, one panel per partition."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "not written: matplotlib is missing (pip install -e '.[plots]')"
-    partitions = sorted({c["partition"] for c in cells})
-    fig, axes = plt.subplots(1, len(partitions), figsize=(7 * len(partitions), 5), squeeze=False)
-    for ax, partition in zip(axes[0], partitions):
-        for cell in (c for c in cells if c["partition"] == partition and c.get("curve")):
-            xs, ys = zip(*[(row[0], row[1]) for row in cell["curve"]])
-            ax.plot(xs, ys, label=cell["label"], linewidth=1)
-        ax.set(title=f"digits, {partition}: worst chain's true test accuracy", xlabel="run-wide samples",
-               ylabel="test accuracy", ylim=(0, 1))
-        ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    return str(out)
 
 
 if __name__ == "__main__":
