@@ -43,7 +43,8 @@ from swarm.averaging.checks import ParamsRejected, check_params, total_norm
 from swarm.averaging.exchange import (  # noqa: F401  (CONTEXT_TRIES, OWN, load_validation: re-exported)
     CONTEXT_TRIES, OWN, ExchangeScorer, fmt_score, load_validation,
 )
-from swarm.averaging.influence import InfluenceGuard, distance, per_tensor, toward
+from swarm.averaging.influence import InfluenceGuard, distance, per_tensor, step_moments, toward
+from swarm.integrity.mixing import MAX_GROWTH_RATIO
 from swarm.averaging.params_rpc import ParamsRefused, fetch_params
 from swarm.averaging.rules import (
     BanList, FlowControl, budget_allows, exchange_candidates, exchange_winner, interpolation_factor, pull_candidates,
@@ -219,14 +220,22 @@ class SwarmAveraging:
             raise _Skipped()
         scales, step = per_tensor(own, state, weight, verdict.scale, self.cfg.influence)
         clipped = min(scales.values(), default=1.0) < 1.0
-        self.guard.accepted(peer, dist, step, now, clipped)
-        if not clipped:
+        bounded = toward(own, state, scales) if clipped else state
+        # the window's norm growth, all partners together (swarm/integrity/mixing.py item 4)
+        share = self.guard.fit_growth(*step_moments(own, bounded, weight), now)
+        self.guard.accepted(peer, dist, step * share, now, clipped or share < 1.0)
+        if share < 1.0:
+            logger.info("shortened the step toward %s's copy to %.2g of it: averaging grew our norm by %.0f %% "
+                        "within %.0f s already", peer[-8:], share, 100 * MAX_GROWTH_RATIO, self.cfg.influence.window_s)
+            bounded = toward(own, bounded, share)
+        elif not clipped:
             return state, peer_clock
         self.stats.clipped += 1
-        logger.info("clipped the copy of %s: distance %.3g, step %.3g of norm %.3g (%s)", peer[-8:], dist, step,
-                    total_norm(own), verdict.reason or "max_step_ratio per tensor")
+        if clipped:
+            logger.info("clipped the copy of %s: distance %.3g, step %.3g of norm %.3g (%s)", peer[-8:], dist, step,
+                        total_norm(own), verdict.reason or "max_step_ratio per tensor")
         clock = self.worker.stats.clock
-        return toward(own, state, scales), clock + verdict.scale * (peer_clock - clock)
+        return bounded, clock + verdict.scale * share * (peer_clock - clock)
 
     def _notice_averaged(self, peer: str, factor: float) -> None:
         self._unannounced += 1

@@ -73,9 +73,13 @@ def bound_message(node: EclNode | DsgdNode, sender: str, message: torch.Tensor, 
     if verdict.scale <= 0.0:
         return Bounded(None)
     factors, step = flat_scales(node.params, difference, numels, weight, verdict.scale, influence)
-    guard.accepted(sender, dist, step, now, factors is not None)
-    if factors is None:
+    bounded = difference if factors is None else factors * difference
+    own = node.params.double()
+    moved = weight * bounded.double()  # the step a DSGD message makes: params + weight * (message - params)
+    share = guard.fit_growth(float(own.pow(2).sum()), float((own * moved).sum()), float(moved.pow(2).sum()), now)
+    guard.accepted(sender, dist, step * share, now, factors is not None or share < 1.0)
+    if factors is None and share >= 1.0:
         return Bounded(message)
-    logger.info("clipped an edge message from %s: distance %.3g, step %.3g (%s)", sender[-8:], dist, step,
-                verdict.reason or "max_step_ratio per tensor")
-    return Bounded(reference + factors * difference, clipped=True)
+    logger.info("clipped an edge message from %s: distance %.3g, step %.3g (%s)", sender[-8:], dist, step * share,
+                verdict.reason or ("max_step_ratio per tensor" if share >= 1.0 else "the window's norm growth"))
+    return Bounded(reference + share * bounded, clipped=True)

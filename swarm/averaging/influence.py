@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from swarm.integrity.mixing import InfluenceLedger, MixVerdict, judge_mix, tensor_scales
+from swarm.integrity.mixing import GrowthLedger, InfluenceLedger, MixVerdict, growth_scale, judge_mix, tensor_scales
 from swarm.run.runconfig import InfluenceConfig
 
 
@@ -68,8 +68,20 @@ class InfluenceGuard:
         self.cfg = cfg
         self.history: deque[float] = deque(maxlen=cfg.history)
         self.ledger = InfluenceLedger(cfg.window_s)
+        self.growth = GrowthLedger(cfg.window_s)
         self.clipped = 0
+        self.shortened = 0  # steps shortened to the window's norm growth
         self._lock = threading.Lock()
+
+    def fit_growth(self, own_sq: float, dot: float, step_sq: float, now: float) -> float:
+        """The share of a step ``own + step`` that fits the window's norm growth (mixing.py item 4); records the
+        growth of that share."""
+        own_norm = own_sq ** 0.5
+        with self._lock:
+            s = growth_scale(own_sq, dot, step_sq, own_norm, self.growth.left(now, own_norm))
+            self.growth.record(now, max(0.0, own_sq + 2 * s * dot + s * s * step_sq) ** 0.5 - own_norm, own_norm)
+            self.shortened += int(s < 1.0)
+            return s
 
     def judge(self, peer: str, dist: float, weight: float, reference_norm: float, now: float) -> MixVerdict:
         with self._lock:
@@ -104,3 +116,19 @@ def flat_scales(params: torch.Tensor, difference: torch.Tensor, numels: list[int
     factors = torch.cat([torch.full((n,), scales[i], dtype=difference.dtype, device=difference.device)
                          for i, n in enumerate(numels)])
     return factors, step
+
+
+def step_moments(ours: Mapping[str, torch.Tensor], theirs: Mapping[str, torch.Tensor], weight: float
+                 ) -> tuple[float, float, float]:
+    """``(||ours||^2, <ours, step>, ||step||^2)`` of the averaging step ``weight * (theirs - ours)`` over the
+    floating tensors (float64 sums), for ``InfluenceGuard.fit_growth``."""
+    own_sq = dot = step_sq = 0.0
+    for name, mine in ours.items():
+        if not mine.is_floating_point():
+            continue
+        a = mine.detach().double()
+        d = theirs[name].detach().to(a.device).double() - a
+        own_sq += float(a.pow(2).sum())
+        dot += weight * float((a * d).sum())
+        step_sq += weight * weight * float(d.pow(2).sum())
+    return own_sq, dot, step_sq

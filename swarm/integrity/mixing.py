@@ -21,6 +21,13 @@ numbers (norms, a history, a time):
    (``tensor_scales``), so the whole allowance cannot be spent on one small tensor (an output bias);
    a tensor near zero counts with its share of the total norm, ``||ours|| * sqrt(numel / total)``.
 
+4. **Norm growth per window**, against the copy's own history, whoever the senders are: the growth of our
+   copy's norm by averaging within ``window_s`` is at most ``MAX_GROWTH_RATIO`` of its norm (``GrowthLedger``;
+   a step is shortened along its own direction so that the norm after it fits, ``growth_scale``). Honest
+   mixing is a convex combination and grows no norm past the larger of the two copies', so it hardly spends
+   this; a partner that pushes the same way on every pull spends it at once. Measured before it (issue 25):
+   66 such pulls at 0.45 of the norm took a copy's norm from 8.2 to 2,271, every pull within the per-pull caps.
+
 ``typical`` is the median of the last ``history`` accepted distances, at least ``floor_ratio *
 ||ours||``, and unknown until ``min_history`` were accepted (then only the ratio limits apply). The
 accepted distances are recorded unclipped, so the bound follows honest copies drifting apart; an
@@ -41,6 +48,7 @@ from swarm.run.runconfig import InfluenceConfig
 NORM_FLOOR = 1e-6  # a copy whose norm is ~0 is measured against this instead
 MIN_FREE_PULLS = 2  # pulls per window any peer gets before the fair share counts
 SPENT_BUDGET_STEPS = 0.01  # a budget below this fraction of one full step counts as spent (no crumbs)
+MAX_GROWTH_RATIO = 0.1  # averaging may grow a copy's norm by this fraction per window_s (60 s), all senders together
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,3 +161,36 @@ class InfluenceLedger:
         counts = {p: self.count(p, now) for p in peers}
         fair = sum(counts.values()) / len(peers)
         return counts[peer] >= max(MIN_FREE_PULLS, slack * fair)
+
+
+def growth_scale(own_sq: float, dot: float, step_sq: float, own_norm: float, growth_left: float) -> float:
+    """The largest ``s`` in [0, 1] with ``||own + s * step|| <= own_norm + max(growth_left, 0)``, given
+    ``own_sq = ||own||^2``, ``dot = <own, step>`` and ``step_sq = ||step||^2``: how much of an averaging step fits
+    what is left of the window's norm growth. A step that does not grow the norm is not shortened."""
+    if step_sq <= 0.0 or not math.isfinite(step_sq) or not math.isfinite(dot):
+        return 1.0
+    limit = own_norm + max(growth_left, 0.0)
+    if own_sq + 2.0 * dot + step_sq <= limit * limit:
+        return 1.0
+    # s^2 * step_sq + 2 s * dot + (own_sq - limit^2) <= 0; own_sq <= limit^2, so the root is real and >= 0
+    disc = max(dot * dot - step_sq * (own_sq - limit * limit), 0.0)
+    return min(1.0, max(0.0, (-dot + math.sqrt(disc)) / step_sq))
+
+
+@dataclass(slots=True)
+class GrowthLedger:
+    """How much averaging grew our copy's norm within the last window (positive growths only, any sender),
+    against the smallest norm the copy had before a step of the window: the bound does not compound."""
+
+    window_s: float
+    growths: deque[tuple[float, float, float]] = field(default_factory=deque)  # (time, growth, norm before)
+
+    def left(self, now: float, own_norm: float, ratio: float = MAX_GROWTH_RATIO) -> float:
+        while self.growths and self.growths[0][0] <= now - self.window_s:
+            self.growths.popleft()
+        base = min([own_norm, *(before for _, _, before in self.growths)])
+        return ratio * max(base, NORM_FLOOR) - sum(g for _, g, _ in self.growths)
+
+    def record(self, now: float, growth: float, norm_before: float = math.inf) -> None:
+        if growth > 0.0:
+            self.growths.append((now, growth, norm_before))
