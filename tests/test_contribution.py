@@ -207,3 +207,15 @@ def test_the_machine_total_says_it_sums_identities_the_farewell_counts_its_own(t
     total = Tally(10165, 325280, 600.0, 2, 0.0, 1.0, ("layer1",))
     assert "sessions of this identity (`volunteer status` sums every identity on this machine)" in farewell(
         RUN_ID, session, total)
+
+
+def test_ctl_status_says_a_stall_and_the_runs_alarms():
+    """Issue 30: the dashboard said STALLED and RUN ALARM; `volunteer ctl status` said neither."""
+    from volunteer_cli.commands.ctl import render_status
+
+    snap = NodeSnapshot(run_name="r", run_id="r-1", swarm="layer0", peer_id="P", state=NodeState.ONLINE,
+                        stalled_s=42.0, run_alarms=("layer1 refuses all 4 drivers: 10 strikes",))
+    lines = render_status(snap.to_json()).splitlines()
+    assert lines[1] == "STALLED: no micro-batch completed for 42 s while it wants to train"
+    assert lines[2] == "RUN ALARM: layer1 refuses all 4 drivers: 10 strikes"
+    assert "STALLED" not in render_status(NodeSnapshot(run_name="r", run_id="r-1", state=NodeState.ONLINE).to_json())

@@ -103,6 +103,9 @@ def render_status(snap: dict) -> str:
     state = snap.get("state", "?")
     reason = snap.get("reason") or ""
     lines = [f"{state}" + (f": {reason}" if reason else (": training" if state == "online" else ""))]
+    if snap.get("stalled_s"):  # it wants to train and completed nothing for that long (the dashboard's STALLED)
+        lines.append(f"STALLED: no micro-batch completed for {snap['stalled_s']:.0f} s while it wants to train")
+    lines += [f"RUN ALARM: {alarm}" for alarm in snap.get("run_alarms") or ()]
     peer = (snap.get("peer_id") or "")[-8:] or "(no peer id yet)"
     lines.append(f"node {peer} in {snap.get('swarm')} of run {snap.get('run_id')} on {snap.get('device')}")
     work = [f"clock {snap.get('clock', 0):.0f} samples", f"{snap.get('samples_per_s', 0.0):.1f} samples/s",
