@@ -218,4 +218,5 @@ def test_ctl_status_says_a_stall_and_the_runs_alarms():
     lines = render_status(snap.to_json()).splitlines()
     assert lines[1] == "STALLED: no micro-batch completed for 42 s while it wants to train"
     assert lines[2] == "RUN ALARM: layer1 refuses all 4 drivers: 10 strikes"
-    assert "STALLED" not in render_status(NodeSnapshot(run_name="r", run_id="r-1", state=NodeState.ONLINE).to_json())
+    assert "STALLED" not in render_status(NodeSnapshot(run_name="r", run_id="r-1", swarm="layer0", peer_id="P",
+                                                       state=NodeState.ONLINE).to_json())
