@@ -33,18 +33,20 @@ def serve(peer: SwarmPeer, params: dict[str, torch.Tensor]) -> str:
 
 
 @contextmanager
-def layer_peers(run: RunConfig, count: int, swarm: str = "layer1", evaluate: bool = False) -> Iterator[list[SwarmPeer]]:
-    """``count`` started peers of ``swarm``, stopped with their DHTs on exit."""
+def layer_peers(run: RunConfig, count: int, swarm: str = "layer1", evaluate: bool = False,
+                extra_swarms: tuple[str, ...] = ()) -> Iterator[list[SwarmPeer]]:
+    """``count`` started peers of ``swarm``, then one of each of ``extra_swarms`` on the same DHT, stopped with
+    their DHTs on exit."""
     dhts, peers = [], []
     first = start_dht(DHTSettings(), [])
     dhts.append(first)
     maddrs = [str(m) for m in first.get_visible_maddrs()]
     try:
-        for _ in range(count):
+        for name in [swarm] * count + list(extra_swarms):
             dht = start_dht(DHTSettings(initial_peers=maddrs), [])
             dhts.append(dht)
             events: list = []
-            peer = SwarmPeer(run, dht, swarm, evaluate=evaluate, notify=lambda *event, seen=events: seen.append(event))
+            peer = SwarmPeer(run, dht, name, evaluate=evaluate, notify=lambda *event, seen=events: seen.append(event))
             peer.events = events
             peer.start()
             peers.append(peer)

@@ -66,9 +66,11 @@ def _same_norm(ours: dict[str, torch.Tensor], away: float, seed: int) -> dict[st
 
 @pytest.fixture(scope="module")
 def swarm():
-    """Our honest peer, an honest neighbour close to it, and a hostile peer; all in layer1."""
-    with layer_peers(RUN, 3) as peers:
-        yield tuple(peers)
+    """Our honest peer, an honest neighbour close to it, and a hostile peer, all in layer1; and a layer0 peer,
+    whose copy is the context a far copy is scored in (swarm/averaging/agent.py ``_vouch``)."""
+    with layer_peers(RUN, 3, extra_swarms=("layer0",)) as peers:
+        peers[0].averaging.set_views({"layer0": [_record(str(peers[3].dht.peer_id))]})
+        yield tuple(peers[:3])
 
 
 def _pull(ours: SwarmPeer, *serving: SwarmPeer) -> bool:
@@ -100,7 +102,8 @@ def test_nan_x1000_and_far_copies_are_rejected_banned_and_never_applied(swarm, p
     liar = _serve(hostile, served)
     assert not _pull(ours, hostile)
     assert _distance(before, _params(ours)) == 0.0, "nothing of it was applied"
-    reason = {"nan": "NaN", "x1000": "max_norm_ratio", "far": "max_distance_ratio"}[poison]
+    # far: scored on the validation split first (near chance, as a random copy is), then banned
+    reason = {"nan": "NaN", "x1000": "max_norm_ratio", "far": "on the validation split against our"}[poison]
     assert any(kind == "rejected" and liar[-8:] in text and reason in text for _, kind, text in ours.events)
     pulls = ours.averaging.stats.pulls
     assert not _pull(ours, hostile), "banned: no second pull"
@@ -143,5 +146,42 @@ def test_after_honest_pulls_the_same_perturbation_is_an_outlier_and_banned(swarm
     assert not _pull(ours, hostile)
     assert _distance(before, _params(ours)) == 0.0
     assert any(kind == "rejected" and liar[-8:] in text and "outlier_multiplier" in text
-               for _, kind, text in ours.events)
+               and "on the validation split" in text for _, kind, text in ours.events)
     assert _pull(ours, honest, hostile), "the honest neighbour is still averaged with"
+
+
+def test_a_far_copy_that_scores_well_on_validation_is_averaged_with_one_capped_step_not_banned(swarm, monkeypatch):
+    """Issue 25: with SGD + momentum on label-skewed shards, 2 peers per swarm, every peer banned its only partner
+    for 300 s as "too far" and the copies never averaged again. A far copy is scored first (here the scorer says
+    it scores about as well as ours); then it is taken, one step capped at max_step_ratio, and nobody is banned."""
+    from types import SimpleNamespace
+
+    ours, _, hostile = swarm
+    _fresh(ours)
+    averaging = ours.averaging
+    monkeypatch.setattr(averaging.scorer, "context", lambda views, me: _ready(("ctx", "ctx")))
+    monkeypatch.setattr(averaging.scorer, "score", lambda context, copies: (
+        SimpleNamespace(loss=1.0), {p: SimpleNamespace(loss=1.2) for p in copies}, {p: 0.0 for p in copies}))
+    before = _params(ours)
+    partner = _serve(hostile, _same_norm(before, away=2.0, seed=5))  # ~1.4 norms away: past max_distance_ratio
+    events = len(ours.events)
+    assert _pull(ours, hostile), "averaged with"
+    step = _distance(before, _params(ours))
+    assert 0.0 < step <= BOUNDS.max_step_ratio * _norm(before) * (1 + TOLERANCE)
+    assert all(kind != "rejected" for _, kind, _ in ours.events[events:])
+    assert averaging._vouched[partner] > time.monotonic(), "taken without a new score for a while"
+    # one that scores far worse than ours is banned, with the scores in the reason
+    monkeypatch.setattr(averaging.scorer, "score", lambda context, copies: (
+        SimpleNamespace(loss=1.0), {p: SimpleNamespace(loss=2.0) for p in copies}, {p: 0.0 for p in copies}))
+    averaging._vouched.clear()
+    assert not _pull(ours, hostile)
+    assert any(kind == "rejected" and "scores 2.000 on the validation split against our 1.000" in text
+               for _, kind, text in ours.events[events:])
+
+
+async def _coro(value):
+    return value
+
+
+def _ready(value):
+    return _coro(value)

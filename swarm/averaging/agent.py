@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import threading
 import time
@@ -44,7 +45,7 @@ from swarm.averaging.exchange import (  # noqa: F401  (CONTEXT_TRIES, OWN, load_
     CONTEXT_TRIES, OWN, ExchangeScorer, fmt_score, load_validation,
 )
 from swarm.averaging.influence import InfluenceGuard, distance, per_tensor, step_moments, toward
-from swarm.integrity.mixing import MAX_GROWTH_RATIO
+from swarm.integrity.mixing import MAX_GROWTH_RATIO, MixVerdict
 from swarm.averaging.params_rpc import ParamsRefused, fetch_params
 from swarm.averaging.rules import (
     BanList, FlowControl, budget_allows, exchange_candidates, exchange_winner, interpolation_factor, pull_candidates,
@@ -80,6 +81,19 @@ class _Skipped(Exception):
     """The peer has moved our copy as far as its budget allows within the window: drop this copy."""
 
 
+class _Far(ParamsRejected):
+    """A copy refused only for its distance from ours: on label-skewed shards an honest partner drifts that far
+    (issue 25: with SGD + momentum and 2 peers per swarm every peer banned its only partner for 300 s, and the
+    copies never averaged again). Before any ban it is scored on the validation split (``_vouch``)."""
+
+
+FAR_VOUCH_S = 60.0  # a far copy that scored well is taken (clipped) from its peer for this long without a new score
+# a far copy is vouched for when its validation loss is at most this factor of ours plus the slack: a skewed
+# partner's copy scores about as badly as ours on the other classes; a garbage copy scores near chance (ln 10)
+FAR_LOSS_FACTOR, FAR_LOSS_SLACK = 1.5, 0.1
+FAR_CHANCE_FRACTION = 0.9  # ... and below this fraction of chance's loss (ln of the classes or the vocabulary)
+
+
 class SwarmAveraging:
     """Keeps one peer's copy of its layer close to the swarm's (see the module doc)."""
 
@@ -101,6 +115,7 @@ class SwarmAveraging:
         self.flow = FlowControl()
         self.banned = BanList()
         self.guard = InfluenceGuard(self.cfg.influence)
+        self._vouched: dict[str, float] = {}  # far peers whose copies scored well: until when (monotonic)
         self._bans_lock = threading.Lock()  # ban lists are written from the compute thread too
         self._draw_rng = random.Random(seed)  # compute thread only
         self._choice_rng = random.Random(None if seed is None else seed + 1)  # loop thread only
@@ -182,7 +197,12 @@ class SwarmAveraging:
             return False
         state, meta = fetched
         try:
-            factor = await self.loop.run_in_executor(self.executor, self._mix, state, meta)
+            try:
+                factor = await self.loop.run_in_executor(self.executor, self._mix, state, meta)
+            except _Far as exc:  # scored on data before any verdict: a skewed partner is not a poisoner
+                if not await self._vouch(peer, state, str(exc)):
+                    return False
+                factor = await self.loop.run_in_executor(self.executor, self._mix, state, meta)
         except ParamsRejected as exc:
             self._reject(peer, str(exc))
             return False
@@ -213,8 +233,11 @@ class SwarmAveraging:
         now = time.monotonic()
         dist = distance(own, state)
         verdict = self.guard.judge(peer, dist, weight, total_norm(own), now)
-        if verdict.rejected:
-            raise ParamsRejected(verdict.reason)
+        if verdict.far and self._vouched.get(peer, 0.0) > now:  # scored well on data: taken, one capped step
+            verdict = MixVerdict(min(1.0, self.cfg.influence.max_step_ratio * total_norm(own) / (weight * dist)),
+                                 "far, vouched for by its validation loss")
+        elif verdict.rejected:
+            raise (_Far if verdict.far else ParamsRejected)(verdict.reason)
         if verdict.scale <= 0.0:
             self.stats.over_budget += 1
             raise _Skipped()
@@ -267,6 +290,27 @@ class SwarmAveraging:
             logger.info("pull from %s failed: %s %s", peer[-8:], exc.__class__.__name__, exc)
         return None
 
+    async def _vouch(self, peer: str, state: dict, why: str) -> bool:
+        """Score a far copy and ours on the validation split: True (and taken for ``FAR_VOUCH_S``) when it scores
+        about as well; banned when it scores far worse; skipped, nobody blamed, when no score could be made."""
+        context = await self.scorer.context(self.views, self.me)
+        scored = None if context is None else await self.loop.run_in_executor(
+            self.executor, self.scorer.score, context, {peer: state})
+        if scored is None:
+            logger.info("a far copy of %s (%s) could not be scored: skipped, not blamed", peer[-8:], why)
+            return False
+        own, scores, _ = scored
+        theirs = scores[peer].loss
+        model = self.run.model  # and it must have learned something: a copy near chance proves nothing
+        chance = math.log(model.num_classes if model.kind == "mlp" else model.vocab_size)
+        if theirs <= FAR_LOSS_FACTOR * own.loss + FAR_LOSS_SLACK and theirs < FAR_CHANCE_FRACTION * chance:
+            self._vouched[peer] = time.monotonic() + FAR_VOUCH_S
+            logger.info("the copy of %s is far from ours (%s) but scores %.3f on the validation split against our "
+                        "%.3f: averaged with, one capped step at a time", peer[-8:], why, theirs, own.loss)
+            return True
+        self._reject(peer, f"{why}, and it scores {theirs:.3f} on the validation split against our {own.loss:.3f}")
+        return False
+
     def _reject(self, peer: str, reason: str) -> None:
         with self._bans_lock:
             self.banned.ban(peer, time.monotonic(), self.cfg.ban_s)
@@ -314,6 +358,7 @@ class SwarmAveraging:
         if winner is None:
             self.stats.kept_own += 1
             return False
+        self._vouched[winner] = time.monotonic() + FAR_VOUCH_S  # it just scored better than ours: never "far"
         try:
             await self.loop.run_in_executor(self.executor, self._adopt, winner, copies[winner], clocks[winner])
         except ParamsRejected as exc:

@@ -58,6 +58,7 @@ class MixVerdict:
     scale: float
     reason: str = ""  # why it was clipped or rejected; empty when applied whole
     rejected: bool = False
+    far: bool = False  # rejected only for its distance: the caller may vouch for it on data (agent.py)
 
     @property
     def clipped(self) -> bool:
@@ -83,12 +84,13 @@ def judge_mix(distance: float, weight: float, reference_norm: float, history: Se
         return MixVerdict(0.0, "its difference from our copy is not finite", rejected=True)
     if distance > cfg.max_distance_ratio * ref:
         return MixVerdict(0.0, f"its copy is {distance / ref:.2f} of our norm away from ours; the limit is "
-                               f"averaging.influence.max_distance_ratio = {cfg.max_distance_ratio:g}", rejected=True)
+                               f"averaging.influence.max_distance_ratio = {cfg.max_distance_ratio:g}", rejected=True,
+                          far=True)
     typical = typical_distance(history, ref, cfg)
     if typical is not None and distance > cfg.outlier_multiplier * typical:
         return MixVerdict(0.0, f"its copy is {distance / typical:.0f}x farther from ours than the recent median "
                                f"({typical:.3g}); the limit is averaging.influence.outlier_multiplier = "
-                               f"{cfg.outlier_multiplier:g}", rejected=True)
+                               f"{cfg.outlier_multiplier:g}", rejected=True, far=True)
     if weight <= 0 or distance <= 0:
         return MixVerdict(1.0)
     if budget_left < SPENT_BUDGET_STEPS * cfg.max_step_ratio * ref:
