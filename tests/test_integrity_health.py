@@ -52,6 +52,28 @@ def test_local_loss_explosion_needs_a_warm_ema_and_a_baseline():
     assert monitor.sick_reason == "the loss is not finite"
 
 
+def test_one_drivers_exploding_loss_does_not_make_the_copy_sick_every_drivers_does():
+    """Issue 25: a stranger that pairs activations with wrong ids made layer3 heal 33 times, each heal cutting its
+    step size, until it was frozen. The copy is sick when every active driver's loss exploded, not one's."""
+    monitor = HealthMonitor(IntegrityConfig(loss_explode_ratio=4.0), chance_loss=math.log(10))
+    for t in range(30):
+        monitor.observe_local_loss(0.3, "honest", now=float(t))
+        monitor.observe_local_loss(0.3, "liar", now=float(t))
+    monitor.set_baseline(param_norm=1.0)
+    for t in range(30, 90):
+        monitor.observe_local_loss(0.3, "honest", now=float(t))
+        monitor.observe_local_loss(40.0, "liar", now=float(t))  # wrong pairings: its own loss explodes
+    assert not monitor.sick
+    for t in range(90, 130):  # the copy itself breaks: every driver's loss explodes
+        monitor.observe_local_loss(40.0, "honest", now=float(t))
+        monitor.observe_local_loss(40.0, "liar", now=float(t))
+    assert monitor.sick and "for all 2 drivers" in monitor.sick_reason
+    monitor.healed()
+    for t in range(200, 260):  # the honest driver left 70 s ago: its old low loss no longer vouches for the copy
+        monitor.observe_local_loss(40.0, "liar", now=float(t))
+    assert monitor.sick
+
+
 def _poison(worker: StageWorker) -> None:
     with torch.no_grad():
         next(worker.module.parameters()).fill_(math.nan)

@@ -21,8 +21,9 @@ state and is called on the compute thread (under the stage's lock). The healing 
 from __future__ import annotations
 
 import math
-from collections import deque
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass
 
 from swarm.run.runconfig import IntegrityConfig
@@ -34,6 +35,8 @@ NORM_EXPLODE_RATIO = 10.0  # sick when ||params|| exceeds this many times the sm
 NORM_HISTORY_SNAPSHOTS = 16
 LOSS_EMA_ALPHA = 0.1
 LOSS_WARMUP_UPDATES = 20  # a loss EMA over fewer updates is not yet a signal
+LOSS_OWNER_RECENT_S = 30.0  # a driver's loss EMA counts while it sent a micro-batch within this long
+MAX_LOSS_OWNERS = 256  # drivers whose loss EMA is kept; the longest silent goes first
 DEAD_LIVE_RATIO = 0.1  # collapsed when the share of output features that still vary falls below this x the healthy share
 LIVE_STD_RATIO = 1e-4  # a feature varies when its std over the batch exceeds this x the outputs' RMS
 DEAD_FORWARDS = 3  # ... in this many forwards in a row (one odd batch is not a verdict)
@@ -135,6 +138,7 @@ class HealthMonitor:
         self._norms: deque[float] = deque(maxlen=NORM_HISTORY_SNAPSHOTS)  # of the recent good snapshots
         self.loss_ema: float | None = None  # of the losses computed here (last stage only)
         self._losses_seen = 0
+        self._owner_losses: dict[str, tuple[float, int, float]] = {}  # driver -> (loss EMA, losses, last seen)
         self.times_sick = 0
         self.live_ema: float | None = None  # stage 0: the share of its output features that vary, own batches
         self.live_peak: float | None = None  # ... the highest that EMA has been
@@ -165,18 +169,35 @@ class HealthMonitor:
             self.mark_sick(reason)
             raise SickCopy(reason)
 
-    def observe_local_loss(self, loss: float) -> None:
-        """A loss this stage computed itself (last stage): non-finite or exploding means sick."""
+    def observe_local_loss(self, loss: float, owner: str = "", now: float | None = None) -> None:
+        """A loss this stage computed itself (last stage) on ``owner``'s micro-batch: non-finite means sick, and so
+        does an exploded loss EMA, judged per driver: the copy is sick when the loss of every driver active here
+        exploded (the lowest of their EMAs), not when one driver's did. A driver that pairs activations with the
+        wrong ids has a loss of its own that explodes; that must not make the copy heal, again and again, for
+        everyone (issue 25 item 7: "a lying loss cannot make a stage heal forever"). A copy that really broke
+        breaks for every driver."""
         if not math.isfinite(loss):
             self.mark_sick("the loss is not finite")
             return
         self.loss_ema = loss if self.loss_ema is None else (1 - LOSS_EMA_ALPHA) * self.loss_ema + LOSS_EMA_ALPHA * loss
         self._losses_seen += 1
+        now = time.monotonic() if now is None else now
+        ema, seen, _ = self._owner_losses.get(owner, (loss, 0, now))
+        self._owner_losses[owner] = (loss if seen == 0 else (1 - LOSS_EMA_ALPHA) * ema + LOSS_EMA_ALPHA * loss,
+                                     seen + 1, now)
+        if len(self._owner_losses) > MAX_LOSS_OWNERS:
+            del self._owner_losses[min(self._owner_losses, key=lambda o: self._owner_losses[o][2])]
+        judged = [e for e, n, at in self._owner_losses.values()
+                  if n >= LOSS_WARMUP_UPDATES and now - at <= LOSS_OWNER_RECENT_S]
+        if not judged:
+            return
+        lowest = min(judged)
         baseline = self.baseline.loss_ema if self.baseline is not None else None
         ratio = self.cfg.loss_explode_ratio
-        if self._losses_seen >= LOSS_WARMUP_UPDATES and loss_exploded(self.loss_ema, baseline, ratio, self.chance_loss):
+        if loss_exploded(lowest, baseline, ratio, self.chance_loss):
             limit = loss_limit(baseline, ratio, self.chance_loss)
-            self.mark_sick(f"the loss EMA {self.loss_ema:.3g} exploded (the limit is {limit:.3g})")
+            self.mark_sick(f"the loss EMA {lowest:.3g} exploded (the limit is {limit:.3g})"
+                           + (f" for all {len(judged)} drivers" if len(judged) > 1 else ""))
 
     def observe_own_forward(self, inputs, outputs) -> None:
         """Stage 0, a forward of the node's own data: a copy whose outputs stopped depending on its inputs

@@ -203,7 +203,7 @@ class StageWorker:
             saved = self._graph(x)
             loss = loss_fn(self.run.model, saved.outputs, y.to(self.device))
             value = float(loss.item())
-            self.health.observe_local_loss(value)
+            self.health.observe_local_loss(value, owner)
             self._refuse_if_sick()
             loss.backward()
             self._check_emitted(saved.inputs.grad, "input gradients")
