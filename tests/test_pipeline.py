@@ -168,6 +168,8 @@ def test_export_then_eval_reproduces_the_reported_accuracy(pipe):
     assert reported["state"] == "paused"
     assert result["test_accuracy"] == reported["test_accuracy"]
     assert abs(result["test_loss"] - reported["test_loss"]) < 1e-4
+    measured = json.loads(export.stdout().strip().splitlines()[-1])["measured"]  # recomputed by the exporter
+    assert measured["test_accuracy"] == result["test_accuracy"]
 
 
 def test_a_clean_stop_of_the_driver_counts_every_sample_once(pipe):

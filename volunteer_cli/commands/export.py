@@ -59,7 +59,12 @@ def run_export(args: argparse.Namespace) -> int:
             candidates[name] = export_order(views.get(name, []))
             if not candidates[name]:
                 raise UserError(f"swarm {name} has no live peer to export from; try again when it has one")
-        states, donors = asyncio.run(_download(dht, run, candidates, args.timeout_s))
+        delivered = asyncio.run(_download(dht, run, candidates, args.timeout_s))
+        from volunteer_cli.commands.export_choice import choose_copies, measure
+
+        states, donors, notes = _choose(run, delivered, choose_copies)
+        for note in notes:
+            print(f"scored here on the validation split: {note}", file=sys.stderr)
         print(f"exported run {run.run_id} from: " +
               ", ".join(f"{n} <- {d.peer_id[-8:]} (loss {d.loss:.3f}, clock {d.clock})" for n, d in donors.items()),
               file=sys.stderr)
@@ -68,43 +73,59 @@ def run_export(args: argparse.Namespace) -> int:
             shutdown_dht(dht)
         watchdog.stop()
     payload = _assemble(run, states, donors, views)
+    payload["measured"] = measure(run, states)  # the model's own test figures, recomputed here
     import torch
 
     torch.save(payload, out)
-    print(json.dumps({"out": str(out), "run_id": run.run_id, "reported": payload["reported"]}) if args.json
-          else f"saved {out}")
+    measured = payload["measured"]
+    figure = (f"test accuracy {measured['test_accuracy']:.2%}" if measured["test_accuracy"] is not None
+              else f"test loss {measured['test_loss']:.4f}")
+    print(json.dumps({"out": str(out), "run_id": run.run_id, "reported": payload["reported"], "measured": measured})
+          if args.json else f"saved {out} ({figure}, measured here on {measured['test_samples']} test samples)")
     return 0
 
 
-async def _download(dht, run, candidates: dict, timeout_s: float) -> tuple[dict, dict]:
-    """Each swarm's layer from its first donor that delivers it: (states, donors used). A cut stream is retried,
-    then the next donor is asked; only when every one failed is it an error, naming each failure."""
+def _choose(run, delivered: dict, choose_copies) -> tuple[dict, dict, list[str]]:
+    try:
+        return choose_copies(run, delivered)
+    except RuntimeError as exc:  # a copy whose names or shapes are not the run's stage
+        raise UserError(f"a downloaded layer does not fit the run's model: {exc}") from None
+
+
+async def _download(dht, run, candidates: dict, timeout_s: float) -> dict:
+    """Each swarm's layer from its first ``EXPORT_CANDIDATES`` donors that deliver it: {swarm: [(record, state)]},
+    scored afterwards (export_choice.py). A cut stream is retried, then the next donor is asked; only when every
+    one failed is it an error, naming each failure."""
+    from volunteer_cli.commands.export_choice import EXPORT_CANDIDATES
+
     from swarm.averaging.params_rpc import ParamsRefused, fetch_params
     from swarm.dht.dht import fresh_p2p
 
     p2p = await fresh_p2p(dht)
     try:
-        states, donors = {}, {}
+        delivered: dict[str, list] = {}
         for name, order in candidates.items():
-            failures = []
+            failures, got = [], delivered.setdefault(name, [])
             for donor in order:
                 for _ in range(EXPORT_TRIES_PER_DONOR):
                     try:
-                        states[name], _ = await fetch_params(p2p, donor.peer_id, run, name, timeout_s=timeout_s)
-                        donors[name] = donor
+                        state, _ = await fetch_params(p2p, donor.peer_id, run, name, timeout_s=timeout_s)
+                        got.append((donor, state))
                         break
                     except (ConnectionError, asyncio.TimeoutError) as exc:  # a cut stream, a slow peer: again
                         failures.append(f"{donor.peer_id[-8:]}: {exc.__class__.__name__}: {exc}")
                     except (ParamsRefused, OSError, ValueError) as exc:
                         failures.append(f"{donor.peer_id[-8:]}: {exc}")
                         break
-                if name in states:
+                if len(got) >= EXPORT_CANDIDATES:
                     break
-                print(f"could not download {name} from {donor.peer_id[-8:]}; trying the next peer", file=sys.stderr)
-            if name not in states:
+                if not got or got[-1][0] is not donor:
+                    print(f"could not download {name} from {donor.peer_id[-8:]}; trying the next peer",
+                          file=sys.stderr)
+            if not got:
                 raise UserError(f"could not download {name} from any of its {len(order)} peer(s): "
                                 + "; ".join(failures[-4:]))
-        return states, donors
+        return delivered
     finally:
         await p2p.shutdown()
 
@@ -120,8 +141,9 @@ def _assemble(run, states: dict, donors: dict, views: dict) -> dict:
         except RuntimeError as exc:
             raise UserError(f"{name} from {donors[name].peer_id[-8:]} does not fit the run's model: {exc}") from None
         stages.append(module.state_dict())
-    published = [r for r in views.get("layer0", []) if r.test_accuracy >= 0 or r.test_loss >= 0]
-    latest = max(published, key=lambda r: r.eval_samples) if published else None
+    from swarm.dht.published import representative_evaluation
+
+    latest, _ = representative_evaluation(views.get("layer0", []), run.training.eval_every_s)  # a claim: the median
     return {
         "format": EXPORT_FORMAT,
         "run": run.model_dump(mode="json"),
