@@ -126,3 +126,50 @@ def test_export_asks_the_best_copy_first_and_the_others_after():
     records = [record("a", 0.5, 10), record("b", 0.2, 5), record("c", -1.0, 99), record("d", 0.1, 1, "offline"),
                record("e", 0.05, 1, reachable=0)]
     assert [r.peer_id for r in export_order(records)] == ["b", "a", "c"]
+
+
+def test_the_keybook_asks_only_peers_its_views_list_so_random_signers_spend_no_fetches():
+    """Issue 25: a stranger naming random signers spent the 8 fetches a second a new honest peer's key needed."""
+    import asyncio
+
+    from swarm.pipeline.keybook import KeyBook
+
+    asked = []
+
+    async def fetch(peer_id: str, swarm: str) -> bytes:
+        asked.append(peer_id)
+        return bytes(32)
+
+    async def main():
+        book = KeyBook(fetch)
+        assert await book.key("early", "layer2") == bytes(32), "no view of the swarm yet: asked"
+        book.prefetch(["honest"], "layer2")
+        await asyncio.sleep(0.05)
+        for k in range(50):
+            assert await book.key(f"random{k}", "layer2") is None
+        assert asked == ["early", "honest"], asked
+        book.prefetch(["newer"], "layer2")  # the view before the last still counts (a peer that just left)
+        await asyncio.sleep(0.05)
+        assert book.known("honest") and await book.key("newer", "layer2") == bytes(32)
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_one_requesters_flood_of_forwards_evicts_its_own_emitted_digests_not_the_others():
+    """Issue 25: the forwards' output digests a backward is checked against were kept first-in first-out for every
+    requester together, so one identity's flood of forwards evicted the honest drivers' (their backwards then
+    needed the longer chain of receipts)."""
+    from hivemind.proto import runtime_pb2
+
+    from swarm.integrity.receipts import ReceiptKey
+    from swarm.pipeline import stage_receipts
+    from swarm.pipeline.keybook import KeyBook
+
+    desk = stage_receipts.ReceiptDesk("run-x", 1, ReceiptKey("QmStage1"), KeyBook())
+    out = [runtime_pb2.Tensor(buffer=b"\0" * 16, size=[4], dtype="float32")]
+    for k in range(10):
+        desk.sign("honest", "forward", stage_receipts.Vouched(mb=f"h{k}", input=b"i" * 16, ids=b"d" * 16), out, 1)
+    for k in range(stage_receipts.MAX_EMITTED + 100):
+        desk.sign("flooder", "forward", stage_receipts.Vouched(mb=f"f{k}", input=b"i" * 16, ids=b"d" * 16), out, 1)
+    assert all(("honest", f"h{k}") in desk.emitted for k in range(10))
+    assert sum(1 for r, _ in desk.emitted if r == "flooder") == stage_receipts.MAX_EMITTED_PER_REQUESTER

@@ -7,7 +7,9 @@ relayed by anyone else is never believed, so a relay cannot sign in another peer
 
 Fetches are bounded: one in flight per peer, at most ``MAX_FETCHES_PER_S`` a second in all, each within
 ``FETCH_TIMEOUT_S``, and a peer that did not answer is not asked again for ``FAILED_RETRY_S`` (a stranger
-naming random signers costs us a few dials a second, not a storm).
+naming random signers costs us a few dials a second, not a storm). And only a peer our last two views of that
+swarm list is asked at all (once a view of the swarm exists): a stranger naming random signers spent the fetch
+budget that a new honest peer's key needed, and its receipts waited as ``unknown_signer`` meanwhile.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class KeyBook:
         self._pending: dict[str, asyncio.Future] = {}
         self._tokens = MAX_FETCHES_PER_S
         self._tokens_at = time.monotonic()
+        self._members: dict[str, tuple[frozenset[str], frozenset[str]]] = {}  # swarm -> (last view, the one before)
 
     def learn(self, peer_id: str, key: object) -> None:
         """A key that came from ``peer_id`` itself (its request or its reply); anything else is ignored."""
@@ -59,6 +62,9 @@ class KeyBook:
         now = time.monotonic()
         if now - self._failed.get(peer_id, float("-inf")) < FAILED_RETRY_S:
             return None
+        members = self._members.get(swarm)
+        if members is not None and peer_id not in members[0] and peer_id not in members[1]:
+            return None  # nobody our views know in that swarm: no dial, no token spent
         pending = self._pending.get(peer_id)
         if pending is None:
             if not self._take_token(now):
@@ -90,7 +96,9 @@ class KeyBook:
     def prefetch(self, peer_ids: list[str], swarm: str) -> None:
         """Ask for the keys of ``swarm``'s peers we do not have yet, in the background (on the running loop): a
         peer that signs a tensor and then dies (killed, or gone) can no longer be asked, and its receipts must still
-        be checkable by the next stage."""
+        be checkable by the next stage. The ids are also the swarm's members: only they are asked later (``key``)."""
+        previous = self._members.get(swarm, (frozenset(), frozenset()))[0]
+        self._members[swarm] = (frozenset(peer_ids), previous)
         for peer_id in peer_ids:
             if peer_id not in self._keys and peer_id not in self._pending:
                 asyncio.ensure_future(self.key(peer_id, swarm))

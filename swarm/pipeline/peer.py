@@ -361,7 +361,7 @@ class SwarmPeer:
             if k < 1 or k >= self.run.model.stages:  # stage 0's receipts are signed by the requester itself
                 continue
             name = f"layer{k}"
-            ids = [r.peer_id for r in views.get(name, []) if r.state == "online"]
+            ids = [r.peer_id for r in views.get(name, []) if r.state != "offline"]
             self._loop.call_soon_threadsafe(self.keys.prefetch, ids, name)
 
     def set_shard(self, shard: int) -> None:

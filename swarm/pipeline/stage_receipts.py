@@ -20,7 +20,7 @@ A signer we cannot get a key from right now is nobody's fault: ``unknown_signer`
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,9 @@ from swarm.pipeline.keybook import KeyBook
 from swarm.pipeline.wire import payload_of
 
 MAX_EMITTED = 4096  # forwards whose output digest we keep for the backward (more than the activation cache)
+# ... of which one requester's at most: a flood of one identity's forwards evicts its own, not the other drivers'
+# (whose backwards would then need the longer chain of receipts)
+MAX_EMITTED_PER_REQUESTER = 512
 UNKNOWN_SIGNER_RETRY_S = 2.0
 # infer takes a forward's activations too: a driver's spot check (swarm/pipeline/spot_checks.py) asks a second peer
 # for the output of an input another peer computed in training
@@ -92,6 +95,7 @@ class ReceiptDesk:
         self.keys = keys
         self.keys.learn(key.peer_id, key.public)
         self.emitted: OrderedDict[tuple[str, str], Emitted] = OrderedDict()
+        self._emitted_by: dict[str, deque[str]] = {}  # requester -> its micro-batch ids in self.emitted, oldest first
 
     # ----- before the request runs
     async def check(self, requester: str, op: str, meta: dict, tensors: list[Any]) -> Vouched:
@@ -172,8 +176,17 @@ class ReceiptDesk:
                                 output, vouched.ids or b"\0" * 16)
         if op == "forward":
             self.emitted[(requester, vouched.mb)] = Emitted(vouched.input, output, vouched.ids)
+            mine = self._emitted_by.setdefault(requester, deque())
+            mine.append(vouched.mb)
+            while len(mine) > MAX_EMITTED_PER_REQUESTER:
+                self.emitted.pop((requester, mine.popleft()), None)
             while len(self.emitted) > MAX_EMITTED:
-                self.emitted.popitem(last=False)
+                (old_requester, old_mb), _ = self.emitted.popitem(last=False)
+                theirs = self._emitted_by.get(old_requester)
+                if theirs and theirs[0] == old_mb:
+                    theirs.popleft()
+            if len(self._emitted_by) > MAX_EMITTED:  # requesters with nothing kept any more
+                self._emitted_by = {r: q for r, q in self._emitted_by.items() if q}
         return receipt.to_wire()
 
 
