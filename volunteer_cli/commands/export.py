@@ -39,6 +39,7 @@ def run_export(args: argparse.Namespace) -> int:
     out = Path(args.out).expanduser()
     if out.parent and not out.parent.exists():
         raise UserError(f"--out {out}: the folder {out.parent} does not exist")
+    tokenizer_file = _hf_export_checks(run, out) if args.format == "hf" else None
     from volunteer_cli.commands.common import setup_process
 
     watchdog, _ = setup_process(args.verbose)
@@ -68,12 +69,33 @@ def run_export(args: argparse.Namespace) -> int:
             shutdown_dht(dht)
         watchdog.stop()
     payload = _assemble(run, states, donors, views)
-    import torch
+    if tokenizer_file is not None:
+        from swarm.run.hf_export import write_hf_dir
 
-    torch.save(payload, out)
-    print(json.dumps({"out": str(out), "run_id": run.run_id, "reported": payload["reported"]}) if args.json
-          else f"saved {out}")
+        write_hf_dir(out, run.model, payload["stages"], tokenizer_file)
+    else:
+        import torch
+
+        torch.save(payload, out)
+    print(json.dumps({"out": str(out), "format": args.format, "run_id": run.run_id, "reported": payload["reported"]})
+          if args.json else f"saved {out}")
     return 0
+
+
+def _hf_export_checks(run, out: Path) -> Path:
+    """Before any download: the run is a llama run, --out is a folder, and the run's tokenizer file is here."""
+    from swarm.run.tokenizer import TokenizerError, load_tokenizer, tokenizer_path
+
+    if run.model.kind != "llama":
+        raise UserError(f"--format hf exports model.kind llama; run {run.run_id} is a {run.model.kind}: "
+                        "use --format pt")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out}: --format hf writes a folder, and this is a file")
+    try:
+        load_tokenizer(run.data)
+    except TokenizerError as exc:
+        raise UserError(str(exc)) from None
+    return tokenizer_path(run.data)
 
 
 async def _download(dht, run, candidates: dict, timeout_s: float) -> tuple[dict, dict]:
