@@ -83,7 +83,7 @@ def text_chunks(paths: list[Path], on_read: Callable[[int], None] | None = None)
                         break
                     text = _jsonl_text(line)
                 else:
-                    text = handle.read(TRAIN_CHUNK_CHARS)
+                    text = _lines(handle, TRAIN_CHUNK_CHARS)
                     if not text:
                         break
                 if on_read is not None:
@@ -93,6 +93,20 @@ def text_chunks(paths: list[Path], on_read: Callable[[int], None] | None = None)
             done += path.stat().st_size
     if on_read is not None:
         on_read(done)
+
+
+def _lines(handle: io.TextIOBase, max_chars: int) -> str:
+    """Whole lines up to about ``max_chars`` characters (a line longer than that is cut): chunks end at a line's
+    end, so a word is rarely split between two chunks."""
+    lines: list[str] = []
+    size = 0
+    while size < max_chars:
+        line = handle.readline(max_chars)
+        if not line:
+            break
+        lines.append(line)
+        size += len(line)
+    return "".join(lines)
 
 
 def _jsonl_text(line: str) -> str | None:
