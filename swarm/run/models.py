@@ -88,6 +88,20 @@ def target_spec(model: ModelConfig, batch_size: int | None = None) -> TensorSpec
     return TensorSpec((batch_size, model.seq_len), torch.int64)
 
 
+# ----- evaluation chunks
+EVAL_BATCH_MAX = 512
+EVAL_BYTES_MAX = 128 << 20  # float32 activations (or logits) of one evaluation chunk, so a large LM fits a GPU
+
+
+def eval_batch(model: ModelConfig, wide: bool = False) -> int:
+    """Samples per evaluation chunk: EVAL_BATCH_MAX, fewer for a language model whose chunk would pass
+    EVAL_BYTES_MAX of activations between stages (``wide``: of logits, the last stage's own sub-chunks)."""
+    if not model.language_model:
+        return EVAL_BATCH_MAX
+    width = model.vocab_size if wide else model.d_model
+    return max(1, min(EVAL_BATCH_MAX, EVAL_BYTES_MAX // (model.seq_len * width * 4)))
+
+
 # ----- loss
 def loss_fn(model: ModelConfig, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy in nats; the language model's (B, T, V) logits are flattened per token."""

@@ -7,7 +7,8 @@ rows, so a file larger than memory is never read whole (``TokenWindows``).
 
 Sources (``data.source``, with ``model.kind: llama``):
 - ``text``: the byte corpus of the charlm run (or ``data.path``), tokenized in memory (``max_text_bytes``
-  bounds it); the test split is its tail, the validation split just before it, as for bytes.
+  bounds it); the test split is its tail (at most TEST_WINDOWS_MAX windows), the validation split just before
+  it, as for bytes.
 - ``tokens``: nanoGPT's layout: ``train.bin``, ``val.bin`` and optionally ``test.bin`` in ``data.path``, flat
   arrays of ``data.token_dtype``. The test split is ``test.bin`` (else ``val.bin``), at most
   TEST_WINDOWS_MAX windows of it; the validation split is ``val.bin`` when ``test.bin`` exists, else the tail
@@ -105,7 +106,7 @@ def token_dataset(data: DataConfig, model: ModelConfig) -> Dataset:
 def _tail_split(tokens: np.ndarray, data: DataConfig, model: ModelConfig, bytes_per_token: float) -> Dataset:
     """Train, validation and test windows of one array: the test split is its tail, validation just before."""
     total = window_count(len(tokens), model.seq_len)
-    n_test = min(max(1, int(round(data.test_fraction * total))), total - 1)
+    n_test = min(max(1, int(round(data.test_fraction * total))), total - 1, TEST_WINDOWS_MAX)
     n_val = min(max(1, int(round(data.validation_fraction * total))), total - n_test - 1) \
         if data.validation_fraction > 0 else 0
     n_train = total - n_test - n_val

@@ -166,7 +166,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
     from swarm.run.data import load_dataset
     from swarm.run.local import evaluate
-    from swarm.run.models import bits_per_char
+    from swarm.run.models import bits_per_char, perplexity
 
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
@@ -186,13 +186,16 @@ def run_eval(args: argparse.Namespace) -> int:
     dataset = load_dataset(run.data, run.model)
     accuracy, loss = evaluate(stages, dataset, run.model)
     result = {"run_id": run.run_id, "test_accuracy": accuracy, "test_loss": loss, "test_samples": len(dataset.x_test)}
-    if dataset.kind == "language_model":
-        result["bits_per_char"] = bits_per_char(loss)
+    lm = ""
+    if dataset.kind == "language_model":  # loss: nats per token; a byte-level model's token is one byte
+        result["bits_per_byte"] = result["bits_per_char"] = bits_per_char(loss, dataset.bytes_per_token)
+        result["perplexity"], result["bytes_per_token"] = perplexity(loss), dataset.bytes_per_token
+        lm = f", {result['bits_per_byte']:.3f} bits/byte, perplexity {result['perplexity']:.2f} per token"
     if args.json:
         print(json.dumps(result))
     else:
         acc = f"test accuracy {accuracy:.2%}, " if accuracy is not None else ""
-        print(f"{run.run_id}: {acc}test loss {loss:.4f} on {result['test_samples']} test samples")
+        print(f"{run.run_id}: {acc}test loss {loss:.4f}{lm} on {result['test_samples']} test samples")
     return 0
 
 
