@@ -22,6 +22,7 @@ COMMANDS = {
     "eval": ("volunteer_cli.commands.export", "run_eval"),
     "demo": ("volunteer_cli.commands.demo", "run_demo"),
     "tokenizer": ("volunteer_cli.commands.tokenizer", "run_tokenizer"),
+    "generate": ("volunteer_cli.commands.generate", "run_generate"),
 }
 EXIT_FAILURE = 1
 
@@ -198,6 +199,18 @@ def _add_language_model_commands(sub: argparse._SubParsersAction) -> None:
     tokenizer.add_argument("--out", required=True, help="the tokenizer.json to write")
     tokenizer.add_argument("--json", action="store_true")
     _add_common(tokenizer)
+
+    generate = sub.add_parser("generate", help="sample text from a model exported with `export --format hf`")
+    generate.add_argument("--model", required=True, help="the folder `volunteer export --format hf` wrote")
+    generate.add_argument("--prompt", default="", help="the text to continue")
+    generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.8, help="0: always the likeliest token")
+    generate.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    generate.add_argument("--seed", type=int, default=None, help="seed the sampling, for a repeatable text")
+    generate.add_argument("--backend", choices=("auto", "own", "transformers"), default="auto",
+                          help="own: this client's modules; transformers: its LlamaForCausalLM; auto: transformers "
+                               "when installed")
+    _add_common(generate)
 
 
 
