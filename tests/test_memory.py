@@ -86,3 +86,16 @@ def test_doctor_shows_each_stages_gpu_memory_for_llama_runs_only():
     assert all("GiB" in c.detail and "in flight" in c.detail for c in checks)
     assert checks[0].section.startswith("GPU memory a stage needs (bf16 autocast, batch 8 x 1024 tokens)")
     assert memory_checks(load_run("charlm")[0], "cpu") == []
+
+
+def test_the_gpu_check_runs_without_a_gpu_and_says_what_it_skipped(capsys):
+    import json
+
+    from benchmarks.gpu_check import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the check would run llm-small on it")
+    assert main(["--json", "--steps", "1"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["cuda"] is False and "CUDA checks" in report["skipped"] and report["all_finite"]
+    assert [s["stage"] for s in report["stages"]] == [0, 1] and all(s["tokens_per_s"] > 0 for s in report["stages"])
