@@ -83,3 +83,26 @@ def test_layer_names_count_across_stages_and_a_stranger_tensor_is_refused():
     states[1]["extra.weight"] = torch.zeros(1)
     with pytest.raises(HFExportError, match="extra.weight"):
         hf_state_dict(MODEL, states)
+
+
+def test_export_format_hf_refuses_a_run_that_is_not_llama_before_any_download(tmp_path):
+    from volunteer.config import load_run
+    from volunteer_cli.commands.export import _hf_export_checks
+    from volunteer_cli.main import UserError
+
+    with pytest.raises(UserError, match="use --format pt"):
+        _hf_export_checks(load_run("charlm")[0], tmp_path / "out")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UserError, match="writes a folder"):
+        _hf_export_checks(load_run("llm-tiny")[0], tmp_path / "file")
+    assert _hf_export_checks(load_run("llm-tiny")[0], tmp_path / "out") == BUNDLED_TOKENIZER
+
+
+def test_evaluation_chunks_keep_a_large_vocabularys_logits_bounded():
+    from swarm.run.models import EVAL_BATCH_MAX, EVAL_BYTES_MAX, eval_batch
+
+    big = MODEL.model_copy(update={"vocab_size": 32768, "seq_len": 1024, "d_model": 768, "n_heads": 12})
+    assert eval_batch(big, wide=True) * 1024 * 32768 * 4 <= EVAL_BYTES_MAX
+    assert eval_batch(big) > eval_batch(big, wide=True) >= 1
+    assert eval_batch(ModelConfig(kind="mlp")) == EVAL_BATCH_MAX
+    assert eval_batch(ModelConfig(kind="transformer"), wide=True) == EVAL_BATCH_MAX, "charlm keeps its chunks"
