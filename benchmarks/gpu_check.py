@@ -14,6 +14,7 @@ same steps run on the CPU over llm-tiny (``--cpu-run``), so the script itself is
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 from typing import Any
@@ -32,6 +33,7 @@ def check_stage(run: Any, index: int, device: str, steps: int) -> dict[str, Any]
     from swarm.run.models import stage_input_spec, stage_output_spec, target_spec
 
     cuda = device.startswith("cuda")
+    gc.collect()  # the stage checked before is gone before this one's peak is measured
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
