@@ -246,7 +246,7 @@ def _cell(fleet: Fleet, maddr: str, label: str, config: dict[str, Any], peers: i
         # tens of seconds apart, and the first one alone put the first sample past 24k-153k samples
         wait_first_driver(reader, procs)
         oracle = CopyOracle(reader)
-        lm = run.model.kind == "transformer"
+        lm = run.model.language_model
         measure, worst = (bits_per_byte, max) if lm else (None, min)
         curve, t0 = [], time.monotonic()
         while time.monotonic() - t0 < args.cell_limit_s:

@@ -176,7 +176,7 @@ def check_data_fits(model: Any, dataset: Any) -> None:
         raise PreflightError(f"the data's samples do not fit the first stage ({problem}); "
                              "set model.input_dim (or model.seq_len) to the data's")
     outputs = stage_output_spec(model, model.stages - 1).shape[-1]
-    largest = int(max(dataset.y_train.max(), dataset.y_test.max())) if len(dataset.y_train) else -1
+    largest = dataset.largest_label()
     if largest >= outputs:
         field = "model.num_classes" if model.kind == "mlp" else "model.vocab_size"
         raise PreflightError(f"the data has labels up to {largest} but the head has {outputs} outputs; "

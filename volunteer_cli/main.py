@@ -21,6 +21,8 @@ COMMANDS = {
     "export": ("volunteer_cli.commands.export", "run_export"),
     "eval": ("volunteer_cli.commands.export", "run_eval"),
     "demo": ("volunteer_cli.commands.demo", "run_demo"),
+    "tokenizer": ("volunteer_cli.commands.tokenizer", "run_tokenizer"),
+    "generate": ("volunteer_cli.commands.generate", "run_generate"),
 }
 EXIT_FAILURE = 1
 
@@ -157,7 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser("export", help="save one model assembled from the best peer of each swarm")
     _add_run(export)
-    export.add_argument("--out", required=True, help="file to write (a torch state file)")
+    export.add_argument("--out", required=True, help="file to write (a torch state file), or with --format hf "
+                        "a folder")
+    export.add_argument("--format", choices=("pt", "hf"), default="pt", help="pt: one torch file for `volunteer "
+                        "eval`; hf: a folder transformers loads (llama runs: config.json, model.safetensors, "
+                        "tokenizer.json)")
     export.add_argument("--timeout-s", type=float, default=60.0, help="per-layer download timeout")
     export.add_argument("--json", action="store_true")
     _add_common(export)
@@ -180,7 +186,32 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", default="cpu", help="device of every volunteer: cpu, auto, cuda or cuda:N")
     demo.add_argument("--json", action="store_true", help="last stdout line: a JSON summary")
     _add_common(demo)
+    _add_language_model_commands(sub)
     return parser
+
+
+def _add_language_model_commands(sub: argparse._SubParsersAction) -> None:
+    tokenizer = sub.add_parser("tokenizer", help="train the byte-level BPE tokenizer a llama run names")
+    tokenizer.add_argument("action", choices=("train",))
+    tokenizer.add_argument("--corpus", nargs="+", required=True, metavar="PATH",
+                           help="text files (.txt, .jsonl with a text field, or either gzipped)")
+    tokenizer.add_argument("--vocab-size", type=int, default=2048, help="tokens in the vocabulary (default 2048)")
+    tokenizer.add_argument("--out", required=True, help="the tokenizer.json to write")
+    tokenizer.add_argument("--json", action="store_true")
+    _add_common(tokenizer)
+
+    generate = sub.add_parser("generate", help="sample text from a model exported with `export --format hf`")
+    generate.add_argument("--model", required=True, help="the folder `volunteer export --format hf` wrote")
+    generate.add_argument("--prompt", default="", help="the text to continue")
+    generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.8, help="0: always the likeliest token")
+    generate.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    generate.add_argument("--seed", type=int, default=None, help="seed the sampling, for a repeatable text")
+    generate.add_argument("--backend", choices=("auto", "own", "transformers"), default="auto",
+                          help="own: this client's modules; transformers: its LlamaForCausalLM; auto: transformers "
+                               "when installed")
+    _add_common(generate)
+
 
 
 def main(argv: Sequence[str] | None = None) -> int:

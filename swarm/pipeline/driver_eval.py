@@ -14,7 +14,7 @@ import torch
 from swarm.integrity.evaluations import MAX_REPLICAS, Figures, consensus
 from swarm.integrity.receipts import ids_digest
 from swarm.pipeline.hops import HopGivenUp, NeedInputReply, Refused
-from swarm.pipeline.stage import EVAL_BATCH
+from swarm.run.models import eval_batch
 
 if TYPE_CHECKING:
     from swarm.pipeline.driver import PipelineDriver
@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 
 
 async def evaluate(driver: PipelineDriver) -> tuple[float | None, float]:
-    """Forward-only pass of the test split through the whole pipeline: (accuracy, mean loss). With several peers
+    """Forward-only pass of the test split through the whole pipeline: (accuracy, mean loss; a language model's
+    in nats per byte of text). With several peers
     in the last swarm, the same pass goes through up to ``MAX_REPLICAS`` of them, and what is published is what
     they agree on (swarm/integrity/evaluations.py): one lying last stage cannot publish its own figure."""
     stages = driver.run.model.stages
@@ -46,17 +47,21 @@ async def evaluate(driver: PipelineDriver) -> tuple[float | None, float]:
         logger.info("last-stage peer(s) %s evaluated far from the median (%s); left out of the published figure",
                     ", ".join(p[-8:] for p in verdict.outliers),
                     "; ".join(f"{f.peer[-8:]}: {f.accuracy if f.accuracy is not None else f.loss:.3f}" for f in figures))
-    driver.stats.eval_accuracy, driver.stats.eval_loss = verdict.accuracy, verdict.loss
+    # a language model's test loss is published per byte of text (per token / bytes per token; byte-level models:
+    # the same), so that every reader's bits per byte (status, completion, the demo) holds for BPE runs too
+    loss = verdict.loss / driver.dataset.bytes_per_token
+    driver.stats.eval_accuracy, driver.stats.eval_loss = verdict.accuracy, loss
     driver.stats.eval_replicas, driver.stats.eval_validated = verdict.replicas, verdict.validated
-    return verdict.accuracy, verdict.loss
+    return verdict.accuracy, loss
 
 async def _evaluate_through(driver: PipelineDriver, last: str | None) -> Figures:
     """The test split through the pipeline, its last hop at peer ``last`` (None: any peer, or no hop at all)."""
     loop = asyncio.get_running_loop()
     stages = driver.run.model.stages
     loss_sum, correct, count = 0.0, 0, 0
-    for start in range(0, len(driver.dataset.x_test), EVAL_BATCH):
-        x = driver.dataset.x_test[start : start + EVAL_BATCH]
+    chunk = eval_batch(driver.run.model)
+    for start in range(0, len(driver.dataset.x_test), chunk):
+        x = driver.dataset.x_test[start : start + chunk]
         ids = torch.arange(start, start + len(x), dtype=torch.int64)  # test-split rows
         if stages == 1:
             y = driver.dataset.y_test[ids]

@@ -37,7 +37,7 @@ from swarm.integrity.guard import StepGuard
 from swarm.integrity.health import HealthMonitor, SickCopy
 from swarm.integrity.requesters import HEAVY_CLIP_SCALE
 from swarm.run.local import make_optimizer
-from swarm.run.models import build_stage, loss_fn, stage_input_spec, target_spec
+from swarm.run.models import EVAL_BATCH_MAX, build_stage, eval_batch, loss_fn, stage_input_spec, target_spec
 from swarm.run.optim_state import load_optimizer_tensors, optimizer_tensors
 from swarm.run.runconfig import RunConfig
 from swarm.pipeline.staleness import StalenessWindow, StepSize
@@ -46,7 +46,7 @@ from swarm.pipeline.wire import WireError, check_tensor
 
 logger = logging.getLogger(__name__)
 
-EVAL_BATCH = 512
+EVAL_BATCH = EVAL_BATCH_MAX  # the most a chunk may hold (a language model's is smaller: models.eval_batch)
 EMIT_FRACTION = 0.5  # of timeouts.reply_max_abs: the largest value a stage's reply carries
 SIMULATED_STEP_ENV = "VOLUNTEER_SIMULATED_STEP_S"
 
@@ -170,10 +170,13 @@ class StageWorker:
 
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int, int]:
-        """Last stage: (sum of losses, correct predictions, count) over a test chunk."""
-        logits = self.infer(x)
-        loss = loss_fn(self.run.model, logits, y).item() * len(y)
-        correct = int((logits.argmax(-1) == y).sum().item()) if self.run.model.kind == "mlp" else 0
+        """Last stage: (sum of losses, correct predictions, count) over a test chunk, in sub-chunks whose logits
+        stay within models.EVAL_BYTES_MAX."""
+        loss, correct, step = 0.0, 0, eval_batch(self.run.model, wide=True)
+        for start in range(0, len(y), step):
+            logits, part = self.infer(x[start : start + step]), y[start : start + step]
+            loss += loss_fn(self.run.model, logits, part).item() * len(part)
+            correct += int((logits.argmax(-1) == part).sum().item()) if self.run.model.kind == "mlp" else 0
         return loss, correct, len(y)
 
     def backward(self, mb_id: str, grad_out: torch.Tensor, x: torch.Tensor | None, loss: float | None,

@@ -11,6 +11,8 @@ Sources:
   the run id identifies the data: a volunteer whose file differs is told so instead of training on
   other data.
 - ``npz``: a user file with a float array ``X`` (N, ...) and integer labels ``y`` (N,).
+- ``text`` with ``model.kind: llama``, ``tokens`` and ``text_files``: BPE tokens in windows addressed by sample
+  id, memory-mapped from disk where they come from files (tokens.py, text_cache.py).
 
 Splits: the test split (``data.test_fraction``) is what the run publishes; the validation split
 (``data.validation_fraction`` of the whole set, carved out of what is left, never out of the test
@@ -53,10 +55,20 @@ class Dataset:
     kind: Literal["classification", "language_model"]
     x_val: torch.Tensor  # the validation split: empty when data.validation_fraction is 0
     y_val: torch.Tensor
+    bytes_per_token: float = 1.0  # language models: the text bytes one token stands for (1 for bytes)
+
+    def largest_label(self) -> int:
+        """The largest target id of the train and test splits (token windows look at a bounded part)."""
+        parts = [int(y.max()) for y in (self.y_train, self.y_test) if len(y)]
+        return max(parts) if parts else -1
 
 
 def load_dataset(data: DataConfig, model: ModelConfig) -> Dataset:
     """The run's data set, split into train and test, checked against the model's shapes."""
+    if model.kind == "llama" or data.source in ("tokens", "text_files"):
+        from swarm.run.tokens import token_dataset  # BPE tokens (swarm/run/tokens.py)
+
+        return token_dataset(data, model)
     if data.source == "text":
         return _text_dataset(data, model)
     if data.source == "digits":
@@ -249,12 +261,12 @@ def read_corpus(path: str | None, max_bytes: int) -> bytes:
 # ----- shards
 def make_shards(y_train: torch.Tensor | np.ndarray, data: DataConfig, num_classes: int) -> list[np.ndarray]:
     """``data.shards`` arrays of train indices: an IID split, or label-skewed with k classes per shard."""
-    labels = np.asarray(y_train)
-    if data.shards > len(labels):
-        raise ValueError(f"data.shards ({data.shards}) exceeds the {len(labels)} training samples: use fewer shards")
+    if data.shards > len(y_train):
+        raise ValueError(f"data.shards ({data.shards}) exceeds the {len(y_train)} training samples: use fewer shards")
     rng = np.random.default_rng(data.split_seed)
-    if data.partition == "iid":
-        return [np.sort(part) for part in np.array_split(rng.permutation(len(labels)), data.shards)]
+    if data.partition == "iid":  # by sample id alone: token windows are never read here
+        return [np.sort(part) for part in np.array_split(rng.permutation(len(y_train)), data.shards)]
+    labels = np.asarray(y_train)
     if labels.ndim != 1:
         raise ValueError(
             "data.partition 'label_skewed' needs one class label per sample; a language model's targets are "

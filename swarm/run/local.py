@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from swarm.run.data import Dataset, MicroBatches, load_dataset
-from swarm.run.models import assemble, bits_per_char, build_stages, loss_fn
+from swarm.run.models import assemble, bits_per_char, build_stages, eval_batch, loss_fn
 from swarm.run.runconfig import ModelConfig, OptimizerConfig, RunConfig
 
 
@@ -47,9 +47,10 @@ def make_optimizer(params: Iterable[nn.Parameter], opt: OptimizerConfig) -> torc
 
 @torch.no_grad()
 def evaluate(
-    model_or_stages: nn.Module | list[nn.Module], dataset: Dataset, model_cfg: ModelConfig, batch_size: int = 512
+    model_or_stages: nn.Module | list[nn.Module], dataset: Dataset, model_cfg: ModelConfig, batch_size: int | None = None
 ) -> tuple[float | None, float]:
-    """(test accuracy or None for a language model, mean test loss in nats) in eval mode."""
+    """(test accuracy or None for a language model, mean test loss in nats per sample or token) in eval mode."""
+    batch_size = batch_size or eval_batch(model_cfg, wide=True)
     model = assemble(model_or_stages) if isinstance(model_or_stages, list) else model_or_stages
     device = next(model.parameters()).device
     was_training = model.training
@@ -98,8 +99,8 @@ def train_local(
         accuracy=accuracy,
         test_loss=loss,
         initial_test_loss=initial_loss,
-        bits_per_char=bits_per_char(loss) if is_lm else None,
-        initial_bits_per_char=bits_per_char(initial_loss) if is_lm else None,
+        bits_per_char=bits_per_char(loss, data.bytes_per_token) if is_lm else None,
+        initial_bits_per_char=bits_per_char(initial_loss, data.bytes_per_token) if is_lm else None,
         samples=samples,
         train_s=train_s,
         samples_per_s=samples / train_s if train_s > 0 else float("inf"),

@@ -13,6 +13,8 @@ Kinds:
   digits training diverge, while the residual stack without it reached ~96 % (Adam, lr 1e-3).
 - ``transformer``: a byte-level causal language model. Stage 0 embeds tokens and positions; every
   stage holds ``blocks_per_stage`` pre-LN blocks; the last stage closes with LayerNorm + a linear head.
+- ``llama``: a BPE language model whose state dict is transformers' LlamaForCausalLM's (llama.py): stage 0
+  embeds tokens, every stage holds ``blocks_per_stage`` decoder layers, the last the final norm and head.
 
 The ``TensorSpec`` of a stage's input lets the stage server reject malformed tensors on arrival.
 """
@@ -86,17 +88,37 @@ def target_spec(model: ModelConfig, batch_size: int | None = None) -> TensorSpec
     return TensorSpec((batch_size, model.seq_len), torch.int64)
 
 
+# ----- evaluation chunks
+EVAL_BATCH_MAX = 512
+EVAL_BYTES_MAX = 128 << 20  # float32 activations (or logits) of one evaluation chunk, so a large LM fits a GPU
+
+
+def eval_batch(model: ModelConfig, wide: bool = False) -> int:
+    """Samples per evaluation chunk: EVAL_BATCH_MAX, fewer for a language model whose chunk would pass
+    EVAL_BYTES_MAX of activations between stages (``wide``: of logits, the last stage's own sub-chunks)."""
+    if not model.language_model:
+        return EVAL_BATCH_MAX
+    width = model.vocab_size if wide else model.d_model
+    return max(1, min(EVAL_BATCH_MAX, EVAL_BYTES_MAX // (model.seq_len * width * 4)))
+
+
 # ----- loss
 def loss_fn(model: ModelConfig, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy in nats; the language model's (B, T, V) logits are flattened per token."""
-    if model.kind == "transformer":
+    if model.language_model:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
     return F.cross_entropy(logits, targets)
 
 
-def bits_per_char(loss_nats: float) -> float:
-    """Cross-entropy per byte in bits, the usual unit for character-level language models."""
-    return loss_nats / math.log(2)
+def bits_per_char(loss_nats: float, bytes_per_token: float = 1.0) -> float:
+    """Cross-entropy per byte in bits, the usual unit for language models: a BPE token's loss is spread over
+    the ``bytes_per_token`` bytes it stands for on average (1 for byte-level models)."""
+    return loss_nats / math.log(2) / bytes_per_token
+
+
+def perplexity(loss_nats: float) -> float:
+    """exp of the mean cross-entropy per token (capped where it would overflow)."""
+    return math.exp(min(loss_nats, 700.0))
 
 
 # ----- mlp
@@ -192,6 +214,10 @@ def build_stage(model: ModelConfig, index: int) -> nn.Module:
     _check_index(model, index)
     with torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(stage_seed(model, index))  # the CPU's only: manual_seed would reseed CUDA
+        if model.kind == "llama":
+            from swarm.run.llama import llama_stage
+
+            return llama_stage(model, index)
         return _mlp_stage(model, index) if model.kind == "mlp" else _transformer_stage(model, index)
 
 

@@ -7,8 +7,8 @@ so volunteers with a different config never mix.
 Only fields that change what is trained enter the hash: the bootstrap peers and
 the timeouts are local, operational choices and can differ between volunteers.
 
-The sections are strict models (config_base.py); the ``averaging`` section and its parts are in
-averaging_config.py, exported from here as well.
+The sections are strict models (config_base.py); the ``model`` section is in model_config.py, the
+``averaging`` section and its parts in averaging_config.py, both exported from here as well.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from swarm.run.averaging_config import (  # noqa: F401  (re-exported: the run co
     EDGE_MODES, AveragingConfig, ExchangeConfig, GraphConfig, InfluenceConfig,
 )
 from swarm.run.config_base import CrossFieldError, Strict
+from swarm.run.model_config import ModelConfig  # noqa: F401  (re-exported)
 
 RUN_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,47}$"
 HASH_EXCLUDED_FIELDS = frozenset({"bootstrap_peers", "timeouts"})
@@ -30,7 +31,13 @@ HASH_EXCLUDED_FIELDS = frozenset({"bootstrap_peers", "timeouts"})
 # its id, so clients before and after them still train together.
 HASH_WHEN_SET = {("training", "end_at_target"): False, ("training", "sample_budget"): 0,
                  ("training", "in_flight_max"): 16, ("training", "wire_codec"): None, ("training", "wire_rank"): 8,
-                 ("averaging", "pull_budget"): 0.0}
+                 ("averaging", "pull_budget"): 0.0,
+                 # model.kind llama and the token sources (swarm/run/llama.py, swarm/run/tokens.py)
+                 ("model", "n_kv_heads"): None, ("model", "ffn_dim"): None, ("model", "multiple_of"): 64,
+                 ("model", "rope_theta"): 10000.0, ("model", "rms_norm_eps"): 1e-5,
+                 ("model", "tie_embeddings"): False, ("model", "mixed_precision"): "none",
+                 ("model", "activation_checkpointing"): False,
+                 ("data", "tokenizer"): None, ("data", "tokenizer_sha256"): None, ("data", "token_dtype"): "uint16"}
 # Fields removed after runs existed still enter the run id at the value every run had (the direction check's,
 # removed with it: no shipped config set them), so clients before and after the removal still train together.
 HASH_REMOVED = {("integrity", "ascent_cosine"): -0.25, ("integrity", "ascent_min_updates"): 64}
@@ -38,35 +45,11 @@ DEFAULT_WIRE_RANK = HASH_WHEN_SET[("training", "wire_rank")]
 WIRE_CODECS = ("float32", "float16", "int8", "lowrank")  # swarm/pipeline/codecs.py, swarm/pipeline/wire.py
 
 
-class ModelConfig(Strict):
-    kind: Literal["mlp", "transformer"] = "mlp"
-    stages: int = Field(4, ge=1, le=64, description="number of layer swarms (layer0 .. layer{stages-1})")
-    seed: int = Field(0, description="seeds the initial weights so the first peers of a swarm agree")
-    # mlp
-    input_dim: int = Field(64, ge=1)
-    hidden_dim: int = Field(128, ge=1)
-    num_classes: int = Field(10, ge=2)
-    blocks_per_stage: int = Field(1, ge=1, le=64)
-    activation: Literal["relu", "gelu", "tanh"] = "relu"
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    # transformer
-    vocab_size: int = Field(256, ge=2)
-    d_model: int = Field(128, ge=8)
-    n_heads: int = Field(4, ge=1)
-    d_ff: int = Field(512, ge=8)
-    seq_len: int = Field(64, ge=2)
-
-    @model_validator(mode="after")
-    def _heads_divide_width(self) -> "ModelConfig":
-        if self.kind == "transformer" and self.d_model % self.n_heads:
-            raise CrossFieldError(("d_model", "n_heads"),
-                                  f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})")
-        return self
-
-
 class DataConfig(Strict):
-    source: Literal["digits", "text", "npz"] = "digits"
-    path: str | None = Field(None, description="an .npz file with arrays X and y, or a text file / folder")
+    source: Literal["digits", "text", "npz", "tokens", "text_files"] = "digits"
+    path: str | None = Field(None, description="an .npz file with arrays X and y, or a text file / folder; tokens: "
+                             "a folder with train.bin and val.bin (test.bin optional); text_files: a folder of "
+                             ".txt / .jsonl files")
     test_fraction: float = Field(0.2, gt=0.0, lt=1.0)
     validation_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="share of the data set held out of "
                                        "training (never the test split) to compare copies on: best-model exchange")
@@ -78,6 +61,20 @@ class DataConfig(Strict):
     sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$", description="text: the sha256 of the corpus "
                                "bytes read, so the run id identifies the data (a volunteer whose file differs "
                                "is refused)")
+    tokenizer: str | None = Field(None, description="llama: a tokenizer.json (a byte-level BPE, `volunteer "
+                                  "tokenizer train`); unset: the one shipped with the client (swarm/run/corpus/)")
+    tokenizer_sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$", description="llama: the sha256 of "
+                                         "the tokenizer file, so the run id names the tokenizer")
+    token_dtype: Literal["uint16", "uint32"] = Field("uint16", description="tokens: the dtype of the .bin files "
+                                                     "(uint16 for vocabularies up to 65536)")
+
+    @model_validator(mode="after")
+    def _token_sources_have_a_path(self) -> "DataConfig":
+        if self.source in ("tokens", "text_files") and self.path is None:
+            what = "train.bin and val.bin" if self.source == "tokens" else ".txt or .jsonl files"
+            raise CrossFieldError(("path", "source"), f"data.source {self.source} reads a folder: set data.path to "
+                                  f"a folder of {what}")
+        return self
 
     @model_validator(mode="after")
     def _splits_leave_training_data(self) -> "DataConfig":
@@ -259,6 +256,22 @@ class RunConfig(Strict):
                 f"data.classes_per_shard ({self.data.classes_per_shard}) exceeds model.num_classes "
                 f"({self.model.num_classes})"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _llama_names_its_tokens(self) -> "RunConfig":
+        model, data = self.model, self.data
+        token_sources = ("text", "tokens", "text_files")
+        if model.kind == "llama" and data.source not in token_sources:
+            raise CrossFieldError(("data.source", "model.kind"), f"model.kind llama trains on text: set data.source "
+                                  f"to one of {', '.join(token_sources)} (now {data.source})")
+        if model.kind == "llama" and data.tokenizer_sha256 is None:
+            raise CrossFieldError(("data.tokenizer_sha256", "data.tokenizer"), "model.kind llama: set "
+                                  "data.tokenizer_sha256 to the sha256 of the tokenizer file (`sha256sum "
+                                  "tokenizer.json`; `volunteer tokenizer train` prints it), so the run id names it")
+        if data.source in ("tokens", "text_files") and model.kind != "llama":
+            raise CrossFieldError(("data.source", "model.kind"), f"data.source {data.source} holds BPE tokens: "
+                                  f"set model.kind llama (now {model.kind})")
         return self
 
     @model_validator(mode="after")

@@ -260,7 +260,7 @@ class Target:
 
 def demo_target(run, accuracy: float | None, bits: float | None) -> Target:
     """The stop rule that fits the run: a language model's targets are in bits per byte."""
-    if run.model.kind == "transformer":
+    if run.model.language_model:
         return Target("bits", bits if bits is not None else run.training.target_bits_per_byte)
     return Target("accuracy", accuracy if accuracy is not None else run.training.target_accuracy)
 

@@ -5,7 +5,8 @@ running there), idle detection (which sources work, and what the idle policy wou
 the run's bootstrap peers (a short, bounded DHT start and a ping of each), whether other hosts can dial
 this machine (it listens where `volunteer join` would and asks online peers of the run to dial it back,
 swarm/dht/reachability.py; a node already running here reports its own verdict instead), and the GPU. The GPU is
-looked at last: CUDA must not be initialised before hivemind forks its DHT process.
+looked at last: CUDA must not be initialised before hivemind forks its DHT process. For a llama run, the memory
+each stage needs (swarm/run/memory.py, from the run config alone) against what this machine has.
 Exit status 0 when nothing failed, 1 otherwise; warnings do not fail.
 """
 
@@ -62,6 +63,7 @@ def run_doctor(args: argparse.Namespace) -> int:
     checks += network_checks(run, list(args.initial_peers or run.bootstrap_peers), args.timeout_s, args.verbose,
                              listen=listen, announce=list(prefs.network.announce), running=running[0] if running else None)
     checks += gpu_checks(prefs.device)
+    checks += memory_checks(run, prefs.device)
     ok = not any(check.status == FAIL for check in checks)
     if args.json:
         print(json.dumps({"ok": ok, "run_id": run.run_id, "data_dir": str(data_dir),
@@ -315,3 +317,40 @@ def gpu_checks(requested: str) -> list[Check]:
         checks.append(Check(section, "device", FAIL, str(exc)))
     return checks
 
+
+
+# ----- memory a stage needs
+
+
+def memory_checks(run: Any, requested: str) -> list[Check]:
+    """Llama runs: each stage's GPU memory from the config (weights, gradients, optimizer state, the guard's copy,
+    activations of the micro-batches in flight, CUDA's own) against the GPU's free memory where there is one."""
+    if run.model.kind != "llama":
+        return []
+    import torch
+
+    from swarm.run.memory import stage_memory
+
+    free = None
+    if requested != "cpu" and torch.cuda.is_available():
+        index = torch.device(requested).index if requested.startswith("cuda") else None
+        free = torch.cuda.mem_get_info(index or 0)[0]
+    precision = "bf16 autocast" if run.model.mixed_precision == "bf16" else "float32"
+    section = f"GPU memory a stage needs ({precision}, batch {run.training.batch_size} x {run.model.seq_len} tokens)"
+    checks = []
+    for index in range(run.model.stages):
+        need, on_cpu = stage_memory(run, index), stage_memory(run, index, cuda=False)
+        detail = (f"{need.total_bytes / GIB:.2f} GiB: {need.params / 1e6:.1f} M parameters, weights + gradients "
+                  f"{need.weights_bytes / GIB:.2f}, optimizer {need.optimizer_bytes / GIB:.2f}, guard copy "
+                  f"{need.guard_bytes / GIB:.2f}, activations {need.activation_bytes / GIB:.2f} x "
+                  f"{need.micro_batches} in flight, CUDA {need.overhead_bytes / GIB:.1f}")
+        if free is None:
+            checks.append(Check(section, f"layer{index}", INFO, f"{detail} (no GPU here: on the CPU, in float32, "
+                                                                f"{on_cpu.total_bytes / GIB:.2f} GiB of RAM)"))
+        elif need.total_bytes <= free:
+            checks.append(Check(section, f"layer{index}", OK, f"{detail}; {free / GIB:.1f} GiB free"))
+        else:
+            checks.append(Check(section, f"layer{index}", WARN, f"{detail}; more than the {free / GIB:.1f} GiB free: "
+                                "set model.activation_checkpointing or a smaller training.batch_size / in_flight "
+                                "(a new run), or join with another GPU"))
+    return checks

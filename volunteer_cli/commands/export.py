@@ -39,6 +39,7 @@ def run_export(args: argparse.Namespace) -> int:
     out = Path(args.out).expanduser()
     if out.parent and not out.parent.exists():
         raise UserError(f"--out {out}: the folder {out.parent} does not exist")
+    tokenizer_file = _hf_export_checks(run, out) if args.format == "hf" else None
     from volunteer_cli.commands.common import setup_process
 
     watchdog, _ = setup_process(args.verbose)
@@ -74,15 +75,37 @@ def run_export(args: argparse.Namespace) -> int:
         watchdog.stop()
     payload = _assemble(run, states, donors, views)
     payload["measured"] = measure(run, states)  # the model's own test figures, recomputed here
-    import torch
+    if tokenizer_file is not None:
+        from swarm.run.hf_export import write_hf_dir
 
-    torch.save(payload, out)
+        write_hf_dir(out, run.model, payload["stages"], tokenizer_file)
+    else:
+        import torch
+
+        torch.save(payload, out)
     measured = payload["measured"]
     figure = (f"test accuracy {measured['test_accuracy']:.2%}" if measured["test_accuracy"] is not None
               else f"test loss {measured['test_loss']:.4f}")
-    print(json.dumps({"out": str(out), "run_id": run.run_id, "reported": payload["reported"], "measured": measured})
+    print(json.dumps({"out": str(out), "format": args.format, "run_id": run.run_id, "reported": payload["reported"],
+                      "measured": measured})
           if args.json else f"saved {out} ({figure}, measured here on {measured['test_samples']} test samples)")
     return 0
+
+
+def _hf_export_checks(run, out: Path) -> Path:
+    """Before any download: the run is a llama run, --out is a folder, and the run's tokenizer file is here."""
+    from swarm.run.tokenizer import TokenizerError, load_tokenizer, tokenizer_path
+
+    if run.model.kind != "llama":
+        raise UserError(f"--format hf exports model.kind llama; run {run.run_id} is a {run.model.kind}: "
+                        "use --format pt")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out}: --format hf writes a folder, and this is a file")
+    try:
+        load_tokenizer(run.data)
+    except TokenizerError as exc:
+        raise UserError(str(exc)) from None
+    return tokenizer_path(run.data)
 
 
 def _choose(run, delivered: dict, choose_copies) -> tuple[dict, dict, list[str]]:
@@ -166,7 +189,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
     from swarm.run.data import load_dataset
     from swarm.run.local import evaluate
-    from swarm.run.models import bits_per_char
+    from swarm.run.models import bits_per_char, perplexity
 
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
@@ -186,13 +209,16 @@ def run_eval(args: argparse.Namespace) -> int:
     dataset = load_dataset(run.data, run.model)
     accuracy, loss = evaluate(stages, dataset, run.model)
     result = {"run_id": run.run_id, "test_accuracy": accuracy, "test_loss": loss, "test_samples": len(dataset.x_test)}
-    if dataset.kind == "language_model":
-        result["bits_per_char"] = bits_per_char(loss)
+    lm = ""
+    if dataset.kind == "language_model":  # loss: nats per token; a byte-level model's token is one byte
+        result["bits_per_byte"] = result["bits_per_char"] = bits_per_char(loss, dataset.bytes_per_token)
+        result["perplexity"], result["bytes_per_token"] = perplexity(loss), dataset.bytes_per_token
+        lm = f", {result['bits_per_byte']:.3f} bits/byte, perplexity {result['perplexity']:.2f} per token"
     if args.json:
         print(json.dumps(result))
     else:
         acc = f"test accuracy {accuracy:.2%}, " if accuracy is not None else ""
-        print(f"{run.run_id}: {acc}test loss {loss:.4f} on {result['test_samples']} test samples")
+        print(f"{run.run_id}: {acc}test loss {loss:.4f}{lm} on {result['test_samples']} test samples")
     return 0
 
 

@@ -20,14 +20,18 @@ def chain_loss(run: Any, modules: list, x: Any, y: Any) -> float:
     """Mean loss of the chained ``modules`` on (x, y), in eval mode, without gradients."""
     import torch
 
-    from swarm.run.models import loss_fn
+    from swarm.run.models import eval_batch, loss_fn
 
+    chunk, total = eval_batch(run.model, wide=True), 0.0  # a language model's logits stay within the chunk's bytes
     with torch.no_grad():
-        h = x
         for module in modules:
             module.eval()
-            h = module(h)
-        return float(loss_fn(run.model, h, y).item())
+        for start in range(0, len(x), chunk):
+            h = x[start : start + chunk]
+            for module in modules:
+                h = module(h)
+            total += float(loss_fn(run.model, h, y[start : start + chunk]).item()) * len(h)
+    return total / max(len(x), 1)
 
 
 def choose_copies(run: Any, delivered: dict[str, list[tuple[Any, dict]]]) -> tuple[dict, dict, list[str]]:

@@ -1,0 +1,104 @@
+"""The accelerator memory one stage of a run needs, computed from the run config alone (``volunteer doctor``).
+
+A stage server holds, per parameter: the float32 weight (4 bytes), its gradient (4), the optimizer's state
+(Adam/AdamW: 8; SGD with momentum: 4) and the step guard's copy of weights and optimizer state
+(swarm/integrity/guard.py: an update that would go non-finite is undone from it). Per micro-batch in flight
+(a forward's graph waits in the activation cache for its backward; the last stage runs forward and backward
+at once, so one) it holds the tensors autograd saved: counted per token and per decoder layer for llama from
+what each op keeps (llama.py), in bf16 where autocast computes in bf16, plus under bf16 autocast the bf16
+copies of the weights each forward makes. The last stage adds the float32 logits and their log-softmax. The counts
+were checked against the tensors torch actually saves (tests/test_memory.py); a GPU adds its CUDA context and
+the allocator's slack, which ``CUDA_OVERHEAD_BYTES`` stands for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from swarm.run.runconfig import ModelConfig, RunConfig
+
+FLOAT32_BYTES, BF16_BYTES, INT64_BYTES = 4, 2, 8
+CUDA_OVERHEAD_BYTES = 1 << 30  # the CUDA context and the caching allocator's fragmentation, roughly
+OPTIMIZER_STATE_FLOATS = {"adam": 2, "adamw": 2, "sgd": 1}  # sgd: its momentum buffer (none at momentum 0)
+
+
+@dataclass(frozen=True, slots=True)
+class StageMemory:
+    index: int
+    params: int
+    weights_bytes: int  # float32 weights and their gradients
+    optimizer_bytes: int  # the optimizer's state
+    guard_bytes: int  # the step guard's copy of weights and optimizer state
+    activation_bytes: int  # of one micro-batch
+    micro_batches: int  # held at once
+    overhead_bytes: int  # CUDA context and allocator slack (0 on a CPU)
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.weights_bytes + self.optimizer_bytes + self.guard_bytes
+                + self.activation_bytes * self.micro_batches + self.overhead_bytes)
+
+
+def layer_params(model: ModelConfig) -> int:
+    head_dim = model.d_model // model.n_heads
+    attention = 2 * model.d_model * model.n_heads * head_dim + 2 * model.d_model * model.kv_heads * head_dim
+    return attention + 3 * model.d_model * model.llama_ffn_dim + 2 * model.d_model
+
+
+def stage_params(model: ModelConfig, index: int) -> int:
+    """Parameters of llama stage ``index``, from the config alone (equal to the built module's count)."""
+    count = model.blocks_per_stage * layer_params(model)
+    if index == 0:
+        count += model.vocab_size * model.d_model
+    if index == model.stages - 1:
+        count += model.d_model + model.vocab_size * model.d_model
+    return count
+
+
+def activation_bytes(model: ModelConfig, index: int, batch: int, bf16: bool) -> int:
+    """Bytes autograd keeps for one micro-batch of ``batch`` sequences through llama stage ``index``."""
+    width, ffn, tokens = model.d_model, model.llama_ffn_dim, batch * model.seq_len
+    if model.activation_checkpointing:
+        per_layer = FLOAT32_BYTES * width  # each block keeps only its input; one block's worth is rebuilt at a time
+        recompute = _layer_bytes(width, ffn, bf16)
+    else:
+        per_layer, recompute = _layer_bytes(width, ffn, bf16), 0
+    per_token = model.blocks_per_stage * per_layer + recompute + FLOAT32_BYTES * width  # + the output kept
+    if index == 0:
+        per_token += INT64_BYTES  # the token ids
+    if index == model.stages - 1:  # final norm, the float32 logits and their log-softmax (the loss's)
+        per_token += 3 * FLOAT32_BYTES * width + 2 * FLOAT32_BYTES * model.vocab_size
+    weight_casts = BF16_BYTES * (stage_params(model, index) - (model.vocab_size * width if index == 0 else 0)) \
+        if bf16 else 0
+    return tokens * per_token + weight_casts
+
+
+def _layer_bytes(width: int, ffn: int, bf16: bool) -> int:
+    """Per token, one decoder layer: the two RMSNorms keep their float32 input and normalised input; the
+    projections keep their inputs (under autocast, one bf16 cast per projection), attention its q, k, v (k and v
+    repeated to every head) and output, o_proj its input, SwiGLU its gate, up, silu and product."""
+    norms = 2 * 2 * FLOAT32_BYTES * width
+    if bf16:
+        return norms + BF16_BYTES * (5 * width + 4 * width + width + 4 * ffn)
+    return norms + FLOAT32_BYTES * (2 * width + 4 * width + width + 4 * ffn)
+
+
+def stage_memory(run: RunConfig, index: int, cuda: bool = True) -> StageMemory:
+    """What stage ``index`` needs on a CUDA device (``cuda=False``: on the CPU, float32, no CUDA overhead)."""
+    model = run.model
+    if model.kind != "llama":
+        raise ValueError(f"the memory estimate covers model.kind llama (this run's is {model.kind})")
+    params = stage_params(model, index)
+    floats = OPTIMIZER_STATE_FLOATS[run.optimizer.name]
+    if run.optimizer.name == "sgd" and run.optimizer.momentum == 0:
+        floats = 0
+    optimizer = FLOAT32_BYTES * floats * params
+    in_flight = run.training.in_flight if isinstance(run.training.in_flight, int) else run.training.in_flight_max
+    bf16 = cuda and model.mixed_precision == "bf16"
+    return StageMemory(
+        index=index, params=params, weights_bytes=2 * FLOAT32_BYTES * params, optimizer_bytes=optimizer,
+        guard_bytes=FLOAT32_BYTES * params + optimizer,
+        activation_bytes=activation_bytes(model, index, run.training.batch_size, bf16),
+        micro_batches=1 if index == model.stages - 1 else in_flight,
+        overhead_bytes=CUDA_OVERHEAD_BYTES if cuda else 0,
+    )

@@ -1,0 +1,101 @@
+"""The memory a llama stage needs, computed from the config: parameters exactly, the activations autograd keeps
+within 20 % of what torch saves (float32, and bf16 autocast forced on the CPU); llm-small builds and steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+from torch.nn import functional as F
+
+from swarm.run.memory import activation_bytes, stage_memory, stage_params
+from swarm.run.models import build_stage, stage_input_spec
+from swarm.run.runconfig import ModelConfig
+from volunteer.config import load_run
+
+SMALL = ModelConfig(kind="llama", stages=3, blocks_per_stage=2, d_model=128, n_heads=4, n_kv_heads=2,
+                    vocab_size=2048, seq_len=64)
+BATCH = 4
+
+
+def saved_bytes(model: ModelConfig, index: int, batch: int, bf16: bool) -> int:
+    """What torch keeps for the backward of one micro-batch (unique storages, parameters excluded), plus the stage's
+    output (a stage keeps it in its activation cache; the last stage's logits live while the loss is taken)."""
+    stage = build_stage(model, index)
+    stage.force_autocast = bf16
+    params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    x = stage_input_spec(model, index).example(batch, high=model.vocab_size)
+    if x.is_floating_point():
+        x.requires_grad_(True)
+    with saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = stage(x)
+        if index == model.stages - 1:
+            F.cross_entropy(out.reshape(-1, out.shape[-1]), torch.zeros(out.shape[:2], dtype=torch.long).reshape(-1))
+    return sum(seen.values()) + out.untyped_storage().nbytes()
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16"])
+def test_the_activation_estimate_is_within_a_fifth_of_what_torch_saves(bf16):
+    model = SMALL.model_copy(update={"mixed_precision": "bf16" if bf16 else "none"})
+    for index in range(model.stages):
+        measured = saved_bytes(model, index, BATCH, bf16)
+        estimate = activation_bytes(model, index, BATCH, bf16)
+        assert 0.8 <= estimate / measured <= 1.2, f"stage {index}: estimated {estimate}, torch saved {measured}"
+
+
+def test_parameters_are_counted_exactly_from_the_config():
+    for model in (SMALL, SMALL.model_copy(update={"n_kv_heads": None, "ffn_dim": 200, "stages": 1})):
+        for index in range(model.stages):
+            assert stage_params(model, index) == sum(p.numel() for p in build_stage(model, index).parameters())
+
+
+def test_llm_small_is_a_100m_model_whose_stages_fit_a_12_gib_gpu_and_one_takes_a_step_on_the_cpu():
+    run, _ = load_run("llm-small")
+    total = sum(stage_params(run.model, k) for k in range(run.model.stages))
+    assert 90e6 < total < 150e6
+    needs = [stage_memory(run, k) for k in range(run.model.stages)]
+    assert all(need.total_bytes < 12 * 2**30 for need in needs)
+    assert needs[1].micro_batches == run.training.in_flight and needs[-1].micro_batches == 1
+    assert stage_memory(run, 1, cuda=False).overhead_bytes == 0
+
+    stage = build_stage(run.model, run.model.stages - 1)  # the last: 4 layers, the norm and the head
+    assert sum(p.numel() for p in stage.parameters()) == stage_params(run.model, run.model.stages - 1)
+    optimizer = torch.optim.AdamW(stage.parameters(), lr=run.optimizer.lr)
+    x = torch.randn(1, 32, run.model.d_model)  # a tiny batch and a short sequence: the CPU is slow
+    before = stage.lm_head.weight.detach().clone()
+    loss = F.cross_entropy(stage(x).reshape(-1, run.model.vocab_size), torch.randint(0, 2048, (32,)))
+    loss.backward()
+    optimizer.step()
+    assert torch.isfinite(loss) and not torch.equal(before, stage.lm_head.weight)
+
+
+def test_doctor_shows_each_stages_gpu_memory_for_llama_runs_only():
+    from volunteer_cli.commands.doctor import memory_checks
+
+    run, _ = load_run("llm-small")
+    checks = memory_checks(run, "cpu")
+    assert [c.name for c in checks] == ["layer0", "layer1", "layer2", "layer3"]
+    assert all("GiB" in c.detail and "in flight" in c.detail for c in checks)
+    assert checks[0].section.startswith("GPU memory a stage needs (bf16 autocast, batch 8 x 1024 tokens)")
+    assert memory_checks(load_run("charlm")[0], "cpu") == []
+
+
+def test_the_gpu_check_runs_without_a_gpu_and_says_what_it_skipped(capsys):
+    import json
+
+    from benchmarks.gpu_check import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the check would run llm-small on it")
+    assert main(["--json", "--steps", "1"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["cuda"] is False and "CUDA checks" in report["skipped"] and report["all_finite"]
+    assert [s["stage"] for s in report["stages"]] == [0, 1] and all(s["tokens_per_s"] > 0 for s in report["stages"])
