@@ -14,6 +14,8 @@ RPC machinery and the event loop (benchmarks.pipeline_hop and benchmarks.pipelin
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import sys
 import time
 from collections import defaultdict
@@ -32,6 +34,9 @@ class Timers:
         self._undo: list[tuple[Any, str, Any]] = []
 
     def wrap(self, owner: Any, attr: str, name: str) -> None:
+        """Time ``owner.attr`` under ``name`` (skipped when ``owner`` has no such attribute: another version)."""
+        if not hasattr(owner, attr):
+            return
         original = getattr(owner, attr)
         timers = self
 
@@ -50,6 +55,21 @@ class Timers:
 
         setattr(owner, attr, timed)
         self._undo.append((owner, attr, original))
+
+    @contextlib.contextmanager
+    def section(self, name: str):
+        """Time a block (generators and coroutines cannot be wrapped: their work happens after the call returns)."""
+        frame = [name, time.thread_time(), 0.0]
+        self._stack.append(frame)
+        try:
+            yield
+        finally:
+            self._stack.pop()
+            spent = time.thread_time() - frame[1]
+            self.exclusive[name] += spent - frame[2]
+            self.calls[name] += 1
+            if self._stack:
+                self._stack[-1][2] += spent
 
     def restore(self) -> None:
         for owner, attr, original in reversed(self._undo):
@@ -85,8 +105,7 @@ def split(reps: int, width: int, batch: int, stage: int, stages: int = 4) -> dic
     max_bytes = int(run.training.max_payload_mb * 2**20)
     timers = Timers()
     for owner, attr, name in [
-        (wire, "decode_tensors", "wire: decode"), (wire, "encode_tensors", "wire: encode"),
-        (stage_rpc, "decode_tensors", "wire: decode"), (stage_rpc, "encode_off_loop", "wire: encode"),
+        (stage_rpc, "decode_tensors", "wire: decode"), (wire, "encode_tensors", "wire: encode"),
         (receipts, "tensor_digest", "receipts: BLAKE3 digest"),
         (StageWorker, "check_input", "checks: input"), (StageWorker, "check_grad", "checks: output gradient"),
         (StageWorker, "_graph", "forward (graph)"), (StageWorker, "_check_emitted", "checks: emitted finite"),
@@ -97,27 +116,38 @@ def split(reps: int, width: int, batch: int, stage: int, stages: int = 4) -> dic
         (StageWorker, "backward", "backward: bookkeeping"),
         (torch.Tensor, "backward", "backward (autograd)"),
         (guard_module.StepGuard, "run", "guard: bookkeeping"), (guard_module.StepGuard, "_backup", "guard: backup copy"),
+        (guard_module, "_copy_into", "guard: backup copy"), (guard_module.StepGuard, "_moves", "guard: moves"),
         (guard_module, "_all_finite", "guard: finiteness"), (guard_module.StepGuard, "_bound_steps", "guard: step bound"),
-        (type(worker.optimizer), "step", "optimizer step"),
+        (worker, "_update", "optimizer step"),
     ]:
         timers.wrap(owner, attr, name)
+    if hasattr(wire, "encode_lean"):
+        timers.wrap(wire, "encode_lean", "wire: encode")
     _ = stage_module  # the worker module is wrapped through StageWorker
     x = torch.randn(batch, width)
     g = torch.randn(batch, width) * 1e-3
-    arrived = [wire.encode_tensors([x]), wire.encode_tensors([g])]
+    encode = getattr(wire, "encode_lean", wire.encode_tensors)  # the stage's encoder (before issue 29: encode_tensors)
+    # what arrives: the stream's messages as bytes off the socket (the sender's work is not the stage's)
+    arrived = [[m.SerializeToString() for m in wire.split_message(encode([t]), b"", runtime_pb2.ExpertRequest)]
+               for t in (x, g)]
+    loop = asyncio.new_event_loop()
+
+    async def messages(raw: list[bytes]):
+        for data in raw:
+            yield runtime_pb2.ExpertRequest.FromString(data)  # what hivemind's stream handler hands us
 
     def one(mb: str) -> None:
-        for op, payload in (("forward", arrived[0]), ("backward", arrived[1])):
-            parts = list(wire.split_message(payload, b"", runtime_pb2.ExpertRequest))  # what a stream carries
-            joined = [runtime_pb2.Tensor.FromString(part.tensors[0].SerializeToString()) for part in parts]
-            from hivemind.utils.streaming import combine_from_streaming
-
-            tensors = stage_rpc.decode_tensors([combine_from_streaming(joined)], max_bytes, coded=True)
-            receipts.tensor_digest(payload[0])
-            out, _ = stage_rpc.dispatch(worker, op, tensors, {"mb": mb})
-            serialized = wire.encode_tensors(out)
+        for op, raw in (("forward", arrived[0]), ("backward", arrived[1])):
+            with timers.section("wire: parse and join the stream's parts"):
+                serialized, _ = loop.run_until_complete(wire.join_stream(messages(raw), max_bytes))
+            tensors = stage_rpc.decode_tensors(serialized, max_bytes, coded=True)
             receipts.tensor_digest(serialized[0])
-            list(wire.split_message(serialized, b"", runtime_pb2.ExpertResponse))
+            out, _ = stage_rpc.dispatch(worker, op, tensors, {"mb": mb})
+            reply = encode(out)
+            receipts.tensor_digest(reply[0])
+            with timers.section("wire: cut into parts and serialize"):
+                for message in wire.split_message(reply, b"", runtime_pb2.ExpertResponse):
+                    message.SerializeToString()  # what hivemind's stream writer does with it
 
     for i in range(3):
         one(f"warm-{i}")
@@ -128,7 +158,7 @@ def split(reps: int, width: int, batch: int, stage: int, stages: int = 4) -> dic
     total = time.thread_time() - cpu
     timers.restore()
     steps = {name: 1000 * spent / reps for name, spent in sorted(timers.exclusive.items(), key=lambda kv: -kv[1])}
-    steps["unwrapped (stream parts, protobuf, dispatch)"] = 1000 * total / reps - sum(steps.values())
+    steps["unwrapped (dispatch, event loop)"] = 1000 * total / reps - sum(steps.values())
     compute = sum(steps.get(k, 0.0) for k in ("forward (graph)", "backward (autograd)", "optimizer step"))
     return {"ms_per_microbatch": 1000 * total / reps, "compute_ms": compute,
             "overhead_vs_compute": (1000 * total / reps - compute) / compute, "steps_ms": steps}
