@@ -139,6 +139,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="py-spy pauses a process to read its stacks (exact stacks, but it slows the pipeline "
                         "down several times at 67 Hz)")
     parser.add_argument("--raw-dir", type=Path, default=None, help="keep py-spy's raw stacks here")
+    parser.add_argument("--run", default="heavy", help="heavy (benchmarks.pipeline's), or a run of configs/runs "
+                        "(digits-mlp, charlm) without evaluation (benchmarks/pipeline_configs.py)")
     return parser
 
 
@@ -151,7 +153,15 @@ def _profile(fleet: Fleet, s: Any, args: argparse.Namespace) -> dict[str, Any]:
     spy = _py_spy()
     _, maddr = fleet.bootstrap()
     reader = fleet.dht([maddr], [RSASignatureValidator()], client_mode=True)
-    run_path, run = pipeline._heavy_run(fleet, s)
+    if args.run == "heavy":
+        run_path, run = pipeline._heavy_run(fleet, s)
+    else:
+        from benchmarks.common import load_run_config, write_run
+        from benchmarks.pipeline_configs import training_only
+
+        run_path = write_run(fleet.workdir / f"{args.run}.yaml", training_only(args.run, s.heartbeat_s))
+        run = load_run_config(run_path)
+    s = replace(s, heavy_stages=run.model.stages, heavy_batch=run.training.batch_size)
     procs = pipeline._join_all(fleet, run_path, maddr, s.heavy_stages, 1, "profile")
     flat = [p for group in procs.values() for p in group]
     membership = Membership(reader, run, b"")
