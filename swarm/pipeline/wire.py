@@ -95,7 +95,7 @@ def encode_tensors(tensors: list[torch.Tensor], codec: str = "float32", rank: in
     for tensor in tensors:
         relayed = getattr(tensor, _RELAY_ATTR, None)
         if relayed is not None:
-            out.append(relayed)
+            out.append(as_proto(relayed))  # protobuf messages, always (encode_lean keeps payloads as they are)
             continue
         tensor = tensor.detach().cpu()
         if tensor.is_floating_point() and codec in FRAMED_CODECS and tensor.dim() >= 1 and tensor.numel():
