@@ -74,9 +74,9 @@ class StepGuard:
         (``moments_stay_finite``); ``param_norms`` (each parameter tensor's norm now) saves a pass."""
         params = self._params()
         state = self._state()
-        fast = (grad_norm is not None and self._state_is_verified(state)
+        fast = (grad_norm is not None and param_norms is not None and self._state_is_verified(state)
                 and self.steps % FULL_CHECK_EVERY_STEPS != FULL_CHECK_EVERY_STEPS - 1
-                and moments_stay_finite(self.optimizer, grad_norm, math.sqrt(sum(n * n for n in param_norms or [0.0]))))
+                and moments_stay_finite(self.optimizer, grad_norm, math.sqrt(sum(n * n for n in param_norms))))
         had_state = {id(p): bool(self.optimizer.state.get(p)) for p in self.module.parameters()}
         old = _copy_into(self._param_buffers, params)
         self._param_buffers = old
