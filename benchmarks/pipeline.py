@@ -56,6 +56,7 @@ from benchmarks.common import (
     write_run,
 )
 from benchmarks.fleet import Fleet, Proc, cpu_used
+from benchmarks.pipeline_configs import QUICK as QUICK_CONFIGS, ConfigSettings, configs
 from benchmarks.pipeline_hop import hops
 
 START_TIMEOUT_S = 300.0  # many processes importing torch at once on 2 cores
@@ -104,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
                            "tiny sizes and windows, 1-stage scaling with 2 -> 1 peers: a smoke test, not a measurement")
     parser.add_argument("--step-s", type=float, default=0.05, help="simulated accelerator step for the scaling runs")
     parser.add_argument("--scaling-stages", type=int, default=None, help="stages of the scaling runs (default 2)")
-    parser.add_argument("--only", choices=("hop", "heavy", "scaling"), action="append",
+    parser.add_argument("--only", choices=("hop", "heavy", "scaling", "configs"), action="append",
                         help="run only these parts (repeatable); default: all")
     return parser
 
@@ -112,7 +113,7 @@ def _parser() -> argparse.ArgumentParser:
 def _benchmark(fleet: Fleet, settings: Settings, args: argparse.Namespace) -> dict[str, Any]:
     from hivemind.dht.crypto import RSASignatureValidator
 
-    parts = set(args.only or ("hop", "heavy", "scaling"))
+    parts = set(args.only or ("hop", "heavy", "scaling", "configs"))
     say(f"starting a bootstrap peer (work dir {fleet.workdir})")
     _, maddr = fleet.bootstrap()
     reader = fleet.dht([maddr], [RSASignatureValidator()], client_mode=True)
@@ -123,6 +124,8 @@ def _benchmark(fleet: Fleet, settings: Settings, args: argparse.Namespace) -> di
         report.update(_heavy(fleet, maddr, reader, settings))
     if "scaling" in parts:
         report.update(_scaling(fleet, maddr, reader, settings))
+    if "configs" in parts:
+        report.update(configs(fleet, maddr, reader, QUICK_CONFIGS if args.quick else ConfigSettings()))
     report["machine"]["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
     return report
 

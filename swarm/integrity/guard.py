@@ -15,6 +15,7 @@ Whatever the update rule (``optimizer.step`` or an edge mode's rule, swarm/pipel
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,6 +23,9 @@ import torch
 from torch import nn
 
 from swarm.integrity.clip import step_bound
+
+SAFE_GRAD_NORM = 1e18  # |g| below this: g * g (< 1e36) stays far from float32's largest value (3.4e38)
+FULL_CHECK_EVERY_STEPS = 50  # an Adam copy's state is still copied and checked this often (belt and braces)
 
 
 class StepRefused(ValueError):
@@ -38,10 +42,14 @@ class StepGuard:
         self.module = module
         self.optimizer = optimizer
         self.max_step_ratio = max_step_ratio
-        self._buffers: list[torch.Tensor] = []
+        self._param_buffers: list[torch.Tensor] = []
+        self._state_buffers: list[torch.Tensor] = []
+        self._deltas: list[torch.Tensor] = []
+        self._verified_state: list[weakref.ref] = []  # the state tensors last found finite (a load replaces them)
         self.refused = 0
         self.scaled_steps = 0
         self.steps = 0
+        self.fast_steps = 0  # steps whose optimizer state was not copied nor checked (moments_stay_finite)
 
     def _params(self) -> list[torch.Tensor]:
         return [p.data for p in self.module.parameters()]
@@ -54,56 +62,113 @@ class StepGuard:
                     out.append(value)
         return out
 
-    def _backup(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        if len(self._buffers) != len(tensors) or any(b.shape != t.shape or b.dtype != t.dtype
-                                                     for b, t in zip(self._buffers, tensors)):
-            self._buffers = [torch.empty_like(t) for t in tensors]
-        if tensors:
-            torch._foreach_copy_(self._buffers, tensors)
-        return self._buffers
-
     @torch.no_grad()
-    def run(self, update: Callable[[], None], bound_steps: bool = True) -> GuardResult:
+    def run(self, update: Callable[[], None], bound_steps: bool = True, *, grad_norm: float | None = None,
+            param_norms: list[float] | None = None) -> GuardResult:
         """Run ``update`` (which steps the parameters in place); undo it if anything became non-finite.
 
         ``bound_steps=False`` (an edge mode's rule, whose move includes the pull towards its neighbours,
-        checked where their messages arrive) keeps the finiteness guard and skips the step bound."""
+        checked where their messages arrive) keeps the finiteness guard and skips the step bound.
+        ``grad_norm`` (the norm of the gradient ``update`` applies, ``optimizer.step`` only) lets an Adam step
+        skip copying and checking the optimizer state when the moments provably stay finite
+        (``moments_stay_finite``); ``param_norms`` (each parameter tensor's norm now) saves a pass."""
         params = self._params()
+        state = self._state()
+        fast = (grad_norm is not None and param_norms is not None and self._state_is_verified(state)
+                and self.steps % FULL_CHECK_EVERY_STEPS != FULL_CHECK_EVERY_STEPS - 1
+                and moments_stay_finite(self.optimizer, grad_norm, math.sqrt(sum(n * n for n in param_norms))))
         had_state = {id(p): bool(self.optimizer.state.get(p)) for p in self.module.parameters()}
-        before_state = self._state()
-        saved = self._backup(params + before_state)
+        old = _copy_into(self._param_buffers, params)
+        self._param_buffers = old
+        before_state = [] if fast else state
+        if not fast:
+            self._state_buffers = _copy_into(self._state_buffers, before_state)
         update()
         self.steps += 1
+        self.fast_steps += int(fast)
+        moves = self._moves(params, old)
         after_state = self._state()
-        if not _all_finite(params + after_state):
-            self._restore(params, before_state, saved, had_state)
+        finite = all(math.isfinite(m) for m in moves) or _all_finite(params)  # a move can overflow: look closer
+        if not finite or (not fast and not _all_finite(after_state)):
+            self._restore(params, old, before_state, had_state)
             self.refused += 1
             raise StepRefused("this update would make the copy non-finite: not applied")
-        scaled = self._bound_steps(params, saved[: len(params)]) if bound_steps else 0
+        self._verified_state = [weakref.ref(t) for t in after_state]
+        if not bound_steps or not params:
+            return GuardResult(tensors_scaled=0)
+        old_norms = param_norms if param_norms is not None and len(param_norms) == len(params) else \
+            torch.stack(torch._foreach_norm(old)).double().tolist()
+        scaled = self._bound_steps(params, old, old_norms, moves)
         self.scaled_steps += int(scaled > 0)
         return GuardResult(tensors_scaled=scaled)
 
-    def _restore(self, params: list[torch.Tensor], before_state: list[torch.Tensor], saved: list[torch.Tensor],
+    def _state_is_verified(self, state: list[torch.Tensor]) -> bool:
+        """The state tensors are the ones found finite after the last step (a restore or a load replaces them)."""
+        return bool(state) and len(state) == len(self._verified_state) and \
+            all(ref() is t for ref, t in zip(self._verified_state, state))
+
+    def _moves(self, params: list[torch.Tensor], old: list[torch.Tensor]) -> list[float]:
+        """Each tensor's move ``||new - old||``, into buffers kept from step to step (no allocation once warm).
+        With ``old`` finite, a move is finite exactly when the new tensor is (or the norm overflowed)."""
+        if len(self._deltas) != len(params) or any(d.shape != p.shape or d.dtype != p.dtype
+                                                   for d, p in zip(self._deltas, params)):
+            self._deltas = [torch.empty_like(p) for p in params]
+        for new, before, delta in zip(params, old, self._deltas):
+            torch.sub(new, before, out=delta)
+        return torch.stack(torch._foreach_norm(self._deltas)).double().tolist() if params else []
+
+    def _restore(self, params: list[torch.Tensor], old: list[torch.Tensor], before_state: list[torch.Tensor],
                  had_state: dict[int, bool]) -> None:
-        torch._foreach_copy_(params + before_state, saved[: len(params) + len(before_state)])
+        torch._foreach_copy_(params, old)
+        if before_state:
+            torch._foreach_copy_(before_state, self._state_buffers[: len(before_state)])
+        else:  # a step that skipped the state copy: its moments are finite (moments_stay_finite), only the params go back
+            self._verified_state = []  # the next step takes the full path
         for param in self.module.parameters():
             if not had_state[id(param)]:
                 self.optimizer.state.pop(param, None)  # the step created it: a fresh optimizer state again
 
-    def _bound_steps(self, params: list[torch.Tensor], old: list[torch.Tensor]) -> int:
-        if not params:
-            return 0
-        deltas = torch._foreach_sub(params, old)
-        norms = torch.stack(torch._foreach_norm(old) + torch._foreach_norm(deltas)).double().tolist()
-        old_norms, moves = norms[: len(params)], norms[len(params):]
+    def _bound_steps(self, params: list[torch.Tensor], old: list[torch.Tensor], old_norms: list[float],
+                     moves: list[float]) -> int:
         floor = typical_tensor_norm(old_norms)
         scaled = 0
-        for param, before, delta, old_norm, move in zip(params, old, deltas, old_norms, moves):
+        for param, before, delta, old_norm, move in zip(params, old, self._deltas, old_norms, moves):
             limit = step_bound(old_norm, floor, self.max_step_ratio)
             if move > limit > 0:
-                param.copy_(before).add_(delta, alpha=limit / move)
+                if math.isfinite(move):  # before + delta * limit / move, in one pass
+                    torch.add(before, delta, alpha=limit / move, out=param)
+                else:  # an overflowing move has no usable direction: the tensor stays where it was
+                    param.copy_(before)
                 scaled += 1
         return scaled
+
+
+def moments_stay_finite(optimizer: torch.optim.Optimizer, grad_norm: float, param_norm: float) -> bool:
+    """Whether an Adam or AdamW step from finite moments provably leaves them finite: ``m' = b1 m + (1 - b1) g`` and
+    ``v' = b2 v + (1 - b2) g^2`` are convex combinations (betas in [0, 1)), so they stay finite whenever every
+    ``g^2`` does, i.e. whenever ``|g| <= ||g|| <= SAFE_GRAD_NORM`` (Adam's L2 decay adds ``wd * p`` to ``g`` first).
+    Any other optimizer, or a group outside these conditions: False (its state is copied and checked)."""
+    kind = type(optimizer)
+    if kind not in (torch.optim.Adam, torch.optim.AdamW) or not math.isfinite(grad_norm):
+        return False
+    for group in optimizer.param_groups:
+        beta1, beta2 = (float(b) for b in group["betas"])
+        decay = float(group["weight_decay"])
+        if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0 and math.isfinite(decay) and decay >= 0.0):
+            return False
+        effective = grad_norm + (decay * param_norm if kind is torch.optim.Adam else 0.0)
+        if not effective <= SAFE_GRAD_NORM:
+            return False
+    return True
+
+
+def _copy_into(buffers: list[torch.Tensor], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` copied into ``buffers`` (reallocated only when the shapes change): one fused copy."""
+    if len(buffers) != len(tensors) or any(b.shape != t.shape or b.dtype != t.dtype for b, t in zip(buffers, tensors)):
+        buffers = [torch.empty_like(t) for t in tensors]
+    if tensors:
+        torch._foreach_copy_(buffers, tensors)
+    return buffers
 
 
 def typical_tensor_norm(norms: list[float]) -> float:

@@ -80,6 +80,7 @@ class PipelineDriver:
                  notify: Callable[[str, str], None] | None = None, call: CallStage = call_stage,
                  receipt_key: ReceiptKey | None = None, keys: KeyBook | None = None):
         self.run = run
+        self.run_id = run.run_id  # a property that hashes the whole config (0.14 ms): read once, not per hop
         # we sign stage 0's outputs (our own copy, our own data) and check every receipt a stage returns before
         # relaying it (swarm/integrity/receipts.py)
         self.receipt_key = receipt_key or ReceiptKey(str(p2p.peer_id))
@@ -262,14 +263,14 @@ class PipelineDriver:
         """The receipt of our own stage 0's output: serialized once, so what travels is what we signed."""
         training = self.run.training
         item = serialize_once(h, training.codec, training.wire_rank)
-        return self.receipt_key.sign(self.run.run_id, mb, op, 0, self.worker.stats.param_version, ids_d,
+        return self.receipt_key.sign(self.run_id, mb, op, 0, self.worker.stats.param_version, ids_d,
                                      tensor_digest(item), ids_d)
 
     def _meta(self, mb: str, *receipts: Receipt) -> dict:
         return {"mb": mb, "rc": [r.to_wire() for r in receipts], "rk": self.receipt_key.public}
 
     def _vouch(self, mb: str, previous: Receipt, ids_d: bytes) -> Vouch:
-        return Vouch(self.run.run_id, mb, previous.output, ids_d)
+        return Vouch(self.run_id, mb, previous.output, ids_d)
 
     def _avoid_author(self, exc: Refused) -> None:
         """A stage refused a tensor we relayed because its author is banned there: we stop using that peer too."""

@@ -24,7 +24,7 @@ from swarm.integrity.receipts import (
     signature_valid,
     tensor_digest,
 )
-from swarm.pipeline.wire import carry_payload, payload_of
+from swarm.pipeline.wire import carry_payload, payload_of, peak_abs
 from swarm.run.models import TensorSpec, stage_input_spec, stage_output_spec
 from swarm.run.runconfig import ModelConfig
 
@@ -69,9 +69,9 @@ def check_reply_tensor(tensor: torch.Tensor, spec: TensorSpec, max_abs: float, w
     if problem:
         raise BadReply(f"{what}: {problem}")
     if tensor.is_floating_point():
-        if not bool(torch.isfinite(tensor).all()):
+        peak = peak_abs(tensor)  # one pass: finite exactly when every value is
+        if not math.isfinite(peak):
             raise BadReply(f"{what}: contains NaN or infinite values")
-        peak = float(tensor.abs().max()) if tensor.numel() else 0.0
         if peak > max_abs:
             raise BadReply(f"{what}: a value of magnitude {peak:.3g} exceeds the bound {max_abs:.3g}")
     return tensor

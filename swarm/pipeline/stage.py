@@ -42,7 +42,7 @@ from swarm.run.optim_state import load_optimizer_tensors, optimizer_tensors
 from swarm.run.runconfig import RunConfig
 from swarm.pipeline.staleness import StalenessWindow, StepSize
 from swarm.pipeline.stage_stats import StageStats, StepInfo, UpdateReport, WorkerState
-from swarm.pipeline.wire import WireError, check_tensor
+from swarm.pipeline.wire import WireError, check_tensor, peak_abs
 
 logger = logging.getLogger(__name__)
 
@@ -145,8 +145,7 @@ class StageWorker:
         with self.lock, self.stats.busy():
             self._refuse_if_sick()
             saved = self._graph(x)
-            self._check_emitted(saved.outputs, "outputs")
-            self._refuse_out_of_bound(saved.outputs)
+            self._refuse_out_of_bound(self._check_emitted(saved.outputs, "outputs"))
             if self.is_first and not owner:  # our own driver's data: a collapsed copy shows here
                 self.health.observe_own_forward(saved.inputs, saved.outputs)
                 self._refuse_if_sick()
@@ -164,8 +163,7 @@ class StageWorker:
                 outputs = self.module(x.to(self.device))
             finally:
                 self.module.train(was_training)
-            self._check_emitted(outputs, "outputs")
-            self._refuse_out_of_bound(outputs)
+            self._refuse_out_of_bound(self._check_emitted(outputs, "outputs"))
             return outputs.cpu()
 
     @torch.no_grad()
@@ -192,12 +190,12 @@ class StageWorker:
                     raise NeedInput(mb_id)
                 saved = self._graph(x)
             saved.outputs.backward(grad_out.to(self.device, saved.outputs.dtype))
-            self._check_emitted(saved.inputs.grad, "input gradients")
+            peak = self._check_emitted(saved.inputs.grad, "input gradients")
             self._apply(saved, batch_size=grad_out.shape[0], loss=loss, owner=owner, scale=out_scale, out_rms=out_rms,
                         refuse_absurd=bool(owner),
                         junior=junior)
             self._simulate()
-            return None if saved.inputs.grad is None else self._within_reply_bound(saved.inputs.grad.cpu())
+            return None if saved.inputs.grad is None else self._within_reply_bound(saved.inputs.grad.cpu(), peak)
 
     def forward_backward(self, mb_id: str, x: torch.Tensor, y: torch.Tensor, owner: str = "") -> tuple[float, torch.Tensor | None]:
         """Last stage: loss and input gradient of one micro-batch, with the update applied."""
@@ -209,30 +207,32 @@ class StageWorker:
             self.health.observe_local_loss(value, owner)
             self._refuse_if_sick()
             loss.backward()
-            self._check_emitted(saved.inputs.grad, "input gradients")
+            peak = self._check_emitted(saved.inputs.grad, "input gradients")
             self._apply(saved, batch_size=x.shape[0], loss=value, owner=owner,
                         junior=bool(owner) and self.on_probation(owner))
             self._simulate(2)
-            return value, None if saved.inputs.grad is None else self._within_reply_bound(saved.inputs.grad.cpu())
+            return value, None if saved.inputs.grad is None else self._within_reply_bound(saved.inputs.grad.cpu(), peak)
 
-    def _within_reply_bound(self, grad_in: torch.Tensor) -> torch.Tensor:
+    def _within_reply_bound(self, grad_in: torch.Tensor, peak: float) -> torch.Tensor:
         """What we emit stays within what a driver accepts from us (``timeouts.reply_max_abs``): a gradient we were
         sent by a hostile next stage, before our clip history exists, would otherwise come out of our backward
         larger than the bound, and the driver would blame us, its honest computer, for it."""
-        bound = EMIT_FRACTION * self.run.timeouts.reply_max_abs
-        peak = float(grad_in.abs().max()) if grad_in.numel() else 0.0
+        bound = EMIT_FRACTION * self.run.timeouts.reply_max_abs  # peak: grad_in's largest magnitude (_check_emitted)
         return grad_in * (bound / peak) if peak > bound else grad_in
 
-    def _refuse_out_of_bound(self, outputs: torch.Tensor) -> None:
+    def _refuse_out_of_bound(self, peak: float) -> None:
         """Activations past what a driver accepts come only from inputs out of range: refuse them (the input's
         author is blamed, swarm/pipeline/stage_rpc.py), rather than emit what the driver would blame us for."""
-        bound = EMIT_FRACTION * self.run.timeouts.reply_max_abs
-        if outputs.numel() and float(outputs.detach().abs().max()) > bound:
+        bound = EMIT_FRACTION * self.run.timeouts.reply_max_abs  # peak: the outputs' largest magnitude (_check_emitted)
+        if peak > bound:
             raise InputOutOfRange(f"layer{self.index}: these inputs make outputs beyond {bound:.3g}: not served")
 
     def _clip_grad_out(self, grad_out: torch.Tensor, junior: bool = False) -> tuple[torch.Tensor, float, float]:
         """Centered clipping of the incoming output gradient (per-sample RMS, so batch sizes compare)."""
-        rms = float(grad_out.double().norm()) / math.sqrt(max(grad_out.shape[0], 1))
+        norm = float(grad_out.norm())
+        if not math.isfinite(norm):  # float32 squares overflow past ~1.8e19: only then is double precision needed
+            norm = float(grad_out.double().norm())
+        rms = norm / math.sqrt(max(grad_out.shape[0], 1))
         scale = clip_scale(rms, self.grad_out_rms.bound(1.0 if junior else None))
         if scale == 0.0:
             raise WireError("output gradient: its norm is not finite")
@@ -249,14 +249,15 @@ class StageWorker:
             grad = saved.params[name].grad
             param.grad = grad if grad is not None else torch.zeros_like(param)
             grads.append(param.grad)
-        grad_scale, grad_norm = self._clip_param_grads(params, grads, junior)
+        grad_scale, grad_norm, param_norms = self._clip_param_grads(params, grads, junior)
         if refuse_absurd and min(scale, grad_scale) < HEAVY_CLIP_SCALE:
             # refused where it arrives: applied (clipped to nothing) its input gradient would still leave here large,
             # and the stage before us would blame us, its honest computer, for what our next stage sent
             raise AbsurdGradient(f"layer{self.index}: the output gradient is absurd for this copy (its update would be "
                                  f"clipped to {min(scale, grad_scale):.2g} of its size): not applied")
         factor = 1.0 if self._custom_rule else self.step_size.before_step(staleness, grads, self.staleness.mean())
-        result = self.guard.run(self._update, bound_steps=not self._custom_rule)
+        result = self.guard.run(self._update, bound_steps=not self._custom_rule, param_norms=param_norms,
+                                grad_norm=None if self._custom_rule else grad_norm * grad_scale)
         self.staleness.record(staleness)
         if not junior:  # a newcomer's norms would let it lift the bound it is clipped to
             self.grad_norms.accept(grad_norm * grad_scale, was_clipped=grad_scale < 1.0)
@@ -273,11 +274,14 @@ class StageWorker:
                 logger.exception("a step hook failed")
 
     def _clip_param_grads(self, params: list[nn.Parameter], grads: list[torch.Tensor],
-                          junior: bool = False) -> tuple[float, float]:
-        """(scale applied, norm before it): clip to the history bound and the history-free step ceiling."""
+                          junior: bool = False) -> tuple[float, float, list[float]]:
+        """(scale applied, norm before it, each parameter tensor's norm): clip to the history bound and the
+        history-free step ceiling. One fused norm pass over gradients and parameters; the guard reuses the
+        parameters' norms for its step bound."""
         norms = torch.stack(torch._foreach_norm(grads + [p.data for p in params])).double()
         grad_norm = float(norms[: len(grads)].norm())
-        param_norm = float(norms[len(grads):].norm())
+        param_norms = norms[len(grads):]
+        param_norm = float(param_norms.norm())
         lr = self.step_size.lr  # the run's lr x the heal scale (a staleness factor only shrinks the step)
         bound = combined_bound(self.grad_norms.bound(1.0 if junior else None),
                                step_ceiling(param_norm, lr, self.run.integrity.max_step_ratio))
@@ -289,20 +293,25 @@ class StageWorker:
                             "not applied")
         if scale < 1.0:
             torch._foreach_mul_(grads, scale)
-        return scale, grad_norm
+        return scale, grad_norm, param_norms.tolist()
 
-    def _check_emitted(self, tensor: torch.Tensor | None, what: str) -> None:
+    def _check_emitted(self, tensor: torch.Tensor | None, what: str) -> float:
         """Nothing non-finite leaves this stage. Whose fault: with finite parameters the request's
-        values were out of range (rejected, nothing applied); otherwise this copy is sick."""
-        if tensor is None or not tensor.is_floating_point() or bool(torch.isfinite(tensor).all()):
-            return
+        values were out of range (rejected, nothing applied); otherwise this copy is sick. Returns the
+        tensor's largest magnitude (the same pass: the reply bounds need it), 0.0 for none."""
+        if tensor is None or not tensor.is_floating_point():
+            return 0.0
+        peak = peak_abs(tensor)
+        if math.isfinite(peak):
+            return peak
         if all(bool(torch.isfinite(p).all()) for p in self.module.parameters()):
             from swarm.integrity.heal import param_norm
 
             self.health.observe_param_norm(param_norm(self.module))  # finite but diverged: sick, not the request
             self._refuse_if_sick()
             raise WireError(f"layer{self.index} {what} would be non-finite: the request's values are out of range")
-        self.health.check_tensor(tensor, f"layer{self.index} {what}")
+        self.health.check_tensor(tensor, f"layer{self.index} {what}")  # raises SickCopy
+        raise SickCopy(f"layer{self.index} {what} contain non-finite values")
 
     def _refuse_if_sick(self) -> None:
         reason = self.health.sick_reason

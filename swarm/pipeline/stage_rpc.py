@@ -50,6 +50,8 @@ from swarm.pipeline.wire import (
     DEFAULT_RANK,
     UNARY_LIMIT_BYTES,
     WireError,
+    as_proto,
+    buffer_bytes,
     decode_tensors,
     encode_off_loop,
     join_stream,
@@ -95,20 +97,20 @@ class StageServicer(ServicerBase):
 
     async def rpc_call(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         remote = str(context.remote_id)
-        self.traffic.count(remote, inbound=sum(len(t.buffer) for t in request.tensors))
+        self.traffic.count(remote, inbound=buffer_bytes(request.tensors))
         serialized, meta = await self._handle(list(request.tensors), request.metadata, context)
-        self.traffic.count(remote, outbound=sum(len(t.buffer) for t in serialized))
-        return runtime_pb2.ExpertResponse(tensors=serialized, metadata=pack_metadata(meta))
+        self.traffic.count(remote, outbound=buffer_bytes(serialized))
+        return runtime_pb2.ExpertResponse(tensors=[as_proto(t) for t in serialized], metadata=pack_metadata(meta))
 
     async def rpc_call_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                               context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         try:
             serialized, metadata = await join_stream(requests, self.max_bytes)
-            self.traffic.count(str(context.remote_id), inbound=sum(len(t.buffer) for t in serialized))
+            self.traffic.count(str(context.remote_id), inbound=buffer_bytes(serialized))
             out, meta = await self._handle(serialized, metadata, context)
         except WireError as exc:
             out, meta = [], _refusal("rejected", str(exc))
-        self.traffic.count(str(context.remote_id), outbound=sum(len(t.buffer) for t in out))
+        self.traffic.count(str(context.remote_id), outbound=buffer_bytes(out))
         for message in split_message(out, pack_metadata(meta), runtime_pb2.ExpertResponse):
             yield message
 
@@ -340,10 +342,10 @@ async def call_stage(p2p: Any, peer_id: str, namespace: str, op: str, tensors: l
     stub = StageServicer.get_stub(p2p, PeerID.from_base58(peer_id), namespace=namespace)
     serialized = await encode_off_loop(tensors, codec, rank)
     metadata = pack_metadata({**meta, "op": op})
-    sent = sum(len(t.buffer) for t in serialized)
+    sent = buffer_bytes(serialized)
     started = time.perf_counter()
     if max(sent, expect_bytes) < UNARY_LIMIT_BYTES:
-        request = runtime_pb2.ExpertRequest(tensors=serialized, metadata=metadata)
+        request = runtime_pb2.ExpertRequest(tensors=[as_proto(t) for t in serialized], metadata=metadata)
         reply = await asyncio.wait_for(stub.rpc_call(request), timeout_s)
         out_serialized, out_meta = list(reply.tensors), reply.metadata
     else:
@@ -356,7 +358,7 @@ async def call_stage(p2p: Any, peer_id: str, namespace: str, op: str, tensors: l
     elapsed = time.perf_counter() - started
     reply_meta = unpack_metadata(out_meta)
     if traffic is not None:
-        traffic.count(peer_id, inbound=sum(len(t.buffer) for t in out_serialized), outbound=sent)
+        traffic.count(peer_id, inbound=buffer_bytes(out_serialized), outbound=sent)
     if not reply_meta:
         raise StageError("broken", f"{peer_id[-8:]} sent a reply without metadata (did it fail mid-reply?)")
     if reply_meta.get("ok") is not True:

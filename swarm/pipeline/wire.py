@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import AsyncIterator, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,6 +48,37 @@ class WireError(ValueError):
     """A message that must be rejected; the text is sent back to the caller."""
 
 
+@dataclass(slots=True)
+class Payload:
+    """A serialized tensor held as one byte buffer, in place of hivemind's ``runtime_pb2.Tensor`` (same fields):
+    a streamed tensor joined once (``join_stream``), or a float32 tensor of ours seen as bytes without a copy
+    (``encode_lean``). Protobuf hands out a fresh copy of a bytes field on every access, and hivemind's own
+    join and (de)serialization copy 2 MiB four times more (benchmarks/README.md, issue 29); a payload is
+    copied once on arrival and a tensor decoded from it shares its buffer. ``as_proto`` makes the message."""
+
+    dtype: str
+    size: list[int]
+    compression: int
+    buffer: bytearray | memoryview
+    requires_grad: bool = False
+
+
+def as_proto(item: Any) -> Any:
+    """The ``runtime_pb2.Tensor`` of a payload (a protobuf message is returned as it is)."""
+    if not isinstance(item, Payload):
+        return item
+    from hivemind.proto import runtime_pb2
+
+    return runtime_pb2.Tensor(buffer=bytes(item.buffer), size=item.size, dtype=item.dtype,
+                              compression=item.compression, requires_grad=item.requires_grad)
+
+
+def buffer_bytes(items: Iterable[Any]) -> int:
+    """Bytes of the items' buffers (a protobuf message's buffer is copied to be measured: those are small, unary,
+    or coded; the large float32 tensors of the stage RPCs travel as payloads)."""
+    return sum(len(item.buffer) for item in items)
+
+
 def payload_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -63,7 +95,7 @@ def encode_tensors(tensors: list[torch.Tensor], codec: str = "float32", rank: in
     for tensor in tensors:
         relayed = getattr(tensor, _RELAY_ATTR, None)
         if relayed is not None:
-            out.append(relayed)
+            out.append(as_proto(relayed))  # protobuf messages, always (encode_lean keeps payloads as they are)
             continue
         tensor = tensor.detach().cpu()
         if tensor.is_floating_point() and codec in FRAMED_CODECS and tensor.dim() >= 1 and tensor.numel():
@@ -77,10 +109,29 @@ def encode_tensors(tensors: list[torch.Tensor], codec: str = "float32", rank: in
     return out
 
 
+def encode_lean(tensors: list[torch.Tensor], codec: str = "float32", rank: int = DEFAULT_RANK) -> list[Any]:
+    """``encode_tensors`` for the stage RPCs: a float32 tensor sent as float32 becomes a ``Payload`` over the
+    tensor's own memory (no copy: the stream's parts are cut from it, ``split_message``); everything else as
+    ``encode_tensors`` does. The tensor must not be written afterwards (ours never are: outputs and gradients
+    we computed and send as they are)."""
+    out = []
+    for tensor in tensors:
+        relayed = getattr(tensor, _RELAY_ATTR, None)
+        if relayed is not None:
+            out.append(relayed)
+        elif tensor.dtype == torch.float32 and codec == "float32" and tensor.device.type == "cpu":
+            flat = tensor.detach().contiguous()
+            view = memoryview(flat.numpy()).cast("B") if flat.numel() else memoryview(b"")
+            out.append(Payload(dtype="float32", size=list(flat.shape), compression=0, buffer=view))
+        else:
+            out.extend(encode_tensors([tensor], codec, rank))
+    return out
+
+
 def serialize_once(tensor: torch.Tensor, codec: str = "float32", rank: int = DEFAULT_RANK) -> Any:
     """Serialize ``tensor`` now and make every later ``encode_tensors`` of it send these bytes: the payload whose
     digest a receipt signs is then the payload that travels."""
-    (item,) = encode_tensors([tensor], codec, rank)
+    (item,) = encode_lean([tensor], codec, rank)
     setattr(tensor, _RELAY_ATTR, item)
     return item
 
@@ -104,8 +155,8 @@ async def encode_off_loop(tensors: list[torch.Tensor], codec: str = "float32", r
     import asyncio
 
     if codec in FRAMED_CODECS and sum(t.numel() for t in tensors) >= OFF_LOOP_VALUES:
-        return await asyncio.to_thread(encode_tensors, tensors, codec, rank)
-    return encode_tensors(tensors, codec, rank)
+        return await asyncio.to_thread(encode_lean, tensors, codec, rank)
+    return encode_lean(tensors, codec, rank)
 
 
 def coded_bytes(shape: tuple[int, ...], codec: str, rank: int = DEFAULT_RANK) -> int:
@@ -164,21 +215,51 @@ def _decode_framed(item: Any, max_bytes: int) -> torch.Tensor:
         raise WireError(f"malformed coded tensor: {exc}") from None
     except Exception as exc:  # a hostile buffer can fail in many ways; all of them are a rejection
         raise WireError(f"malformed coded tensor ({exc.__class__.__name__})") from None
-    if not bool(torch.isfinite(tensor).all()):  # finite factors can still multiply past float32's range
+    if not math.isfinite(peak_abs(tensor)):  # finite factors can still multiply past float32's range
         raise WireError("malformed coded tensor: it decodes to non-finite values")
     setattr(tensor, _RELAY_ATTR, item)
     return tensor
 
 
+_PLAIN_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int64": torch.int64}
+
+
 def _decode_plain(item: Any) -> torch.Tensor:
     from hivemind.compression import deserialize_torch_tensor
 
+    if isinstance(item, Payload) and item.compression == 0 and item.dtype in _PLAIN_DTYPES:
+        tensor = _from_payload(item)
+        setattr(tensor, _RELAY_ATTR, item)
+        return tensor
     try:
-        tensor = deserialize_torch_tensor(item).detach()
+        tensor = deserialize_torch_tensor(as_proto(item)).detach()
     except Exception as exc:  # a hostile buffer can fail in many ways; all of them are a rejection
         raise WireError(f"malformed tensor ({exc.__class__.__name__})") from None
     setattr(tensor, _RELAY_ATTR, item)
     return tensor
+
+
+def peak_abs(tensor: torch.Tensor) -> float:
+    """The largest magnitude in ``tensor``, in one pass without a temporary (``aminmax``; 0.0 when empty). NaN and
+    infinity propagate, so the peak is finite exactly when every value is: one call is both the finiteness check
+    and the bound check (``isfinite(t).all()`` alone cost 10x as much: a bool tensor, then a second pass)."""
+    if not tensor.numel():
+        return 0.0
+    low, high = (float(v) for v in torch.aminmax(tensor.detach()))
+    if math.isnan(low) or math.isnan(high):
+        return math.nan
+    return max(-low, high)
+
+
+def _from_payload(item: Payload) -> torch.Tensor:
+    """The tensor over the payload's own buffer (no copy), its length checked against what it declares."""
+    dtype = _PLAIN_DTYPES[item.dtype]
+    numel = math.prod(item.size)
+    if len(item.buffer) != numel * dtype.itemsize:
+        raise WireError(f"malformed tensor: {len(item.buffer)} bytes for {numel} values of {item.dtype}")
+    if numel == 0:
+        return torch.empty(item.size, dtype=dtype)
+    return torch.frombuffer(item.buffer, dtype=dtype).view(item.size)
 
 
 def check_tensor(tensor: torch.Tensor, spec: TensorSpec, what: str, max_batch: int) -> torch.Tensor:
@@ -190,7 +271,7 @@ def check_tensor(tensor: torch.Tensor, spec: TensorSpec, what: str, max_batch: i
         raise WireError(f"{what}: {problem}")
     if tensor.shape[0] > max_batch or tensor.shape[0] == 0:
         raise WireError(f"{what}: batch of {tensor.shape[0]} outside 1..{max_batch}")
-    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+    if tensor.is_floating_point() and not math.isfinite(peak_abs(tensor)):
         raise WireError(f"{what}: contains NaN or infinite values")
     return tensor
 
@@ -216,37 +297,58 @@ def unpack_metadata(raw: bytes, max_bytes: int = MAX_METADATA_BYTES) -> dict[str
 
 
 def split_message(serialized: list[Any], metadata: bytes, message_type: type) -> Iterator[Any]:
-    """One streamed message per chunk; metadata rides on the first."""
+    """One streamed message per chunk; metadata rides on the first. A ``Payload``'s chunks are cut straight from
+    its buffer (hivemind's ``split_for_streaming`` first copies a message's whole buffer out of protobuf)."""
     from hivemind.utils.streaming import split_for_streaming
 
     first = True
     for tensor in serialized:
-        for part in split_for_streaming(tensor, STREAM_CHUNK_BYTES):
+        parts = _payload_parts(tensor) if isinstance(tensor, Payload) else split_for_streaming(tensor, STREAM_CHUNK_BYTES)
+        for part in parts:
             yield message_type(tensors=[part], metadata=metadata if first else b"")
             first = False
     if first:
         yield message_type(tensors=[], metadata=metadata)
 
 
-async def join_stream(stream: AsyncIterator[Any], max_bytes: int) -> tuple[list[Any], bytes]:
-    """Collect a streamed message: (serialized tensors, metadata), refusing oversized streams."""
-    from hivemind.utils.streaming import combine_from_streaming
+def _payload_parts(item: Payload) -> Iterator[Any]:
+    from hivemind.proto import runtime_pb2
 
+    view = memoryview(item.buffer)
+    starts = range(0, len(view), STREAM_CHUNK_BYTES)
+    yield runtime_pb2.Tensor(compression=item.compression, buffer=bytes(view[:STREAM_CHUNK_BYTES]), chunks=len(starts),
+                             size=item.size, dtype=item.dtype, requires_grad=item.requires_grad)
+    for start in starts[1:]:
+        yield runtime_pb2.Tensor(buffer=bytes(view[start : start + STREAM_CHUNK_BYTES]))
+
+
+async def join_stream(stream: AsyncIterator[Any], max_bytes: int) -> tuple[list[Payload], bytes]:
+    """Collect a streamed message: (one ``Payload`` per tensor, metadata), refusing oversized streams. A tensor's
+    parts are joined once into one buffer, which its decoded tensor then shares (``decode_tensors``)."""
     metadata = b""
-    tensors: list[Any] = []
-    parts: list[Any] = []
+    tensors: list[Payload] = []
+    head: Any = None
+    parts: list[bytes] = []
     received = 0
     async for message in stream:
         if message.metadata:
             metadata = message.metadata
         for part in message.tensors:
-            received += len(part.buffer)
+            buffer = part.buffer  # read once: protobuf copies a bytes field on every access
+            received += len(buffer)
             if received > max_bytes:
                 raise WireError(f"stream larger than the {max_bytes / 2**20:.0f} MiB this stage accepts")
             if part.dtype and parts:
-                tensors.append(combine_from_streaming(parts))
+                tensors.append(_joined(head, parts))
                 parts = []
-            parts.append(part)
+            if not parts:
+                head = part
+            parts.append(buffer)
     if parts:
-        tensors.append(combine_from_streaming(parts))
+        tensors.append(_joined(head, parts))
     return tensors, metadata
+
+
+def _joined(head: Any, parts: list[bytes]) -> Payload:
+    return Payload(dtype=head.dtype, size=list(head.size), compression=int(head.compression),
+                   buffer=bytearray().join(parts), requires_grad=head.requires_grad)

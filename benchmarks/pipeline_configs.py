@@ -1,0 +1,88 @@
+"""The shipped runs as pipelines against one process, in samples per CPU-second (the ``configs`` part of
+benchmarks.pipeline; issue 29).
+
+For each run of ``configs/runs`` named (digits-mlp, charlm): one ``volunteer join`` per stage on loopback,
+the run's own model, data, optimizer, batch and ``in_flight``, with evaluation and averaging left out (a
+2 s heartbeat, no evaluation: what is measured is training). Its samples per CPU-second (every process of
+the swarm, p2pd and DHT included) over those of the same model, optimizer and batches trained in one
+process on one thread (``benchmarks.pipeline._LocalLoop``, in slices before and after): ``cpu_efficiency_<run>``.
+The samples per second of both are reported too (``<run>.pipeline`` / ``<run>.local``), and the swarm's CPU
+per micro-batch by process kind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from benchmarks.common import load_run_config, median, ratio, say, write_run
+from benchmarks.fleet import Fleet
+
+RUNS_DIR = Path(__file__).resolve().parents[1] / "configs" / "runs"
+NO_EVALUATION_S = 1e6
+
+
+@dataclass(slots=True, kw_only=True)
+class ConfigSettings:
+    runs: tuple[str, ...] = ("digits-mlp", "charlm")
+    warmup_s: float = 15.0
+    window_s: float = 30.0
+    heartbeat_s: float = 2.0
+    local_slices: int = 3  # before and after the pipeline
+    local_slice_s: float = 3.0
+    local_warmup_batches: int = 5
+
+
+QUICK = ConfigSettings(runs=("digits-mlp",), warmup_s=1.0, window_s=2.0, heartbeat_s=0.5, local_slices=1,
+                       local_slice_s=0.3, local_warmup_batches=1)
+
+
+def training_only(name: str, heartbeat_s: float) -> dict[str, Any]:
+    """The shipped run ``name`` with evaluation off and a short heartbeat (what is timed is training)."""
+    config = yaml.safe_load((RUNS_DIR / f"{name}.yaml").read_text())
+    config["training"]["eval_every_s"] = NO_EVALUATION_S
+    config.setdefault("timeouts", {})["heartbeat_s"] = heartbeat_s
+    config["name"] = f"bench-{name}"
+    return config
+
+
+def configs(fleet: Fleet, maddr: str, reader: Any, s: ConfigSettings) -> dict[str, Any]:
+    from benchmarks import pipeline
+    from swarm.dht.membership import Membership
+
+    report: dict[str, Any] = {}
+    for name in s.runs:
+        run_path = write_run(fleet.workdir / f"{name}.yaml", training_only(name, s.heartbeat_s))
+        run = load_run_config(run_path)
+        stages = run.model.stages
+        say(f"configs: {name}: one process, 1 thread, then {stages} stages")
+        loop = pipeline._LocalLoop(run, s.local_warmup_batches)
+        slices = loop.alternate((1,), s.local_slices, s.local_slice_s)
+        procs = pipeline._join_all(fleet, run_path, maddr, stages, 1, name)
+        flat = [p for group in procs.values() for p in group]
+        membership = Membership(reader, run, b"")
+        try:
+            pipeline._wait_training(membership, stages, 1, flat, pipeline.START_TIMEOUT_S)
+            swarm = pipeline._measure(fleet, membership, flat, s.warmup_s, s.window_s)
+        finally:
+            pipeline._stop_in_order(fleet, procs)
+        slices += loop.alternate((1,), s.local_slices, s.local_slice_s)
+        local_cpu = median([x["samples_per_cpu_s"] for x in slices])
+        batch = run.training.batch_size
+        per_mb = {kind: 1000 * used / (swarm["samples_per_s"] / batch)
+                  for kind, used in swarm["cpu_cores_by_process"].items()}
+        report[f"cpu_efficiency_{name}"] = ratio(swarm["samples_per_cpu_s"], local_cpu)
+        report[name] = {
+            "pipeline": swarm,
+            "local_samples_per_s_1_thread": median([x["samples_per_s"] for x in slices]),
+            "local_samples_per_cpu_s_1_thread": local_cpu,
+            "local_slices": slices,
+            "cpu_ms_per_microbatch": {"local_1_thread": 1000 * batch / local_cpu, "pipeline": per_mb},
+            "batch": batch, "in_flight": run.training.in_flight,
+        }
+        say(f"configs: {name}: pipeline {swarm['samples_per_cpu_s']:.0f} samples per CPU-s "
+            f"({swarm['samples_per_s']:.0f}/s on {swarm['cpu_cores_used']:.2f} cores), one process {local_cpu:.0f}")
+    return report
