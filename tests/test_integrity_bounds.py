@@ -198,11 +198,8 @@ def test_probation_holds_a_newcomer_to_a_share_of_the_established_drivers():
     assert probation_allows(own=500, established=[], share=0.25)  # nobody established: no probation
 
 
-def test_a_newcomer_is_held_back_until_it_has_served_its_probation():
-    """Measured: 64 gradient-ascent updates accepted at the full fair share (32 burst, then 2x the honest
-    driver) took accuracy from 0.95 to 0.72 within a second."""
-    cfg = IntegrityConfig(fair_share_burst=32, fair_share_slack=2.0, probation_updates=16, probation_share=0.25)
-    book = RequesterBook(cfg)
+def _applier(book: RequesterBook):
+    """``apply(requester, now)``: admit one update and apply it unclipped; the refusal's code, or None if applied."""
 
     def apply(requester: str, now: float) -> str | None:
         refusal = book.admit(requester, True, now=now)
@@ -211,6 +208,16 @@ def test_a_newcomer_is_held_back_until_it_has_served_its_probation():
         book.finished(requester)
         book.on_update(requester, 1.0, now=now)
         return None
+
+    return apply
+
+
+def test_a_newcomer_is_held_back_until_it_has_served_its_probation():
+    """Measured: 64 gradient-ascent updates accepted at the full fair share (32 burst, then 2x the honest
+    driver) took accuracy from 0.95 to 0.72 within a second."""
+    cfg = IntegrityConfig(fair_share_burst=32, fair_share_slack=2.0, probation_updates=16, probation_share=0.25)
+    book = RequesterBook(cfg)
+    apply = _applier(book)
 
     assert [apply("senior", t * 0.01) for t in range(40)] == [None] * 40  # alone: the whole stage
     codes = [apply("stranger", 0.5 + t * 0.001) for t in range(40)]
@@ -238,14 +245,7 @@ def test_newcomers_together_share_one_pool_however_many_keys_they_have():
     (and 100 bursts). Together they now get one established driver's share; the established driver keeps its own."""
     cfg = IntegrityConfig(fair_share_burst=32, fair_share_slack=2.0, probation_updates=64, probation_share=0.25)
     book = RequesterBook(cfg)
-
-    def apply(requester: str, now: float) -> str | None:
-        refusal = book.admit(requester, True, now=now)
-        if refusal is not None:
-            return refusal.code
-        book.finished(requester)
-        book.on_update(requester, 1.0, now=now)
-        return None
+    apply = _applier(book)
 
     for t in range(80):  # an honest driver past its probation: 80 updates in the 10 s window
         assert apply("honest", t * 0.01) is None
