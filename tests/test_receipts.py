@@ -128,8 +128,9 @@ def test_export_asks_the_best_copy_first_and_the_others_after():
     assert [r.peer_id for r in export_order(records)] == ["b", "a", "c"]
 
 
-def test_the_keybook_asks_only_peers_its_views_list_so_random_signers_spend_no_fetches():
-    """Issue 25: a stranger naming random signers spent the 8 fetches a second a new honest peer's key needed."""
+def test_the_keybook_keeps_half_its_fetches_for_the_peers_its_views_list():
+    """Issue 25: a stranger naming random signers spent the 8 fetches a second the keys of known peers needed.
+    Signers no view lists may take fetches only while more than half the budget is left."""
     import asyncio
 
     from swarm.pipeline.keybook import KeyBook
@@ -145,12 +146,12 @@ def test_the_keybook_asks_only_peers_its_views_list_so_random_signers_spend_no_f
         assert await book.key("early", "layer2") == bytes(32), "no view of the swarm yet: asked"
         book.prefetch(["honest"], "layer2")
         await asyncio.sleep(0.05)
-        for k in range(50):
-            assert await book.key(f"random{k}", "layer2") is None
-        assert asked == ["early", "honest"], asked
-        book.prefetch(["newer"], "layer2")  # the view before the last still counts (a peer that just left)
+        strangers = [await book.key(f"random{k}", "layer2") for k in range(50)]
+        assert 1 <= sum(key is not None for key in strangers) <= 4, "at most half of the 8 tokens"
+        assert len(asked) <= 2 + 4, asked
+        book.prefetch(["newer"], "layer2")
         await asyncio.sleep(0.05)
-        assert book.known("honest") and await book.key("newer", "layer2") == bytes(32)
+        assert "newer" in asked and book.known("newer"), "a listed peer still gets its fetch"
 
     asyncio.run(asyncio.wait_for(main(), 10))
 
