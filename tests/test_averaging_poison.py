@@ -170,12 +170,17 @@ def test_a_far_copy_that_scores_well_on_validation_is_averaged_with_one_capped_s
     assert 0.0 < step <= BOUNDS.max_step_ratio * _norm(before) * (1 + TOLERANCE)
     assert all(kind != "rejected" for _, kind, _ in ours.events[events:])
     assert averaging._vouched[partner] > time.monotonic(), "taken without a new score for a while"
-    # one that scores far worse than ours is banned, with the scores in the reason
+    # one that scores worse than ours but better than guessing is skipped and nobody is blamed (a skewed partner)
     monkeypatch.setattr(averaging.scorer, "score", lambda context, copies: (
         SimpleNamespace(loss=1.0), {p: SimpleNamespace(loss=2.0) for p in copies}, {p: 0.0 for p in copies}))
     averaging._vouched.clear()
     assert not _pull(ours, hostile)
-    assert any(kind == "rejected" and "scores 2.000 on the validation split against our 1.000" in text
+    assert all(kind != "rejected" for _, kind, _ in ours.events[events:])
+    # one no better than guessing (ln 10 = 2.303) is banned, with the scores in the reason
+    monkeypatch.setattr(averaging.scorer, "score", lambda context, copies: (
+        SimpleNamespace(loss=1.0), {p: SimpleNamespace(loss=2.3) for p in copies}, {p: 0.0 for p in copies}))
+    assert not _pull(ours, hostile)
+    assert any(kind == "rejected" and "scores 2.300 on the validation split against our 1.000" in text
                for _, kind, text in ours.events[events:])
 
 

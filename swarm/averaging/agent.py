@@ -292,7 +292,8 @@ class SwarmAveraging:
 
     async def _vouch(self, peer: str, state: dict, why: str) -> bool:
         """Score a far copy and ours on the validation split: True (and taken for ``FAR_VOUCH_S``) when it scores
-        about as well; banned when it scores far worse; skipped, nobody blamed, when no score could be made."""
+        about as well; banned only when it is no better than guessing; skipped, nobody blamed, when it learned
+        something but scores worse (a skewed partner may) or when no score could be made."""
         context = await self.scorer.context(self.views, self.me)
         scored = None if context is None else await self.loop.run_in_executor(
             self.executor, self.scorer.score, context, {peer: state})
@@ -308,7 +309,13 @@ class SwarmAveraging:
             logger.info("the copy of %s is far from ours (%s) but scores %.3f on the validation split against our "
                         "%.3f: averaged with, one capped step at a time", peer[-8:], why, theirs, own.loss)
             return True
-        self._reject(peer, f"{why}, and it scores {theirs:.3f} on the validation split against our {own.loss:.3f}")
+        if theirs < FAR_CHANCE_FRACTION * chance:  # it learned something, just less of what the split asks: a
+            # partner on other classes can score well below our copy on the whole split; not taken, not blamed
+            logger.info("a far copy of %s (%s) scores %.3f on the validation split against our %.3f: skipped, not "
+                        "blamed", peer[-8:], why, theirs, own.loss)
+            return False
+        self._reject(peer, f"{why}, and it scores {theirs:.3f} on the validation split against our {own.loss:.3f}, "
+                           f"no better than guessing ({chance:.3f})")
         return False
 
     def _reject(self, peer: str, reason: str) -> None:
