@@ -77,7 +77,6 @@ def _this_machine(args: argparse.Namespace, run_id: str):
 def build_report(run, views: dict, now: float, this_machine=None) -> dict:
     swarms = {}
     summary = {}
-    evaluations = []
     for name in run.swarm_names:
         records = views.get(name, [])
         rows = []
@@ -97,8 +96,6 @@ def build_report(run, views: dict, now: float, this_machine=None) -> dict:
                 "drivers_refused": r.drivers_refused if r.drivers_refused >= 0 else None,
                 "drivers_seen": r.drivers_seen if r.drivers_seen >= 0 else None, "ban_reason": r.ban_reason,
             })
-            if name == "layer0" and (r.test_accuracy >= 0 or r.test_loss >= 0):
-                evaluations.append((r.eval_samples, r.updated_at, r))
         online = [r for r in records if r.state == "online"]
         measured = [r.staleness_or_none for r in online if r.staleness_or_none is not None]
         summary[name] = {"online": len(online), "total": len(records),
@@ -121,10 +118,10 @@ def build_report(run, views: dict, now: float, this_machine=None) -> dict:
               "idle_reason": idle_reason(views, run.swarm_names),
               "alarms": run_alarms(views, run.swarm_names),  # swarm/dht/alarms.py: refusing stages, stalls
               "complete": run_complete(run.training, views)}  # "" while the run has not reached its end
-    if evaluations:
-        from swarm.dht.published import representative_evaluation
+    from swarm.dht.published import representative_evaluation
 
-        latest, current = representative_evaluation([r for *_, r in evaluations], run.training.eval_every_s)
+    latest, current = representative_evaluation(views.get("layer0", []), run.training.eval_every_s)
+    if latest is not None:
         from volunteer.snapshot import evaluation_is_stale
 
         # The evaluation's own time (records before it carried one: the heartbeat that published it)
