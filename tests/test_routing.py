@@ -94,6 +94,27 @@ def test_an_unmeasured_peer_gets_one_probe_at_a_time_and_loses_its_appeal_when_i
     assert router.choose(now=BAN_MAX_S + 1) == "known", "a black hole stays unattractive after its ban"
 
 
+def test_a_hedge_loser_that_never_answered_is_set_aside_even_when_the_fast_peer_is_queued():
+    """The black hole of test_adversary under load: the honest peer's queue (4 in flight at 0.3 s) made it look
+    slower than a peer that had only been "as slow as the hedge delay", so the black hole got hops again."""
+    router = _router("hole", "fast")
+    for _ in range(5):
+        router.success("fast", 0.3, op="forward")
+    router.slow("hole", 0.75, now=0.0)
+    for _ in range(4):
+        router.begin("fast")
+    assert router.choose(now=0.5) == "fast", "set aside after it lost a hedge without answering"
+    router.slow("hole", 0.75, now=1.0)
+    assert router.choose(now=2.5) == "fast", "the time aside doubles per loss in a row"
+    assert router.choose(now=3.1) == "hole", "and runs out: a peer that was only slow gets hops again"
+    router.success("hole", 0.1, op="forward")
+    router.slow("hole", 0.75, now=10.0)
+    assert router.choose(now=11.1) == "hole", "an answer resets the doubling"
+    router.slow("fast", 0.75, now=20.0)
+    router.slow("hole", 0.75, now=20.0)
+    assert router.choose(now=20.1) in ("hole", "fast"), "all set aside: ignored, as bans are"
+
+
 def test_timeouts_follow_the_measured_service_time():
     policy = HopPolicy(rpc_s=30.0, timeout_factor=4.0, timeout_floor_s=1.0, first_contact_s=5.0)
     router = SwarmRouter(policy=policy, rng=random.Random(0))

@@ -276,7 +276,7 @@ class HopCaller:
                     now = time.monotonic()
                     for other in pending:  # the loser is at least this slow: it stops looking attractive
                         peer, since = started[other]
-                        router.slow(peer, now - since)
+                        router.slow(peer, now - since, now)
                     out, reply = task.result()
                     return out, reply, started[task][0]
                 if not isinstance(exc, _TryElsewhere):

@@ -56,6 +56,7 @@ class PeerStats:
     failures: int = 0  # consecutive
     banned_until: float = 0.0
     held_until: float = 0.0  # the peer asked us not to come back before this
+    abandoned: int = 0  # hedged requests in a row it had not answered when another peer had
 
 
 @dataclass(slots=True)
@@ -144,17 +145,28 @@ class SwarmRouter:
     def success(self, peer_id: str, service_s: float, op: str = "") -> None:
         stats = self.peers.setdefault(peer_id, PeerStats())
         stats.failures = 0
+        stats.abandoned = 0
         stats.banned_until = 0.0
         self._observe(stats, service_s)
         if op:
             self.service_s.setdefault(op, deque(maxlen=SERVICE_WINDOW)).append(service_s)
             self.timeouts_in_row[op] = 0
 
-    def slow(self, peer_id: str, waited_s: float) -> None:
-        """A hedged request this peer had not answered after ``waited_s``: at least that slow."""
+    def slow(self, peer_id: str, waited_s: float, now: float | None = None) -> None:
+        """A hedged request this peer had not answered after ``waited_s`` when another peer had: at least that
+        slow, and (with ``now``) set aside for a while that doubles per such loss in a row, until it answers
+        once. Without that a peer that accepts requests and never answers (a black hole) looked only
+        ``hedge_factor`` x slower than the others, and under load, when the fast peers' queues made them look
+        slower than that, it got a share of the hops again, each costing a hedge delay (a soft ban: it is
+        local routing, never a penalty, and is ignored if every peer is set aside)."""
         stats = self.peers.get(peer_id)
-        if stats is not None:
-            self._observe(stats, max(waited_s, stats.service_ema_s or 0.0))
+        if stats is None:
+            return
+        self._observe(stats, max(waited_s, stats.service_ema_s or 0.0))
+        if now is not None:
+            stats.abandoned += 1
+            aside_s = min(BAN_MAX_S, BAN_BASE_S * 2 ** min(stats.abandoned - 1, 8))
+            stats.banned_until = max(stats.banned_until, now + aside_s)
 
     def failure(self, peer_id: str, now: float, min_ban_s: float = 0.0) -> float:
         """Ban the peer for a while (exponential in consecutive failures); returns the ban in seconds."""
