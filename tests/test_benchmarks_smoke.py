@@ -38,15 +38,6 @@ def test_join_benchmark_quick_prints_its_figures(swarm):
     assert "print_and_exit" in report["status"]["phases_s"]
 
 
-def test_pipeline_benchmark_quick_prints_its_figures(swarm):
-    report = _quick("benchmarks.pipeline", swarm.env)
-    # --quick scales 2 -> 1 peers (the full run: 4 -> 2 -> 1), the least that exercises the scaling part
-    _positive(report, ("efficiency_heavy", "efficiency_heavy_vs_1_thread", "scaling_2",
-                       "hop_overhead_ms_64k", "hop_overhead_ms_4m", "cpu_efficiency_digits-mlp"))
-    assert sorted(report["scaling"]["per_swarm"]) == ["1", "2"]
-    assert report["quick"] is True
-
-
 def test_codecs_benchmark_quick_prints_its_figures():
     import os
 

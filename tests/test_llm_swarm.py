@@ -1,5 +1,5 @@
 """llm-tiny through a real local swarm on 127.0.0.1: two stages train it below its starting bits per byte, and
-what the swarm holds is exported as a folder transformers loads and `volunteer generate` continues, and as a
+what the swarm holds is exported as a folder transformers loads, and as a
 file `volunteer eval` measures in bits per byte and perplexity."""
 
 from __future__ import annotations
@@ -51,10 +51,7 @@ def test_llm_tiny_trains_through_a_swarm_and_exports_for_transformers(swarm, tmp
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     ids = tokenizer("import os\n", return_tensors="pt")["input_ids"]
     assert model(input_ids=ids).logits.shape == (1, ids.shape[1], 2048)
-    generated = swarm.start("generate", "--model", str(folder), "--prompt", "import ", "--max-new-tokens", "12",
-                            "--backend", "own", "--seed", "0", name="generate")
-    assert generated.wait(120) == 0, generated.stderr()
-    assert generated.stdout().startswith("import ") and len(generated.stdout()) > len("import \n")
+    # `volunteer generate` on such a folder: tests/test_lm_cli.py (a process less here)
 
     file = tmp_path / "model.pt"
     export = swarm.start("export", "--run", str(run), "--initial-peers", maddr, "--out", str(file), name="export")

@@ -82,6 +82,7 @@ class DriverStats:
     timeouts: int = 0  # hops that got no answer in time
     bad_replies: int = 0  # replies that failed the checks of swarm/pipeline/replies.py
     hedges: int = 0  # update-free requests also sent to a second peer
+    hops_ok: int = 0  # hops a peer answered and whose reply passed the checks
     last_loss: float | None = None
     waiting_for: str = ""  # the empty swarm we are waiting on, "" when none
     blocked_reason: str = ""  # why no micro-batch flows right now, "" when they do
@@ -189,6 +190,7 @@ class HopCaller:
         finally:
             router.end(peer)
         router.success(peer, elapsed, op)
+        self.stats.hops_ok += 1
         self.stats.hop_ms[swarm] = elapsed * 1000
         return out, reply
 

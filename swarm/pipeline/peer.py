@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 SETUP_TIMEOUT_S = 60.0
 DRAIN_TIMEOUT_S = 60.0
+DRAIN_STALLED_S = 1.5  # a drain gives up when none of our hops has answered for this long
 CLAIM_GRACE_HEARTBEATS = 3  # a new shard claim stays open to the other drivers this long (integrity/labels.py)
 
 Notify = Callable[[str, str, str], None]  # (level, kind, text)
@@ -286,14 +287,28 @@ class SwarmPeer:
         if self.driver is not None:
             self._loop.call_soon_threadsafe(self.driver.resume)
 
-    def drain(self, timeout_s: float = DRAIN_TIMEOUT_S, stop: threading.Event | None = None) -> bool:
-        """After pause(): wait until our own micro-batches are done and our cached forwards used."""
+    def drain(self, timeout_s: float = DRAIN_TIMEOUT_S, stop: threading.Event | None = None,
+              stalled_s: float = DRAIN_STALLED_S) -> bool:
+        """After pause(): wait until our own micro-batches are done and our cached forwards used. Gives up
+        early when nothing moves for ``stalled_s``: no hop of ours answered, no micro-batch ended and nobody's
+        request is being computed here (when the whole run stops at once, or the next swarm left before us,
+        our lanes only retry peers that are gone; waiting for them was 5 s of every leave)."""
         deadline = time.monotonic() + timeout_s
+        progress, moved_at = self._progress(), time.monotonic()
         while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
             if self.in_flight() == 0:
                 return True
+            now, seen = time.monotonic(), self._progress()
+            if seen != progress or (self._servicer is not None and self._servicer.active):
+                progress, moved_at = seen, now
+            elif now - moved_at >= stalled_s:
+                break
             time.sleep(0.1)
         return self.in_flight() == 0
+
+    def _progress(self) -> tuple[int, ...]:
+        stats = self.driver.stats if self.driver is not None else None
+        return (stats.hops_ok, stats.trained, stats.lost, stats.refused) if stats is not None else ()
 
     def in_flight(self) -> int:
         """Our own micro-batches in the pipeline plus requests being computed here right now.
