@@ -13,6 +13,10 @@ after the attack over the clean run's in the same windows), ``runs_killed``, the
 Details per attack under ``attacks``; the runs' own figures under ``clean``.
 
     python -m benchmarks.adversary --json [--quick] [--attacks huge_3e38,black_hole] [--labels auto|ids|targets]
+                                   [--per-swarm 2]
+
+``--per-swarm N`` runs every attack (and its clean baseline) with at least N volunteers per swarm: at 2 the
+attacker's driver competes with two honest drivers, and a hostile stage peer sits beside an honest one.
 """
 
 from __future__ import annotations
@@ -61,10 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         settings = replace(settings, warm_s=12.0, attack_s=8.0, after_s=8.0)
     started = time.monotonic()
+    chosen = [replace(ATTACKS[n], per_swarm=max(ATTACKS[n].per_swarm, args.per_swarm)) for n in names]
     with Fleet(prefix="volunteer-adversary-", keep_workdir=args.keep_logs) as fleet:
         if args.keep_logs:
             say(f"logs kept in {fleet.workdir}")
-        report = _benchmark(fleet, [ATTACKS[n] for n in names], settings)
+        report = _benchmark(fleet, chosen, settings)
+    report["settings"]["per_swarm_at_least"] = args.per_swarm
     report["machine"] = machine_notes()
     return finish(report, "adversary", started, args)
 
@@ -75,6 +81,8 @@ def _parser() -> argparse.ArgumentParser:
     out.add_argument("--attacks", default="", help=f"comma-separated subset of: {', '.join(ATTACKS)}")
     out.add_argument("--phase-s", type=float, default=PHASE_S,
                      help="seconds of each phase: training before, attack, after (default %(default)s)")
+    out.add_argument("--per-swarm", type=int, default=1, help="volunteers per swarm, at least (attacks that need "
+                     "more keep theirs; default %(default)s)")
     out.add_argument("--labels", default="auto", choices=("auto", "ids", "targets"),
                      help="what forward_backward carries: sample ids (new protocol) or targets (old); auto detects")
     return out
