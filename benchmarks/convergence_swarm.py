@@ -20,7 +20,7 @@ classes per shard).
 
     python -m benchmarks.convergence_swarm --json [--quick] [--optimizers adam] [--busy 0,2]
         [--peers 1,2,4] [--modes none,dpwa] [--partitions iid] [--plot curves.png]
-        [--run charlm] [--repeats 3] [--step-s 0.03] [--fetch-probability 0.1]
+        [--run charlm] [--repeats 3] [--step-s 0.03] [--fetch-probability 0.1] [--set integrity.fair_share_slack=1.2]
 
 ``--run charlm`` runs the shipped byte-level transformer (configs/runs/charlm.yaml, cut into ``--stages``
 stages, IID, AdamW): each chain's test loss in bits per byte against one process at equal sequences
@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                 config = cell_config(label, optimizer, mode, partition, peers, args.stages, _in_flight(args.in_flight),
                                      fetch_probability=args.fetch_probability, run=args.run,
                                      pull_budget=args.pull_budget, graph=args.graph, staleness=args.staleness)
+                apply_overrides(config, args.set)
                 try:
                     one = _cell(fleet, maddr, label, config, peers, args.stages, busy, points, args)
                     one.update(_compare(one, config, points, baseline))
@@ -177,6 +178,8 @@ def _parser() -> Any:
     out.add_argument("--rival", action="store_true", help="a second run of the same shape (its own name, the same "
                      "number of volunteers) trains on this machine throughout each cell: competing swarms")
     out.add_argument("--stages", type=int, default=2)
+    out.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                     help="a run-config field for every cell, e.g. integrity.fair_share_slack=1.2 (the value is YAML)")
     out.add_argument("--in-flight", default="4", help="micro-batches in flight per driver, or auto")
     out.add_argument("--sample-s", type=float, default=1.0, help="seconds between true-accuracy samples")
     out.add_argument("--cell-limit-s", type=float, default=240.0, help="a cell ends here even short of its last point")
@@ -186,6 +189,21 @@ def _parser() -> Any:
 
 def _in_flight(text: str) -> int | str:
     return text if text == "auto" else int(text)
+
+
+def apply_overrides(config: dict[str, Any], assignments: list[str]) -> None:
+    """``section.field=value`` (YAML value) into a cell's run config: an experiment on one knob, same cells."""
+    import yaml
+
+    for assignment in assignments:
+        field, sep, value = assignment.partition("=")
+        if not sep or not field:
+            raise SystemExit(f"--set {assignment!r}: write FIELD=VALUE, e.g. integrity.fair_share_slack=1.2")
+        *parents, leaf = field.split(".")
+        node = config
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = yaml.safe_load(value)
 
 
 def cell_config(label: str, optimizer: str, mode: str, partition: str, peers: int, stages: int,
