@@ -9,6 +9,12 @@ Two handlers per stage, in the namespace ``{run_id}.layer{k}``: ``rpc_call`` (un
     forward_backward  [x, ids]       -> [grad x]       reply metadata: loss    (last stage only)
     infer             [x]            -> [y]            no update, eval mode
     evaluate          [x, ids]       -> []             reply metadata: loss_sum, correct, count
+    infer (stage 0)   [ids]          -> [y]            stage 0 recomputed on train-split rows, for a layer1 peer's
+                                                       spot check (swarm/pipeline/stage0_replicas.py)
+
+A ``forward`` at stage 1 also carries its sample ids in metadata ``ids`` (int64 bytes, the ids its stage-0
+receipt names): a share of them is recomputed by other layer0 peers (swarm/pipeline/stage0_checks.py) and a
+micro-batch whose author is the odd one out is refused (``spot_check``) before stage 1 answers it.
 
 ``ids`` are int64 row indices into the run's train split (forward_backward) or test split (evaluate):
 the last stage looks the targets up in its own copy of the run's data (swarm/integrity/labels.py);
@@ -22,7 +28,8 @@ with code ``rejected`` (malformed: never applied), ``paused`` (this peer takes n
 (backward without the input at a peer that has no saved activations), ``busy`` (over your fair share
 or too many requests queued: retry after), ``banned`` (not before retry_after_s), ``unknown_driver``
 (no online layer0 record of you here yet: retry after) or ``wrong_shard`` (sample ids outside your
-shards: drop the micro-batch). The full table is in docs/ARCHITECTURE.md "Stage RPCs".
+shards: drop the micro-batch) or ``spot_check`` (stage 1: your stage-0 output is far from two other layer0 peers'
+recomputations of it). The full table is in docs/ARCHITECTURE.md "Stage RPCs".
 """
 
 from __future__ import annotations
@@ -41,8 +48,11 @@ from hivemind.proto import runtime_pb2
 
 from swarm.integrity.health import SickCopy
 from swarm.integrity.labels import WrongShard
+from swarm.integrity.receipts import ids_digest
+from swarm.integrity.spot import AUTHOR_ODD
 from swarm.pipeline.fair_queue import FairQueue
 from swarm.pipeline.stage import NeedInput, StageWorker
+from swarm.pipeline.stage0_replicas import ReplicaService, ids_from_meta
 from swarm.pipeline.stage_gate import SERVED_OPS, UPDATE_OPS, Outcome, StageGate
 from swarm.pipeline.stage_receipts import NeedChain, ReceiptDesk, ReceiptRefusal, Vouched
 from swarm.pipeline.traffic import Traffic  # noqa: F401  (re-exported: the RPC modules count their bytes in it)
@@ -84,6 +94,8 @@ class StageServicer(ServicerBase):
                  codec: str = "float32", rank: int = DEFAULT_RANK, is_accepting: Callable[[], bool] = lambda: True,
                  traffic: Traffic | None = None, gate: StageGate | None = None, desk: ReceiptDesk | None = None):
         self.worker = worker
+        self.replicas: ReplicaService | None = None  # stage 0: recomputations for layer1's spot checks
+        self.spot0: Any = None  # stage 1: a Stage0Checker (swarm/pipeline/stage0_checks.py)
         self.gate = gate
         self.desk = desk  # receipts: checked on requests, signed on replies (None: tests of the RPC alone)
         self.fair = FairQueue(executor)  # the compute thread serves requesters in turn (swarm/pipeline/fair_queue.py)
@@ -139,6 +151,8 @@ class StageServicer(ServicerBase):
             return [], _refusal("rejected", f"unknown op {str(op)[:40]!r}")
         if op in NEW_WORK_OPS and not self.is_accepting():
             return [], _refusal("paused", "this peer is paused and takes no new work")
+        if op == "infer" and self.replicas is not None and self.worker is not None and self.worker.index == 0:
+            return await self._serve_replica(requester, serialized, meta)
         if self.gate is not None:
             refusal = await self.gate.admit(requester, op)
             if refusal is not None:
@@ -153,14 +167,21 @@ class StageServicer(ServicerBase):
                 refusal = self._banned_author(vouched)
                 if refusal is not None:
                     return [], refusal
+            check = self._start_stage0_check(requester, op, meta, tensors, vouched)
+            if check is not None and op == "forward_backward":  # it applies the update: the verdict comes first
+                await self._stage0_verdict(check, requester, None)
             request = Request(requester=requester, gate=self.gate)
             out, reply, outcome = await self.fair.run(requester, _run, self.worker, op, tensors, meta, request)
+            if check is not None and op == "forward":
+                await self._stage0_verdict(check, requester, meta.get("mb"))
             # An update clipped to nothing at a backward is its gradient's signer's doing. At the last stage the update
             # comes from our own loss on inputs an upstream stage computed from inputs further up: a heavy clip there
             # could be any of them, so it is nobody's strike (the step bound has already held the update).
             outcome = replace(outcome, author=vouched.applied_author) if op == "backward" else \
                 replace(outcome, clip_scale=1.0)
             return await self._signed(requester, op, vouched, out, reply)
+        except Stage0Refused as exc:  # its author is already struck, by the check itself
+            return [], _refusal("spot_check", str(exc))
         except NeedInput:
             return [], _refusal("need_input", "no saved activations here: send the input")
         except NeedChain:
@@ -191,6 +212,66 @@ class StageServicer(ServicerBase):
         finally:
             if self.gate is not None:
                 self.gate.settle(requester, outcome)
+
+    # ----- stage 0's outputs: spot-checked at stage 1, recomputed at stage 0
+    def _start_stage0_check(self, requester: str, op: str, meta: dict, tensors: list[torch.Tensor],
+                            vouched: Vouched) -> asyncio.Task | None:
+        """Stage 1: maybe have other layer0 peers recompute the stage-0 output this request carries (signed by the
+        requester: the desk checked it). Every forward must name its sample ids, sampled or not: a driver that
+        could leave them out would leave them out when it lies."""
+        if self.spot0 is None or self.desk is None or self.worker.index != 1 or op not in ("forward", "forward_backward"):
+            return None
+        batch = int(tensors[0].shape[0])
+        try:
+            ids = tensors[1] if op == "forward_backward" else ids_from_meta(meta.get("ids"), batch)
+        except WireError as exc:
+            raise ReceiptRefusal("bad_receipt", str(exc), strike=True) from None
+        if op == "forward" and ids_digest(ids) != vouched.ids:
+            raise ReceiptRefusal("bad_receipt", "the sample ids sent ('ids') are not the ones your stage-0 receipt "
+                                 "names", strike=True)
+        return self.spot0.start(requester, vouched.mb, tensors[0], ids)
+
+    async def _stage0_verdict(self, check: asyncio.Task, requester: str, mb: Any) -> None:
+        """Wait for the check (bounded by its budget; shielded, so a requester that gives up still gets its verdict)
+        and refuse the micro-batch when its author is the odd one out, dropping the forward we saved for it."""
+        try:
+            verdict = await asyncio.shield(check)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug in a check must not cost an honest micro-batch
+            logger.exception("a spot check of stage 0 failed: %s", exc)
+            return
+        if verdict != AUTHOR_ODD:
+            return
+        if isinstance(mb, str):
+            await asyncio.get_running_loop().run_in_executor(self.executor, self.worker.cache.pop, (requester, mb),
+                                                             time.monotonic())
+        raise Stage0Refused("your stage-0 output is far from the recomputations of two other layer0 peers, which "
+                            "agree: the micro-batch is refused before anything applied it")
+
+    async def _serve_replica(self, requester: str, serialized: list[Any], meta: dict) -> tuple[list[Any], dict]:
+        """Stage 0: recompute our output on train-split rows for an online layer1 peer (stage0_replicas.py)."""
+        door = self.replicas.door
+        refusal = door.admit(requester, time.monotonic())
+        if refusal is not None:
+            return [], _refusal(refusal.code, refusal.error, refusal.retry_after_s)
+        compute_s, served = 0.0, False
+        try:
+            mb = meta.get("mb")
+            if not isinstance(mb, str) or not 0 < len(mb) <= 128:
+                raise WireError("missing or malformed micro-batch id")
+            (ids,) = _expect(decode_tensors(serialized, self.max_bytes, coded=True), 1, "infer")
+            ids = self.replicas.check_ids(ids)
+            out, compute_s = await self.fair.run(requester, _replicate, self.worker, self.replicas.lookup, ids)
+            served = True
+            ids_d = ids_digest(ids)
+            return await self._signed(requester, "infer", Vouched(mb=mb, input=ids_d, ids=ids_d), [out], {"ok": True})
+        except SickCopy as exc:
+            return [], _refusal("healing", f"this copy is sick and healing ({exc}): ask another peer")
+        except (WireError, ValueError, TypeError) as exc:  # no strike: our book is of the drivers we serve
+            return [], _refusal("rejected", str(exc))
+        finally:
+            door.finished(requester, compute_s, served)
 
     def _banned_author(self, vouched: Vouched) -> dict | None:
         """A tensor computed by a peer this stage has banned is refused, whoever relays it (no strike on the relay)."""
@@ -240,6 +321,18 @@ def _run(worker: StageWorker, op: Any, tensors: list[torch.Tensor], meta: dict,
     if op not in UPDATE_OPS or report is None:
         return out, reply, Outcome()
     return out, reply, Outcome(applied=True, clip_scale=report.clip_scale)
+
+
+def _replicate(worker: StageWorker, lookup: Callable[[torch.Tensor], torch.Tensor],
+               ids: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Stage 0's output on our own copy of the rows ``ids`` (eval mode, nothing kept), and its compute time."""
+    started = time.perf_counter()
+    out = worker.infer(lookup(ids))
+    return out, time.perf_counter() - started
+
+
+class Stage0Refused(Exception):
+    """Stage 1 refuses a micro-batch whose stage-0 output failed its spot check."""
 
 
 def make_servicer(worker: StageWorker, executor: Executor, *, max_bytes: int, codec: str,
