@@ -110,6 +110,19 @@ def test_the_door_serves_only_layer1_peers_within_bounds():
     assert door.stats() == {"served": 4, "refused": 4, "compute_s": 0.04}
 
 
+def test_two_verdicts_in_a_half_life_ban_a_slow_liar():
+    from swarm.integrity.requesters import RequesterBook
+    from swarm.pipeline.stage0_checks import VERDICT_STRIKES
+
+    book = RequesterBook(RUN.integrity)
+    assert book.on_strike("liar", "spot check", 0.0, VERDICT_STRIKES) is None
+    ban = book.on_strike("liar", "spot check", RUN.integrity.strike_half_life_s / 4, VERDICT_STRIKES)
+    assert ban is not None and ban.requester == "liar"
+    # one verdict a half-life apart never bans (a liar that slow has 97 % of its micro-batches pass anyway)
+    assert all(book.on_strike("slow", "spot check", t * 2 * RUN.integrity.strike_half_life_s, VERDICT_STRIKES) is None
+               for t in range(20))
+
+
 def test_sample_ids_are_checked_like_any_strangers_tensor():
     ids = torch.tensor([3, 1, 4], dtype=torch.int64)
     assert torch.equal(ids_from_meta(ids_bytes(ids), 3), ids)
@@ -153,7 +166,7 @@ class FakeLayer0:
 def _check(outputs: dict, author_out: torch.Tensor, delay_s: float = 0.0, budget_s: float = 0.5, seed: int = 0):
     fake = FakeLayer0(outputs, delay_s)
     struck: list[tuple[str, str]] = []
-    checker = Stage0Checker(RUN, None, KeyBook(), lambda: ["author", *outputs], lambda p, r: struck.append((p, r)),
+    checker = Stage0Checker(RUN, None, KeyBook(), lambda: ["author", *outputs], lambda p, r, w: struck.append((p, r)),
                             share=1.0, budget_s=budget_s, seed=seed, call=fake)
 
     async def go():

@@ -139,14 +139,15 @@ def test_a_driver_that_makes_up_its_stage0_outputs_is_refused_and_banned(tmp_pat
         hostile_s = time.monotonic() - started
 
         counts = layer1._servicer.spot0.stats()
-        assert codes.count("spot_check") >= 5, (codes, counts)
-        assert "banned" in codes[-3:], codes  # struck at every catch: banned at ban_strikes
+        # every micro-batch is checked here: refused until two verdicts (5 strikes each) ban it, refused from then on
+        assert codes.count("spot_check") >= 2 and codes.count("ok") <= 2, (codes, counts)
+        assert codes[-HOSTILE_MICROBATCHES // 2:] == ["banned"] * (HOSTILE_MICROBATCHES // 2), codes
         assert hostile.peer_id in {ban.requester for ban in layer1.gate.book.bans}
         assert hostile_s < 120, hostile_s
         honest_ids = [str(d.dht.peer_id) for d in honest]
         assert not _penalties(caplog, honest_ids), _penalties(caplog, honest_ids)
         assert not any(layer1.gate.book.banned(p, time.monotonic()) for p in honest_ids)
-        assert counts["caught"] >= 5 and counts["replica_caught"] == 0, counts
+        assert counts["caught"] >= 2 and counts["replica_caught"] == 0, counts
         time.sleep(2.0)
         assert all(d.driver.stats.trained > before for d, before in zip(honest, trained_before)), \
             "the honest drivers kept training"

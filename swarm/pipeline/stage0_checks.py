@@ -5,8 +5,8 @@ recompute it from the same sample ids (swarm/pipeline/stage0_replicas.py), so a 
 stage 1 (``share``, SPOT_SHARE by default) are also recomputed by another online layer0 peer of the run, asked
 at random; when the two disagree a third arbitrates. Only when the author is the odd one out (far from both while
 they agree, with their signed receipts as the evidence) is it blamed: the micro-batch is refused (``spot_check``)
-before stage 1 replies or applies anything, and the author gets a strike in the requester book (a ban at
-``ban_strikes``). A replica that is the odd one out gets the strike instead and is not asked again for a while.
+before stage 1 replies or applies anything, and the author gets ``VERDICT_STRIKES`` strikes in the requester book
+(a ban at ``ban_strikes``). A replica that is the odd one out gets the strike instead and is not asked again for a while.
 With one other layer0 peer a disagreement is only said: two copies cannot tell which one lies.
 
 In the path of the sampled forwards, not asynchronous: a forward answered at once would carry made-up activations
@@ -43,8 +43,14 @@ logger = logging.getLogger(__name__)
 CHECK_BUDGET_S = 0.5
 REPLICA_HOLD_S = 10.0  # a layer0 peer that failed to answer a replica is not asked again for this long
 MAX_EVIDENCE = 32  # caught authors kept with the receipts that convicted them (tests and status read them)
+# Strikes per verdict. Not 1: at SPOT_SHARE a liar at r micro-batches a second collects 0.03 r strikes a second,
+# which with the 30 s half-life stays under the 10 of a ban for any r below ~8/s: a slow liar was never banned, only
+# 3 % of its micro-batches refused. A verdict is stronger evidence than one bad request (two signed recomputations
+# that agree, the author far from both, which no honest copy measured has been): 7 makes two verdicts within a
+# half-life a ban (7 x 0.5 + 7 >= 10), i.e. a liar at ~1.1 micro-batches a second or more.
+VERDICT_STRIKES = 7.0
 
-Strike = Callable[[str, str], None]  # (peer, reason): StageGate.strike
+Strike = Callable[[str, str, float], None]  # (peer, reason, strikes): StageGate.strike
 
 
 class Stage0Checker:
@@ -112,14 +118,14 @@ class Stage0Checker:
             reason = (f"spot check: its stage-0 output for {mb[:40]} is far from the recomputations of layer0 peers "
                       f"{a[-8:]} and {b[-8:]}, which agree")
             logger.warning("refused a micro-batch of driver %s: %s", author[-8:], reason)
-            self.strike(author, reason)
+            self.strike(author, reason, VERDICT_STRIKES)
         elif verdict == REPLICA_ODD:
             self.counts["replica_caught"] += 1
             peer = asked[odd][0]
             self._held[peer] = time.monotonic() + BAD_REPLY_BAN_S
             reason = f"spot check: its recomputation of stage 0 for {mb[:40]} is far from two others, which agree"
             logger.warning("layer0 peer %s: %s", peer[-8:], reason)
-            self.strike(peer, reason)
+            self.strike(peer, reason, VERDICT_STRIKES)
         elif verdict == DISAGREED:  # only one replica came back
             self.counts["said"] += 1
             self._say_once(author, asked[0][0])
