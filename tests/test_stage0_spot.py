@@ -245,3 +245,50 @@ def test_what_still_passes_outputs_within_the_far_bound():
     for subtle in (other_samples, noise * h.norm() / noise.norm()):
         assert judge_author(subtle, [h, h * 1.01])[0] != AUTHOR_ODD
     assert judge_author(made_up_activations("random", h), [h, h * 1.01])[0] == AUTHOR_ODD
+
+
+# ----- stage 0's servicer: infer [ids] for layer1 only (no network: the handler called as p2p would)
+
+
+def test_stage0_recomputes_on_ids_for_layer1_peers_only_and_signs_it():
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from swarm.integrity.receipts import Receipt, signature_valid
+    from swarm.pipeline.stage import StageWorker
+    from swarm.pipeline.stage0_replicas import ReplicaService
+    from swarm.pipeline.stage_receipts import ReceiptDesk
+    from swarm.pipeline.stage_rpc import StageServicer
+    from swarm.pipeline.wire import decode_tensors, encode_tensors, pack_metadata, unpack_metadata
+    from swarm.run.data import load_dataset
+
+    worker = StageWorker(RUN, 0)
+    x_train = load_dataset(RUN.data, RUN.model).x_train
+    key = ReceiptKey("stage0-peer")
+    executor = ThreadPoolExecutor(max_workers=1)
+    servicer = StageServicer(worker, executor, max_bytes=2**24, desk=ReceiptDesk(RUN.run_id, 0, key, KeyBook()))
+    servicer.replicas = ReplicaService(ReplicaDoor(), lambda ids: x_train[ids], len(x_train), 8)
+    servicer.replicas.door.set_callers(["layer1-peer"])
+    ids = torch.tensor([5, 9, 2], dtype=torch.int64)
+
+    async def ask(requester: str, op: str = "infer", tensors=(ids,)):
+        out, meta = await servicer._serve(encode_tensors(list(tensors)), pack_metadata({"op": op, "mb": "m1"}),
+                                          SimpleNamespace(remote_id=requester))
+        return decode_tensors(out, 2**24, coded=True), unpack_metadata(pack_metadata(meta))
+
+    async def go():
+        return (await ask("layer1-peer"), await ask("stranger"), await ask("layer1-peer", "forward", (x_train[ids],)),
+                await ask("layer1-peer", "infer", (torch.tensor([0, len(x_train)]),)))
+
+    try:
+        (out, meta), (_, stranger), (_, forward), (_, out_of_range) = asyncio.run(go())
+    finally:
+        executor.shutdown()
+    assert meta["ok"] and torch.allclose(out[0], worker.infer(x_train[ids]))
+    receipt = Receipt.from_wire(meta["rc"])
+    assert (receipt.op, receipt.stage, receipt.signer, receipt.ids) == ("infer", 0, "stage0-peer", ids_digest(ids))
+    assert receipt.input == ids_digest(ids) and signature_valid(receipt, key.public)
+    assert stranger["code"] == "unknown_peer"
+    assert forward["code"] == "rejected"  # stage 0 still trains for no one but its own driver
+    assert out_of_range["code"] == "rejected"
+    assert servicer.replicas.door.stats()["served"] == 1

@@ -34,6 +34,8 @@ from swarm.integrity.spot import AGREED, AUTHOR_ODD, DISAGREED, REPLICA_ODD, SKI
 from swarm.pipeline.replies import Vouch, check_receipt, check_reply
 from swarm.pipeline.routing import BAD_REPLY_BAN_S
 from swarm.pipeline.stage_rpc import call_stage, stage_namespace
+from swarm.pipeline.wire import coded_bytes
+from swarm.run.models import stage_output_spec
 from swarm.run.runconfig import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -140,11 +142,14 @@ class Stage0Checker:
         while) when it does not answer in time or answers anything else: no evidence either way."""
         training = self.run.training
         ids_d = ids_digest(ids)
+        batch = int(ids.shape[0])
+        shape = tuple(d if d is not None else batch for d in stage_output_spec(self.run.model, 0, batch).shape)
         try:
             out, reply, _ = await self.call(self.p2p, peer, self.namespace, "infer", [ids], {"mb": mb},
                                             timeout_s=timeout_s, codec=training.codec, rank=training.wire_rank,
-                                            max_bytes=int(training.max_payload_mb * 2**20))
-            out, reply = check_reply(self.run.model, 0, "infer", int(ids.shape[0]), out, reply,
+                                            max_bytes=int(training.max_payload_mb * 2**20),
+                                            expect_bytes=coded_bytes(shape, training.codec, training.wire_rank))
+            out, reply = check_reply(self.run.model, 0, "infer", batch, out, reply,
                                      self.run.timeouts.reply_max_abs)
             receipt = check_receipt(0, "infer", Vouch(self.run_id, mb, ids_d, ids_d), peer, out, reply, self.keys)
             return out[0], receipt
