@@ -245,6 +245,10 @@ def test_what_still_passes_outputs_within_the_far_bound():
     for subtle in (other_samples, noise * h.norm() / noise.norm()):
         assert judge_author(subtle, [h, h * 1.01])[0] != AUTHOR_ODD
     assert judge_author(made_up_activations("random", h), [h, h * 1.01])[0] == AUTHOR_ODD
+    # and where honest copies disagree among themselves (label-skewed, row cosines of 0.85), the two recomputations
+    # do not agree, so nobody can be singled out: a made-up output is undecided there too
+    skewed = [_skewed_copy(h, 0.85, 1), _skewed_copy(h, 0.85, 2)]
+    assert judge_author(made_up_activations("random", h), skewed)[0] == UNDECIDED
 
 
 # ----- stage 0's servicer: infer [ids] for layer1 only (no network: the handler called as p2p would)

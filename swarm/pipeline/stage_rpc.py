@@ -48,11 +48,10 @@ from hivemind.proto import runtime_pb2
 
 from swarm.integrity.health import SickCopy
 from swarm.integrity.labels import WrongShard
-from swarm.integrity.receipts import ids_digest
-from swarm.integrity.spot import AUTHOR_ODD
 from swarm.pipeline.fair_queue import FairQueue
 from swarm.pipeline.stage import NeedInput, StageWorker
-from swarm.pipeline.stage0_replicas import ReplicaService, ids_from_meta
+from swarm.pipeline.stage0_replicas import ReplicaService
+from swarm.pipeline.stage0_rpc import Stage0Ops, Stage0Refused
 from swarm.pipeline.stage_gate import SERVED_OPS, UPDATE_OPS, Outcome, StageGate
 from swarm.pipeline.stage_receipts import NeedChain, ReceiptDesk, ReceiptRefusal, Vouched
 from swarm.pipeline.traffic import Traffic  # noqa: F401  (re-exported: the RPC modules count their bytes in it)
@@ -66,6 +65,7 @@ from swarm.pipeline.wire import (
     encode_off_loop,
     join_stream,
     pack_metadata,
+    refusal_meta as _refusal,
     split_message,
     unpack_metadata,
 )
@@ -87,7 +87,7 @@ class StageError(RuntimeError):
         self.code = code
 
 
-class StageServicer(ServicerBase):
+class StageServicer(Stage0Ops, ServicerBase):
     """Serves one stage worker. Built with no arguments it only lends its signatures to stubs."""
 
     def __init__(self, worker: StageWorker | None = None, executor: Executor | None = None, *, max_bytes: int = 0,
@@ -213,66 +213,6 @@ class StageServicer(ServicerBase):
             if self.gate is not None:
                 self.gate.settle(requester, outcome)
 
-    # ----- stage 0's outputs: spot-checked at stage 1, recomputed at stage 0
-    def _start_stage0_check(self, requester: str, op: str, meta: dict, tensors: list[torch.Tensor],
-                            vouched: Vouched) -> asyncio.Task | None:
-        """Stage 1: maybe have other layer0 peers recompute the stage-0 output this request carries (signed by the
-        requester: the desk checked it). Every forward must name its sample ids, sampled or not: a driver that
-        could leave them out would leave them out when it lies."""
-        if self.spot0 is None or self.desk is None or self.worker.index != 1 or op not in ("forward", "forward_backward"):
-            return None
-        batch = int(tensors[0].shape[0])
-        try:
-            ids = tensors[1] if op == "forward_backward" else ids_from_meta(meta.get("ids"), batch)
-        except WireError as exc:
-            raise ReceiptRefusal("bad_receipt", str(exc), strike=True) from None
-        if op == "forward" and ids_digest(ids) != vouched.ids:
-            raise ReceiptRefusal("bad_receipt", "the sample ids sent ('ids') are not the ones your stage-0 receipt "
-                                 "names", strike=True)
-        return self.spot0.start(requester, vouched.mb, tensors[0], ids)
-
-    async def _stage0_verdict(self, check: asyncio.Task, requester: str, mb: Any) -> None:
-        """Wait for the check (bounded by its budget; shielded, so a requester that gives up still gets its verdict)
-        and refuse the micro-batch when its author is the odd one out, dropping the forward we saved for it."""
-        try:
-            verdict = await asyncio.shield(check)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a bug in a check must not cost an honest micro-batch
-            logger.exception("a spot check of stage 0 failed: %s", exc)
-            return
-        if verdict != AUTHOR_ODD:
-            return
-        if isinstance(mb, str):
-            await asyncio.get_running_loop().run_in_executor(self.executor, self.worker.cache.pop, (requester, mb),
-                                                             time.monotonic())
-        raise Stage0Refused("your stage-0 output is far from the recomputations of two other layer0 peers, which "
-                            "agree: the micro-batch is refused before anything applied it")
-
-    async def _serve_replica(self, requester: str, serialized: list[Any], meta: dict) -> tuple[list[Any], dict]:
-        """Stage 0: recompute our output on train-split rows for an online layer1 peer (stage0_replicas.py)."""
-        door = self.replicas.door
-        refusal = door.admit(requester, time.monotonic())
-        if refusal is not None:
-            return [], _refusal(refusal.code, refusal.error, refusal.retry_after_s)
-        compute_s, served = 0.0, False
-        try:
-            mb = meta.get("mb")
-            if not isinstance(mb, str) or not 0 < len(mb) <= 128:
-                raise WireError("missing or malformed micro-batch id")
-            (ids,) = _expect(decode_tensors(serialized, self.max_bytes, coded=True), 1, "infer")
-            ids = self.replicas.check_ids(ids)
-            out, compute_s = await self.fair.run(requester, _replicate, self.worker, self.replicas.lookup, ids)
-            served = True
-            ids_d = ids_digest(ids)
-            return await self._signed(requester, "infer", Vouched(mb=mb, input=ids_d, ids=ids_d), [out], {"ok": True})
-        except SickCopy as exc:
-            return [], _refusal("healing", f"this copy is sick and healing ({exc}): ask another peer")
-        except (WireError, ValueError, TypeError) as exc:  # no strike: our book is of the drivers we serve
-            return [], _refusal("rejected", str(exc))
-        finally:
-            door.finished(requester, compute_s, served)
-
     def _banned_author(self, vouched: Vouched) -> dict | None:
         """A tensor computed by a peer this stage has banned is refused, whoever relays it (no strike on the relay)."""
         if self.gate is None:
@@ -323,30 +263,11 @@ def _run(worker: StageWorker, op: Any, tensors: list[torch.Tensor], meta: dict,
     return out, reply, Outcome(applied=True, clip_scale=report.clip_scale)
 
 
-def _replicate(worker: StageWorker, lookup: Callable[[torch.Tensor], torch.Tensor],
-               ids: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """Stage 0's output on our own copy of the rows ``ids`` (eval mode, nothing kept), and its compute time."""
-    started = time.perf_counter()
-    out = worker.infer(lookup(ids))
-    return out, time.perf_counter() - started
-
-
-class Stage0Refused(Exception):
-    """Stage 1 refuses a micro-batch whose stage-0 output failed its spot check."""
-
-
 def make_servicer(worker: StageWorker, executor: Executor, *, max_bytes: int, codec: str,
                   is_accepting: Callable[[], bool], traffic: Traffic, gate: StageGate | None = None,
                   rank: int = DEFAULT_RANK, desk: ReceiptDesk | None = None) -> StageServicer:
     return StageServicer(worker, executor, max_bytes=max_bytes, codec=codec, rank=rank, is_accepting=is_accepting,
                          traffic=traffic, gate=gate, desk=desk)
-
-
-def _refusal(code: str, error: str, retry_after_s: float | None = None) -> dict:
-    reply = {"ok": False, "code": code, "error": error[:500]}
-    if retry_after_s is not None:
-        reply["retry_after_s"] = round(float(retry_after_s), 3)
-    return reply
 
 
 def dispatch(worker: StageWorker, op: Any, tensors: list[torch.Tensor], meta: dict,
