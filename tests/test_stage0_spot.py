@@ -29,6 +29,8 @@ from swarm.run.runconfig import RunConfig
 
 RUN = RunConfig.model_validate({"name": "stage0spot", "model": {"stages": 3, "hidden_dim": 16},
                                 "training": {"batch_size": 8}})
+TWO_STAGES = RunConfig.model_validate({"name": "stage0spot2", "model": {"stages": 2, "hidden_dim": 16},
+                                       "training": {"batch_size": 8}})
 BATCH, WIDTH = 8, 16
 
 
@@ -142,8 +144,9 @@ def test_sample_ids_are_checked_like_any_strangers_tensor():
 class FakeLayer0:
     """layer0 peers that recompute stage 0 (``outputs[peer]``: the tensor it answers), sign it, or do not answer."""
 
-    def __init__(self, outputs: dict[str, torch.Tensor | None], delay_s: float = 0.0):
+    def __init__(self, outputs: dict[str, torch.Tensor | None], delay_s: float = 0.0, run_id: str = RUN.run_id):
         self.outputs = outputs
+        self.run_id = run_id
         self.delay_s = delay_s
         self.keys = {peer: ReceiptKey(peer) for peer in outputs}
         self.calls: list[str] = []
@@ -158,7 +161,7 @@ class FakeLayer0:
         await asyncio.sleep(self.delay_s)
         out = out.clone()
         ids_d = ids_digest(tensors[0])
-        receipt = self.keys[peer].sign(RUN.run_id, meta["mb"], "infer", 0, 0, ids_d,
+        receipt = self.keys[peer].sign(self.run_id, meta["mb"], "infer", 0, 0, ids_d,
                                        tensor_digest(serialize_once(out)), ids_d)
         return [out], {"ok": True, "rc": receipt.to_wire(), "rk": self.keys[peer].public}, self.delay_s
 
@@ -296,3 +299,64 @@ def test_stage0_recomputes_on_ids_for_layer1_peers_only_and_signs_it():
     assert forward["code"] == "rejected"  # stage 0 still trains for no one but its own driver
     assert out_of_range["code"] == "rejected"
     assert servicer.replicas.door.stats()["served"] == 1
+
+
+def test_stage1_refuses_a_made_up_stage0_output_before_anything_applies_it():
+    """Stage 1's servicer alone (no network): every forward names its ids; a sampled made-up output is refused
+    (``spot_check``) and its saved forward dropped; at a last stage 1 the refusal comes before the update."""
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from receipting import stage0_meta
+    from swarm.pipeline.stage import StageWorker
+    from swarm.pipeline.stage_receipts import ReceiptDesk
+    from swarm.pipeline.stage_rpc import StageServicer
+    from swarm.pipeline.wire import decode_tensors, encode_tensors, pack_metadata, unpack_metadata
+    from swarm.run.data import load_dataset
+
+    x_train = load_dataset(RUN.data, RUN.model).x_train
+    stage0 = StageWorker(RUN, 0)
+    ids = torch.arange(BATCH, dtype=torch.int64)
+    honest_h = stage0.infer(x_train[ids])
+    driver = ReceiptKey("driver")
+
+    def servicer_at(run: RunConfig, executor) -> tuple[StageServicer, list]:
+        worker = StageWorker(run, 1)
+        servicer = StageServicer(worker, executor, max_bytes=2**24,
+                                 desk=ReceiptDesk(run.run_id, 1, ReceiptKey("layer1"), KeyBook()))
+        struck: list = []
+        fake = FakeLayer0({"p": honest_h, "q": honest_h.clone()}, run_id=run.run_id)
+        servicer.spot0 = Stage0Checker(run, None, KeyBook(), lambda: ["driver", "p", "q"],
+                                       lambda p, r, w: struck.append(p), share=1.0, seed=0, call=fake)
+        return servicer, struck
+
+    async def send(servicer, op, tensors, meta):
+        out, reply = await servicer._serve(encode_tensors(tensors), pack_metadata({**meta, "op": op}),
+                                           SimpleNamespace(remote_id="driver"))
+        return decode_tensors(out, 2**24, coded=True), unpack_metadata(pack_metadata(reply))
+
+    async def go(executor):
+        servicer, struck = servicer_at(RUN, executor)
+        made_up = honest_h * 10
+        no_ids = {k: v for k, v in stage0_meta(driver, RUN.run_id, "m0", honest_h, ids).items() if k != "ids"}
+        wrong_ids = {**stage0_meta(driver, RUN.run_id, "m1", honest_h, ids), "ids": ids_bytes(ids + 1)}
+        replies = [await send(servicer, "forward", [honest_h], no_ids),
+                   await send(servicer, "forward", [honest_h], wrong_ids),
+                   await send(servicer, "forward", [made_up], stage0_meta(driver, RUN.run_id, "m2", made_up, ids)),
+                   await send(servicer, "forward", [honest_h], stage0_meta(driver, RUN.run_id, "m3", honest_h, ids))]
+        last, last_struck = servicer_at(TWO_STAGES, executor)
+        meta = stage0_meta(driver, TWO_STAGES.run_id, "m4", made_up, ids)
+        replies.append(await send(last, "forward_backward", [made_up, ids], meta))
+        assert last.worker.stats.param_version == 0 and last_struck == ["driver"]  # refused before the update
+        return replies, struck, servicer.worker.cache
+
+    executor = ThreadPoolExecutor(max_workers=1)
+    try:
+        replies, struck, cache = asyncio.run(go(executor))
+    finally:
+        executor.shutdown()
+    codes = [meta.get("code", "ok") for _, meta in replies]
+    assert codes == ["bad_receipt", "bad_receipt", "spot_check", "ok", "spot_check"], [m.get("error") for _, m in replies]
+    assert struck == ["driver"]
+    assert cache.pop(("driver", "m2"), 0.0) is None  # the refused micro-batch's forward was dropped
+    assert cache.held_by("driver") == 1  # the honest one's is kept for its backward
