@@ -40,8 +40,8 @@ from swarm.run.runconfig import RunConfig
 
 logger = logging.getLogger(__name__)
 
-# A sampled forward waits at most this for its verdict: under the hop timeout's floor (1 s), so an honest driver's
-# hop is never timed out by a check, and about the round trip of two replicas on a slow link.
+# A sampled forward waits at most this for its verdict: half the hop timeout's floor (1 s), so a check alone does not
+# time out an honest driver's hop, and about the round trip of two recomputations on a slow link.
 CHECK_BUDGET_S = 0.5
 REPLICA_HOLD_S = 10.0  # a layer0 peer that failed to answer a replica is not asked again for this long
 MAX_EVIDENCE = 32  # caught authors kept with the receipts that convicted them (tests and status read them)
