@@ -5,7 +5,8 @@ of its choice (and keeps it alive with heartbeats), and then misbehaves in one o
 
 - driver (a ``layer0`` record): raw stage RPCs whose ``ExpertRequest``s are built here, so nothing on
   our side sanitises them: crafted gradients (``GRADIENT_ATTACKS``), wrong labels / foreign sample
-  ids (``label_request``), floods of concurrent forwards (``flood``);
+  ids (``label_request``), floods of concurrent forwards (``flood``), made-up stage-0 outputs it signs as
+  its own (``STAGE0_ATTACKS``, ``train_made_up``);
 - server (an ``online`` record in ``layer{k}``): handlers under the real names with a misbehaviour
   from ``SERVER_BEHAVIOURS`` (a black hole, malformed replies, huge values);
 - averaging peer: a params service (``rpc_fetch``) that serves poisoned copies (``POISONS``).
@@ -14,6 +15,7 @@ Map:
     HostilePeer          identity, DHT, record heartbeat, own event loop; call / flood / serve_*
     Reply                what came back from one raw call (never raises)
     crafted_gradient     pure: the payload of each gradient attack from the honest gradient
+    made_up_activations  pure: the stage-0 output a hostile driver signs instead of its copy's
     poisoned_params      pure: the poisoned copy served to pulls
     wrong_targets        pure: labels that are certainly wrong
 (tests/copies.py: ``CopyOracle``, the copies as they really are: honest gradients, true accuracy.)
@@ -44,7 +46,9 @@ FLOAT32_MAX = 3.0e38
 GRADIENT_ATTACKS = ("huge_1e30", "huge_3e38", "ascent", "scaled_x100", "random")
 SERVER_BEHAVIOURS = ("black_hole", "no_tensor", "wrong_shape", "nan", "huge", "garbage_metadata")
 POISONS = ("nan", "x1000", "same_norm")
-REFUSAL_CODES = frozenset({"rejected", "busy", "banned", "unknown_driver", "wrong_shard", "paused", "healing"})
+STAGE0_ATTACKS = ("random", "scaled_x10", "honest")  # "honest": the control, what an honest driver sends
+REFUSAL_CODES = frozenset({"rejected", "busy", "banned", "unknown_driver", "wrong_shard", "paused", "healing",
+                           "spot_check"})
 CALL_TIMEOUT_S = 10.0
 LOOP_TIMEOUT_S = 120.0
 BIG_REPLY_BYTES = 64 * 2**20
@@ -67,6 +71,18 @@ def crafted_gradient(kind: str, honest: torch.Tensor, generator: torch.Generator
         noise = torch.randn(honest.shape, generator=generator)
         return noise * (honest.norm() / noise.norm().clamp_min(1e-12))  # the honest norm, a random direction
     raise ValueError(f"unknown gradient attack {kind!r}; choose one of {GRADIENT_ATTACKS}")
+
+
+def made_up_activations(kind: str, honest: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The stage-0 output a hostile driver signs as its own instead of ``honest`` (same shape, finite)."""
+    if kind == "random":  # the honest norm, a random direction (a non-negative one, like ReLU outputs, has a cosine
+        noise = torch.randn(honest.shape, generator=generator)  # of ~0.56 with the honest output: not "far")
+        return noise * (honest.norm() / noise.norm().clamp_min(1e-12))
+    if kind == "scaled_x10":
+        return honest * 10.0
+    if kind == "honest":
+        return honest.clone()
+    raise ValueError(f"unknown stage-0 attack {kind!r}; choose one of {STAGE0_ATTACKS}")
 
 
 def poisoned_params(kind: str, honest: dict[str, torch.Tensor], generator: torch.Generator | None = None,
@@ -242,9 +258,11 @@ class HostilePeer:
         from swarm.integrity.receipts import ids_digest, tensor_digest
         from swarm.pipeline.wire import serialize_once
 
+        from swarm.pipeline.stage0_replicas import ids_bytes
+
         ids_d = ids_digest(ids)
         receipt = self.receipt_key.sign(self.run.run_id, mb, op, 0, 0, ids_d, tensor_digest(serialize_once(x)), ids_d)
-        return {"mb": mb, "rc": [receipt.to_wire()]}
+        return {"mb": mb, "rc": [receipt.to_wire()], "ids": ids_bytes(ids)}
 
     def forward_chain(self, x: torch.Tensor, ids: torch.Tensor, upto: int) -> tuple[str, torch.Tensor, list]:
         """Sign ``x`` as our stage 0's output for ``ids`` and run real forwards through stages 1..upto-1, relaying each
@@ -259,6 +277,24 @@ class HostilePeer:
                 raise RuntimeError(f"forward at {swarm}: {reply.code}: {reply.error}")
             h, meta = reply.tensors[0], {"mb": mb, "rc": [reply.meta["rc"]]}
         return mb, h, meta["rc"]
+
+    def train_made_up(self, kind: str, stage0: Any, x: torch.Tensor, ids: torch.Tensor, layer1: str,
+                      last: str) -> Reply:
+        """One micro-batch of a 3-stage run whose stage-0 output is made up (``made_up_activations`` of what the
+        ``stage0`` module computes on ``x``), signed as ours: forward at ``layer1``, forward_backward at ``last``,
+        backward at ``layer1``. The first reply that is not ok, or the final backward's."""
+        with torch.no_grad():
+            h0 = made_up_activations(kind, stage0(x))
+        mb = self.mb()
+        reply = self.call(layer1, "layer1", "forward", [h0], self.signed_as_stage0(mb, h0, ids))
+        if not reply.ok:
+            return reply
+        h1, rc1 = reply.tensors[0], reply.meta["rc"]
+        reply = self.call(last, "layer2", "forward_backward", [h1, ids], {"mb": mb, "rc": [rc1]})
+        if not reply.ok:
+            return reply
+        return self.call(layer1, "layer1", "backward", [reply.tensors[0]],
+                         {"mb": mb, "rc": [reply.meta["rc"]], "loss": reply.meta["loss"]})
 
     def flood(self, peer_id: str, swarm: str, x: torch.Tensor, count: int, timeout_s: float = 30.0) -> list[Reply]:
         """``count`` concurrent ``forward``s (each keeps activations at the server until it expires)."""

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from swarm.integrity.receipts import ReceiptKey, ids_digest, tensor_digest
+from swarm.pipeline.stage0_replicas import ids_bytes
 from swarm.pipeline.wire import serialize_once
 
 
@@ -21,7 +22,10 @@ def stage0_meta(key: ReceiptKey, run_id: str, mb: str, h: torch.Tensor, ids: Any
     item = serialize_once(h, codec)
     receipt = key.sign(run_id, mb, "infer" if op in ("infer", "evaluate") else "forward", 0, 0, ids_d,
                        tensor_digest(item), ids_d)
-    return {"mb": mb, "rc": [receipt.to_wire()], "rk": key.public}
+    meta = {"mb": mb, "rc": [receipt.to_wire()], "rk": key.public}
+    if op == "forward":  # stage 1 takes a forward's sample ids with it (swarm/pipeline/stage0_checks.py)
+        meta["ids"] = ids_bytes(ids if ids is not None else torch.arange(h.shape[0]))
+    return meta
 
 
 def relay_meta(key: ReceiptKey, mb: str, *receipts: Any) -> dict:

@@ -10,6 +10,7 @@ Map:
 - guard.py       the guarded step: never commit non-finite state; bound each tensor's move
 - requesters.py  fair share, in-flight cap, strikes and bans per driver (pure decisions + RequesterBook)
 - receipts.py    signed hop receipts: every tensor a stage applies names the peer that computed it
+- spot.py        spot validation by replication: agree, far, the odd one out, the verdict on a stage-0 output
 - evaluations.py evaluations validated by replication over peers of the last stage, each figure signed
 - labels.py      targets by sample id, shard checks, the view of the run's drivers
 - mixing.py      bounded influence through averaging: reject, clip or skip one peer's copy or edge message

@@ -23,7 +23,8 @@ servicer (swarm/pipeline/stage_rpc.py) asks ``admit`` before a request runs and 
   here at once (500 concurrent forwards must not starve the real drivers).
 - Strikes: a rejected request, a request outside the driver's shards, and an update clipped to less
   than half its size each add one to a score that halves every ``strike_half_life_s``; at
-  ``ban_strikes`` the driver is banned. Honest drivers are clipped now and then, never in a row.
+  ``ban_strikes`` the driver is banned. Honest drivers are clipped now and then, never in a row. A spot check's
+  verdict on a driver's stage-0 output weighs 7 (swarm/pipeline/stage0_checks.py ``VERDICT_STRIKES``).
 - No direction check: a ban for updates that "oppose the swarm's direction" can be outvoted by colluding
   newcomers, and it banned every honest driver of label-skewed runs; with signed receipts
   (swarm/integrity/receipts.py) a driver no longer authors the gradients it relays, so none is judged here.
@@ -205,10 +206,11 @@ class RequesterBook:
             return self.on_strike(requester, f"updates clipped to {clip_scale:.2g} of their size", now)
         return None
 
-    def on_strike(self, requester: str, reason: str, now: float) -> Ban | None:
+    def on_strike(self, requester: str, reason: str, now: float, weight: float = 1.0) -> Ban | None:
+        """One strike, or ``weight`` strikes for evidence stronger than one bad request (a spot check's verdict)."""
         with self._lock:
             entry = self._get(requester, now)
-            entry.score = decayed(entry.score, now - entry.scored_at, self.cfg.strike_half_life_s) + 1.0
+            entry.score = decayed(entry.score, now - entry.scored_at, self.cfg.strike_half_life_s) + weight
             entry.scored_at = now
             if entry.score >= self.cfg.ban_strikes and entry.banned_until <= now:
                 return self._ban(requester, entry, now, f"{entry.score:.0f} strikes, the last: {reason}")

@@ -56,3 +56,30 @@ def odd_one_out(outputs: list[torch.Tensor]) -> int | None:
     if all(agree(outputs[i], outputs[j]) for i in others for j in others if i != j):
         return loners[0]
     return None
+
+
+# ----- stage 0's outputs, recomputed by other drivers (swarm/pipeline/stage0_checks.py)
+
+AGREED, DISAGREED, AUTHOR_ODD, REPLICA_ODD, UNDECIDED, SKIPPED = (
+    "agreed", "disagreed", "author_odd", "replica_odd", "undecided", "skipped")
+
+
+def judge_author(author: torch.Tensor, replicas: list[torch.Tensor]) -> tuple[str, int | None]:
+    """The verdict on a driver's stage-0 output against the recomputations of other layer0 copies (same sample
+    ids), and the index in ``replicas`` of a replica that is the odd one out (REPLICA_ODD only).
+
+    SKIPPED: no replica came back (a slow or absent peer is no evidence). With one replica: AGREED or DISAGREED
+    (two copies cannot tell which one lies: the caller asks a third or only says it). With two or more, the first
+    two: AUTHOR_ODD when the author is far from both while they agree (the one verdict that blames it), REPLICA_ODD
+    when one replica is, AGREED when the author agrees with either, else UNDECIDED (honest copies on label-skewed
+    shards disagree at 0.9 without ever being far)."""
+    if not replicas:
+        return SKIPPED, None
+    if len(replicas) == 1:
+        return (AGREED if agree(author, replicas[0]) else DISAGREED), None
+    odd = odd_one_out([author, replicas[0], replicas[1]])
+    if odd == 0:
+        return AUTHOR_ODD, None
+    if odd is not None:
+        return REPLICA_ODD, odd - 1
+    return (AGREED if agree(author, replicas[0]) or agree(author, replicas[1]) else UNDECIDED), None

@@ -51,6 +51,7 @@ from swarm.pipeline.replies import Vouch
 from swarm.pipeline.routing import BAD_REPLY_BAN_S, HopPolicy, SwarmRouter, backoff_s
 from swarm.pipeline.driver_eval import evaluate
 from swarm.pipeline.spot_checks import SpotChecker
+from swarm.pipeline.stage0_replicas import ids_bytes
 from swarm.pipeline.wire import serialize_once
 from swarm.run.runconfig import RunConfig
 from swarm.pipeline.stage import StageWorker
@@ -225,6 +226,8 @@ class PipelineDriver:
         for k in range(1, stages - 1):
             inputs[k] = h
             meta, vouch = self._meta(mb, forwards[k - 1]), self._vouch(mb, forwards[k - 1], ids_d)
+            if k == 1:  # stage 1 may have other layer0 peers recompute our stage 0 from them (stage0_checks.py)
+                meta["ids"] = ids_bytes(ids)
             (h,), reply, served_by[k] = await self.hops.hop(k, "forward", [h], meta, vouch=vouch)
             forwards[k] = reply["receipt"]
             await self.spot.after_forward(k, inputs[k], meta, vouch, served_by[k], h)

@@ -37,8 +37,9 @@ HOLD_DEFAULT_S = 1.0  # a hold code without a usable retry_after_s
 HOLD_CODES = frozenset({"busy", "banned", "unknown_driver"})
 # bad_receipt: the stage says a receipt we relayed does not hold; bad_author: a tensor we relayed was computed by a
 # peer that stage has banned (its reply names it: we stop using that peer too); unknown_signer: the stage cannot get
-# the key of the peer that computed a tensor we relayed (it is gone): that micro-batch cannot pass, nobody's fault
-REFUSED_CODES = frozenset({"rejected", "wrong_shard", "bad_receipt", "bad_author", "unknown_signer"})
+# the key of the peer that computed a tensor we relayed (it is gone): that micro-batch cannot pass, nobody's fault;
+# spot_check: stage 1 found our stage-0 output far from two other layer0 peers' recomputations of it
+REFUSED_CODES = frozenset({"rejected", "wrong_shard", "bad_receipt", "bad_author", "unknown_signer", "spot_check"})
 HOLD_POLL_MAX_S = 1.0
 
 CallStage = Callable[..., Awaitable[tuple[list[torch.Tensor], dict, float]]]

@@ -107,6 +107,12 @@ class SwarmPeer:
             traffic=self.traffic, gate=self.gate,
             desk=ReceiptDesk(self.run.run_id, self.index, self.receipt_key, self.keys),
         )
+        if self.index == 1:  # a share of the stage-0 outputs we are sent, recomputed by other layer0 peers
+            from swarm.pipeline.stage0_checks import Stage0Checker
+
+            gate = self.gate
+            self._servicer.spot0 = Stage0Checker(self.run, self.p2p, self.keys, lambda: list(gate.view.current),
+                                                 gate.strike)
         await self._servicer.add_p2p_handlers(self.p2p, namespace=stage_namespace(self.run.run_id, self.swarm))
         from swarm.dht.reachability import DialBackServicer, namespace
 
@@ -194,6 +200,7 @@ class SwarmPeer:
         dataset = await loop.run_in_executor(self.executor, load_dataset, self.run.data, self.run.model)
         shards = make_shards(dataset.y_train, self.run.data, dataset.num_classes)
         shard = self.shard if self.shard is not None else 0
+        self._serve_replicas(dataset)
         self.driver = PipelineDriver(
             self.run, self.worker, self.p2p, self.executor, dataset, shards, shard % len(shards),
             peer_tag=str(self.dht.peer_id)[-8:], seed=shard, traffic=self.traffic,
@@ -204,6 +211,15 @@ class SwarmPeer:
         self.evaluations.driver, self.evaluations.worker = self.driver, self.worker
         if self.evaluate_enabled:
             self._tasks.append(asyncio.create_task(self._guard(self.evaluations.run_forever(), "evaluator")))
+
+    def _serve_replicas(self, dataset: Any) -> None:
+        """Stage 0 recomputes its output on sample ids for layer1's spot checks (swarm/pipeline/stage0_replicas.py),
+        for the online layer1 peers of the last views only."""
+        from swarm.pipeline.stage0_replicas import ReplicaDoor, ReplicaService
+
+        x_train = dataset.x_train
+        self._servicer.replicas = ReplicaService(ReplicaDoor(), lambda ids: x_train[ids], len(x_train),
+                                                 self.run.training.batch_size)
 
     async def _guard(self, coro: Any, name: str) -> None:
         try:
@@ -237,6 +253,8 @@ class SwarmPeer:
         async def _teardown() -> None:
             if self.driver is not None:
                 self.driver.stop()
+            if self._servicer is not None and self._servicer.spot0 is not None:
+                await self._servicer.spot0.close()
             for task in self._tasks:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -353,6 +371,10 @@ class SwarmPeer:
         if self.averaging is not None:
             self._loop.call_soon_threadsafe(self.averaging.set_views, dict(views))
         self._prefetch_keys(views)
+        replicas = self._servicer.replicas if self._servicer is not None else None
+        if replicas is not None:  # who may ask our stage 0 to recompute: the online layer1 peers
+            callers = [r.peer_id for r in every.get("layer1", []) if r.state == "online"]
+            self._loop.call_soon_threadsafe(replicas.door.set_callers, callers)
         if self.driver is None:
             return
         online = {name: [r.peer_id for r in records if r.state == "online"] for name, records in views.items()}

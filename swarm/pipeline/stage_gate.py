@@ -130,9 +130,10 @@ class StageGate:
             if ban is not None:
                 self._announce(ban)
 
-    def strike(self, requester: str, reason: str) -> None:
-        """A request refused before it was admitted (malformed beyond use) still counts against its sender."""
-        ban = self.book.on_strike(requester, reason, time.monotonic())
+    def strike(self, requester: str, reason: str, weight: float = 1.0) -> None:
+        """A request refused before it was admitted (malformed beyond use) still counts against its sender; so does
+        a spot check's verdict on its stage-0 output, with ``weight`` strikes (swarm/pipeline/stage0_checks.py)."""
+        ban = self.book.on_strike(requester, reason, time.monotonic(), weight)
         if ban is not None:
             self._announce(ban)
 

@@ -1,7 +1,8 @@
 """The stage's side of receipts (swarm/integrity/receipts.py): what a request's receipts must vouch for before
 anything runs, whom a wrong tensor is blamed on, and the receipt this stage signs on its reply.
 
-What each op at stage k (k >= 1; stage 0 serves no one but its own driver) must carry in ``rc``:
+What each op at stage k (k >= 1) must carry in ``rc`` (stage 0 trains for no one but its own driver; its ``infer
+[ids]`` for a layer1 peer's spot check carries none: it starts the chain, swarm/pipeline/stage0_replicas.py):
 
     forward, infer      [receipt of x]  by a peer of swarm k-1 (the requester itself when k-1 = 0)
     forward_backward    [receipt of x]  likewise, and its sample ids are the ids sent

@@ -9,6 +9,12 @@ Two handlers per stage, in the namespace ``{run_id}.layer{k}``: ``rpc_call`` (un
     forward_backward  [x, ids]       -> [grad x]       reply metadata: loss    (last stage only)
     infer             [x]            -> [y]            no update, eval mode
     evaluate          [x, ids]       -> []             reply metadata: loss_sum, correct, count
+    infer (stage 0)   [ids]          -> [y]            stage 0 recomputed on train-split rows, for a layer1 peer's
+                                                       spot check (swarm/pipeline/stage0_replicas.py)
+
+A ``forward`` at stage 1 also carries its sample ids in metadata ``ids`` (int64 bytes, the ids its stage-0
+receipt names): a share of them is recomputed by other layer0 peers (swarm/pipeline/stage0_checks.py) and a
+micro-batch whose author is the odd one out is refused (``spot_check``) before stage 1 answers it.
 
 ``ids`` are int64 row indices into the run's train split (forward_backward) or test split (evaluate):
 the last stage looks the targets up in its own copy of the run's data (swarm/integrity/labels.py);
@@ -22,7 +28,8 @@ with code ``rejected`` (malformed: never applied), ``paused`` (this peer takes n
 (backward without the input at a peer that has no saved activations), ``busy`` (over your fair share
 or too many requests queued: retry after), ``banned`` (not before retry_after_s), ``unknown_driver``
 (no online layer0 record of you here yet: retry after) or ``wrong_shard`` (sample ids outside your
-shards: drop the micro-batch). The full table is in docs/ARCHITECTURE.md "Stage RPCs".
+shards: drop the micro-batch) or ``spot_check`` (stage 1: your stage-0 output is far from two other layer0 peers'
+recomputations of it). The full table is in docs/ARCHITECTURE.md "Stage RPCs".
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ from swarm.integrity.health import SickCopy
 from swarm.integrity.labels import WrongShard
 from swarm.pipeline.fair_queue import FairQueue
 from swarm.pipeline.stage import NeedInput, StageWorker
+from swarm.pipeline.stage0_replicas import ReplicaService
+from swarm.pipeline.stage0_rpc import Stage0Ops, Stage0Refused
 from swarm.pipeline.stage_gate import SERVED_OPS, UPDATE_OPS, Outcome, StageGate
 from swarm.pipeline.stage_receipts import NeedChain, ReceiptDesk, ReceiptRefusal, Vouched
 from swarm.pipeline.traffic import Traffic  # noqa: F401  (re-exported: the RPC modules count their bytes in it)
@@ -56,6 +65,7 @@ from swarm.pipeline.wire import (
     encode_off_loop,
     join_stream,
     pack_metadata,
+    refusal_meta as _refusal,
     split_message,
     unpack_metadata,
 )
@@ -77,13 +87,15 @@ class StageError(RuntimeError):
         self.code = code
 
 
-class StageServicer(ServicerBase):
+class StageServicer(Stage0Ops, ServicerBase):
     """Serves one stage worker. Built with no arguments it only lends its signatures to stubs."""
 
     def __init__(self, worker: StageWorker | None = None, executor: Executor | None = None, *, max_bytes: int = 0,
                  codec: str = "float32", rank: int = DEFAULT_RANK, is_accepting: Callable[[], bool] = lambda: True,
                  traffic: Traffic | None = None, gate: StageGate | None = None, desk: ReceiptDesk | None = None):
         self.worker = worker
+        self.replicas: ReplicaService | None = None  # stage 0: recomputations for layer1's spot checks
+        self.spot0: Any = None  # stage 1: a Stage0Checker (swarm/pipeline/stage0_checks.py)
         self.gate = gate
         self.desk = desk  # receipts: checked on requests, signed on replies (None: tests of the RPC alone)
         self.fair = FairQueue(executor)  # the compute thread serves requesters in turn (swarm/pipeline/fair_queue.py)
@@ -139,6 +151,8 @@ class StageServicer(ServicerBase):
             return [], _refusal("rejected", f"unknown op {str(op)[:40]!r}")
         if op in NEW_WORK_OPS and not self.is_accepting():
             return [], _refusal("paused", "this peer is paused and takes no new work")
+        if op == "infer" and self.replicas is not None and self.worker is not None and self.worker.index == 0:
+            return await self._serve_replica(requester, serialized, meta)
         if self.gate is not None:
             refusal = await self.gate.admit(requester, op)
             if refusal is not None:
@@ -153,14 +167,21 @@ class StageServicer(ServicerBase):
                 refusal = self._banned_author(vouched)
                 if refusal is not None:
                     return [], refusal
+            check = self._start_stage0_check(requester, op, meta, tensors, vouched)
+            if check is not None and op == "forward_backward":  # it applies the update: the verdict comes first
+                await self._stage0_verdict(check, requester, None)
             request = Request(requester=requester, gate=self.gate)
             out, reply, outcome = await self.fair.run(requester, _run, self.worker, op, tensors, meta, request)
+            if check is not None and op == "forward":
+                await self._stage0_verdict(check, requester, meta.get("mb"))
             # An update clipped to nothing at a backward is its gradient's signer's doing. At the last stage the update
             # comes from our own loss on inputs an upstream stage computed from inputs further up: a heavy clip there
             # could be any of them, so it is nobody's strike (the step bound has already held the update).
             outcome = replace(outcome, author=vouched.applied_author) if op == "backward" else \
                 replace(outcome, clip_scale=1.0)
             return await self._signed(requester, op, vouched, out, reply)
+        except Stage0Refused as exc:  # its author is already struck, by the check itself
+            return [], _refusal("spot_check", str(exc))
         except NeedInput:
             return [], _refusal("need_input", "no saved activations here: send the input")
         except NeedChain:
@@ -247,13 +268,6 @@ def make_servicer(worker: StageWorker, executor: Executor, *, max_bytes: int, co
                   rank: int = DEFAULT_RANK, desk: ReceiptDesk | None = None) -> StageServicer:
     return StageServicer(worker, executor, max_bytes=max_bytes, codec=codec, rank=rank, is_accepting=is_accepting,
                          traffic=traffic, gate=gate, desk=desk)
-
-
-def _refusal(code: str, error: str, retry_after_s: float | None = None) -> dict:
-    reply = {"ok": False, "code": code, "error": error[:500]}
-    if retry_after_s is not None:
-        reply["retry_after_s"] = round(float(retry_after_s), 3)
-    return reply
 
 
 def dispatch(worker: StageWorker, op: Any, tensors: list[torch.Tensor], meta: dict,

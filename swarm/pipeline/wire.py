@@ -352,3 +352,11 @@ async def join_stream(stream: AsyncIterator[Any], max_bytes: int) -> tuple[list[
 def _joined(head: Any, parts: list[bytes]) -> Payload:
     return Payload(dtype=head.dtype, size=list(head.size), compression=int(head.compression),
                    buffer=bytearray().join(parts), requires_grad=head.requires_grad)
+
+
+def refusal_meta(code: str, error: str, retry_after_s: float | None = None) -> dict:
+    """A refusal's reply metadata: ``{"ok": false, "code", "error", ["retry_after_s"]}``."""
+    reply = {"ok": False, "code": code, "error": error[:500]}
+    if retry_after_s is not None:
+        reply["retry_after_s"] = round(float(retry_after_s), 3)
+    return reply
