@@ -43,9 +43,12 @@ def far(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def odd_one_out(outputs: list[torch.Tensor]) -> int | None:
-    """Of three (or more) outputs, the index of the one that is far from every other while the others agree among
-    themselves; None when there is no such single one (all agree, no majority, or the odd one is merely not close:
-    a copy that drifted is not a liar)."""
+    """Of three (or more) outputs, the index of the one that is far from every other while the others are not far
+    from each other; None when there is no such single one (all close, no majority, or the odd one is merely not
+    close: a copy that drifted is not a liar). "Not far", not "agree": on label-skewed shards honest copies
+    disagree at the 0.9 cosine without ever being far, and requiring the two others to agree let every made-up
+    output through there as "undecided"; two colluding peers could always agree exactly, so the stricter rule
+    protected nobody from a frame-up."""
     n = len(outputs)
     if n < 3:
         return None
@@ -53,7 +56,7 @@ def odd_one_out(outputs: list[torch.Tensor]) -> int | None:
     if len(loners) != 1:
         return None
     others = [i for i in range(n) if i != loners[0]]
-    if all(agree(outputs[i], outputs[j]) for i in others for j in others if i != j):
+    if not any(far(outputs[i], outputs[j]) for i in others for j in others if i != j):
         return loners[0]
     return None
 
@@ -70,7 +73,8 @@ def judge_author(author: torch.Tensor, replicas: list[torch.Tensor]) -> tuple[st
 
     SKIPPED: no replica came back (a slow or absent peer is no evidence). With one replica: AGREED or DISAGREED
     (two copies cannot tell which one lies: the caller asks a third or only says it). With two or more, the first
-    two: AUTHOR_ODD when the author is far from both while they agree (the one verdict that blames it), REPLICA_ODD
+    two: AUTHOR_ODD when the author is far from both while they are not far from each other (the one verdict that
+    blames it), REPLICA_ODD
     when one replica is, AGREED when the author agrees with either, else UNDECIDED (honest copies on label-skewed
     shards disagree at 0.9 without ever being far)."""
     if not replicas:
