@@ -26,6 +26,7 @@ from hostile import (  # noqa: E402
 )
 
 BATCH = 32
+STAGE0_LANES = 4  # made-up stage-0 micro-batches in flight (each one forward, forward_backward, backward)
 CONCURRENCY = 8  # requests in flight: ~100 requests/s on the benchmark machine, as in issue 14
 FLOOD_SIZE = 500
 ORACLE_REFRESH_S = 2.0
@@ -36,7 +37,7 @@ POISON_CLOCK_FACTOR = 10.0  # the poisoner claims this many times the honest clo
 @dataclass(slots=True, frozen=True)
 class Attack:
     name: str
-    role: str  # driver | server | poison | none
+    role: str  # driver | server | signed_server | poison | stage0 | none
     kind: str  # gradient kind, label mode, server behaviour, poison, flood
     swarm: str = "layer1"
     per_swarm: int = 1
@@ -68,6 +69,9 @@ def _attacks() -> dict[str, Attack]:
         Attack("signed_last_stage_huge_gradient", "signed_server", "huge_gradient", swarm="layer2"),
         Attack("signed_last_stage_lying_eval", "signed_server", "lying_eval", swarm="layer2"),
         *(Attack(f"poison_{p}", "poison", p, per_swarm=2) for p in ("nan", "x1000", "same_norm")),
+        # a registered driver that signs made-up stage-0 outputs as its own (tests/hostile.py made_up_activations):
+        # two honest drivers are there to recompute them (stage-0 spot checks, swarm/pipeline/stage0_checks.py)
+        *(Attack(f"made_up_stage0_{k}", "stage0", k, per_swarm=2) for k in ("random", "scaled_x10")),
         Attack("sgd_momentum_oversubscribed", "none", "busy", per_swarm=2, optimizer="sgd_momentum",
                busy=3 * (os.cpu_count() or 2)),
     ]
@@ -128,12 +132,56 @@ def start_attack(attack: Attack, hostile: HostilePeer, labels: str) -> Handle:
     if attack.role == "signed_server":
         _start_signed_server(handle)
         return handle
+    if attack.role == "stage0":
+        _start_stage0(handle)
+        return handle
     honest_driver = hostile.online("layer0")[0]
     hostile.announce("layer0", shard=(honest_driver.shard + 1) % hostile.run.data.shards)
     handle.announced_at = time.monotonic()
     loop_body = {"flood": _flood}.get(attack.kind, _driver_loop)
     handle.task = asyncio.run_coroutine_threadsafe(loop_body(handle, labels, honest_driver.shard), hostile._loop)
     return handle
+
+
+def _start_stage0(handle: Handle) -> None:
+    """``STAGE0_LANES`` lanes of micro-batches whose stage-0 output is made up from the honest copy's (pulled once),
+    signed as ours, each to a random online layer1 peer; from our own shard (the last stage checks ids)."""
+    import concurrent.futures
+    import random
+
+    from swarm.run.data import make_shards
+
+    hostile, kind = handle.hostile, handle.attack.kind
+    honest_driver = hostile.online("layer0")[0]
+    own_shard = (honest_driver.shard + 1) % hostile.run.data.shards
+    oracle = CopyOracle(hostile)
+    oracle.pull({f"layer{k}": hostile.online(f"layer{k}")[0].peer_id for k in range(len(oracle.stages))})
+    shards = make_shards(oracle.dataset.y_train, hostile.run.data, oracle.dataset.num_classes)
+    own = shards[own_shard]
+    hostile.announce("layer0", shard=own_shard)
+    handle.announced_at = time.monotonic()
+    last = f"layer{len(oracle.stages) - 1}"
+
+    def lane(seed: int) -> None:
+        rng = random.Random(seed)
+        while not handle.stopping:
+            ids = torch.as_tensor([int(own[rng.randrange(len(own))]) for _ in range(BATCH)], dtype=torch.int64)
+            layer1, tail = hostile.online("layer1"), hostile.online(last)
+            if not layer1 or not tail:
+                time.sleep(0.2)
+                continue
+            reply = hostile.train_made_up(kind, oracle.stages[0], oracle.dataset.x_train[ids], ids,
+                                          rng.choice(layer1).peer_id, rng.choice(tail).peer_id)
+            handle.note(reply)
+            if reply.refused:
+                time.sleep(min(2.0, float(reply.meta.get("retry_after_s", 0.1) or 0.1)))
+
+    def lanes() -> None:
+        with concurrent.futures.ThreadPoolExecutor(STAGE0_LANES) as pool:
+            for future in [pool.submit(lane, i) for i in range(STAGE0_LANES)]:
+                future.result()
+
+    handle.task = concurrent.futures.ThreadPoolExecutor(1).submit(lanes)
 
 
 def _start_signed_server(handle: Handle) -> None:

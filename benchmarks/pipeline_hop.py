@@ -15,7 +15,10 @@ from benchmarks.fleet import Fleet, process_cpu_seconds
 
 KIB = 1024
 MIB = 1024 * 1024
-HOP_WIDTH = 64  # a narrow layer: the 4 MiB hop costs little compute, so the overhead is most of it
+# A narrow layer keeps the 4 MiB hop's compute small, so the overhead is most of it; 256, not 64 (until this
+# session's figures): a forward at stage 1 names its sample ids in its metadata (8 bytes a row, stage-0 spot checks),
+# and 4 MiB of 64-wide rows were 16,384 of them, 128 KiB of ids, over the 64 KiB metadata bound. At 256, 32 KiB.
+HOP_WIDTH = 256
 # name -> (activation bytes, transport): "default" lets call_stage choose (it streams from
 # wire.UNARY_LIMIT_BYTES up); "unary" / "stream" force one, to compare the two at equal sizes.
 HOP_CASES = {"empty": (4 * HOP_WIDTH, "default"), "64k": (64 * KIB, "default"), "4m": (4 * MIB, "default")}
@@ -134,6 +137,7 @@ async def _one_hop(p2p: Any, peer: Any, local: Any, run: Any, x: Any, mb: str, s
     import swarm.pipeline.stage_rpc as stage_rpc
     from swarm.integrity.receipts import ids_digest, tensor_digest
     from swarm.pipeline.replies import Vouch, check_receipt
+    from swarm.pipeline.stage0_replicas import ids_bytes
     from swarm.pipeline.wire import serialize_once
 
     key, keys = _driver_keys(p2p)
@@ -150,7 +154,8 @@ async def _one_hop(p2p: Any, peer: Any, local: Any, run: Any, x: Any, mb: str, s
         try:
             (y,), reply, rpc_s = await stage_rpc.call_stage(
                 p2p, str(peer.dht.peer_id), stage_rpc.stage_namespace(run.run_id, "layer1"), "forward", [x],
-                {"mb": mb, "rc": [signed.to_wire()], "rk": key.public}, timeout_s=HOP_TIMEOUT_S, codec="float32",
+                {"mb": mb, "rc": [signed.to_wire()], "rk": key.public, "ids": ids_bytes(ids)}, timeout_s=HOP_TIMEOUT_S,
+                codec="float32",
                 max_bytes=int(run.training.max_payload_mb * MIB), expect_bytes=size)
             checked = time.perf_counter()
             check_receipt(1, "forward", Vouch(run.run_id, mb, signed.output, ids_d), str(peer.dht.peer_id), [y], reply,
