@@ -2,7 +2,7 @@
 0.8 and a cosine above 0.9): a share of a driver's forward hops also goes to a second peer of the same swarm, and
 the two signed outputs are compared. Copies of a layer legitimately differ a little (averaging keeps them close,
 not equal), so agreement is a cosine and a norm ratio, not equality. On a disagreement a third peer arbitrates and
-the odd one out is the one far from both others while they agree. Pure: tensors in, verdicts out.
+the odd one out is the one far from both others while they are not far from each other. Pure: tensors in, verdicts out.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ A driver authors its own stage 0's output: it signs it, and nothing else vouched
 recompute it from the same sample ids (swarm/pipeline/stage0_replicas.py), so a share of the forwards that reach
 stage 1 (``share``, SPOT_SHARE by default) are also recomputed by another online layer0 peer of the run, asked
 at random; when the two disagree a third arbitrates. Only when the author is the odd one out (far from both while
-they agree, with their signed receipts as the evidence) is it blamed: the micro-batch is refused (``spot_check``)
-before stage 1 replies or applies anything, and the author gets ``VERDICT_STRIKES`` strikes in the requester book
+they are not far from each other, with their signed receipts as the evidence) is it blamed: the micro-batch is
+refused (``spot_check``) before stage 1 replies or applies anything, and the author gets ``VERDICT_STRIKES`` strikes in the requester book
 (a ban at ``ban_strikes``). A replica that is the odd one out gets the strike instead and is not asked again for a while.
 With one other layer0 peer a disagreement is only said: two copies cannot tell which one lies.
 
@@ -118,14 +118,15 @@ class Stage0Checker:
             (a, ra), (b, rb) = asked[0], asked[1]
             self.evidence.append((author, mb, [ra.to_wire(), rb.to_wire()]))
             reason = (f"spot check: its stage-0 output for {mb[:40]} is far from the recomputations of layer0 peers "
-                      f"{a[-8:]} and {b[-8:]}, which agree")
+                      f"{a[-8:]} and {b[-8:]}, which are close to each other")
             logger.warning("refused a micro-batch of driver %s: %s", author[-8:], reason)
             self.strike(author, reason, VERDICT_STRIKES)
         elif verdict == REPLICA_ODD:
             self.counts["replica_caught"] += 1
             peer = asked[odd][0]
             self._held[peer] = time.monotonic() + BAD_REPLY_BAN_S
-            reason = f"spot check: its recomputation of stage 0 for {mb[:40]} is far from two others, which agree"
+            reason = (f"spot check: its recomputation of stage 0 for {mb[:40]} is far from two others, which are close "
+                      "to each other")
             logger.warning("layer0 peer %s: %s", peer[-8:], reason)
             self.strike(peer, reason, VERDICT_STRIKES)
         elif verdict == DISAGREED:  # only one replica came back
