@@ -5,8 +5,9 @@ recompute it from the same sample ids (swarm/pipeline/stage0_replicas.py), so a 
 stage 1 (``share``, SPOT_SHARE by default) are also recomputed by another online layer0 peer of the run, asked
 at random; when the two disagree a third arbitrates. Only when the author is the odd one out (far from both while
 they are not far from each other, with their signed receipts as the evidence) is it blamed: the micro-batch is
-refused (``spot_check``) before stage 1 replies or applies anything, and the author gets ``VERDICT_STRIKES`` strikes in the requester book
-(a ban at ``ban_strikes``). A replica that is the odd one out gets the strike instead and is not asked again for a while.
+refused (``spot_check``) before stage 1 replies or applies anything, and the author gets ``VERDICT_STRIKES``
+strikes in the requester book (a ban at ``ban_strikes``). A replica that is the odd one out gets the strike instead
+and is not asked again for a while.
 With one other layer0 peer a disagreement is only said: two copies cannot tell which one lies.
 
 In the path of the sampled forwards, not asynchronous: a forward answered at once would carry made-up activations
@@ -138,7 +139,8 @@ class Stage0Checker:
             self.counts["undecided"] += 1
         return verdict
 
-    async def _replicate(self, peer: str, mb: str, ids: torch.Tensor, timeout_s: float) -> tuple[torch.Tensor, Any] | None:
+    async def _replicate(self, peer: str, mb: str, ids: torch.Tensor,
+                         timeout_s: float) -> tuple[torch.Tensor, Any] | None:
         """Stage 0's output for ``ids`` from ``peer``, with its checked receipt; None (and the peer held off a
         while) when it does not answer in time or answers anything else: no evidence either way."""
         training = self.run.training
