@@ -60,6 +60,7 @@ from benchmarks.pipeline_configs import QUICK as QUICK_CONFIGS, ConfigSettings, 
 from benchmarks.pipeline_hop import hops
 
 START_TIMEOUT_S = 300.0  # many processes importing torch at once on 2 cores
+MEASURE_WINDOWS_MAX = 5  # a throughput window with no updated record is extended this many times at most
 
 
 @dataclass(slots=True, kw_only=True)
@@ -193,19 +194,27 @@ def _measure(fleet: Fleet, membership: Any, procs: list[Proc], warmup_s: float, 
     _sleep(warmup_s, procs)
     before = {r.peer_id: r for r in membership.read("layer0") if r.state == "online"}
     cpu_before, wall_before = fleet.cpu_snapshot(), time.monotonic()
-    _sleep(window_s, procs)
-    after = {r.peer_id: r for r in membership.read("layer0") if r.state == "online"}
+    # Under load a short window (--quick: 2 s) could end before any new record was read (a read that missed, a
+    # heartbeat late): the window is extended, a window at a time, before the benchmark gives up.
+    for _ in range(MEASURE_WINDOWS_MAX):
+        _sleep(window_s, procs)
+        after = {r.peer_id: r for r in membership.read("layer0") if r.state == "online"}
+        rate, spans = 0.0, []
+        for peer_id, b in after.items():
+            a = before.get(peer_id)
+            if a is None or b.updated_at <= a.updated_at:
+                continue
+            rate += (b.trained - a.trained) / (b.updated_at - a.updated_at)
+            spans.append(b.updated_at - a.updated_at)
+        if spans:
+            break
+        if not before:  # nothing read at the start: the window starts now
+            before, cpu_before, wall_before = after, fleet.cpu_snapshot(), time.monotonic()
     cpu = cpu_used(cpu_before, fleet.cpu_snapshot())
     wall_after = time.monotonic()
-    rate, spans = 0.0, []
-    for peer_id, b in after.items():
-        a = before.get(peer_id)
-        if a is None or b.updated_at <= a.updated_at:
-            continue
-        rate += (b.trained - a.trained) / (b.updated_at - a.updated_at)
-        spans.append(b.updated_at - a.updated_at)
     if not spans:
-        raise BenchmarkError("no layer0 record was updated during the window: are the heartbeats running?")
+        raise BenchmarkError(f"no layer0 record was updated during {MEASURE_WINDOWS_MAX} windows of {window_s:g} s: are "
+                             "the heartbeats running?")
     cores = {kind: seconds / (wall_after - wall_before) for kind, seconds in cpu.items()}
     return {"samples_per_s": rate, "cpu_cores_used": cores["total"], "samples_per_cpu_s": ratio(rate, cores["total"]),
             "cpu_cores_by_process": cores, "window_s": median(spans), "drivers": len(spans)}

@@ -138,9 +138,16 @@ def test_a_black_hole_in_a_swarm_is_routed_around_within_seconds(driver, run_swa
         _announced(hole, "layer1")
         wait_until(lambda: servicer.requests > 0, 20, what="the driver to route a hop to the black hole")
         time.sleep(1.0)
+        asked = servicer.requests
         during = _training_rate(driver, 2 * WINDOW_S)
+        asked = servicer.requests - asked
+    print(f"black hole: {before:.0f} -> {during:.0f} samples/s, {asked} hops to it in {2 * WINDOW_S:.0f} s")
     assert before > 0
-    assert during >= 0.5 * before, f"training fell from {before:.0f} to {during:.0f} samples/s behind a black hole"
+    # Routed around: the black hole gets a probe now and then (set aside 1, 2, 4 ... s after each unanswered hop),
+    # not a share of the hops. The rate is the user's view; on a loaded 2-core machine it varies by 2x between
+    # windows whatever the black hole does (CI: 1,844 -> 872), so it only has to show no stall.
+    assert asked <= 6, f"the black hole still got {asked} hops in {2 * WINDOW_S:.0f} s"
+    assert during >= 0.25 * before, f"training fell from {before:.0f} to {during:.0f} samples/s behind a black hole"
 
 
 def test_malformed_replies_from_the_last_stage_do_not_stop_the_driver(driver, run_swarm, tmp_path_factory):

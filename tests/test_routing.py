@@ -107,6 +107,9 @@ def test_a_hedge_loser_that_never_answered_is_set_aside_even_when_the_fast_peer_
     router.slow("hole", 0.75, now=1.0)
     assert router.choose(now=2.5) == "fast", "the time aside doubles per loss in a row"
     assert router.choose(now=3.1) == "hole", "and runs out: a peer that was only slow gets hops again"
+    router.begin("hole")
+    assert router.choose(now=3.2) == "fast", "one probe at a time until it answers (lanes pick it together otherwise)"
+    router.end("hole")
     router.success("hole", 0.1, op="forward")
     router.slow("hole", 0.75, now=10.0)
     assert router.choose(now=11.1) == "hole", "an answer resets the doubling"

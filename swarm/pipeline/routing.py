@@ -97,6 +97,8 @@ class SwarmRouter:
 
     def expected_s(self, peer_id: str) -> float:
         stats = self.peers[peer_id]
+        if stats.abandoned and stats.in_flight:  # it left its last hedged hop unanswered: one probe at a time
+            return float("inf")
         if stats.service_ema_s is not None:
             return stats.service_ema_s * (stats.in_flight + 1)
         # never measured: tried early (0 s), but one probe at a time, and not again soon after it failed
