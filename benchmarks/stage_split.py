@@ -41,17 +41,8 @@ class Timers:
         timers = self
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            frame = [name, time.thread_time(), 0.0]
-            timers._stack.append(frame)
-            try:
+            with timers.section(name):
                 return original(*args, **kwargs)
-            finally:
-                timers._stack.pop()
-                spent = time.thread_time() - frame[1]
-                timers.exclusive[name] += spent - frame[2]
-                timers.calls[name] += 1
-                if timers._stack:
-                    timers._stack[-1][2] += spent
 
         setattr(owner, attr, timed)
         self._undo.append((owner, attr, original))
