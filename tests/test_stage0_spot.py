@@ -166,17 +166,22 @@ class FakeLayer0:
         return [out], {"ok": True, "rc": receipt.to_wire(), "rk": self.keys[peer].public}, self.delay_s
 
 
-def _check(outputs: dict, author_out: torch.Tensor, delay_s: float = 0.0, budget_s: float = 0.5, seed: int = 0):
+def _check(outputs: dict, author_out: torch.Tensor, delay_s: float = 0.0, budget_s: float = 0.5, seed: int = 0,
+           credit: dict[str, int] | None = None):
     fake = FakeLayer0(outputs, delay_s)
     struck: list[tuple[str, str]] = []
     checker = Stage0Checker(RUN, None, KeyBook(), lambda: ["author", *outputs], lambda p, r, w: struck.append((p, r)),
                             share=1.0, budget_s=budget_s, seed=seed, call=fake)
+    checker.credit.update(credit or {})
+    return _verdict(checker, author_out), struck, checker, fake
 
+
+def _verdict(checker: Stage0Checker, author_out: torch.Tensor, author: str = "author") -> str:
     async def go():
-        task = checker.start("author", "mb-1", author_out, torch.arange(BATCH))
+        task = checker.start(author, "mb-1", author_out, torch.arange(BATCH))
         return await task
 
-    return asyncio.run(go()), struck, checker, fake
+    return asyncio.run(go())
 
 
 @pytest.mark.parametrize("kind", ["random", "scaled_x10"])
@@ -227,6 +232,65 @@ def test_a_lying_replica_is_struck_and_not_asked_again():
             caught += 1
             assert [peer for peer, _ in struck] == ["liar"] and checker._held["liar"] > 0
     assert caught >= 1
+
+
+def test_an_honest_output_corroborated_earns_its_author_credit():
+    h = _honest()
+    verdict, struck, checker, _ = _check({"p": h, "q": h}, h * 1.01)
+    assert verdict == AGREED and checker.credit == {"author": 1}
+    assert _verdict(checker, h * 0.99) == AGREED and checker.credit == {"author": 2}
+
+
+def test_two_fresh_colluding_keys_cannot_strike_a_driver_with_validated_work():
+    """A frame-up: two new layer0 keys recompute the same made-up output for an honest driver's ids. The odd-one-out
+    rule alone cannot tell two liars from two honest copies; their standing can: they have no corroborated work
+    here and the driver has. Its micro-batch is refused (the sampled share at most), it is not struck, and they
+    cannot take its standing away."""
+    h = _honest()
+    framed = made_up_activations("random", h)
+    verdict, struck, checker, _ = _check({"x": framed, "y": framed * 1.001}, h, credit={"author": 1})
+    assert verdict == AUTHOR_ODD and not struck  # refused, not struck
+    assert checker.stats()["outweighed"] == 1 and checker.stats()["caught"] == 0
+    assert checker.credit["author"] == 1
+    for _ in range(5):
+        assert _verdict(checker, h) == AUTHOR_ODD
+    assert not struck and checker.credit["author"] == 1
+    # with no corroborated output here yet, the same two keys still strike it: the gap the docstring names
+    verdict, struck, _, _ = _check({"x": framed, "y": framed * 1.001}, h)
+    assert verdict == AUTHOR_ODD and [p for p, _ in struck] == ["author"]
+
+
+def test_an_established_liar_loses_its_standing_to_established_peers_then_is_struck():
+    h = _honest()
+    verdict, struck, checker, _ = _check({"p": h, "q": h * 1.01}, made_up_activations("random", h),
+                                         credit={"author": 3, "p": 1, "q": 1})
+    assert verdict == AUTHOR_ODD and not struck and checker.credit["author"] == 2  # outweighed: 3 - 1
+    assert _verdict(checker, made_up_activations("random", h)) == AUTHOR_ODD and not struck
+    assert checker.credit["author"] == 1
+    assert _verdict(checker, made_up_activations("random", h)) == AUTHOR_ODD
+    assert [p for p, _ in struck] == ["author"] and "author" not in checker.credit  # convicted: all credit gone
+
+
+def test_colluders_cannot_strike_an_established_recomputer():
+    """The author and a second key collude on a made-up output; the honest recomputer that disagrees is the odd one
+    out, but is struck only if they have as much validated work here as it has."""
+    h = _honest()
+    lie = made_up_activations("random", h)
+    for seed in range(6):
+        verdict, struck, checker, _ = _check({"honest": h, "friend": lie * 1.001}, lie, seed=seed,
+                                             credit={"honest": 2})
+        assert "honest" not in [p for p, _ in struck], (seed, verdict)
+        assert checker._held.get("honest", 0.0) == 0.0  # and it is still asked
+
+
+def test_recomputers_with_validated_work_are_asked_first():
+    h = _honest()
+    outputs = {f"fresh{i}": h for i in range(8)} | {"established": h}
+    first = []
+    for seed in range(40):
+        _, _, _, fake = _check(outputs, h, seed=seed, credit={"established": 20})
+        first.append(fake.calls[0])
+    assert first.count("established") >= 20, first  # weight 21 against 8 x 1: about 72 % of the time
 
 
 def test_what_still_passes_outputs_within_the_far_bound():

@@ -10,6 +10,17 @@ strikes in the requester book (a ban at ``ban_strikes``). A replica that is the 
 and is not asked again for a while.
 With one other layer0 peer a disagreement is only said: two copies cannot tell which one lies.
 
+Influence is earned by validated work, not by keys (which cost nothing). This peer keeps, per layer0 peer, the
+number of its stage-0 outputs it spot-checked and found corroborated (``credit``: work another copy recomputed and
+agreed with). Recomputers are asked in a random order weighted by 1 + credit, and a verdict strikes only when the
+two that outvoted the odd one have each earned at least as much credit here as it has: two fresh keys that
+recompute the same made-up output for an honest driver's ids (a frame-up: the odd-one-out rule alone cannot tell
+two liars from two honest copies) get its micro-batch refused, at most the sampled share of its micro-batches, but
+never a strike on it, once it has one corroborated output here. A refusal without a strike takes the accusers'
+credit off the accused's (so an established liar caught by established peers loses its standing), never more. A
+peer convicted loses all its credit. What is left: an honest driver with no corroborated output here yet can be
+struck by two fresh colluding keys (its first ~1/SPOT_SHARE micro-batches at this peer).
+
 In the path of the sampled forwards, not asynchronous: a forward answered at once would carry made-up activations
 to every stage after this one before a verdict could hold them back (the last stage applies its update at its
 forward_backward), so the sampled forward waits for its verdict, at most ``budget_s`` (replicas are asked while
@@ -46,6 +57,7 @@ logger = logging.getLogger(__name__)
 CHECK_BUDGET_S = 0.5
 REPLICA_HOLD_S = 10.0  # a layer0 peer that failed to answer a replica is not asked again for this long
 MAX_EVIDENCE = 32  # caught authors kept with the receipts that convicted them (tests and status read them)
+MAX_CREDITED = 4096  # layer0 peers whose credit is kept; past it the least credited are forgotten
 # Strikes per verdict. Not 1: at SPOT_SHARE a liar at r micro-batches a second collects 0.03 r strikes a second,
 # which with the 30 s half-life stays under the 10 of a ban for any r below ~8/s: a slow liar was never banned, only
 # 3 % of its micro-batches refused. A verdict is stronger evidence than one bad request (two signed recomputations
@@ -75,8 +87,9 @@ class Stage0Checker:
         self._said: set[tuple[str, str]] = set()
         self._tasks: set[asyncio.Task] = set()
         self.evidence: deque[tuple[str, str, list]] = deque(maxlen=MAX_EVIDENCE)  # (author, mb, replica receipts)
+        self.credit: dict[str, int] = {}  # layer0 peer -> its stage-0 outputs we checked and found corroborated
         self.counts = {name: 0 for name in ("checked", AGREED, "caught", "replica_caught", "undecided", SKIPPED,
-                                             "said")}
+                                             "said", "outweighed")}
 
     def start(self, author: str, mb: str, x: torch.Tensor, ids: torch.Tensor) -> asyncio.Task | None:
         """Maybe check ``x``, the stage-0 output ``author`` signed for ``ids``: a task whose result is the verdict
@@ -87,7 +100,8 @@ class Stage0Checker:
         others = sorted(d for d in self.drivers() if d != author and self._held.get(d, 0.0) <= now)
         if not others:
             return None
-        self.rng.shuffle(others)
+        # a random order weighted by 1 + credit (Efraimidis-Spirakis): fresh keys are asked, established peers first
+        others.sort(key=lambda d: self.rng.random() ** (1.0 / (1.0 + self.credit.get(d, 0))), reverse=True)
         task = asyncio.create_task(self._check(author, mb, x, ids, others))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -115,29 +129,57 @@ class Stage0Checker:
 
     def _conclude(self, author: str, mb: str, verdict: str, odd: int | None, asked: list[tuple[str, Any]]) -> str:
         if verdict == AUTHOR_ODD:
-            self.counts["caught"] += 1
             (a, ra), (b, rb) = asked[0], asked[1]
-            self.evidence.append((author, mb, [ra.to_wire(), rb.to_wire()]))
             reason = (f"spot check: its stage-0 output for {mb[:40]} is far from the recomputations of layer0 peers "
                       f"{a[-8:]} and {b[-8:]}, which are close to each other")
-            logger.warning("refused a micro-batch of driver %s: %s", author[-8:], reason)
-            self.strike(author, reason, VERDICT_STRIKES)
+            if self._outvoted(author, a, b):
+                self.counts["caught"] += 1
+                self.evidence.append((author, mb, [ra.to_wire(), rb.to_wire()]))
+                logger.warning("refused a micro-batch of driver %s: %s", author[-8:], reason)
+                self.strike(author, reason, VERDICT_STRIKES)
+            else:
+                logger.info("refused a micro-batch of driver %s without a strike (%s; they have less validated work "
+                            "here than it has)", author[-8:], reason)
         elif verdict == REPLICA_ODD:
-            self.counts["replica_caught"] += 1
-            peer = asked[odd][0]
-            self._held[peer] = time.monotonic() + BAD_REPLY_BAN_S
+            peer, other = asked[odd][0], asked[1 - odd][0]
             reason = (f"spot check: its recomputation of stage 0 for {mb[:40]} is far from two others, which are close "
                       "to each other")
-            logger.warning("layer0 peer %s: %s", peer[-8:], reason)
-            self.strike(peer, reason, VERDICT_STRIKES)
+            if self._outvoted(peer, author, other):
+                self.counts["replica_caught"] += 1
+                self._held[peer] = time.monotonic() + BAD_REPLY_BAN_S
+                logger.warning("layer0 peer %s: %s", peer[-8:], reason)
+                self.strike(peer, reason, VERDICT_STRIKES)
+            else:
+                logger.info("layer0 peer %s, not struck: %s, with less validated work here than it has", peer[-8:],
+                            reason)
         elif verdict == DISAGREED:  # only one replica came back
             self.counts["said"] += 1
             self._say_once(author, asked[0][0])
         elif verdict in (AGREED, SKIPPED):
             self.counts[verdict] += 1
+            if verdict == AGREED:
+                self._credit(author, 1)
         else:
             self.counts["undecided"] += 1
         return verdict
+
+    def _outvoted(self, odd: str, a: str, b: str) -> bool:
+        """Whether ``a`` and ``b``, the two that found ``odd`` far from both, may strike it: each has earned at least
+        ``odd``'s credit here. If so ``odd`` loses all of its credit; if not, their standing (the lesser) is taken
+        off its own, and the verdict only refuses the micro-batch (counted as ``outweighed``)."""
+        standing = min(self.credit.get(a, 0), self.credit.get(b, 0))
+        if standing >= self.credit.get(odd, 0):
+            self.credit.pop(odd, None)
+            return True
+        self.counts["outweighed"] += 1
+        self._credit(odd, -standing)
+        return False
+
+    def _credit(self, peer: str, delta: int) -> None:
+        self.credit[peer] = max(0, self.credit.get(peer, 0) + delta)
+        if len(self.credit) > MAX_CREDITED:
+            for forgotten in sorted(self.credit, key=self.credit.__getitem__)[:len(self.credit) // 4]:
+                del self.credit[forgotten]
 
     async def _replicate(self, peer: str, mb: str, ids: torch.Tensor,
                          timeout_s: float) -> tuple[torch.Tensor, Any] | None:
