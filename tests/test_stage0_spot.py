@@ -187,7 +187,8 @@ def _verdict(checker: Stage0Checker, author_out: torch.Tensor, author: str = "au
 @pytest.mark.parametrize("kind", ["random", "scaled_x10"])
 def test_a_made_up_stage0_output_is_refused_and_its_author_struck(kind):
     h = _honest()
-    verdict, struck, checker, fake = _check({"p": h, "q": h * 1.01}, made_up_activations(kind, h))
+    verdict, struck, checker, fake = _check({"p": h, "q": h * 1.01}, made_up_activations(kind, h),
+                                            credit={"p": 1, "q": 1})
     assert verdict == AUTHOR_ODD
     assert [peer for peer, _ in struck] == ["author"] and "far from the recomputations" in struck[0][1]
     author, mb, receipts = checker.evidence[0]
@@ -226,7 +227,8 @@ def test_a_lying_replica_is_struck_and_not_asked_again():
     h = _honest()
     caught = 0
     for seed in range(8):  # the replicas are asked in a random order: when q comes first, the liar is never asked
-        verdict, struck, checker, _ = _check({"liar": made_up_activations("random", h), "q": h * 1.01}, h, seed=seed)
+        verdict, struck, checker, _ = _check({"liar": made_up_activations("random", h), "q": h * 1.01}, h, seed=seed,
+                                             credit={"author": 1, "q": 1})
         assert verdict in (AGREED, REPLICA_ODD) and "author" not in [peer for peer, _ in struck]
         if verdict == REPLICA_ODD:
             caught += 1
@@ -255,19 +257,28 @@ def test_two_fresh_colluding_keys_cannot_strike_a_driver_with_validated_work():
     for _ in range(5):
         assert _verdict(checker, h) == AUTHOR_ODD
     assert not struck and checker.credit["author"] == 1
-    # with no corroborated output here yet, the same two keys still strike it: the gap the docstring names
+    # nor a driver with no corroborated output here yet: keys with no validated work strike nobody
     verdict, struck, _, _ = _check({"x": framed, "y": framed * 1.001}, h)
-    assert verdict == AUTHOR_ODD and [p for p, _ in struck] == ["author"]
+    assert verdict == AUTHOR_ODD and not struck
+
+
+def test_a_fresh_liar_is_refused_then_struck_once_two_recomputers_have_validated_work():
+    h = _honest()
+    verdict, struck, checker, _ = _check({"p": h, "q": h * 1.01}, made_up_activations("random", h))
+    assert verdict == AUTHOR_ODD and not struck  # refused: nobody here has validated work yet
+    assert _verdict(checker, h, author="p") == AGREED and _verdict(checker, h, author="q") == AGREED
+    assert _verdict(checker, made_up_activations("random", h)) == AUTHOR_ODD
+    assert [p for p, _ in struck] == ["author"]
 
 
 def test_an_established_liar_loses_its_standing_to_established_peers_then_is_struck():
     h = _honest()
     verdict, struck, checker, _ = _check({"p": h, "q": h * 1.01}, made_up_activations("random", h),
-                                         credit={"author": 3, "p": 1, "q": 1})
-    assert verdict == AUTHOR_ODD and not struck and checker.credit["author"] == 2  # outweighed: 3 - 1
+                                         credit={"author": 5, "p": 2, "q": 2})
+    assert verdict == AUTHOR_ODD and not struck and checker.credit["author"] == 3  # outweighed: 5 - 2
     assert _verdict(checker, made_up_activations("random", h)) == AUTHOR_ODD and not struck
     assert checker.credit["author"] == 1
-    assert _verdict(checker, made_up_activations("random", h)) == AUTHOR_ODD
+    assert _verdict(checker, made_up_activations("random", h)) == AUTHOR_ODD  # 2 > 1
     assert [p for p, _ in struck] == ["author"] and "author" not in checker.credit  # convicted: all credit gone
 
 
@@ -393,6 +404,7 @@ def test_stage1_refuses_a_made_up_stage0_output_before_anything_applies_it():
         fake = FakeLayer0({"p": honest_h, "q": honest_h.clone()}, run_id=run.run_id)
         servicer.spot0 = Stage0Checker(run, None, KeyBook(), lambda: ["driver", "p", "q"],
                                        lambda p, r, w: struck.append(p), share=1.0, seed=0, call=fake)
+        servicer.spot0.credit.update(p=1, q=1)  # their own outputs corroborated here before
         return servicer, struck
 
     async def send(servicer, op, tensors, meta):

@@ -13,13 +13,15 @@ With one other layer0 peer a disagreement is only said: two copies cannot tell w
 Influence is earned by validated work, not by keys (which cost nothing). This peer keeps, per layer0 peer, the
 number of its stage-0 outputs it spot-checked and found corroborated (``credit``: work another copy recomputed and
 agreed with). Recomputers are asked in a random order weighted by 1 + credit, and a verdict strikes only when the
-two that outvoted the odd one have each earned at least as much credit here as it has: two fresh keys that
-recompute the same made-up output for an honest driver's ids (a frame-up: the odd-one-out rule alone cannot tell
-two liars from two honest copies) get its micro-batch refused, at most the sampled share of its micro-batches, but
-never a strike on it, once it has one corroborated output here. A refusal without a strike takes the accusers'
-credit off the accused's (so an established liar caught by established peers loses its standing), never more. A
-peer convicted loses all its credit. What is left: an honest driver with no corroborated output here yet can be
-struck by two fresh colluding keys (its first ~1/SPOT_SHARE micro-batches at this peer).
+two that outvoted the odd one have each earned more credit here than it has: two fresh keys that recompute the
+same made-up output for an honest driver's ids (a frame-up: the odd-one-out rule alone cannot tell two liars from
+two honest copies) get its micro-batch refused, at most the sampled share of its micro-batches, but never a strike
+on anyone: keys with no validated work here strike nobody. A refusal without a strike takes the accusers' credit
+off the accused's (so an established liar caught by established peers loses its standing, and is struck once
+theirs is larger), never more. A peer convicted loses all its credit. The price: a fresh liar is refused but not
+struck until two recomputers have one corroborated output each here (about 1/SPOT_SHARE forwards of theirs).
+What is left: colluders who earned credit by authoring work that was corroborated can strike an honest driver
+with less credit at this peer (a newcomer).
 
 In the path of the sampled forwards, not asynchronous: a forward answered at once would carry made-up activations
 to every stage after this one before a verdict could hold them back (the last stage applies its update at its
@@ -164,11 +166,11 @@ class Stage0Checker:
         return verdict
 
     def _outvoted(self, odd: str, a: str, b: str) -> bool:
-        """Whether ``a`` and ``b``, the two that found ``odd`` far from both, may strike it: each has earned at least
-        ``odd``'s credit here. If so ``odd`` loses all of its credit; if not, their standing (the lesser) is taken
+        """Whether ``a`` and ``b``, the two that found ``odd`` far from both, may strike it: each has earned more
+        credit here than ``odd`` has. If so ``odd`` loses all of its credit; if not, their standing (the lesser) is taken
         off its own, and the verdict only refuses the micro-batch (counted as ``outweighed``)."""
         standing = min(self.credit.get(a, 0), self.credit.get(b, 0))
-        if standing >= self.credit.get(odd, 0):
+        if standing > self.credit.get(odd, 0):
             self.credit.pop(odd, None)
             return True
         self.counts["outweighed"] += 1
