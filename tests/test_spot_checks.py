@@ -67,3 +67,62 @@ def test_honest_copies_pass_their_spot_checks():
     driver = drive(RUN, fake, seconds=1.0, during=check_every_hop, min_microbatches=20)
     assert driver.spot.checked >= 20 and driver.spot.agreed == driver.spot.checked and driver.spot.caught == 0
     assert all(stats.banned_until == 0 for stats in driver.routers["layer1"].peers.values())
+
+
+class _Router:
+    """What SpotChecker reads of a router: its peers, a choice excluding some, and failures (held off)."""
+
+    def __init__(self, peers: list[str]):
+        from types import SimpleNamespace
+
+        self.peers = {p: SimpleNamespace(banned_until=0.0, held_until=0.0) for p in peers}
+        self.held: list[str] = []
+
+    def choose(self, now: float, exclude: list[str]) -> str | None:
+        return next((p for p in self.peers if p not in exclude), None)
+
+    def failure(self, peer: str, now: float, min_ban_s: float) -> float:
+        self.held.append(peer)
+        return min_ban_s
+
+
+class _Hops:
+    def __init__(self, outputs: dict[str, torch.Tensor]):
+        self.outputs = outputs
+        self.routers = {"layer1": _Router(list(outputs))}
+
+    async def hop(self, k, op, tensors, meta, *, only, vouch):
+        return (self.outputs[only],), {}, None
+
+
+def _spot(outputs: dict[str, torch.Tensor], primary: str, credit: dict[str, int]):
+    import asyncio
+
+    from swarm.pipeline.hops import Refused
+    from swarm.pipeline.spot_checks import SpotChecker
+
+    hops = _Hops(outputs)
+    checker = SpotChecker(hops, share=1.0)
+    checker.credit.update(credit)
+    try:
+        asyncio.run(checker.after_forward(1, torch.zeros(8, 4), {}, None, primary, outputs[primary]))
+        refused = False
+    except Refused:
+        refused = True
+    return checker, hops.routers["layer1"].held, refused
+
+
+def test_two_fresh_colluding_peers_cannot_get_an_established_peer_routed_around():
+    """A layer1 peer whose outputs were corroborated before is outvoted by two fresh keys that agree on a lie: the
+    micro-batch is dropped (its output may be the wrong one), but the peer is not held off on their word; once the
+    accusers have more validated work than the odd one, it is."""
+    torch.manual_seed(0)
+    good = torch.randn(8, 16)
+    lie = -good
+    outputs = {"established": good, "c1": lie, "c2": lie * 1.01}
+    checker, held, refused = _spot(outputs, "established", {"established": 3})
+    assert refused and held == [] and checker.stats()["outweighed"] == 1 and checker.credit["established"] == 3
+    checker, held, refused = _spot({"liar": lie, "a": good, "b": good * 1.01}, "liar", {"a": 1, "b": 1})
+    assert refused and held == ["liar"] and checker.stats()["caught"] == 1
+    checker, held, _ = _spot({"a": good, "b": good * 1.01}, "a", {})
+    assert checker.credit == {"a": 1, "b": 1}  # an agreement corroborates both

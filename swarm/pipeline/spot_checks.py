@@ -4,6 +4,12 @@ compared. When they disagree a third peer arbitrates; the odd one out is not use
 was the peer whose output this micro-batch carries, the micro-batch is dropped before anything downstream applied
 it (``Refused``, code ``spot_check``). With no third peer the disagreement is only said: two copies alone cannot
 tell which one lies.
+
+As at stage 1's checks of stage 0 (stage0_checks.py), influence is earned by validated work: the driver keeps a
+credit per peer (its outputs corroborated by another peer's in a check), and the odd one out is held off only when
+the two that outvoted it have each more credit than it has; two fresh colluding keys cannot steer our traffic away
+from an honest peer. The micro-batch whose output is the odd one is dropped either way (nothing downstream applied
+it yet).
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ class SpotChecker:
         self.checked = 0  # forward hops replicated
         self.agreed = 0
         self.caught = 0  # odd ones out found
+        self.outweighed = 0  # odd ones out not held off: their accusers had less validated work
+        self.credit: dict[str, int] = {}  # peer -> its outputs corroborated in our checks
         self._said: set[tuple[str, str]] = set()
 
     async def after_forward(self, k: int, x: torch.Tensor, meta: dict, vouch: Vouch, primary: str,
@@ -48,6 +56,8 @@ class SpotChecker:
         self.checked += 1
         if agree(out, second):
             self.agreed += 1
+            for peer in (primary, other):
+                self.credit[peer] = self.credit.get(peer, 0) + 1
             return
         third = self._usable(router, exclude=[primary, other])
         arbiter = await self._infer(k, x, meta, vouch, third) if third is not None else None
@@ -58,11 +68,20 @@ class SpotChecker:
         odd = odd_one_out([out, second, arbiter])
         if odd is None:
             return
-        culprit = (primary, other, third)[odd]
-        self.caught += 1
-        ban_s = router.failure(culprit, time.monotonic(), min_ban_s=BAD_REPLY_BAN_S)
-        logger.warning("spot check at layer%d: peer %s computed an output two other peers disagree with; not using it "
-                       "for %.0f s", k, culprit[-8:], ban_s)
+        trio = (primary, other, third)
+        culprit = trio[odd]
+        standing = min(self.credit.get(p, 0) for p in trio if p != culprit)
+        if standing > self.credit.get(culprit, 0):
+            self.caught += 1
+            self.credit.pop(culprit, None)
+            ban_s = router.failure(culprit, time.monotonic(), min_ban_s=BAD_REPLY_BAN_S)
+            logger.warning("spot check at layer%d: peer %s computed an output two other peers disagree with; not "
+                           "using it for %.0f s", k, culprit[-8:], ban_s)
+        else:  # its accusers have less validated work than it has: no routing ban on their word
+            self.outweighed += 1
+            self.credit[culprit] = max(0, self.credit.get(culprit, 0) - standing)
+            logger.info("spot check at layer%d: peer %s computed an output two other peers disagree with, who have "
+                        "less validated work than it has: not held off", k, culprit[-8:])
         if culprit == primary:
             raise Refused("spot_check", f"layer{k} peer {primary[-8:]} failed a spot check (its output disagrees with "
                                         "two other peers'): the micro-batch is dropped before anything applied it")
@@ -95,4 +114,4 @@ class SpotChecker:
             logger.warning(text)
 
     def stats(self) -> dict[str, Any]:
-        return {"checked": self.checked, "agreed": self.agreed, "caught": self.caught}
+        return {"checked": self.checked, "agreed": self.agreed, "caught": self.caught, "outweighed": self.outweighed}
