@@ -42,6 +42,14 @@ def load_optimizer_tensors(module: nn.Module, optimizer: torch.optim.Optimizer,
             continue
         state = {}
         for key, tensor in entries.items():
-            # Adam keeps `step` as a float32 CPU scalar; moments live beside the parameter.
-            state[key] = tensor.clone() if key == "step" else tensor.to(param.device, param.dtype).clone()
+            # Adam keeps `step` as a float32 scalar, on the CPU or (fused, capturable) beside the parameter;
+            # moments live beside the parameter.
+            if key == "step":
+                state[key] = tensor.to(param.device if _step_on_device(optimizer) else "cpu", torch.float32).clone()
+            else:
+                state[key] = tensor.to(param.device, param.dtype).clone()
         optimizer.state[param] = state
+
+
+def _step_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    return any(group.get("fused") or group.get("capturable") for group in optimizer.param_groups)
