@@ -85,3 +85,20 @@ def test_copies_sim_quick_prints_its_figures():
     _positive(report, ("dpwa_default_worst_ratio", "best_ratio"))
     (cell,) = report["cells"]
     assert cell["peers"] == 2 and set(cell["ratios"]) == {"1000", "2000"}
+
+
+def test_penalty_counter_counts_holds_and_strikes_not_statements():
+    """The convergence matrix's honest-penalty count (benchmarks/common.py): a disagreement that is only said (two
+    skewed honest copies, no third to arbitrate) or a refusal without a strike is no penalty; a hold-off and a strike
+    are."""
+    from benchmarks.common import count_penalties
+
+    said = ("spot check at layer1: peers 1a2b3c4d and 5e6f7a8b computed different outputs for the same input; no "
+            "third peer to tell which is wrong")
+    unstruck = "refused a micro-batch of driver 1a2b3c4d without a strike (spot check: ...)"
+    held = "spot check at layer2: peer 1a2b3c4d computed an output two other peers disagree with; not using it for 60 s"
+    struck = "refused a micro-batch of driver 1a2b3c4d: spot check: its stage-0 output for m is far from ..."
+    replica = "layer0 peer 1a2b3c4d: spot check: its recomputation of stage 0 for m is far from two others"
+    assert count_penalties([said, unstruck])["total"] == 0
+    counts = count_penalties([held, struck, replica])
+    assert (counts["spot_check"], counts["stage0_spot_check"], counts["total"]) == (1, 2, 3)
