@@ -9,6 +9,7 @@ anything is applied; a malformed request never reaches the node (edge_rpc.py's c
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import pytest
@@ -345,3 +346,45 @@ def test_the_notice_counts_messages_both_ways_and_pdmm_warns_once_about_late_rep
     assert "sent 0 and applied 0" in notices[1]
     warnings = [text for level, kind, text in events if level == "warning" and kind == "averaging"]
     assert len(warnings) == 1 and "admm_isvr" in warnings[0]
+
+
+def _dual_attack(bounded: bool, honest: bool = False, steps: int = 300) -> tuple[float, float, int]:
+    """A PDMM node of a 3-ring whose neighbour 'sybil' answers every step with a message at the norm check's edge
+    (4x our norm, one fixed direction); no gradient. Returns (norm at start, largest norm within the first 60 s of
+    simulated time, steps shortened)."""
+    from swarm.averaging.edge_checks import DualGrowth, bound_dual_pull, norm_problem
+
+    torch.manual_seed(0)
+    graph = build_graph("ring", ("me", "honest", "sybil"), 1)
+    node = EclNode("me", torch.randn(1000), graph, EclConfig(mu=0.1, eta=common_eta(0.1, graph)))
+    growth = DualGrowth(RunConfig.model_validate({"name": "duals"}).averaging.influence.window_s)
+    direction = torch.randn(1000)
+    start, largest, shortened = float(node.params.norm()), 0.0, 0
+    for step in range(steps):
+        now = step * 0.2  # 5 steps a second: 300 steps are 60 s
+        node.on_messages({"honest": node.new_dual("honest")})  # a neighbour whose copy equals ours sends this
+        if honest:
+            node.on_messages({"sybil": node.new_dual("sybil")})
+        else:
+            message = direction * (3.9 * float(node.params.norm()) / float(direction.norm()))
+            if norm_problem(node, "sybil", message, 4.0) is not None:  # only once the copy overflowed
+                return start, math.inf, shortened
+            node.on_messages({"sybil": message})
+        before, grad = node.params, torch.zeros(1000)
+        node.step(grad)
+        if bounded:
+            shortened += bound_dual_pull(node, before, grad, growth, now) < 1.0
+        largest = max(largest, float(node.params.norm()))
+    return start, largest, shortened
+
+
+def test_poisoned_duals_grow_a_copy_at_most_a_quarter_a_window():
+    start, unbounded, _ = _dual_attack(bounded=False)
+    assert unbounded > 100 * start  # each step's norm check allows a larger next message: it overflows
+    start, bounded, shortened = _dual_attack(bounded=True)
+    assert bounded <= 1.25 * start * 1.001 and shortened > 0, (start, bounded)
+
+
+def test_honest_duals_are_never_shortened():
+    start, largest, shortened = _dual_attack(bounded=True, honest=True)
+    assert shortened == 0 and largest == pytest.approx(start, rel=1e-4)

@@ -29,7 +29,9 @@ the simulation runs) inside a peer, in place of the optimizer:
   left out of our graph for ``averaging.ban_s``.
 - **Bounded influence** (edge_checks.py). Before it is applied, a DSGD message's step goes through an
   ``InfluenceGuard``: an outlier is rejected like a bad message, a larger step is clipped, and a
-  sender whose budget for the window is spent is skipped. ECL duals keep the finite and norm checks.
+  sender whose budget for the window is spent is skipped. ECL duals keep the finite and norm checks, and
+  the part of each primal step that the duals make may grow the copy's norm by at most 25 % per window, net
+  (``bound_dual_pull``; counted as ``clipped``).
 
 Threads: ``set_records``, ``answer`` and the swaps run on the event loop; ``_update`` on the compute
 thread and ``answer_now`` on a worker thread, both under the stage's lock (so they never overlap); the
@@ -50,7 +52,7 @@ from typing import Any
 
 import torch
 
-from swarm.averaging.edge_checks import bound_message, norm_problem
+from swarm.averaging.edge_checks import DualGrowth, bound_dual_pull, bound_message, norm_problem
 from swarm.averaging.edge_notices import EdgeStats, lag_warning, notice_text
 from swarm.averaging.edge_rpc import BadReply, EdgeRefused, EdgeServicer, swap_edge_messages
 from swarm.averaging.influence import InfluenceGuard
@@ -98,6 +100,7 @@ class EdgeAveraging:
         self.stats = EdgeStats()
         self.banned = BanList()  # loop thread only
         self.guard = InfluenceGuard(self.cfg.influence)  # compute thread
+        self.dual_growth = DualGrowth(self.cfg.influence.window_s)  # ECL: under the stage's lock
         self._params = [p for p in worker.module.parameters()]
         self._numels = [p.numel() for p in self._params]
         self.numel = sum(self._numels)
@@ -257,7 +260,12 @@ class EdgeAveraging:
         decay = self.run.optimizer.weight_decay
         if decay:
             grad = grad + decay * node.params
+        before = node.params
         node.step(grad)
+        if isinstance(node, EclNode):
+            share = bound_dual_pull(node, before, grad, self.dual_growth, time.monotonic())
+            if share < 1.0:
+                self.stats.clipped += 1
         self._write_back(node.params)
         step = self.stats.steps
         self.stats.steps += 1
