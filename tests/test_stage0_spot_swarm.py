@@ -197,6 +197,8 @@ def test_honest_drivers_on_label_skewed_shards_are_never_struck(caplog):
         honest_ids = [str(d.dht.peer_id) for d in honest]
         assert counts["checked"] >= 20, counts
         assert counts["caught"] == 0 and counts["replica_caught"] == 0, counts
+        shown = layer1.metrics()  # what its node shows (`volunteer ctl status`, the dashboard's "checks" row)
+        assert shown.spot_checked >= counts["checked"] and shown.spot_caught == 0, shown
         assert counts["undecided"] > 0, counts  # the copies did disagree, and that blamed nobody
         assert not _penalties(caplog, honest_ids), _penalties(caplog, honest_ids)
         assert not layer1.gate.book.bans

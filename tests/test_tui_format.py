@@ -103,3 +103,16 @@ def test_an_evaluation_always_says_how_old_it_is():
     assert "STALE" in describe_evaluation(0.97, 0.1, 25.0, 10.0)
     assert describe_evaluation(0.97, 0.1, 5.0, 10.0) == "test accuracy 97.0% (5 s ago)"
     assert describe_evaluation(None, 1.3863, 5.0, 10.0) == "test 2.00 bits/byte (loss 1.386 nats) (5 s ago)"
+
+
+def test_spot_checks_are_shown_with_what_came_of_them() -> None:
+    """The dashboard's "checks" row and `volunteer ctl status`: outputs of other peers this node had recomputed,
+    the odd ones out penalised, and those left unpunished because their accusers had less validated work."""
+    from tui.format import format_checks
+    from volunteer_cli.commands.ctl import render_status
+
+    assert format_checks(212, 1, 0) == "212 · 1 caught"
+    assert format_checks(1500, 0, 2) == "1,500 · 0 caught · 2 not penalised"
+    text = render_status({"state": "online", "spot_checked": 40, "spot_caught": 1, "spot_outweighed": 2})
+    assert "spot checks 40 (1 caught, 2 not penalised: their accusers had less validated work)" in text
+    assert "spot checks" not in render_status({"state": "online", "spot_checked": 0})

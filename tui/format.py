@@ -117,6 +117,13 @@ def format_staleness(mean: float | None, p95: float | None, maximum: int | None)
     return f"avg {mean:.1f} · p95 {p95:.0f} · max {maximum}"
 
 
+def format_checks(checked: int, caught: int, outweighed: int) -> str:
+    """Spot checks this node ran: '212 · 1 caught', '212 · 0 caught · 2 not penalised' (accusers with less
+    validated work than the accused)."""
+    text = f"{format_count(checked)} · {caught} caught"
+    return text + (f" · {outweighed} not penalised" if outweighed else "")
+
+
 def format_evaluation(accuracy: float | None, loss: float | None, age_s: float | None, stale: bool) -> str:
     """The run's last evaluation for a title: 'acc 91.2% · 12s ago', 'acc 91.2% · STALE 3m 10s'; a
     language model's (no accuracy) in bits per byte: 'test 2.01 bits/byte · 12s ago'."""

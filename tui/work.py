@@ -12,7 +12,15 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Sparkline, Static
 
-from tui.format import format_bytes, format_count, format_duration, format_loss, format_rate, format_staleness
+from tui.format import (
+    format_bytes,
+    format_checks,
+    format_count,
+    format_duration,
+    format_loss,
+    format_rate,
+    format_staleness,
+)
 from volunteer.snapshot import NodeSnapshot, short_id
 
 LABEL_WIDTH = 10  # "samples/s " and the figures below line up in one column
@@ -88,6 +96,8 @@ def figures_table(snapshot: NodeSnapshot) -> Table:
     if snapshot.staleness_max is not None:  # updates between a micro-batch's forward and its backward here
         grid.add_row("staleness", Text.assemble(format_staleness(snapshot.staleness_mean, snapshot.staleness_p95,
                                                                  snapshot.staleness_max), " updates"))
+    if snapshot.spot_checked:  # outputs of other peers this node had recomputed and compared
+        grid.add_row("checks", format_checks(snapshot.spot_checked, snapshot.spot_caught, snapshot.spot_outweighed))
     grid.add_row("device", short_device(snapshot.device))
     grid.add_row("cpu, ram", f"{snapshot.cpu_percent:.0f}%, {format_bytes(snapshot.memory_bytes)}")
     if snapshot.gpu_memory_bytes is not None:

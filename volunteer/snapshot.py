@@ -157,6 +157,11 @@ class NodeSnapshot:
     test_at: float | None = None  # wall time of that evaluation (None: its time is unknown)
     eval_every_s: float = 10.0  # the run's evaluation period: a figure older than 2 periods is stale
     heals: int = 0  # times this copy was found sick and restored itself
+    # spot checks this node ran (swarm/pipeline/peer_metrics.py): replicated outputs compared, odd ones out
+    # penalised, and odd ones out not penalised because their accusers had less validated work here
+    spot_checked: int = 0
+    spot_caught: int = 0
+    spot_outweighed: int = 0
     # staleness of this copy's recent updates (updates applied between a micro-batch's forward and its
     # backward here); None before the first update
     staleness_mean: float | None = None

@@ -411,4 +411,4 @@ class SwarmPeer:
         assert self.worker is not None
         heal = self.healer.status() if self.healer is not None else None
         return collect_metrics(self.worker, self.traffic, self.in_flight(), heal, self.driver, self.evaluations,
-                               self.gate)
+                               self.gate, self._servicer.spot0 if self._servicer is not None else None)

@@ -56,10 +56,16 @@ class PeerMetrics:
     drivers_refused: int = -1
     drivers_seen: int = -1
     ban_reason: str = ""
+    # spot checks this peer ran (layer0: its driver's replicated hops, swarm/pipeline/spot_checks.py; layer1: the
+    # stage-0 outputs it had recomputed, stage0_checks.py): checked, an odd one out held off or struck, and odd
+    # ones out left unpunished because their accusers had less validated work here
+    spot_checked: int = 0
+    spot_caught: int = 0
+    spot_outweighed: int = 0
 
 
 def collect_metrics(worker: StageWorker, traffic: Traffic, in_flight: int, heal: HealStatus | None, driver: Any,
-                    evaluations: Evaluations, gate: StageGate | None = None) -> PeerMetrics:
+                    evaluations: Evaluations, gate: StageGate | None = None, spot0: Any = None) -> PeerMetrics:
     """This peer's figures now; the driver's and the evaluations' only on layer0 (``driver`` None elsewhere)."""
     stats = worker.stats
     common = dict(
@@ -75,6 +81,10 @@ def collect_metrics(worker: StageWorker, traffic: Traffic, in_flight: int, heal:
         common.update(drivers_refused=refused, drivers_seen=seen, ban_reason=reason)
     if heal is not None:
         common.update(healing=heal.healing, heals=heal.heals, last_heal_at=heal.last_heal_at)
+    checks = [c.stats() for c in (spot0, getattr(driver, "spot", None)) if c is not None]
+    common.update(spot_checked=sum(int(c.get("checked", 0)) for c in checks),
+                  spot_caught=sum(int(c.get("caught", 0)) + int(c.get("replica_caught", 0)) for c in checks),
+                  spot_outweighed=sum(int(c.get("outweighed", 0)) for c in checks))
     if driver is None:
         return PeerMetrics(**common)
     d = driver.stats

@@ -115,6 +115,10 @@ def render_status(snap: dict) -> str:
     if snap.get("staleness_max") is not None:  # updates applied here between a micro-batch's forward and backward
         work.append(f"staleness {snap.get('staleness_mean') or 0.0:.1f} mean, {snap.get('staleness_p95') or 0.0:.0f} "
                     f"p95, {snap['staleness_max']} max (updates)")
+    if snap.get("spot_checked"):  # other peers' outputs this node had recomputed and compared
+        work.append(f"spot checks {snap['spot_checked']} ({snap.get('spot_caught', 0)} caught"
+                    + (f", {snap['spot_outweighed']} not penalised: their accusers had less validated work"
+                       if snap.get("spot_outweighed") else "") + ")")
     if snap.get("test_accuracy") is not None or snap.get("test_loss") is not None:
         from volunteer.snapshot import describe_evaluation
 
