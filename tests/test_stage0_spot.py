@@ -204,8 +204,9 @@ def test_an_honest_output_costs_one_recomputation():
 
 def test_skewed_honest_copies_blame_nobody():
     h = _honest()
-    verdict, struck, _, fake = _check({"p": _skewed_copy(h, 0.85, 1), "q": _skewed_copy(h, 0.85, 2)}, h)
+    verdict, struck, checker, fake = _check({"p": _skewed_copy(h, 0.85, 1), "q": _skewed_copy(h, 0.85, 2)}, h)
     assert verdict in (AGREED, UNDECIDED) and not struck
+    assert checker.credit == {"author": 1}  # not far from either: its work is corroborated all the same
 
 
 def test_a_slow_or_absent_layer0_peer_is_no_evidence():

@@ -12,7 +12,8 @@ With one other layer0 peer a disagreement is only said: two copies cannot tell w
 
 Influence is earned by validated work, not by keys (which cost nothing). This peer keeps, per layer0 peer, the
 number of its stage-0 outputs it spot-checked and found corroborated (``credit``: work another copy recomputed and
-agreed with). Recomputers are asked in a random order weighted by 1 + credit, and a verdict strikes only when the
+agreed with, or, where honest copies differ as on label-skewed shards, that was not far from either of two
+recomputations: the verdicts' own bound). Recomputers are asked in a random order weighted by 1 + credit, and a verdict strikes only when the
 two that outvoted the odd one have each earned more credit here than it has: two fresh keys that recompute the
 same made-up output for an honest driver's ids (a frame-up: the odd-one-out rule alone cannot tell two liars from
 two honest copies) get its micro-batch refused, at most the sampled share of its micro-batches, but never a strike
@@ -44,7 +45,17 @@ from typing import Any
 import torch
 
 from swarm.integrity.receipts import ids_digest
-from swarm.integrity.spot import AGREED, AUTHOR_ODD, DISAGREED, REPLICA_ODD, SKIPPED, SPOT_SHARE, judge_author
+from swarm.integrity.spot import (
+    AGREED,
+    AUTHOR_ODD,
+    DISAGREED,
+    REPLICA_ODD,
+    SKIPPED,
+    SPOT_SHARE,
+    UNDECIDED,
+    far,
+    judge_author,
+)
 from swarm.pipeline.replies import Vouch, check_receipt, check_reply
 from swarm.pipeline.routing import BAD_REPLY_BAN_S
 from swarm.pipeline.stage_rpc import call_stage, stage_namespace
@@ -127,6 +138,8 @@ class Stage0Checker:
             verdict, odd = judge_author(x, replicas)
             if verdict != DISAGREED:
                 break  # agreed, or two replicas decided it
+        if verdict == UNDECIDED and not any(far(x, r) for r in replicas):
+            self._credit(author, 1)  # not far from either: corroborated at the verdicts' own bound (skewed copies)
         return self._conclude(author, mb, verdict, odd, asked)
 
     def _conclude(self, author: str, mb: str, verdict: str, odd: int | None, asked: list[tuple[str, Any]]) -> str:
