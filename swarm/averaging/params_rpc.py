@@ -170,6 +170,8 @@ async def fetch_params(p2p: Any, peer_id: str, run: Any, swarm: str, timeout_s: 
     if traffic is not None:
         traffic.count(peer_id, inbound=received)
     reply = unpack_metadata(raw, MAX_PARAMS_METADATA_BYTES)
+    if not reply:  # no metadata at all: the stream was cut before its first message (the peer left, a reset)
+        raise ConnectionError(f"pulling {swarm} from {peer_id[-8:]}: the stream ended before the reply's metadata")
     if not reply.get("ok"):
         raise ParamsRefused(str(reply.get("code", "error"))[:40], str(reply.get("error", ""))[:500])
     names, optimizer_names = _names(reply.get("names")), _names(reply.get("optimizer_names", []))
