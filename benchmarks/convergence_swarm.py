@@ -91,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     cells, seen = [], set()
     started = time.monotonic()
     baseline = LocalBaseline()
-    with Fleet(prefix="volunteer-convergence-") as fleet:
+    with Fleet(prefix="volunteer-convergence-", keep_workdir=args.keep_logs) as fleet:
+        if args.keep_logs:
+            say(f"the volunteers' logs are kept in {fleet.workdir}")
         _, maddr = fleet.bootstrap()
         for optimizer, busy, peers, mode, partition in itertools.product(*axes):
             optimizer = "sgd" if mode in EDGE_MODES else optimizer
@@ -109,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
                                      pull_budget=args.pull_budget, graph=args.graph, staleness=args.staleness)
                 apply_overrides(config, args.set)
                 try:
-                    one = _cell(fleet, maddr, label, config, peers, args.stages, busy, points, args)
+                    # each repeat's processes (and logs, with --keep-logs) under their own names; the run is the same
+                    tag = label + (f"-r{repeat + 1}" if args.repeats > 1 else "")
+                    one = _cell(fleet, maddr, tag, config, peers, args.stages, busy, points, args)
                     one.update(_compare(one, config, points, baseline))
                 except Exception as exc:  # one cell the harness could not run must not lose the others
                     one = {"error": f"{exc.__class__.__name__}: {exc}"[:400]}
@@ -154,6 +158,8 @@ def _parser() -> Any:
     out = parser("convergence_swarm", __doc__, quick_help="one cell (adam, 1 peer, none, iid) to 3k samples: a smoke "
                  "test, not a measurement")
     out.add_argument("--optimizers", default="sgd_momentum,adam")
+    out.add_argument("--keep-logs", action="store_true", help="keep the volunteers' logs, one set per repeat "
+                     "(printed path): to find out which check fired on an honest peer")
     out.add_argument("--busy", default=f"0,{os.cpu_count() or 2}", help="busy processes per cell (the number of "
                      "cores = 2x oversubscribed)")
     out.add_argument("--peers", default="1,2,4", help="peers in every swarm")
