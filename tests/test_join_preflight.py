@@ -35,6 +35,13 @@ def test_a_run_that_does_not_fit_its_data_stops_before_joining(swarm, tmp_path):
         run = write_run(tmp_path / f"{name}.yaml", name="digits-mlp")
         run.write_text(run.read_text() + lines + "\n")
         joins[name] = swarm.join(run, "auto", maddr, name=name)
+    # the README's command, without --listen and with no preferences file: the default listen (port 0) has no
+    # port to check (it was a TypeError traceback before anything else was said); it fails here on its data only
+    run = write_run(tmp_path / "nolisten.yaml", name="digits-mlp")
+    run.write_text(run.read_text() + cases["fewclasses"][0] + "\n")
+    joins["nolisten"] = swarm.start("join", "--run", str(run), "--swarm", "layer0", "--initial-peers", maddr,
+                                    "--headless", name="nolisten")
+    cases["nolisten"] = cases["fewclasses"]
     for name, (_, says) in cases.items():
         proc = joins[name]
         assert proc.wait(JOIN_EXIT_S) == EXIT_USAGE, proc.stderr()

@@ -115,7 +115,7 @@ def _check_local(args: argparse.Namespace, prefs) -> tuple[Path, Path | None]:
         check_writable_parent(identity_path, "identity", "pass --identity with a path in a folder you can write to")
     if args.listen:
         check_listen_free(args.listen, "--listen")
-    else:
+    elif prefs.network.listen:  # unset: DEFAULT_VOLUNTEER_LISTEN, port 0 (a free one): nothing to check
         check_listen_free(prefs.network.listen, "network.listen (preferences)")
     return data_dir, identity_path
 
