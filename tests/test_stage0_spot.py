@@ -438,3 +438,21 @@ def test_stage1_refuses_a_made_up_stage0_output_before_anything_applies_it():
     assert struck == ["driver"]
     assert cache.pop(("driver", "m2"), 0.0) is None  # the refused micro-batch's forward was dropped
     assert cache.held_by("driver") == 1  # the honest one's is kept for its backward
+
+
+def test_the_credit_book_is_bounded_and_outvotes_only_with_more_validated_work():
+    from swarm.integrity.spot import CreditBook
+
+    book = CreditBook(max_peers=8)
+    for i in range(20):  # a crowd of fresh keys cannot grow it without bound
+        book.add(f"k{i}")
+    assert len(book.credit) <= 8
+    book.credit.clear()
+    book.add("honest", 3)
+    book.add("a", 1)
+    book.add("b", 2)
+    assert not book.outvoted("honest", "a", "b") and book.get("honest") == 2  # standing 1 taken off, not struck
+    assert not book.outvoted("honest", "a", "b") and book.get("honest") == 1
+    book.add("a", 1)
+    assert book.outvoted("honest", "a", "b") and book.get("honest") == 0  # 2 > 1: convicted, credit cleared
+    assert not book.outvoted("fresh", "x", "y")  # keys with no credit outvote nobody

@@ -87,3 +87,37 @@ def judge_author(author: torch.Tensor, replicas: list[torch.Tensor]) -> tuple[st
     if odd is not None:
         return REPLICA_ODD, odd - 1
     return (AGREED if agree(author, replicas[0]) or agree(author, replicas[1]) else UNDECIDED), None
+
+
+# ----- influence earned by validated work (stage0_checks.py, spot_checks.py)
+
+MAX_CREDITED = 4096  # peers whose credit is kept; past it the least credited quarter is forgotten
+
+
+class CreditBook:
+    """Per peer, the outputs of it that a spot check found corroborated (validated work). An odd one out may be
+    penalised only when both peers that outvoted it have more credit than it has (``outvoted``): keys cost nothing,
+    two fresh ones must not outvote a peer that did corroborated work. Not thread-safe (one event loop)."""
+
+    def __init__(self, max_peers: int = MAX_CREDITED):
+        self.credit: dict[str, int] = {}
+        self.max_peers = max_peers
+
+    def get(self, peer: str) -> int:
+        return self.credit.get(peer, 0)
+
+    def add(self, peer: str, delta: int = 1) -> None:
+        self.credit[peer] = max(0, self.get(peer) + delta)
+        if len(self.credit) > self.max_peers:
+            for forgotten in sorted(self.credit, key=self.credit.__getitem__)[:len(self.credit) // 4]:
+                del self.credit[forgotten]
+
+    def outvoted(self, odd: str, a: str, b: str) -> bool:
+        """Whether ``a`` and ``b`` may penalise ``odd``: each has more credit than it. If so ``odd`` loses all of
+        its credit; if not, their standing (the lesser of the two) is taken off its own, never more."""
+        standing = min(self.get(a), self.get(b))
+        if standing > self.get(odd):
+            self.credit.pop(odd, None)
+            return True
+        self.add(odd, -standing)
+        return False

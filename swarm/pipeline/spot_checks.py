@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from swarm.integrity.spot import SPOT_SHARE, agree, odd_one_out
+from swarm.integrity.spot import SPOT_SHARE, CreditBook, agree, odd_one_out
 from swarm.pipeline.hops import HopCaller, HopGivenUp, NeedInputReply, Refused
 from swarm.pipeline.replies import Vouch
 from swarm.pipeline.routing import BAD_REPLY_BAN_S
@@ -38,7 +38,8 @@ class SpotChecker:
         self.agreed = 0
         self.caught = 0  # odd ones out found
         self.outweighed = 0  # odd ones out not held off: their accusers had less validated work
-        self.credit: dict[str, int] = {}  # peer -> its outputs corroborated in our checks
+        self.book = CreditBook()  # peer -> its outputs corroborated in our checks
+        self.credit = self.book.credit
         self._said: set[tuple[str, str]] = set()
 
     async def after_forward(self, k: int, x: torch.Tensor, meta: dict, vouch: Vouch, primary: str,
@@ -57,7 +58,7 @@ class SpotChecker:
         if agree(out, second):
             self.agreed += 1
             for peer in (primary, other):
-                self.credit[peer] = self.credit.get(peer, 0) + 1
+                self.book.add(peer)
             return
         third = self._usable(router, exclude=[primary, other])
         arbiter = await self._infer(k, x, meta, vouch, third) if third is not None else None
@@ -70,16 +71,14 @@ class SpotChecker:
             return
         trio = (primary, other, third)
         culprit = trio[odd]
-        standing = min(self.credit.get(p, 0) for p in trio if p != culprit)
-        if standing > self.credit.get(culprit, 0):
+        accusers = [p for p in trio if p != culprit]
+        if self.book.outvoted(culprit, *accusers):
             self.caught += 1
-            self.credit.pop(culprit, None)
             ban_s = router.failure(culprit, time.monotonic(), min_ban_s=BAD_REPLY_BAN_S)
             logger.warning("spot check at layer%d: peer %s computed an output two other peers disagree with; not "
                            "using it for %.0f s", k, culprit[-8:], ban_s)
         else:  # its accusers have less validated work than it has: no routing ban on their word
             self.outweighed += 1
-            self.credit[culprit] = max(0, self.credit.get(culprit, 0) - standing)
             logger.info("spot check at layer%d: peer %s computed an output two other peers disagree with, who have "
                         "less validated work than it has: not held off", k, culprit[-8:])
         if culprit == primary:

@@ -53,6 +53,7 @@ from swarm.integrity.spot import (
     SKIPPED,
     SPOT_SHARE,
     UNDECIDED,
+    CreditBook,
     far,
     judge_author,
 )
@@ -70,7 +71,6 @@ logger = logging.getLogger(__name__)
 CHECK_BUDGET_S = 0.5
 REPLICA_HOLD_S = 10.0  # a layer0 peer that failed to answer a replica is not asked again for this long
 MAX_EVIDENCE = 32  # caught authors kept with the receipts that convicted them (tests and status read them)
-MAX_CREDITED = 4096  # layer0 peers whose credit is kept; past it the least credited are forgotten
 # Strikes per verdict. Not 1: at SPOT_SHARE a liar at r micro-batches a second collects 0.03 r strikes a second,
 # which with the 30 s half-life stays under the 10 of a ban for any r below ~8/s: a slow liar was never banned, only
 # 3 % of its micro-batches refused. A verdict is stronger evidence than one bad request (two signed recomputations
@@ -100,7 +100,8 @@ class Stage0Checker:
         self._said: set[tuple[str, str]] = set()
         self._tasks: set[asyncio.Task] = set()
         self.evidence: deque[tuple[str, str, list]] = deque(maxlen=MAX_EVIDENCE)  # (author, mb, replica receipts)
-        self.credit: dict[str, int] = {}  # layer0 peer -> its stage-0 outputs we checked and found corroborated
+        self.book = CreditBook()  # layer0 peer -> its stage-0 outputs we checked and found corroborated
+        self.credit = self.book.credit
         self.counts = {name: 0 for name in ("checked", AGREED, "caught", "replica_caught", "undecided", SKIPPED,
                                              "said", "outweighed")}
 
@@ -114,7 +115,7 @@ class Stage0Checker:
         if not others:
             return None
         # a random order weighted by 1 + credit (Efraimidis-Spirakis): fresh keys are asked, established peers first
-        others.sort(key=lambda d: self.rng.random() ** (1.0 / (1.0 + self.credit.get(d, 0))), reverse=True)
+        others.sort(key=lambda d: self.rng.random() ** (1.0 / (1.0 + self.book.get(d))), reverse=True)
         task = asyncio.create_task(self._check(author, mb, x, ids, others))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -139,7 +140,7 @@ class Stage0Checker:
             if verdict != DISAGREED:
                 break  # agreed, or two replicas decided it
         if verdict == UNDECIDED and not any(far(x, r) for r in replicas):
-            self._credit(author, 1)  # not far from either: corroborated at the verdicts' own bound (skewed copies)
+            self.book.add(author)  # not far from either: corroborated at the verdicts' own bound (skewed copies)
         return self._conclude(author, mb, verdict, odd, asked)
 
     def _conclude(self, author: str, mb: str, verdict: str, odd: int | None, asked: list[tuple[str, Any]]) -> str:
@@ -173,28 +174,17 @@ class Stage0Checker:
         elif verdict in (AGREED, SKIPPED):
             self.counts[verdict] += 1
             if verdict == AGREED:
-                self._credit(author, 1)
+                self.book.add(author)
         else:
             self.counts["undecided"] += 1
         return verdict
 
     def _outvoted(self, odd: str, a: str, b: str) -> bool:
-        """Whether ``a`` and ``b``, the two that found ``odd`` far from both, may strike it: each has earned more
-        credit here than ``odd`` has. If so ``odd`` loses all of its credit; if not, their standing (the lesser) is taken
-        off its own, and the verdict only refuses the micro-batch (counted as ``outweighed``)."""
-        standing = min(self.credit.get(a, 0), self.credit.get(b, 0))
-        if standing > self.credit.get(odd, 0):
-            self.credit.pop(odd, None)
+        """``CreditBook.outvoted``, counting the verdicts that only refuse (``outweighed``)."""
+        if self.book.outvoted(odd, a, b):
             return True
         self.counts["outweighed"] += 1
-        self._credit(odd, -standing)
         return False
-
-    def _credit(self, peer: str, delta: int) -> None:
-        self.credit[peer] = max(0, self.credit.get(peer, 0) + delta)
-        if len(self.credit) > MAX_CREDITED:
-            for forgotten in sorted(self.credit, key=self.credit.__getitem__)[:len(self.credit) // 4]:
-                del self.credit[forgotten]
 
     async def _replicate(self, peer: str, mb: str, ids: torch.Tensor,
                          timeout_s: float) -> tuple[torch.Tensor, Any] | None:
