@@ -34,9 +34,15 @@ class Watchdog:
         if not hasattr(os, "fork"):
             return self
         parent = os.getpid()
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - runs in the forked child
-            _watchdog_main(parent)
+        # SIGINT/SIGTERM wait while we fork: a handler run inside the at-fork hooks (logging's lock) or in the
+        # child before it sets its own would act in the wrong place; they are delivered once unblocked.
+        mask = _block_stop_signals()
+        try:
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - runs in the forked child
+                _watchdog_main(parent, mask)
+        finally:
+            _restore_signals(mask)
         try:
             os.setpgid(pid, pid)
         except OSError:
@@ -56,7 +62,18 @@ class Watchdog:
         self.pid = None
 
 
-def _watchdog_main(parent: int) -> None:  # pragma: no cover - runs in the forked child
+def _block_stop_signals() -> set | None:
+    if not hasattr(signal, "pthread_sigmask"):
+        return None
+    return signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
+def _restore_signals(mask: set | None) -> None:
+    if mask is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def _watchdog_main(parent: int, mask: set | None) -> None:  # pragma: no cover - runs in the forked child
     try:
         os.setpgid(0, 0)
         own_group = os.getpgid(0)
@@ -67,6 +84,7 @@ def _watchdog_main(parent: int) -> None:  # pragma: no cover - runs in the forke
         stopped = []
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, lambda *_: stopped.append(True))
+        _restore_signals(mask)
         while os.getppid() == parent and not stopped:
             time.sleep(WATCHDOG_POLL_S)
         _reap_group(own_group)

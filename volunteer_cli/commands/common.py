@@ -15,9 +15,23 @@ def setup_process(verbose: int) -> tuple[Watchdog, ShutdownRequested]:
     quiet_libraries(verbose)
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format=LOG_FORMAT, datefmt="%H:%M:%S", stream=sys.stderr)
-    watchdog = Watchdog().start()
+    # The handler first: a Ctrl+C from here on is a flag the command checks, never a KeyboardInterrupt raised
+    # inside the fork's at-fork hooks, where Python swallows it ("Exception ignored in: _releaseLock") and
+    # logging's lock stays held: the engine thread then hung at its first getLogger, the Ctrl+C lost.
     shutdown = ShutdownRequested().install()
+    watchdog = Watchdog().start()
+    _dump_threads_on_sigusr2()
     return watchdog, shutdown
+
+
+def _dump_threads_on_sigusr2() -> None:
+    """`kill -USR2 PID` prints every thread's Python stack to stderr, at once: faulthandler's handler runs in
+    C, so it answers even when the main thread is stuck and a Python signal handler would wait for it."""
+    import faulthandler
+    import signal
+
+    if hasattr(signal, "SIGUSR2"):
+        faulthandler.register(signal.SIGUSR2, all_threads=True, chain=False)
 
 
 def loopback_only(maddrs: list[str]) -> bool:
