@@ -30,6 +30,32 @@ def test_restarted_bootstrap_keeps_its_peer_id(swarm, tmp_path):
     assert maddr1.rsplit("/p2p/", 1)[1] == maddr2.rsplit("/p2p/", 1)[1]
 
 
+def test_volunteers_find_each_other_after_their_bootstrap_peer_restarts(swarm, tmp_path):
+    """A bootstrap peer that restarts (same identity and address) knows nobody: before, the volunteers that
+    were running and those that joined afterwards stayed in two parts of the DHT for good, each seeing the
+    other's swarms empty. They now re-dial it (swarm/dht/nodedht.py ``Rejoin``) and the parts merge."""
+    from swarm.dht.nodedht import REJOIN_S
+
+    run = write_run(tmp_path / "run.yaml")
+    identity = tmp_path / "boot-identity.key"
+    boot, maddr = swarm.bootstrap(identity=identity)
+    before = swarm.join(run, "layer0", maddr, name="before")
+    before.wait_for_output("online in layer0", timeout_s=90)
+    boot.signal(signal.SIGTERM)
+    assert boot.wait(30) == 0
+    port_part = maddr.split("/p2p/", 1)[0]  # /ip4/127.0.0.1/tcp/PORT
+    _, maddr_again = swarm.bootstrap("--listen", port_part, identity=identity)
+    assert maddr_again == maddr
+    after = swarm.join(run, "layer1", maddr, name="after")
+    after.wait_for_output("online in layer1", timeout_s=90)
+    reader = swarm.reader(run, maddr)  # a newcomer: it reaches the DHT through the restarted peer only
+    wait_until(lambda: {row["state"] for rows in reader.report()["swarms"].values() for row in rows} == {"online"}
+               and all(reader.report()["swarms"].get(name) for name in ("layer0", "layer1")),
+               REJOIN_S + 45, interval_s=1.0, what="both volunteers seen through the restarted bootstrap peer")
+    wait_until(lambda: "layer1:1" in before.stdout() and "layer0:1" in after.stdout(), REJOIN_S + 45,
+               interval_s=1.0, what="each volunteer to see the other")
+
+
 @dataclass
 class Foundation:
     harness: Swarm

@@ -28,6 +28,76 @@ from swarm.dht.lightdht import SYNC_CALL_S, LightDHT, _p2pd_in_group
 logger = logging.getLogger(__name__)
 
 REPLICAS_REFRESH_S = 30.0  # how long a key's nearest nodes, once found, take our record without a new search
+REJOIN_S = 15.0  # how often a node checks that it is still connected to its bootstrap peers (one local p2pd call)
+REJOIN_DIAL_S = 10.0  # a dial (and ping) of a bootstrap peer that does not answer is given up after this
+
+
+def bootstrap_peers(maddrs: list[str]) -> dict[Any, list[Any]]:
+    """The peer ids of ``initial_peers`` with the addresses to dial each at (the /p2p part removed)."""
+    from hivemind.p2p import PeerID
+    from hivemind.utils.multiaddr import Multiaddr
+
+    peers: dict[Any, list[Any]] = {}
+    for text in maddrs:
+        try:
+            maddr = Multiaddr(text)
+            peer_id = PeerID.from_base58(maddr["p2p"])
+            peers.setdefault(peer_id, []).append(maddr.decapsulate(Multiaddr(f"/p2p/{maddr['p2p']}")))
+        except Exception as exc:  # checked at the command line already; a bad one is skipped here
+            logger.debug("initial peer %s: %s", text, exc)
+    return peers
+
+
+class Rejoin:
+    """Reconnect to the bootstrap peers when the link to them is gone, and merge the DHT through them.
+
+    hivemind pings ``initial_peers`` once, when a node starts. When a bootstrap peer restarts (an upgrade, a
+    crash; same identity, same address), it knows nobody, and nobody dials it again: the volunteers that were
+    running stay in their part of the DHT, every volunteer that joins afterwards in another, and each part sees
+    the other's swarms as empty, for good (found walking issue 30 as a user: layer0 said "waiting for layer2"
+    while a new layer2 peer said "layers 0, 1 and 3 have no online peer"). Every ``REJOIN_S``, a bootstrap peer
+    that p2pd is not connected to is dialled at its address and pinged (the ping puts us in its routing table),
+    then we look up our own id through it (which puts its other peers in ours): the parts merge, and the next
+    heartbeat's reads and stores reach everyone."""
+
+    def __init__(self, node: Any, maddrs: list[str]):
+        self.node = node
+        self.peers = bootstrap_peers(maddrs)
+        self.rejoined = 0  # how many times a lost bootstrap peer was reconnected
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(REJOIN_S)
+            try:
+                await self.check()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # p2pd gone (shutting down), or a dial that failed: try again later
+                logger.debug("checking the bootstrap peers: %s", exc)
+
+    async def check(self) -> int:
+        """Dial and ping every bootstrap peer we are not connected to; returns how many answered."""
+        if not self.peers:
+            return 0
+        connected = {info.peer_id for info in await self.node.p2p.list_peers()}
+        answered = 0
+        for peer_id, addrs in self.peers.items():
+            if peer_id in connected:
+                continue
+            try:
+                await asyncio.wait_for(self.node.p2p._client.connect(peer_id, addrs), REJOIN_DIAL_S)
+                pong = await asyncio.wait_for(self.node.protocol.call_ping(peer_id, validate=False, strict=False),
+                                              REJOIN_DIAL_S)
+            except Exception as exc:  # TimeoutError included
+                logger.debug("bootstrap peer %s does not answer: %s", peer_id, exc)
+                continue
+            if pong is not None:
+                answered += 1
+        if answered:
+            await asyncio.wait_for(self.node.find_nearest_nodes([self.node.node_id]), REJOIN_DIAL_S)
+            self.rejoined += answered
+            logger.info("reconnected to %d bootstrap peer(s) and merged the DHT through them", answered)
+        return answered
 
 
 class RecordStores:
@@ -97,6 +167,8 @@ class InProcessDHT(LightDHT):
         self._thread.name = "dht-node"
         self.peer_id: Any = None
         self._stores = RecordStores()
+        self.rejoin: Rejoin | None = None
+        self._rejoin_task: Any = None
 
     async def _create(self) -> Any:
         from hivemind.dht.node import DHTNode
@@ -109,6 +181,8 @@ class InProcessDHT(LightDHT):
             node = await DHTNode.create(record_validator=CompositeValidator(self._validators),
                                         **node_kwargs(self.settings))
         self.peer_id = node.peer_id
+        self.rejoin = Rejoin(node, list(self.settings.initial_peers))
+        self._rejoin_task = asyncio.create_task(self.rejoin.run())
         return node
 
     # ----- what hivemind.DHT offers and the node uses
