@@ -126,3 +126,16 @@ def test_two_fresh_colluding_peers_cannot_get_an_established_peer_routed_around(
     assert refused and held == ["liar"] and checker.stats()["caught"] == 1
     checker, held, _ = _spot({"a": good, "b": good * 1.01}, "a", {})
     assert checker.credit == {"a": 1, "b": 1}  # an agreement corroborates both
+
+
+def test_copies_apart_but_not_far_corroborate_each_other_without_a_third_peer():
+    """Skewed honest copies disagree at the 0.9 cosine without being far: both are credited (as at stage 1's checks
+    of stage 0), and no third peer is asked, since neither can be the odd one of a trio."""
+    torch.manual_seed(0)
+    a = torch.randn(8, 16)
+    drifted = a + 1.5 * a.norm() / 16 * torch.randn(8, 16)
+    outputs = {"a": a, "b": drifted, "c": torch.randn(8, 16)}
+    checker, held, refused = _spot(outputs, "a", {})
+    assert not refused and held == [] and checker.credit == {"a": 1, "b": 1}
+    stats = checker.stats()
+    assert stats["near"] == 1 and stats["agreed"] == 0 and stats["caught"] == stats["outweighed"] == 0  # c never asked

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from swarm.integrity.spot import SPOT_SHARE, CreditBook, agree, odd_one_out
+from swarm.integrity.spot import SPOT_SHARE, CreditBook, agree, far, odd_one_out
 from swarm.pipeline.hops import HopCaller, HopGivenUp, NeedInputReply, Refused
 from swarm.pipeline.replies import Vouch
 from swarm.pipeline.routing import BAD_REPLY_BAN_S
@@ -36,6 +36,7 @@ class SpotChecker:
         self.rng = random.Random(seed)
         self.checked = 0  # forward hops replicated
         self.agreed = 0
+        self.near = 0  # not agreeing, not far: corroborated all the same (skewed copies)
         self.caught = 0  # odd ones out found
         self.outweighed = 0  # odd ones out not held off: their accusers had less validated work
         self.book = CreditBook()  # peer -> its outputs corroborated in our checks
@@ -55,8 +56,15 @@ class SpotChecker:
         if second is None:
             return
         self.checked += 1
-        if agree(out, second):
-            self.agreed += 1
+        if agree(out, second) or not far(out, second):
+            # Agreed, or apart within the verdicts' own bound (honest copies of a layer that trains on skewed
+            # shards disagree at the 0.9 cosine without being far): both corroborated, as at stage 1's checks of
+            # stage 0. Neither can be the odd one of any trio (odd_one_out wants it far from every other), so
+            # no third peer is asked.
+            if agree(out, second):
+                self.agreed += 1
+            else:
+                self.near += 1
             for peer in (primary, other):
                 self.book.add(peer)
             return
@@ -113,4 +121,5 @@ class SpotChecker:
             logger.warning(text)
 
     def stats(self) -> dict[str, Any]:
-        return {"checked": self.checked, "agreed": self.agreed, "caught": self.caught, "outweighed": self.outweighed}
+        return {"checked": self.checked, "agreed": self.agreed, "near": self.near, "caught": self.caught,
+                "outweighed": self.outweighed}
