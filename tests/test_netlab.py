@@ -132,28 +132,40 @@ def _default_run(path: Path) -> Path:
     return path
 
 
-def start_lab_swarm(swarm, tmp_path: Path, run_path: Path, boot_host, volunteers: list) -> str:
+def start_lab_swarm(swarm, tmp_path: Path, run_path: Path, boot_host, volunteers: list,
+                    default_listen: bool = False) -> str:
     """A bootstrap peer on boot_host, then one `volunteer join` per (host, layer) with the default
-    preferences plus network.listen on the host's own address; the bootstrap peer's address."""
+    preferences plus network.listen on the host's own address (or, with ``default_listen``, nothing: the
+    volunteer listens on every interface, loopback included); the bootstrap peer's address."""
     boot = swarm.start("bootstrap", "--listen", boot_host.maddr(), "--json", "--identity",
                        str(tmp_path / "boot.key"), name="bootstrap", prefix=boot_host.exec_prefix())
     maddr = boot.first_json_line()["maddrs"][0]
     for k, (host, layer) in enumerate(volunteers):
-        prefs = tmp_path / f"prefs{k}.yaml"
-        prefs.write_text(yaml.safe_dump({"network": {"listen": [host.maddr()]}}))
-        swarm.start("join", "--run", str(run_path), "--swarm", f"layer{layer}", "--initial-peers", maddr,
-                    "--prefs", str(prefs), "--headless", name=f"v{k}-layer{layer}", prefix=host.exec_prefix())
+        lab_join(swarm, tmp_path, run_path, maddr, host, layer, f"v{k}-layer{layer}", default_listen)
     return maddr
 
 
-def test_a_bootstrap_peer_and_four_volunteers_on_five_hosts_train_to_the_demo_target(swarm, tmp_path):
-    """The default run (4 stages) with the default preferences plus network.listen, one host each."""
+def lab_join(swarm, tmp_path: Path, run_path: Path, maddr: str, host, layer: int, name: str,
+             default_listen: bool = False, *extra: str):
+    prefs = tmp_path / f"prefs-{name}.yaml"
+    prefs.write_text(yaml.safe_dump({} if default_listen else {"network": {"listen": [host.maddr()]}}))
+    return swarm.start("join", "--run", str(run_path), "--swarm", f"layer{layer}", "--initial-peers", maddr,
+                       "--prefs", str(prefs), "--headless", *extra, name=name, prefix=host.exec_prefix())
+
+
+def test_a_bootstrap_peer_and_five_volunteers_on_their_default_listen_train_download_and_export(swarm, tmp_path):
+    """The default run (4 stages), one host each, with the default preferences: every volunteer listens on all
+    interfaces, so it announces its host's address and 127.0.0.1, an address that from any other host leads
+    to that host's own loopback (issue 25 item 9: peers with several addresses, one of them unusable). They
+    train to the demo target; a newcomer downloads layer1 from its peer on another host before it serves; a
+    run organiser on another host exports the model."""
     from volunteer_cli.commands.demo import demo_target, latest_evaluation, target_reached
 
     run_path = _default_run(tmp_path / "run.yaml")
-    with Lab([Link(rate_mbit_s=100.0)] * 5) as lab:
+    with Lab([Link(rate_mbit_s=100.0)] * 7) as lab:
         boot_host, *hosts = lab.hosts
-        maddr = start_lab_swarm(swarm, tmp_path, run_path, boot_host, [(host, k) for k, host in enumerate(hosts)])
+        maddr = start_lab_swarm(swarm, tmp_path, run_path, boot_host, [(host, k) for k, host in enumerate(hosts[:4])],
+                                default_listen=True)
         assert maddr.startswith(f"/ip4/{boot_host.address}/"), maddr
         reader = swarm.reader(run_path, maddr)
         target = demo_target(reader.run, None, None)
@@ -167,4 +179,19 @@ def test_a_bootstrap_peer_and_four_volunteers_on_five_hosts_train_to_the_demo_ta
 
         accuracy, _ = wait_until(reached, SWARM_TIMEOUT_S, interval_s=1.0, what=f"{target} across the lab's hosts")
         print(f"{target} reached ({accuracy:.3f}) in {time.monotonic() - started:.0f} s")
+        newcomer = lab_join(swarm, tmp_path, run_path, maddr, hosts[4], 1, "late-layer1", True, "--log-format", "json")
+        wait_until(lambda: "synced layer1 from" in newcomer.stdout() or newcomer.check_running(), 90, interval_s=0.5,
+                   what="the newcomer to download layer1 from a peer on another host")
+
+        def summary():
+            lines = [json.loads(line) for line in newcomer.stdout().splitlines() if '"type": "summary"' in line]
+            return lines[-1] if lines else None
+
+        maddrs = wait_until(summary, 60, what="a summary line")["maddrs"]  # as it announces them, loopback included
+        assert any("/ip4/127.0.0.1/" in m for m in maddrs) and any(hosts[4].address in m for m in maddrs), maddrs
+
+        out = tmp_path / "exported.pt"
+        done = lab.run(hosts[5], [str(Path(sys.executable).parent / "volunteer"), "export", "--run", str(run_path),
+                                  "--initial-peers", maddr, "--out", str(out), "--json"], 120)
+        assert out.exists() and out.stat().st_size > 0, done.stdout + done.stderr
         swarm.close()  # before the namespaces go
