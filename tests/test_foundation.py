@@ -49,9 +49,13 @@ def test_volunteers_find_each_other_after_their_bootstrap_peer_restarts(swarm, t
     after = swarm.join(run, "layer1", maddr, name="after")
     after.wait_for_output("online in layer1", timeout_s=90)
     reader = swarm.reader(run, maddr)  # a newcomer: it reaches the DHT through the restarted peer only
-    wait_until(lambda: {row["state"] for rows in reader.report()["swarms"].values() for row in rows} == {"online"}
-               and all(reader.report()["swarms"].get(name) for name in ("layer0", "layer1")),
-               REJOIN_S + 45, interval_s=1.0, what="both volunteers seen through the restarted bootstrap peer")
+
+    def both_online() -> bool:  # one read of the records per poll
+        swarms = reader.report()["swarms"]
+        return all(swarms.get(name) and {row["state"] for row in swarms[name]} == {"online"}
+                   for name in ("layer0", "layer1"))
+
+    wait_until(both_online, REJOIN_S + 45, interval_s=1.0, what="both volunteers seen through the restarted bootstrap peer")
     wait_until(lambda: "layer1:1" in before.stdout() and "layer0:1" in after.stdout(), REJOIN_S + 45,
                interval_s=1.0, what="each volunteer to see the other")
 

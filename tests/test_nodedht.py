@@ -83,3 +83,77 @@ def test_a_bootstrap_peer_that_is_not_there_fails_with_advice(tmp_path):
     settings = DHTSettings(initial_peers=[dead], start_timeout_s=30)
     with pytest.raises(DHTStartError, match="bootstrap"):
         start_node_dht(settings, make_validators(None, [], None))
+
+
+class _FakeNode:
+    """What Rejoin touches of a hivemind DHTNode: p2pd's peer list and connect, a ping, a lookup of our own id."""
+
+    def __init__(self, connected: bool, answers: bool):
+        from types import SimpleNamespace
+
+        self.connected, self.answers = connected, answers
+        self.dials, self.lookups = [], 0
+        self.node_id = "me"
+        outer = self
+
+        class _Client:
+            async def connect(self, peer_id, addrs):
+                outer.dials.append((peer_id, [str(a) for a in addrs]))
+                if not outer.answers:
+                    raise ConnectionError("refused")
+
+        class _P2P:
+            _client = _Client()
+
+            async def list_peers(self):
+                return [SimpleNamespace(peer_id=pid) for pid in outer.peer_ids] if outer.connected else []
+
+        class _Protocol:
+            async def call_ping(self, peer_id, validate, strict):
+                return "dhtid" if outer.answers else None
+
+        self.p2p, self.protocol, self.peer_ids = _P2P(), _Protocol(), []
+
+    async def find_nearest_nodes(self, ids):
+        self.lookups += 1
+
+
+def test_rejoin_redials_a_lost_bootstrap_peer_and_backs_off_when_it_keeps_finding_it_trimmed():
+    """A restarted bootstrap peer is re-dialled at the address given (the last /p2p/ names it, even behind a
+    relay) and the DHT is merged through it; found reachable but unconnected at every check (a connection manager
+    trimming it), it is dialled ever less often, up to REJOIN_MAX_S; connected again, checked every REJOIN_S."""
+    from swarm.dht.nodedht import REJOIN_MAX_S, REJOIN_S, Rejoin
+
+    boot = "QmXYtkSsPxxWU6nw29W9XjqXuv1C33uDj9g5dDM3Qf8Q9F"
+    relay = "QmeebRc6YBERAQGEv7NMYDoLaTqxLbV189pzhk15jFdrqB"
+    node = _FakeNode(connected=False, answers=True)
+    clock = [0.0]
+    rejoin = Rejoin(node, [f"/ip4/10.0.0.1/tcp/31337/p2p/{boot}", f"/ip4/10.0.0.2/tcp/1/p2p/{relay}/p2p-circuit/p2p/{boot}"],
+                    clock=lambda: clock[0])
+    (peer_id,) = rejoin.peers
+    assert peer_id.to_base58() == boot
+    node.peer_ids = [peer_id]
+
+    async def at(t):  # a check at time t of the checks' own clock
+        clock[0] = t
+        return await rejoin.check()
+
+    async def scenario():
+        assert await at(0.0) == 1 and node.lookups == 1
+        assert node.dials[0][1] == ["/ip4/10.0.0.1/tcp/31337", f"/ip4/10.0.0.2/tcp/1/p2p/{relay}/p2p-circuit"]
+        waits, last, t = [], 0.0, 0.0
+        while t < 2000:  # trimmed at every check: the dials spread out
+            t += 1.0
+            if await at(t):
+                waits.append(t - last)
+                last = t
+        assert waits[0] == 2 * REJOIN_S and max(waits) == REJOIN_MAX_S and waits == sorted(waits)
+        node.connected = True  # connected again: nothing dialled, the short period back
+        dials = len(node.dials)
+        t += REJOIN_MAX_S
+        assert await at(t) == 0 and len(node.dials) == dials
+        node.connected, node.answers = False, False  # down: dialled every REJOIN_S, never counted
+        assert await at(t + REJOIN_S) == 0 and len(node.dials) == dials + 1
+        assert await at(t + 2 * REJOIN_S) == 0 and len(node.dials) == dials + 2
+
+    asyncio.run(scenario())

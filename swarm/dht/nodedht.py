@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -29,20 +31,21 @@ logger = logging.getLogger(__name__)
 
 REPLICAS_REFRESH_S = 30.0  # how long a key's nearest nodes, once found, take our record without a new search
 REJOIN_S = 15.0  # how often a node checks that it is still connected to its bootstrap peers (one local p2pd call)
+REJOIN_MAX_S = 240.0  # the longest wait between checks of a bootstrap peer found reachable but not connected
 REJOIN_DIAL_S = 10.0  # a dial (and ping) of a bootstrap peer that does not answer is given up after this
 
 
 def bootstrap_peers(maddrs: list[str]) -> dict[Any, list[Any]]:
-    """The peer ids of ``initial_peers`` with the addresses to dial each at (the /p2p part removed)."""
+    """The peer ids of ``initial_peers`` with the addresses to dial each at: what precedes the *last* /p2p/ (a
+    relayed address, /p2p/RELAY/p2p-circuit/p2p/PEER, names the relay first)."""
     from hivemind.p2p import PeerID
     from hivemind.utils.multiaddr import Multiaddr
 
     peers: dict[Any, list[Any]] = {}
     for text in maddrs:
+        address, _, peer = text.rpartition("/p2p/")
         try:
-            maddr = Multiaddr(text)
-            peer_id = PeerID.from_base58(maddr["p2p"])
-            peers.setdefault(peer_id, []).append(maddr.decapsulate(Multiaddr(f"/p2p/{maddr['p2p']}")))
+            peers.setdefault(PeerID.from_base58(peer), []).append(Multiaddr(address))
         except Exception as exc:  # checked at the command line already; a bad one is skipped here
             logger.debug("initial peer %s: %s", text, exc)
     return peers
@@ -55,15 +58,23 @@ class Rejoin:
     crash; same identity, same address), it knows nobody, and nobody dials it again: the volunteers that were
     running stay in their part of the DHT, every volunteer that joins afterwards in another, and each part sees
     the other's swarms as empty, for good (found walking issue 30 as a user: layer0 said "waiting for layer2"
-    while a new layer2 peer said "layers 0, 1 and 3 have no online peer"). Every ``REJOIN_S``, a bootstrap peer
-    that p2pd is not connected to is dialled at its address and pinged (the ping puts us in its routing table),
-    then we look up our own id through it (which puts its other peers in ours): the parts merge, and the next
-    heartbeat's reads and stores reach everyone."""
+    while a new layer2 peer said "layers 0, 1 and 3 have no online peer"). A bootstrap peer that p2pd is not
+    connected to is dialled at its address and pinged (the ping puts us in its routing table), then we look up
+    our own id through it (which puts its other peers in ours): the parts merge, and the next heartbeat's reads
+    and stores reach everyone.
 
-    def __init__(self, node: Any, maddrs: list[str]):
+    How often: every ``REJOIN_S`` while we find it connected (a restart drops the connection, so it is seen
+    within that), or while it does not answer (a failed dial costs it nothing). Found reachable but not
+    connected again and again (p2pd's connection manager trims idle connections in a large swarm), the wait
+    doubles up to ``REJOIN_MAX_S``: a thousand volunteers must not re-handshake with one bootstrap peer every
+    15 s."""
+
+    def __init__(self, node: Any, maddrs: list[str], clock: Callable[[], float] = time.monotonic):
         self.node = node
+        self.clock = clock
         self.peers = bootstrap_peers(maddrs)
-        self.rejoined = 0  # how many times a lost bootstrap peer was reconnected
+        self._wait_s = {peer_id: REJOIN_S for peer_id in self.peers}
+        self._due = {peer_id: 0.0 for peer_id in self.peers}  # clock time of each peer's next check
 
     async def run(self) -> None:
         while True:
@@ -76,28 +87,35 @@ class Rejoin:
                 logger.debug("checking the bootstrap peers: %s", exc)
 
     async def check(self) -> int:
-        """Dial and ping every bootstrap peer we are not connected to; returns how many answered."""
-        if not self.peers:
+        """Dial and ping every bootstrap peer that is due and not connected; returns how many answered."""
+        now = self.clock()
+        due = [peer_id for peer_id in self.peers if self._due[peer_id] <= now]
+        if not due:
             return 0
         connected = {info.peer_id for info in await self.node.p2p.list_peers()}
         answered = 0
-        for peer_id, addrs in self.peers.items():
+        for peer_id in due:
             if peer_id in connected:
-                continue
-            try:
-                await asyncio.wait_for(self.node.p2p._client.connect(peer_id, addrs), REJOIN_DIAL_S)
-                pong = await asyncio.wait_for(self.node.protocol.call_ping(peer_id, validate=False, strict=False),
-                                              REJOIN_DIAL_S)
-            except Exception as exc:  # TimeoutError included
-                logger.debug("bootstrap peer %s does not answer: %s", peer_id, exc)
-                continue
-            if pong is not None:
+                self._wait_s[peer_id] = REJOIN_S
+            elif await self._redial(peer_id):
                 answered += 1
+                self._wait_s[peer_id] = min(REJOIN_MAX_S, 2 * self._wait_s[peer_id])
+            self._due[peer_id] = now + self._wait_s[peer_id]
         if answered:
             await asyncio.wait_for(self.node.find_nearest_nodes([self.node.node_id]), REJOIN_DIAL_S)
-            self.rejoined += answered
             logger.info("reconnected to %d bootstrap peer(s) and merged the DHT through them", answered)
         return answered
+
+    async def _redial(self, peer_id: Any) -> bool:
+        try:
+            # p2pd's own connect (hivemind's P2P has no public one): the address is ours to give, not the peerstore's
+            await asyncio.wait_for(self.node.p2p._client.connect(peer_id, self.peers[peer_id]), REJOIN_DIAL_S)
+            pong = await asyncio.wait_for(self.node.protocol.call_ping(peer_id, validate=False, strict=False),
+                                          REJOIN_DIAL_S)
+        except Exception as exc:  # TimeoutError included
+            logger.debug("bootstrap peer %s does not answer: %s", peer_id, exc)
+            return False
+        return pong is not None
 
 
 class RecordStores:
@@ -167,8 +185,7 @@ class InProcessDHT(LightDHT):
         self._thread.name = "dht-node"
         self.peer_id: Any = None
         self._stores = RecordStores()
-        self.rejoin: Rejoin | None = None
-        self._rejoin_task: Any = None
+        self._rejoin_task: Any = None  # held: the loop keeps only a weak reference to a task
 
     async def _create(self) -> Any:
         from hivemind.dht.node import DHTNode
@@ -181,8 +198,7 @@ class InProcessDHT(LightDHT):
             node = await DHTNode.create(record_validator=CompositeValidator(self._validators),
                                         **node_kwargs(self.settings))
         self.peer_id = node.peer_id
-        self.rejoin = Rejoin(node, list(self.settings.initial_peers))
-        self._rejoin_task = asyncio.create_task(self.rejoin.run())
+        self._rejoin_task = asyncio.create_task(Rejoin(node, list(self.settings.initial_peers)).run())
         return node
 
     # ----- what hivemind.DHT offers and the node uses

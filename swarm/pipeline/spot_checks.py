@@ -40,8 +40,12 @@ class SpotChecker:
         self.caught = 0  # odd ones out found
         self.outweighed = 0  # odd ones out not held off: their accusers had less validated work
         self.book = CreditBook()  # peer -> its outputs corroborated in our checks
-        self.credit = self.book.credit
         self._said: set[tuple[str, str]] = set()
+
+    @property
+    def credit(self) -> dict[str, int]:
+        """Per peer, its outputs corroborated in our checks (the book's own dict)."""
+        return self.book.credit
 
     async def after_forward(self, k: int, x: torch.Tensor, meta: dict, vouch: Vouch, primary: str,
                             out: torch.Tensor) -> None:
@@ -56,12 +60,13 @@ class SpotChecker:
         if second is None:
             return
         self.checked += 1
-        if agree(out, second) or not far(out, second):
+        agreed = agree(out, second)
+        if agreed or not far(out, second):
             # Agreed, or apart within the verdicts' own bound (honest copies of a layer that trains on skewed
             # shards disagree at the 0.9 cosine without being far): both corroborated, as at stage 1's checks of
             # stage 0. Neither can be the odd one of any trio (odd_one_out wants it far from every other), so
             # no third peer is asked.
-            if agree(out, second):
+            if agreed:
                 self.agreed += 1
             else:
                 self.near += 1

@@ -101,9 +101,13 @@ class Stage0Checker:
         self._tasks: set[asyncio.Task] = set()
         self.evidence: deque[tuple[str, str, list]] = deque(maxlen=MAX_EVIDENCE)  # (author, mb, replica receipts)
         self.book = CreditBook()  # layer0 peer -> its stage-0 outputs we checked and found corroborated
-        self.credit = self.book.credit
         self.counts = {name: 0 for name in ("checked", AGREED, "caught", "replica_caught", "undecided", SKIPPED,
                                              "said", "outweighed")}
+
+    @property
+    def credit(self) -> dict[str, int]:
+        """Per layer0 peer, its stage-0 outputs we checked and found corroborated (the book's own dict)."""
+        return self.book.credit
 
     def start(self, author: str, mb: str, x: torch.Tensor, ids: torch.Tensor) -> asyncio.Task | None:
         """Maybe check ``x``, the stage-0 output ``author`` signed for ``ids``: a task whose result is the verdict
