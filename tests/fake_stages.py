@@ -27,17 +27,26 @@ from swarm.pipeline.wire import serialize_once
 def honest(run: RunConfig, k: int) -> Callable:
     """Right shapes, small values, a finite loss: what a healthy stage answers."""
 
+    inputs: dict[str, torch.Tensor] = {}  # mb -> the input of its forward (a backward's gradient depends on it)
+
     def answer(op, tensors, meta):
         batch = tensors[0].shape[0]
         if op in ("forward", "infer"):
+            if op == "forward":
+                inputs[meta.get("mb", "")] = tensors[0]
             return [torch.full(tuple(d or batch for d in stage_output_spec(run.model, k).shape), 0.1)], {"ok": True}
-        if op in ("backward", "forward_backward"):
+        if op in ("backward", "forward_backward", "backward_check", "forward_backward_check"):
             # tiny: the same gradient every time never stops pushing, and a larger one overflowed the real layer0
             # copy within a few hundred updates (its guard then refused them, as it should)
             # and zero-mean: a constant one pushed every output of layer0 down until each of its ReLUs died (its
-            # collapse rule then, rightly, called the copy sick)
-            grad = 1e-4 * torch.randn(tuple(d or batch for d in stage_input_spec(run.model, k).shape))
-            return [grad], {"ok": True, "loss": 0.5} if op == "forward_backward" else {"ok": True}
+            # collapse rule then, rightly, called the copy sick); a function of the input, as a real stage's is,
+            # so a spot check's recomputation at another honest peer agrees with it
+            x = tensors[0] if op.startswith("forward_backward") else tensors[1] if len(tensors) == 2 else \
+                inputs.pop(meta.get("mb", ""), None)
+            shape = tuple(d or batch for d in stage_input_spec(run.model, k).shape)
+            grad = 1e-4 * torch.sin(1000.0 * x.float()) if x is not None and tuple(x.shape) == shape else \
+                1e-4 * torch.randn(shape)
+            return [grad], {"ok": True, "loss": 0.5} if op.startswith("forward_backward") else {"ok": True}
         if op == "evaluate":
             return [], {"ok": True, "loss_sum": 0.5 * batch, "correct": batch // 2, "count": batch}
         raise AssertionError(op)
@@ -114,7 +123,7 @@ class FakeSwarm:
         key = self.keys.setdefault(peer_id, ReceiptKey(peer_id))
         mb = meta.get("mb", "")
         received = [Receipt.from_wire(r) for r in meta["rc"]]
-        if op == "backward":
+        if op in ("backward", "backward_check"):
             link = self.inputs.get((peer_id, mb)) if len(received) == 1 else (received[1].output, received[1].ids)
             link = link or (b"\0" * 16, b"\0" * 16)
         else:

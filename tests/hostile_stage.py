@@ -4,7 +4,10 @@ with its own key, so drivers and the next stages accept its tensors as its own, 
 
 - ``huge_gradient``: trains honestly, but the input gradient it returns is sign(g) x 9.9e5 (under a driver's reply
   bound of 1e6, so it passes the driver's checks);
-- ``lying_eval``: trains honestly, but every evaluation it answers says 100 % accuracy and zero loss.
+- ``lying_eval``: trains honestly, but every evaluation it answers says 100 % accuracy and zero loss;
+- ``ascent_gradient``: trains honestly, but every input gradient it returns (training, and the recomputations a
+  driver's spot check asks of it) points the other way, at the honest norm: plausible, signed, and gradient ascent
+  for every stage upstream.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 import torch
 
-TWISTS = ("huge_gradient", "lying_eval")
+TWISTS = ("huge_gradient", "lying_eval", "ascent_gradient")
 HUGE_VALUE = 9.9e5
 
 
@@ -73,5 +76,21 @@ def _twist(worker: Any, twist: str) -> None:
             return loss, torch.where(grad >= 0, HUGE_VALUE, -HUGE_VALUE)
 
         worker.forward_backward = forward_backward
+    elif twist == "ascent_gradient":
+        honest_fb, honest_bw, honest_check = worker.forward_backward, worker.backward, worker.input_gradient
+
+        def ascent_fb(mb, x, y, owner=""):
+            loss, grad = honest_fb(mb, x, y, owner=owner)
+            return loss, None if grad is None else -grad
+
+        def ascent_bw(mb_id, grad_out, x, loss, owner=""):
+            grad = honest_bw(mb_id, grad_out, x, loss, owner=owner)
+            return None if grad is None else -grad
+
+        def ascent_check(x, y=None, grad_out=None):
+            loss, grad = honest_check(x, y, grad_out)
+            return loss, -grad
+
+        worker.forward_backward, worker.backward, worker.input_gradient = ascent_fb, ascent_bw, ascent_check
     elif twist == "lying_eval":
         worker.evaluate = lambda x, y: (0.0, len(y), len(y))

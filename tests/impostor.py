@@ -125,6 +125,9 @@ class Impostor:
         if op == "evaluate":
             loss_sum, correct, count = self.worker.evaluate(x, self.dataset.y_test[ids])
             return [], {"ok": True, "loss_sum": loss_sum, "correct": correct, "count": count}
+        if op == "forward_backward_check":  # a driver's spot check of another last-stage peer's gradient
+            loss, grad = self.worker.input_gradient(x, self.dataset.y_train[ids])
+            return [grad], {"ok": True, "loss": loss}
         assert op == "forward_backward", op
         loss, grad = self.worker.forward_backward(meta["mb"], x, self.dataset.y_train[ids])
         return [grad], {"ok": True, "loss": loss}

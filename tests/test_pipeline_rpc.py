@@ -128,6 +128,35 @@ def test_remote_gradients_equal_local_gradients(stage_servers):
             assert torch.allclose(param, old[name] - 0.1 * param.grad, atol=1e-6)
 
 
+def test_gradient_checks_recompute_the_gradients_a_stage_returns_and_apply_nothing(stage_servers):
+    """A driver's spot check of a gradient hop (swarm/pipeline/spot_checks.py): forward_backward_check at the last
+    stage and backward_check [g, x] with the chain of receipts at another stage return the input gradient the
+    training op returns, signed, and leave the copy as it was."""
+    dht0, peers = stage_servers
+    layer1, layer2 = peers
+
+    async def body(driver, p2p, dataset):
+        ids = torch.as_tensor(make_shards(dataset.y_train, RUN.data, dataset.num_classes)[0][8:16], dtype=torch.int64)
+        key = driver.receipt_key
+        h0 = driver.worker.forward("c", dataset.x_train[ids])
+        first = stage0_meta(key, RUN.run_id, "c", h0, ids)
+        (h1,), m1, _ = await _hop(p2p, layer1, "forward", [h0], first)
+        versions = [peer.worker.stats.param_version for peer in peers]
+        (check2,), c2, _ = await _hop(p2p, layer2, "forward_backward_check", [h1, ids], relay_meta(key, "c", m1["rc"]))
+        assert [peer.worker.stats.param_version for peer in peers] == versions, "a check applied an update"
+        (g1,), meta, _ = await _hop(p2p, layer2, "forward_backward", [h1, ids], relay_meta(key, "c", m1["rc"]))
+        chain = relay_meta(key, "c", meta["rc"], first["rc"][0], m1["rc"])
+        (check1,), c1, _ = await _hop(p2p, layer1, "backward_check", [g1, h0], chain)
+        assert layer1.worker.stats.param_version == versions[0], "a check applied an update"
+        (g0,), _, _ = await _hop(p2p, layer1, "backward", [g1], {**relay_meta(key, "c", meta["rc"]), "loss": meta["loss"]})
+        return check2, c2, g1, meta, check1, c1, g0
+
+    check2, c2, g1, meta, check1, c1, g0 = _with_driver(dht0, peers, body)
+    assert torch.allclose(check2, g1, atol=1e-6) and c2["loss"] == pytest.approx(meta["loss"], rel=1e-6)
+    assert torch.allclose(check1, g0, atol=1e-6)
+    assert c1["rc"] and c2["rc"]  # signed, as every reply
+
+
 @pytest.mark.parametrize(
     ("tensors", "meta", "expected"),
     [

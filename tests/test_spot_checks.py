@@ -3,6 +3,7 @@ activations is caught by replication and routed around; honest copies that diffe
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fake_stages import FakeSwarm, drive, honest
@@ -75,7 +76,7 @@ class _Router:
     def __init__(self, peers: list[str]):
         from types import SimpleNamespace
 
-        self.peers = {p: SimpleNamespace(banned_until=0.0, held_until=0.0) for p in peers}
+        self.peers = {p: SimpleNamespace(banned_until=0.0, held_until=0.0, failures=0, abandoned=0, service_ema_s=0.01) for p in peers}
         self.held: list[str] = []
 
     def choose(self, now: float, exclude: list[str]) -> str | None:
@@ -139,3 +140,74 @@ def test_copies_apart_but_not_far_corroborate_each_other_without_a_third_peer():
     assert not refused and held == [] and checker.credit == {"a": 1, "b": 1}
     stats = checker.stats()
     assert stats["near"] == 1 and stats["agreed"] == 0 and stats["caught"] == stats["outweighed"] == 0  # c never asked
+
+
+def _ascent(run: RunConfig, k: int):
+    """Computes like an honest peer but returns every input gradient negated (gradient ascent for everyone upstream,
+    at the honest norm), in training and when asked to recompute another peer's: a consistent liar."""
+    good = honest(run, k)
+
+    def answer(op, tensors, meta):
+        out, reply = good(op, tensors, meta)
+        if op in ("backward", "forward_backward", "backward_check", "forward_backward_check"):
+            out = [-out[0]]
+        return out, reply
+
+    return answer
+
+
+async def _check_every_hop(driver):
+    driver.spot.share = 1.0
+
+
+@pytest.mark.parametrize("k", [2, 1], ids=["last_stage", "middle_stage"])
+def test_a_peer_that_returns_ascent_gradients_is_caught_and_its_gradients_are_not_passed_on(k):
+    """Gradient spot checks: a stage peer that trains but returns input gradients pointing the other way (signed,
+    plausible, at the honest norm) is the odd one out of three recomputations; the micro-batch it served is lost
+    before anything upstream applied its gradient, it is routed around, and no honest peer is held off."""
+    peers = {f"layer{j}": {f"good{j}a": honest(RUN, j), f"good{j}b": honest(RUN, j)} for j in (1, 2)}
+    peers[f"layer{k}"]["liar"] = _ascent(RUN, k)
+    fake = FakeSwarm(peers)
+    driver = drive(RUN, fake, seconds=3.0, during=_check_every_hop, min_microbatches=40)
+    stats = driver.spot.stats()
+    assert driver.spot.caught >= 1 and stats["gradients_checked"] >= 1, stats
+    assert driver.routers[f"layer{k}"].peers["liar"].banned_until > 0
+    honest_peers = [p for j in (1, 2) for p in peers[f"layer{j}"] if p != "liar"]
+    assert all(driver.routers[f"layer{p[4]}"].peers[p].banned_until == 0 for p in honest_peers if p in
+               driver.routers[f"layer{p[4]}"].peers)
+    # what the liar computed did not go upstream: every micro-batch whose gradient it computed (each one checked,
+    # share 1) is lost there, except the first ones, before another peer of its swarm had answered us (a check goes
+    # only to a peer that answered: never a black hole), and none reached layer1's backward (last stage)
+    liar_mbs = {c[3]["mb"] for c in fake.calls_to("liar") if c[1] in ("forward_backward", "backward")}
+    passed = len(liar_mbs) - driver.stats.lost
+    assert 0 <= passed <= 2, (driver.stats, len(liar_mbs))
+    assert len([c for c in fake.calls if c[1] == "backward" and c[0] != "liar" and c[3]["mb"] in liar_mbs]) <= passed
+    assert driver.worker.stats.samples == driver.stats.trained  # stage 0 applied only completed micro-batches
+    late = [c for c in fake.calls_to("liar") if c[1] in ("backward", "forward_backward", "forward")
+            and c[4] > fake.calls[-1][4] - 1.0]
+    assert not late, "the liar is not asked for training ops once it is caught"
+
+
+def test_honest_copies_pass_their_gradient_spot_checks():
+    fake = FakeSwarm({"layer1": {"a": honest(RUN, 1), "b": honest(RUN, 1)},
+                      "layer2": {"c": honest(RUN, 2), "d": honest(RUN, 2)}})
+    driver = drive(RUN, fake, seconds=1.0, during=_check_every_hop, min_microbatches=20)
+    stats = driver.spot.stats()
+    assert stats["gradients_checked"] >= 20 and stats["agreed"] == stats["checked"] and stats["caught"] == 0, stats
+    assert all(s.banned_until == 0 for r in driver.routers.values() for s in r.peers.values())
+
+
+def test_a_peer_that_does_not_know_the_check_ops_is_asked_once():
+    """Runs mix client versions: a peer from before the gradient checks rejects them as an unknown op (and strikes
+    the driver once); the driver does not ask it for another, so an honest driver is never banned for checking."""
+    older = honest(RUN, 2)
+
+    def answer(op, tensors, meta):
+        if op.endswith("_check"):
+            return [], {"ok": False, "code": "rejected", "error": f"unknown op {op!r}"}
+        return older(op, tensors, meta)
+
+    fake = FakeSwarm({"layer1": {"a": honest(RUN, 1)}, "layer2": {"old": answer, "new": honest(RUN, 2)}})
+    driver = drive(RUN, fake, seconds=2.0, during=_check_every_hop, min_microbatches=30)
+    assert len(fake.calls_to("old", "forward_backward_check")) == 1
+    assert driver.stats.microbatches >= 30 and driver.stats.lost == 0

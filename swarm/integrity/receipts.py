@@ -30,7 +30,9 @@ DIGEST_BYTES = 16
 SIGNATURE_BYTES = 64
 PUBLIC_KEY_BYTES = 32
 MAX_TEXT_CHARS = 160
-OPS = frozenset({"forward", "backward", "forward_backward", "infer", "evaluate"})
+# the *_check ops recompute a gradient another peer returned, for a driver's spot check, and apply nothing
+CHECK_OPS = frozenset({"forward_backward_check", "backward_check"})
+OPS = frozenset({"forward", "backward", "forward_backward", "infer", "evaluate"}) | CHECK_OPS
 GRADIENT_OPS = frozenset({"backward", "forward_backward"})
 
 

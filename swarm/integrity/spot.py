@@ -7,19 +7,38 @@ the odd one out is the one far from both others while they are not far from each
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-SPOT_SHARE = 0.03  # of forward hops, where the swarm has a second peer
-MIN_COSINE = 0.9
-MIN_NORM_RATIO = 0.8  # the smaller norm over the larger
-# Singled out only when far from both others, not merely outside agreement: honest copies differ more than one
-# would hope. Measured on label-skewed digits, two copies of stage 0 trained apart for 300 steps had a median row
-# cosine of 0.88 on the same inputs (0.95 on IID shards), while one copy on wrongly paired inputs had 0.84 (0.76).
-FAR_COSINE = 0.5
-FAR_NORM_RATIO = 0.5
+SPOT_SHARE = 0.03  # of forward hops, where the swarm has a second peer; as much of gradient hops
 
 
-def _similarity(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float] | None:
+@dataclass(slots=True, frozen=True)
+class Bounds:
+    """When two outputs of the same input by two copies of one layer agree, and when they are far apart (no honest
+    copy would have computed both). Agreement: IOTA's validators' cosine above 0.9 and magnitude ratio of at least
+    0.8 (the smaller norm over the larger)."""
+
+    min_cosine: float = 0.9
+    min_norm_ratio: float = 0.8
+    far_cosine: float = 0.5
+    far_norm_ratio: float = 0.5
+
+
+# Activations. Singled out only when far from both others, not merely outside agreement: honest copies differ more
+# than one would hope. Measured on label-skewed digits, two copies of stage 0 trained apart for 300 steps had a
+# median row cosine of 0.88 on the same inputs (0.95 on IID shards), while one copy on wrongly paired inputs had
+# 0.84 (0.76).
+ACTIVATIONS = Bounds()
+# Input gradients (a last stage's forward_backward, a backward). The gradient of a loss scales with the copy's error
+# on that micro-batch, so two honest copies' gradient norms differ by more than their activations do (measured:
+# see GRADIENT_BOUNDS_NOTE in docs/ARCHITECTURE.md); their directions stay together. Far: pointing away (a
+# cosine under 0.2: an ascent gradient is near -1, a random one near 0) or ten times larger or smaller.
+GRADIENTS = Bounds(far_cosine=0.2, far_norm_ratio=0.1)
+
+
+def similarity(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float] | None:
     """(cosine, smaller norm over larger) of two outputs, None when their shapes differ."""
     a, b = a.detach().double().flatten(), b.detach().double().flatten()
     if a.shape != b.shape:
@@ -30,19 +49,19 @@ def _similarity(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float] | None:
     return float(a @ b) / (na * nb), min(na, nb) / max(na, nb)
 
 
-def agree(a: torch.Tensor, b: torch.Tensor) -> bool:
+def agree(a: torch.Tensor, b: torch.Tensor, bounds: Bounds = ACTIVATIONS) -> bool:
     """Two outputs of the same input by two copies of one layer: close enough to be the same computation."""
-    s = _similarity(a, b)
-    return s is not None and s[0] >= MIN_COSINE and s[1] >= MIN_NORM_RATIO
+    s = similarity(a, b)
+    return s is not None and s[0] >= bounds.min_cosine and s[1] >= bounds.min_norm_ratio
 
 
-def far(a: torch.Tensor, b: torch.Tensor) -> bool:
+def far(a: torch.Tensor, b: torch.Tensor, bounds: Bounds = ACTIVATIONS) -> bool:
     """So different that no honest copy of the same layer would have computed both from the same input."""
-    s = _similarity(a, b)
-    return s is None or s[0] < FAR_COSINE or s[1] < FAR_NORM_RATIO
+    s = similarity(a, b)
+    return s is None or s[0] < bounds.far_cosine or s[1] < bounds.far_norm_ratio
 
 
-def odd_one_out(outputs: list[torch.Tensor]) -> int | None:
+def odd_one_out(outputs: list[torch.Tensor], bounds: Bounds = ACTIVATIONS) -> int | None:
     """Of three (or more) outputs, the index of the one that is far from every other while the others are not far
     from each other; None when there is no such single one (all close, no majority, or the odd one is merely not
     close: a copy that drifted is not a liar). "Not far", not "agree": on label-skewed shards honest copies
@@ -52,11 +71,11 @@ def odd_one_out(outputs: list[torch.Tensor]) -> int | None:
     n = len(outputs)
     if n < 3:
         return None
-    loners = [i for i in range(n) if all(far(outputs[i], outputs[j]) for j in range(n) if j != i)]
+    loners = [i for i in range(n) if all(far(outputs[i], outputs[j], bounds) for j in range(n) if j != i)]
     if len(loners) != 1:
         return None
     others = [i for i in range(n) if i != loners[0]]
-    if not any(far(outputs[i], outputs[j]) for i in others for j in others if i != j):
+    if not any(far(outputs[i], outputs[j], bounds) for i in others for j in others if i != j):
         return loners[0]
     return None
 

@@ -105,7 +105,8 @@ class PipelineDriver:
         self.blockage = Blockage(self.stats, self.notify)
         self.hops = HopCaller(run, p2p, self.routers, self.stats, self.blockage, traffic=self.traffic,
                               is_stopping=lambda: self._stopping, call=call, keys=self.keys)
-        self.spot = SpotChecker(self.hops, seed=seed)  # a share of forward hops replicated at a second peer
+        # a share of forward and gradient hops replicated at a second peer
+        self.spot = SpotChecker(self.hops, share=run.integrity.spot_share, seed=seed)
         self.peer_tag = peer_tag
         self._ids = itertools.count()
         self._running = asyncio.Event()
@@ -231,12 +232,15 @@ class PipelineDriver:
             (h,), reply, served_by[k] = await self.hops.hop(k, "forward", [h], meta, vouch=vouch)
             forwards[k] = reply["receipt"]
             await self.spot.after_forward(k, inputs[k], meta, vouch, served_by[k], h)
-        reply_tensors, meta, _ = await self.hops.hop(
-            stages - 1, "forward_backward", [h, ids], self._meta(mb, forwards[stages - 2]),
-            vouch=self._vouch(mb, forwards[stages - 2], ids_d))
+        last, last_meta = stages - 1, self._meta(mb, forwards[stages - 2])
+        last_vouch = self._vouch(mb, forwards[stages - 2], ids_d)
+        reply_tensors, meta, served_by[last] = await self.hops.hop(last, "forward_backward", [h, ids], last_meta,
+                                                                   vouch=last_vouch)
         loss = float(meta["loss"])
         grad, receipt = reply_tensors[0], meta["receipt"]
         try:
+            await self.spot.after_gradient(last, "forward_backward_check", [h, ids], last_meta, last_vouch,
+                                           served_by[last], grad)
             for k in range(stages - 2, 0, -1):
                 grad, receipt = await self._backward_hop(k, mb, grad, receipt, inputs[k], forwards, served_by[k],
                                                          loss, ids_d)
@@ -252,14 +256,13 @@ class PipelineDriver:
         """Backward goes to the peer that ran the forward (it reuses its activations), else anywhere with the input
         and the receipts that prove it (x's, the forward's at stage k)."""
         vouch = self._vouch(mb, forwards[k - 1], ids_d)
+        chain = {**self._meta(mb, receipt, forwards[k - 1], forwards[k]), "loss": loss}  # g's, x's, the forward's
         try:
             (grad_in,), reply, _ = await self.hops.hop(k, "backward", [grad], {**self._meta(mb, receipt), "loss": loss},
                                                        only=peer, vouch=vouch)
-            return grad_in, reply["receipt"]
         except (HopGivenUp, NeedInputReply):
-            pass
-        meta = {**self._meta(mb, receipt, forwards[k - 1], forwards[k]), "loss": loss}
-        (grad_in,), reply, _ = await self.hops.hop(k, "backward", [grad, x], meta, vouch=vouch)
+            (grad_in,), reply, peer = await self.hops.hop(k, "backward", [grad, x], chain, vouch=vouch)
+        await self.spot.after_gradient(k, "backward_check", [grad, x], chain, vouch, peer, grad_in)
         return grad_in, reply["receipt"]
 
     def _sign_own(self, mb: str, op: str, h: torch.Tensor, ids_d: bytes) -> Receipt:

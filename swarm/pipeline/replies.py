@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from swarm.integrity.receipts import (
+    CHECK_OPS,
     Expect,
     Receipt,
     ReceiptError,
@@ -40,7 +41,7 @@ def reply_spec(model: ModelConfig, k: int, op: str, batch: int) -> TensorSpec | 
     """The one tensor a reply of ``op`` at stage ``k`` carries, or None when it carries none."""
     if op in ("forward", "infer"):
         return stage_output_spec(model, k, batch)
-    if op in UPDATE_OPS:  # the gradient of the stage's input; stage 0 is never called remotely
+    if op in UPDATE_OPS or op in CHECK_OPS:  # the gradient of the stage's input; stage 0 is never called remotely
         return stage_input_spec(model, k, batch)
     if op == "evaluate":
         return None
@@ -78,10 +79,10 @@ def check_reply_tensor(tensor: torch.Tensor, spec: TensorSpec, max_abs: float, w
 
 
 def check_reply_meta(op: str, meta: dict, batch: int) -> None:
-    if op == "forward_backward":
+    if op in ("forward_backward", "forward_backward_check"):
         loss = meta.get("loss")
         if not _finite_number(loss) or loss < 0:
-            raise BadReply(f"forward_backward reply: loss {_show(loss)} is not a finite non-negative number")
+            raise BadReply(f"{op} reply: loss {_show(loss)} is not a finite non-negative number")
     elif op == "evaluate":
         loss_sum, correct, count = meta.get("loss_sum"), meta.get("correct"), meta.get("count")
         if not _finite_number(loss_sum) or loss_sum < 0:

@@ -213,6 +213,37 @@ class StageWorker:
             self._simulate(2)
             return value, None if saved.inputs.grad is None else self._within_reply_bound(saved.inputs.grad.cpu(), peak)
 
+    def input_gradient(self, x: torch.Tensor, y: torch.Tensor | None = None,
+                       grad_out: torch.Tensor | None = None) -> tuple[float | None, torch.Tensor]:
+        """A spot check's recomputation (swarm/pipeline/spot_checks.py): the gradient of this copy's input for a
+        micro-batch that another peer of our swarm trained on; the last stage's of its loss on targets ``y`` (and
+        that loss), another stage's of its outputs given ``grad_out`` (clipped as a backward here would clip it,
+        without recording it). Nothing is applied, recorded or learnt from it: a stranger's check moves no
+        history, no health signal, no parameter."""
+        with self.lock, self.stats.busy():
+            self._refuse_if_sick()
+            inputs = x.to(self.device).requires_grad_(True)
+            outputs = self.module(inputs)
+            loss_value: float | None = None
+            if self.is_last:
+                if y is None:
+                    raise ValueError("the last stage's gradient check needs the targets")
+                loss = loss_fn(self.run.model, outputs, y.to(self.device))
+                loss_value = float(loss.item())
+                (grad_in,) = torch.autograd.grad(loss, inputs)
+            else:
+                if grad_out is None:
+                    raise ValueError("a gradient check needs the output gradient")
+                norm = float(grad_out.double().norm())
+                rms = norm / math.sqrt(max(grad_out.shape[0], 1))
+                scale = clip_scale(rms, self.grad_out_rms.bound(None))
+                if scale == 0.0:
+                    raise WireError("output gradient: its norm is not finite")
+                (grad_in,) = torch.autograd.grad(outputs, inputs, grad_out.to(self.device, outputs.dtype) * scale)
+            peak = self._check_emitted(grad_in, "input gradients")
+            self._simulate(2 if self.is_last else 1)
+            return loss_value, self._within_reply_bound(grad_in.detach().cpu(), peak)
+
     def _within_reply_bound(self, grad_in: torch.Tensor, peak: float) -> torch.Tensor:
         """What we emit stays within what a driver accepts from us (``timeouts.reply_max_abs``): a gradient we were
         sent by a hostile next stage, before our clip history exists, would otherwise come out of our backward

@@ -18,13 +18,14 @@ from dataclasses import dataclass
 
 from swarm.pipeline.activations import ActivationCache, owner_cap
 from swarm.integrity.labels import DriverView, LabelSource
+from swarm.integrity.receipts import CHECK_OPS
 from swarm.integrity.requesters import HEAVY_CLIP_SCALE, Ban, Refusal, RequesterBook
 from swarm.dht.records import MAX_BAN_REASON_CHARS, MemberRecord
 from swarm.run.runconfig import IntegrityConfig
 
 logger = logging.getLogger(__name__)
 
-SERVED_OPS = frozenset({"forward", "backward", "forward_backward", "infer", "evaluate"})
+SERVED_OPS = frozenset({"forward", "backward", "forward_backward", "infer", "evaluate"}) | CHECK_OPS
 UPDATE_OPS = frozenset({"backward", "forward_backward"})
 DRAINING_OPS = frozenset({"backward", "infer", "evaluate"})  # what a paused or finishing driver may still ask
 REFRESH_MIN_INTERVAL_S = 1.0

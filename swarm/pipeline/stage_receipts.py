@@ -11,6 +11,9 @@ What each op at stage k (k >= 1) must carry in ``rc`` (stage 0 trains for no one
                                         micro-batch (kept from our forward: ``Emitted``)
     backward [g, x]     [receipt of g, receipt of x, a stage-k peer's forward receipt from x to g's input]
                         (a retry at a peer that did not run the forward: the chain proves the input)
+    forward_backward_check [x, ids], backward_check [g, x]
+                        as forward_backward and backward [g, x]: a driver's spot check asks a second peer to
+                        recompute a gradient another peer of this swarm returned (nothing is applied)
 
 Blame: a receipt that is missing, malformed, or that does not match the tensor is the requester's doing (an honest
 driver checks every receipt it relays: swarm/pipeline/hops.py); a signature that does not verify with the key its
@@ -49,7 +52,8 @@ UNKNOWN_SIGNER_RETRY_S = 2.0
 # infer takes a forward's activations too: a driver's spot check (swarm/pipeline/spot_checks.py) asks a second peer
 # for the output of an input another peer computed in training
 INPUT_OPS = {"forward": frozenset({"forward"}), "forward_backward": frozenset({"forward"}),
-             "infer": frozenset({"infer", "forward"}), "evaluate": frozenset({"infer"})}
+             "infer": frozenset({"infer", "forward"}), "evaluate": frozenset({"infer"}),
+             "forward_backward_check": frozenset({"forward"})}
 
 
 class ReceiptRefusal(Exception):
@@ -108,12 +112,16 @@ class ReceiptDesk:
         try:
             if op == "backward":
                 return await self._check_backward(requester, mb, meta.get("rc"), tensors)
+            if op == "backward_check":  # always with the input and its chain: the forward ran at another peer
+                if len(tensors) != 2:
+                    raise ReceiptRefusal("rejected", f"{op} takes the output gradient and the input", strike=True)
+                return await self._check_backward(requester, mb, meta.get("rc"), tensors)
             return await self._check_input(requester, op, mb, meta.get("rc"), tensors)
         except ReceiptError as exc:
             raise ReceiptRefusal("bad_receipt", str(exc), strike=True) from None
 
     async def _check_input(self, requester: str, op: str, mb: str, raw: Any, tensors: list[Any]) -> Vouched:
-        want = 2 if op in ("forward_backward", "evaluate") else 1
+        want = 2 if op in ("forward_backward", "evaluate", "forward_backward_check") else 1
         if len(tensors) != want:
             raise ReceiptRefusal("rejected", f"{op} takes {want} tensor(s), got {len(tensors)}", strike=True)
         (receipt,) = parse_all(raw, 1)

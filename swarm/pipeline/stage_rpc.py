@@ -11,6 +11,9 @@ Two handlers per stage, in the namespace ``{run_id}.layer{k}``: ``rpc_call`` (un
     evaluate          [x, ids]       -> []             reply metadata: loss_sum, correct, count
     infer (stage 0)   [ids]          -> [y]            stage 0 recomputed on train-split rows, for a layer1 peer's
                                                        spot check (swarm/pipeline/stage0_replicas.py)
+    forward_backward_check  [x, ids] -> [grad x]       reply metadata: loss; nothing applied (last stage: a
+                                                       driver's spot check of another peer's forward_backward)
+    backward_check    [g, x]         -> [grad x]       nothing applied (a spot check of another peer's backward)
 
 A ``forward`` at stage 1 also carries its sample ids in metadata ``ids`` (int64 bytes, the ids its stage-0
 receipt names): a share of them is recomputed by other layer0 peers (swarm/pipeline/stage0_checks.py) and a
@@ -72,7 +75,8 @@ from swarm.pipeline.wire import (
 
 logger = logging.getLogger(__name__)
 
-NEW_WORK_OPS = frozenset({"forward", "forward_backward", "infer", "evaluate"})
+NEW_WORK_OPS = frozenset({"forward", "forward_backward", "infer", "evaluate", "forward_backward_check",
+                          "backward_check"})
 
 
 def stage_namespace(run_id: str, swarm: str) -> str:
@@ -296,6 +300,24 @@ def dispatch(worker: StageWorker, op: Any, tensors: list[torch.Tensor], meta: di
         loss = float(loss) if isinstance(loss, (int, float)) else None
         grad_in = _content(0, worker.backward, mb, grad, x, loss, owner=owner)
         return ([] if grad_in is None else [grad_in]), {"ok": True}
+    if op == "backward_check":
+        if worker.is_last:
+            raise WireError("the last stage takes forward_backward_check, not backward_check")
+        grad, x = _expect(tensors, 2, op)
+        x = _content(1, worker.check_input, x)
+        grad = _content(0, worker.check_grad, grad, grad.shape[0])
+        if x.shape[0] != grad.shape[0]:
+            raise WireError("backward_check: input and gradient batches differ")
+        _, grad_in = _content(0, worker.input_gradient, x, grad_out=grad)
+        return [grad_in], {"ok": True}
+    if op == "forward_backward_check":
+        if not worker.is_last:
+            raise WireError(f"{op} is only served by the last stage")
+        x, ids = _expect(tensors, 2, op)
+        x = _content(0, worker.check_input, x)
+        y = worker.check_targets(request.targets(worker, ids, x.shape[0], "train"), x.shape[0])
+        loss, grad_in = _content(0, worker.input_gradient, x, y)
+        return [grad_in], {"ok": True, "loss": loss}
     if op in ("forward_backward", "evaluate"):
         if not worker.is_last:
             raise WireError(f"{op} is only served by the last stage")
@@ -315,10 +337,10 @@ def _check_op_here(worker: StageWorker, op: str) -> None:
     """Ops this stage does not serve, refused before anything is decoded."""
     if worker.index == 0:
         raise WireError("stage 0 runs only for its own driver, on its own data: drive from your own layer0 copy")
-    if op in ("forward_backward", "evaluate") and not worker.is_last:
+    if op in ("forward_backward", "evaluate", "forward_backward_check") and not worker.is_last:
         raise WireError(f"{op} is only served by the last stage")
-    if op == "backward" and worker.is_last:
-        raise WireError("the last stage takes forward_backward, not backward")
+    if op in ("backward", "backward_check") and worker.is_last:
+        raise WireError(f"the last stage takes forward_backward, not {op}")
 
 
 class ContentError(WireError):

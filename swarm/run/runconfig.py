@@ -37,7 +37,8 @@ HASH_WHEN_SET = {("training", "end_at_target"): False, ("training", "sample_budg
                  ("model", "rope_theta"): 10000.0, ("model", "rms_norm_eps"): 1e-5,
                  ("model", "tie_embeddings"): False, ("model", "mixed_precision"): "none",
                  ("model", "activation_checkpointing"): False,
-                 ("data", "tokenizer"): None, ("data", "tokenizer_sha256"): None, ("data", "token_dtype"): "uint16"}
+                 ("data", "tokenizer"): None, ("data", "tokenizer_sha256"): None, ("data", "token_dtype"): "uint16",
+                 ("integrity", "spot_share"): 0.03}
 # Fields removed after runs existed still enter the run id at the value every run had (the direction check's,
 # removed with it: no shipped config set them), so clients before and after the removal still train together.
 HASH_REMOVED = {("integrity", "ascent_cosine"): -0.25, ("integrity", "ascent_min_updates"): 64}
@@ -197,6 +198,10 @@ class IntegrityConfig(Strict):
                                       "its healthy baseline")
     heal_lr_scale: float = Field(0.3, gt=0.0, le=1.0, description="after healing, the step size is scaled by this")
     heal_steps: int = Field(200, ge=0, description="for this many updates after healing")
+    # spot validation by replication (swarm/integrity/spot.py)
+    spot_share: float = Field(0.03, ge=0.0, le=1.0, description="the share of hops a driver also sends to a second "
+                              "peer of the swarm (forwards and gradients) and of stage-0 outputs a layer1 peer has "
+                              "recomputed by other layer0 peers, to compare; each check costs one more computation")
 
 
 class TimeoutsConfig(Strict):
