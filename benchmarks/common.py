@@ -157,8 +157,8 @@ PENALTY_LINES: dict[str, re.Pattern[str]] = {
     "bad_reply": re.compile(r"bad \w+ reply from"),  # a driver holds off a stage whose reply failed a check
     "bad_author": re.compile(r"computed a tensor a stage refused"),  # a driver holds off a tensor's author
     # outvoted by two other peers and held off (not "peers A and B computed different outputs ...": said, no penalty)
-    "spot_check": re.compile(r"spot check at layer\d+: peer \w+ computed an output two other peers disagree with; "
-                             r"not using"),
+    "spot_check": re.compile(r"spot check at layer\d+: peer \w+ computed an output (\(\w+\) )?two other peers disagree "
+                             r"with; not using"),
     "stage0_spot_check": re.compile(r"refused a micro-batch of driver \w+: spot check|layer0 peer \w+: spot check"),
     "eval_outlier": re.compile(r"evaluated far from the others"),  # outvoted in an evaluation
     "averaging_rejected": re.compile(r"rejected \w{8}: "),  # a pulled copy refused as an outlier

@@ -130,12 +130,12 @@ class SpotChecker:
         if self.book.outvoted(culprit, *accusers):
             self.caught += 1
             ban_s = router.failure(culprit, time.monotonic(), min_ban_s=BAD_REPLY_BAN_S)
-            logger.warning("spot check at layer%d: peer %s computed %s two other peers disagree with; not "
+            logger.warning("spot check at layer%d: peer %s computed an output (%s) two other peers disagree with; not "
                            "using it for %.0f s", k, culprit[-8:], kind, ban_s)
         else:  # its accusers have less validated work than it has: no routing ban on their word
             self.outweighed += 1
-            logger.info("spot check at layer%d: peer %s computed %s two other peers disagree with, who have "
-                        "less validated work than it has: not held off", k, culprit[-8:], kind)
+            logger.info("spot check at layer%d: peer %s computed an output (%s) two other peers disagree with, who "
+                        "have less validated work than it has: not held off", k, culprit[-8:], kind)
         if culprit == primary:
             raise Refused("spot_check", f"layer{k} peer {primary[-8:]} failed a spot check (its {kind} disagree "
                                         "with two other peers'): not passed on")
