@@ -71,8 +71,7 @@ def _attacks() -> dict[str, Attack]:
         # plausible but wrong gradients, signed (gradient spot checks: a third peer of the swarm is needed to tell
         # which of two disagreeing copies lies, hence 2 honest peers per swarm)
         Attack("signed_last_stage_ascent_gradient", "signed_server", "ascent_gradient", swarm="layer2", per_swarm=2),
-        Attack("signed_middle_stage_ascent_gradient", "signed_server", "ascent_gradient", swarm="layer1",
-               per_swarm=2),
+        Attack("signed_middle_ascent_gradient", "signed_server", "ascent_gradient", swarm="layer1", per_swarm=2),
         *(Attack(f"poison_{p}", "poison", p, per_swarm=2) for p in ("nan", "x1000", "same_norm")),
         # a registered driver that signs made-up stage-0 outputs as its own (tests/hostile.py made_up_activations):
         # two honest drivers are there to recompute them (stage-0 spot checks, swarm/pipeline/stage0_checks.py)

@@ -125,3 +125,90 @@ async def _drive(dht0, peers, hostile_id: str) -> dict:
     return {"accuracy": accuracy, "validated": driver.stats.eval_validated, "replicas": driver.stats.eval_replicas,
             "stage0": driver.worker.module, "banned_at": banned_at, "after_ban": driver.stats.microbatches - (driver.stats.microbatches if banned_at is None else banned_at),
             "microbatches": driver.stats.microbatches, "lost": driver.stats.lost, "refused": driver.stats.refused}
+
+
+SPOT_RUN = RunConfig.model_validate({
+    "name": "gradspot",
+    "model": {"stages": 3, "hidden_dim": 32},
+    "training": {"batch_size": 8, "in_flight": 2},
+    "integrity": {"spot_share": 0.5},
+    "timeouts": {"rpc_s": 10},
+})
+
+
+def _ascent_last_stage(worker: StageWorker) -> None:
+    """Trains honestly; every input gradient it returns (training and recomputations alike) points the other way."""
+    honest_fb, honest_check = worker.forward_backward, worker.input_gradient
+
+    def forward_backward(mb, x, y, owner=""):
+        loss, grad = honest_fb(mb, x, y, owner=owner)
+        return loss, -grad
+
+    def input_gradient(x, y=None, grad_out=None):
+        loss, grad = honest_check(x, y, grad_out)
+        return loss, -grad
+
+    worker.forward_backward, worker.input_gradient = forward_backward, input_gradient
+
+
+def test_a_last_stage_that_returns_ascent_gradients_is_caught_by_gradient_spot_checks():
+    """Signed, plausible, at the honest norm: nothing but a recomputation at two other last-stage peers can tell. The
+    driver holds the liar off, passes none of its checked gradients upstream, and nobody honest is penalised."""
+    dhts, peers = [], []
+    try:
+        first = start_dht(DHTSettings(), [])
+        dhts.append(first)
+        maddrs = [str(m) for m in first.get_visible_maddrs()]
+        for swarm in ("layer1", "layer2", "layer2", "layer2"):
+            dht = start_dht(DHTSettings(initial_peers=maddrs), [])
+            dhts.append(dht)
+            peer = SwarmPeer(SPOT_RUN, dht, swarm, evaluate=False)
+            peer.start()
+            peers.append(peer)
+        _ascent_last_stage(peers[3].worker)
+        hostile_id = str(peers[3].dht.peer_id)
+        record = MemberRecord(str(first.peer_id), "online", "test", 0.0, 0.0, shard=0)
+        for peer in peers:
+            asyncio.run_coroutine_threadsafe(_allow(peer, record), peer._loop).result(5)
+        caught = asyncio.run(_drive_with_checks(first, peers, hostile_id))
+        assert caught["caught"] >= 1 and caught["culprits"] == {hostile_id}, caught
+        assert caught["after"] >= AFTER_BAN_MICROBATCHES, caught
+        assert not [ban for peer in peers for ban in peer.gate.book.bans], "nobody is banned by a stage"
+        assert all(bool(torch.isfinite(p).all()) for peer in peers for p in peer.worker.module.parameters())
+    finally:
+        for peer in peers:
+            peer.stop()
+        for dht in dhts:
+            shutdown_dht(dht)
+
+
+async def _drive_with_checks(dht0, peers, hostile_id: str) -> dict:
+    p2p = await fresh_p2p(dht0)
+    executor = ThreadPoolExecutor(max_workers=1)
+    dataset = load_dataset(SPOT_RUN.data, SPOT_RUN.model)
+    shards = make_shards(dataset.y_train, SPOT_RUN.data, dataset.num_classes)
+    driver = PipelineDriver(SPOT_RUN, StageWorker(SPOT_RUN, 0), p2p, executor, dataset, shards, 0, peer_tag="spot")
+    driver.set_peers("layer1", [str(peers[0].dht.peer_id)])
+    driver.set_peers("layer2", [str(peer.dht.peer_id) for peer in peers[1:]])
+    culprits: set[str] = set()
+    task = asyncio.create_task(driver.run_forever())
+    deadline = time.monotonic() + DRIVE_LIMIT_S
+    caught_at = None
+    try:
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+            now = time.monotonic()
+            culprits |= {p for p, s in driver.routers["layer2"].peers.items() if s.banned_until > now}
+            if caught_at is None and driver.spot.caught:
+                caught_at = driver.stats.microbatches
+            if caught_at is not None and driver.stats.microbatches - caught_at >= AFTER_BAN_MICROBATCHES:
+                break
+            assert not task.done(), f"the driver ended: {task.exception()!r}"
+    finally:
+        driver.stop()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        executor.shutdown(wait=False)
+        await p2p.shutdown()
+    return {"caught": driver.spot.caught, "culprits": culprits, "stats": driver.spot.stats(),
+            "after": driver.stats.microbatches - (caught_at or 0)}

@@ -24,6 +24,9 @@ class Bounds:
     min_norm_ratio: float = 0.8
     far_cosine: float = 0.5
     far_norm_ratio: float = 0.5
+    # near enough that both corroborate each other (validated work, CreditBook) without agreeing; None: not far
+    near_cosine: float | None = None
+    near_norm_ratio: float | None = None
 
 
 # Activations. Singled out only when far from both others, not merely outside agreement: honest copies differ more
@@ -39,7 +42,7 @@ ACTIVATIONS = Bounds()
 # "far" is pointing *against* (a cosine under -0.2: an ascent gradient, the negation of an honest one, lands near
 # minus the honest cosine) or a hundred times larger or smaller. A random gradient (cosine near 0) or one scaled
 # 10x is not caught here: the stage it reaches clips it around its history (swarm/integrity/clip.py).
-GRADIENTS = Bounds(far_cosine=-0.2, far_norm_ratio=0.01)
+GRADIENTS = Bounds(far_cosine=-0.2, far_norm_ratio=0.01, near_cosine=0.5, near_norm_ratio=0.2)
 
 
 def similarity(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float] | None:
@@ -63,6 +66,15 @@ def far(a: torch.Tensor, b: torch.Tensor, bounds: Bounds = ACTIVATIONS) -> bool:
     """So different that no honest copy of the same layer would have computed both from the same input."""
     s = similarity(a, b)
     return s is None or s[0] < bounds.far_cosine or s[1] < bounds.far_norm_ratio
+
+
+def near(a: torch.Tensor, b: torch.Tensor, bounds: Bounds = ACTIVATIONS) -> bool:
+    """Close enough to corroborate each other (validated work) without agreeing: not far (activations), or within
+    the bounds' own near bound (gradients, whose not-far bound is too loose to earn credit by)."""
+    if bounds.near_cosine is None:
+        return not far(a, b, bounds)
+    s = similarity(a, b)
+    return s is not None and s[0] >= bounds.near_cosine and s[1] >= (bounds.near_norm_ratio or 0.0)
 
 
 def odd_one_out(outputs: list[torch.Tensor], bounds: Bounds = ACTIVATIONS) -> int | None:
