@@ -219,7 +219,8 @@ def test_a_stage_peer_new_to_the_driver_is_checked_more_often_until_it_has_corro
     """A stranger that lies from its first hop is caught within a few hops, not ~1/share; an established peer costs
     the run only the base share; a conviction clears the credit, so a peer caught is checked often again."""
     from swarm.integrity.spot import GRADIENTS, near
-    from swarm.pipeline.spot_checks import ESTABLISHED_CREDIT, NEWCOMER_FACTOR, SpotChecker
+    from swarm.integrity.spot import ESTABLISHED_CREDIT, NEWCOMER_FACTOR
+    from swarm.pipeline.spot_checks import SpotChecker
 
     checker = SpotChecker(_Hops({"a": torch.zeros(1)}), share=0.03)
     assert checker.share_for("a") == pytest.approx(0.03 * NEWCOMER_FACTOR)

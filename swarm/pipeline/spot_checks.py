@@ -32,6 +32,7 @@ from swarm.integrity.spot import (
     Bounds,
     CreditBook,
     agree,
+    checked_share,
     far,
     near,
     odd_one_out,
@@ -44,11 +45,6 @@ from swarm.pipeline.routing import BAD_REPLY_BAN_S
 logger = logging.getLogger(__name__)
 
 SIMILARITIES_KEPT = 200
-# Stage peers with fewer corroborated outputs than this (with this driver) have their hops checked NEWCOMER_FACTOR
-# times as often: measured, a signed ascent last stage next to two honest ones at 3 % took published accuracy
-# from 0.96 to 0.76 before its first catch (benchmarks.adversary signed_last_stage_ascent_gradient)
-ESTABLISHED_CREDIT = 8
-NEWCOMER_FACTOR = 8.0
 
 
 class SpotChecker:
@@ -151,9 +147,7 @@ class SpotChecker:
         """How often a hop ``primary`` served is checked: ``share``, or NEWCOMER_FACTOR times it while ``primary`` has
         fewer than ESTABLISHED_CREDIT outputs corroborated here (a stage peer new to us, or one caught, whose credit
         a conviction cleared): a stranger that lies from its first hop is caught within a few hops, not ~1/share."""
-        if self.book.get(primary) >= ESTABLISHED_CREDIT:
-            return self.share
-        return min(1.0, self.share * NEWCOMER_FACTOR)
+        return checked_share(self.share, self.book.get(primary))
 
     def _observe(self, kind: str, k: int, op: str, seen: tuple[float, float]) -> None:
         """Keep how far the two copies were apart; every SIMILARITIES_KEPT checks of a kind, say how far copies

@@ -54,6 +54,7 @@ from swarm.integrity.spot import (
     SPOT_SHARE,
     UNDECIDED,
     CreditBook,
+    checked_share,
     far,
     judge_author,
 )
@@ -112,8 +113,8 @@ class Stage0Checker:
     def start(self, author: str, mb: str, x: torch.Tensor, ids: torch.Tensor) -> asyncio.Task | None:
         """Maybe check ``x``, the stage-0 output ``author`` signed for ``ids``: a task whose result is the verdict
         (AUTHOR_ODD: refuse it), or None when this forward is not sampled or no other layer0 peer can replicate."""
-        if self.share <= 0 or self.rng.random() >= self.share:
-            return None
+        if self.share <= 0 or self.rng.random() >= checked_share(self.share, self.book.get(author)):
+            return None  # a driver new here (or convicted) is checked more often (spot.py NEWCOMER_FACTOR)
         now = time.monotonic()
         others = sorted(d for d in self.drivers() if d != author and self._held.get(d, 0.0) <= now)
         if not others:
