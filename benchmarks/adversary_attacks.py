@@ -113,13 +113,20 @@ class Handle:
             except Exception as exc:  # the attack loop's own failure is part of the result
                 self.codes[f"attacker_error:{exc.__class__.__name__}"] += 1
         served = sum(getattr(s, "requests", getattr(s, "served", 0)) for s in self.servicers)
+        # a stage peer that lies: drivers hold it off silently (routing), so what shows it is the training ops it
+        # stops being sent; seconds after the attack's start of each one (signed servers only)
+        training = sorted(t - self.started for s in self.servicers for t in getattr(s, "training_at", []))
         self.hostile.withdraw()
         for servicer in self.servicers:
             release = getattr(servicer, "release", None)
             if release is not None:
                 self.hostile._loop.call_soon_threadsafe(release.set)
         return {"replies": dict(self.codes), "first_refusal_s": self.first_refusal_s,
-                "requests_served_by_attacker": served, "seconds": time.monotonic() - self.started}
+                "requests_served_by_attacker": served, "seconds": time.monotonic() - self.started,
+                **({"training_ops_sent_to_attacker": len(training),
+                    "training_ops_after_10s": sum(1 for t in training if t > 10.0),
+                    "last_training_op_s": round(training[-1], 2) if training else None}
+                   if any(hasattr(s, "training_at") for s in self.servicers) else {})}
 
 
 def start_attack(attack: Attack, hostile: HostilePeer, labels: str) -> Handle:

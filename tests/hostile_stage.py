@@ -13,6 +13,7 @@ with its own key, so drivers and the next stages accept its tensors as its own, 
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -61,9 +62,24 @@ def serve_signed_stage(hostile: Any, swarm: str, params: dict[str, torch.Tensor]
     servicer = stage_rpc.make_servicer(worker, ThreadPoolExecutor(max_workers=1), codec=run.training.codec,
                                        max_bytes=int(run.training.max_payload_mb * 2**20), is_accepting=lambda: True,
                                        traffic=stage_rpc.Traffic(), gate=gate, desk=desk)
+    servicer.requests = 0
+    servicer.training_at = []  # monotonic times of the training ops it was sent (forward_backward, backward)
+    handle = servicer._handle
+
+    async def counted(serialized, metadata, context):
+        out, meta = await handle(serialized, metadata, context)
+        servicer.requests += 1
+        try:
+            op = stage_rpc.unpack_metadata(metadata).get("op")
+        except Exception:
+            op = None
+        if op in ("forward_backward", "backward"):
+            servicer.training_at.append(time.monotonic())
+        return out, meta
+
+    servicer._handle = counted
     hostile.on_loop(servicer.add_p2p_handlers(hostile.p2p, namespace=stage_rpc.stage_namespace(run.run_id, swarm)))
     hostile.servicers.append(servicer)
-    servicer.requests = 0
     return servicer
 
 
