@@ -73,12 +73,16 @@ QUICK_POINTS = (1_000, 3_000)
 # the 10 classes without averaging tops out near 0.5, which is no divergence
 DIVERGED_ACCURACY = 0.2
 DIVERGED_BPB = 7.5  # charlm starts at ~8.1 bits per byte (uniform over 256 bytes: 8)
+# The language-model runs (configs/runs/*.yaml): their model, data and batch, cut into ``--stages`` stages. Their
+# figure is the test loss in bits per byte of text (a token's loss over the bytes it stands for), over one process's
+# at equal sequences; diverged at DIVERGED_BPB / 8 of chance (a uniform guess over the vocabulary).
+LM_RUNS = ("charlm", "llm-tiny")
 START_TIMEOUT_S = 300.0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    lm = args.run == "charlm"
+    lm = args.run in LM_RUNS
     points = QUICK_POINTS if args.quick else CHARLM_POINTS if lm else POINTS
     if args.points:
         points = tuple(int(v) for v in args.points.split(","))
@@ -129,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         "cells": cells,
         # no attacker anywhere: every penalty (a ban, a rejected copy or edge message) fell on an honest peer
         "honest_penalties": {c["label"]: c["honest_penalties"] for c in cells if c.get("honest_penalties")},
-        "diverged_cells": [c["label"] for c in cells if "error" not in c and _diverged(c, lm)],
+        "diverged_cells": [c["label"] for c in cells if "error" not in c and _diverged(c, lm, _chance_bits(args.run))],
         "error_cells": [c["label"] for c in cells if "error" in c],  # the harness could not run them
         # digits: the worst cell's accuracy over one process's; charlm: the worst cell's test loss over one
         # process's (bits per byte, higher is worse; goal <= 1.05)
@@ -165,9 +169,10 @@ def _parser() -> Any:
     out.add_argument("--peers", default="1,2,4", help="peers in every swarm")
     out.add_argument("--modes", default=",".join(MODES))
     out.add_argument("--partitions", default="iid,label_skewed")
-    out.add_argument("--run", choices=("digits", "charlm"), default="digits", help="digits: the MLP, by test "
+    out.add_argument("--run", choices=("digits", *LM_RUNS), default="digits", help="digits: the MLP, by test "
                      "accuracy; charlm: the byte-level transformer (configs/runs/charlm.yaml, iid only, optimizer "
-                     "adamw), by test loss in bits per byte at equal sequences")
+                     "adamw), by test loss in bits per byte at equal sequences; llm-tiny: the Llama-style model over "
+                     "BPE tokens (configs/runs/llm-tiny.yaml), likewise")
     out.add_argument("--points", default="", help="sample counts to compare at (default: 10000,30000 for digits, "
                      "3000,8000 for charlm)")
     out.add_argument("--step-s", type=float, default=0.0, help="a simulated accelerator: each forward and backward "
@@ -234,12 +239,15 @@ def cell_config(label: str, optimizer: str, mode: str, partition: str, peers: in
         "training": {"batch_size": 32, "in_flight": in_flight, "eval_every_s": 5.0},
         "timeouts": {"heartbeat_s": 1.0},
     }
-    if run == "charlm":  # the shipped run's model and data (the pinned corpus), cut into ``stages`` stages
+    if run in LM_RUNS:  # the shipped run's model and data (the pinned corpus), cut into ``stages`` stages
         import yaml
 
-        shipped = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "runs" / "charlm.yaml").read_text())
+        shipped = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "runs" / f"{run}.yaml").read_text())
         config["model"] = {**shipped["model"], "stages": stages}
         config["data"] = {**shipped["data"], "shards": max(2, peers)}
+        config["training"]["batch_size"] = shipped["training"]["batch_size"]
+        if optimizer == "adamw":  # the run's own AdamW (charlm's is OPTIMIZERS' adamw)
+            config["optimizer"] = shipped["optimizer"]
     return config
 
 
@@ -327,15 +335,31 @@ def bits_per_byte(oracle: CopyOracle) -> float:
     from swarm.run.local import evaluate
     from swarm.run.models import bits_per_char
 
-    return bits_per_char(evaluate(oracle.stages, oracle.dataset, oracle.run.model)[1])
+    return bits_per_char(evaluate(oracle.stages, oracle.dataset, oracle.run.model)[1], oracle.dataset.bytes_per_token)
 
 
-def _diverged(cell: dict[str, Any], lm: bool) -> bool:
-    """Digits: the worst chain near chance at the end, or below half the cell's best; charlm: no better than
-    DIVERGED_BPB."""
+def _chance_bits(run: str) -> float:
+    """Bits per byte of a uniform guess over a language-model run's vocabulary (8 for charlm's bytes; llm-tiny's
+    log2(2048) bits per token over the bytes a token stands for)."""
+    if run not in LM_RUNS:
+        return 8.0
+    import math
+
+    from benchmarks.common import load_run_config
+    from swarm.run.data import load_dataset
+
+    run_config = load_run_config(Path(__file__).resolve().parents[1] / "configs" / "runs" / f"{run}.yaml")
+    data = load_dataset(run_config.data, run_config.model)
+    return math.log2(run_config.model.vocab_size) / data.bytes_per_token
+
+
+
+def _diverged(cell: dict[str, Any], lm: bool, chance_bits: float = 8.0) -> bool:
+    """Digits: the worst chain near chance at the end, or below half the cell's best; a language model: no better
+    than DIVERGED_BPB / 8 of chance."""
     if lm:
         final = cell.get("final_bits_per_byte_max")
-        return final is None or not final < DIVERGED_BPB
+        return final is None or not final < DIVERGED_BPB / 8.0 * chance_bits
     final = cell.get("final_accuracy_min")
     best = max((row[1] for row in cell.get("curve") or []), default=0.0)
     return final is None or final <= DIVERGED_ACCURACY or final < 0.5 * best

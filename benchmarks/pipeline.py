@@ -108,6 +108,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--scaling-stages", type=int, default=None, help="stages of the scaling runs (default 2)")
     parser.add_argument("--only", choices=("hop", "heavy", "scaling", "configs"), action="append",
                         help="run only these parts (repeatable); default: all")
+    parser.add_argument("--runs", default=None,
+                        help="the shipped runs the configs part measures, comma-separated (default: digits-mlp,charlm; "
+                             "e.g. llm-tiny)")
     return parser
 
 
@@ -126,7 +129,10 @@ def _benchmark(fleet: Fleet, settings: Settings, args: argparse.Namespace) -> di
     if "scaling" in parts:
         report.update(_scaling(fleet, maddr, reader, settings))
     if "configs" in parts:
-        report.update(configs(fleet, maddr, reader, QUICK_CONFIGS if args.quick else ConfigSettings()))
+        chosen = QUICK_CONFIGS if args.quick else ConfigSettings()
+        if args.runs:
+            chosen = replace(chosen, runs=tuple(name.strip() for name in args.runs.split(",") if name.strip()))
+        report.update(configs(fleet, maddr, reader, chosen))
     report["machine"]["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
     return report
 

@@ -27,6 +27,20 @@ def test_a_charlm_cell_trains_the_shipped_corpus_in_the_cells_stages():
     assert run.data.sha256 == shipped.data.sha256 and run.optimizer.name == "adamw"
 
 
+def test_an_llm_tiny_cell_trains_the_shipped_model_with_its_own_optimizer_and_batch():
+    import yaml
+
+    run = RunConfig.model_validate(cell_config("x", "adamw", "none", "iid", 1, 2, run="llm-tiny"))
+    shipped = yaml.safe_load(open("configs/runs/llm-tiny.yaml"))
+    assert run.model.kind == "llama" and run.model.stages == 2
+    assert run.data.tokenizer_sha256 == shipped["data"]["tokenizer_sha256"]
+    assert run.training.batch_size == shipped["training"]["batch_size"]
+    assert run.optimizer.lr == shipped["optimizer"]["lr"]
+    # bits per byte, as one process reports them: diverged is judged against a uniform guess over its tokens
+    assert not _diverged({"final_bits_per_byte_max": 1.4}, lm=True, chance_bits=3.04)
+    assert _diverged({"final_bits_per_byte_max": 2.9}, lm=True, chance_bits=3.04)
+
+
 def test_repeats_give_the_mean_and_range_at_points_every_run_reached():
     runs = [{"ratios": {"10000": 0.9, "30000": 0.96}, "final_accuracy_min": 0.93, "lost": 1, "heals": 0},
             {"ratios": {"10000": 0.8, "30000": 0.98}, "final_accuracy_min": 0.91, "lost": 0, "heals": 2},
