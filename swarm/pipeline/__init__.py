@@ -8,7 +8,7 @@ Map:
 - stage_rpc.py   the stage RPCs (server and client call); stage_gate.py: who may ask, fair share, bans
 - stage_receipts.py the stage's side of receipts: what a request's receipts vouch for, whom a wrong tensor blames
 - keybook.py     whose receipt key is whose: the keys of the peers whose receipts we check
-- spot_checks.py the driver's spot checks: a share of forward hops replicated at a second peer of the swarm
+- spot_checks.py the driver's spot checks: a share of forward and gradient hops recomputed at a second peer of the swarm
 - stage0_checks.py stage 1's spot checks of the stage-0 outputs it is sent: recomputed by other layer0 peers
 - stage0_replicas.py stage 0's infer [ids] for those checks: who may ask and how much (pure), the ids on the wire
 - stage0_rpc.py  the servicer's part in them (a mixin of stage_rpc's StageServicer)
