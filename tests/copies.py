@@ -7,11 +7,14 @@ gradient attacks of tests/hostile.py perturb.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import torch
 
 from hostile import HostilePeer
+
+PULL_TRIES = 3
 
 
 class CopyOracle:
@@ -35,11 +38,24 @@ class CopyOracle:
         """Load the copy of each swarm from the given peer (swarm -> peer id)."""
         from swarm.averaging.params_rpc import fetch_params
 
-        async def all_layers() -> list[dict[str, torch.Tensor]]:
-            return [(await fetch_params(self.peer.p2p, peer_ids[f"layer{k}"], self.run, f"layer{k}",
-                                        timeout_s=timeout_s))[0] for k in range(len(self.stages))]
+        async def one(k: int) -> dict[str, torch.Tensor]:
+            # a stream cut on a loaded machine ("the stream ended early") is a network fault, not the test's
+            # subject: the oracle tries again, as a volunteer's download does (PULL_TRIES in all)
+            for attempt in range(PULL_TRIES):
+                try:
+                    return (await fetch_params(self.peer.p2p, peer_ids[f"layer{k}"], self.run, f"layer{k}",
+                                               timeout_s=timeout_s))[0]
+                except ConnectionError:
+                    if attempt == PULL_TRIES - 1:
+                        raise
+                    await asyncio.sleep(0.5)
+            raise AssertionError("unreachable")
 
-        for stage, state in zip(self.stages, self.peer.on_loop(all_layers(), timeout_s * len(self.stages) + 10)):
+        async def all_layers() -> list[dict[str, torch.Tensor]]:
+            return [await one(k) for k in range(len(self.stages))]
+
+        limit_s = (timeout_s + 1) * PULL_TRIES * len(self.stages) + 10
+        for stage, state in zip(self.stages, self.peer.on_loop(all_layers(), limit_s)):
             stage.load_state_dict(state)
         self.pulled_at = time.monotonic()
 
