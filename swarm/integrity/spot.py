@@ -28,6 +28,18 @@ class Bounds:
     near_cosine: float | None = None
     near_norm_ratio: float | None = None
 
+    # verdicts on a similarity already computed ((cosine, norm ratio), None: shapes differ): one pass per comparison
+    def agrees(self, s: tuple[float, float] | None) -> bool:
+        return s is not None and s[0] >= self.min_cosine and s[1] >= self.min_norm_ratio
+
+    def is_far(self, s: tuple[float, float] | None) -> bool:
+        return s is None or s[0] < self.far_cosine or s[1] < self.far_norm_ratio
+
+    def is_near(self, s: tuple[float, float] | None) -> bool:
+        if self.near_cosine is None:
+            return not self.is_far(s)
+        return s is not None and s[0] >= self.near_cosine and s[1] >= (self.near_norm_ratio or 0.0)
+
 
 # Activations. Singled out only when far from both others, not merely outside agreement: honest copies differ more
 # than one would hope. Measured on label-skewed digits, two copies of stage 0 trained apart for 300 steps had a
@@ -58,23 +70,18 @@ def similarity(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float] | None:
 
 def agree(a: torch.Tensor, b: torch.Tensor, bounds: Bounds = ACTIVATIONS) -> bool:
     """Two outputs of the same input by two copies of one layer: close enough to be the same computation."""
-    s = similarity(a, b)
-    return s is not None and s[0] >= bounds.min_cosine and s[1] >= bounds.min_norm_ratio
+    return bounds.agrees(similarity(a, b))
 
 
 def far(a: torch.Tensor, b: torch.Tensor, bounds: Bounds = ACTIVATIONS) -> bool:
     """So different that no honest copy of the same layer would have computed both from the same input."""
-    s = similarity(a, b)
-    return s is None or s[0] < bounds.far_cosine or s[1] < bounds.far_norm_ratio
+    return bounds.is_far(similarity(a, b))
 
 
 def near(a: torch.Tensor, b: torch.Tensor, bounds: Bounds = ACTIVATIONS) -> bool:
     """Close enough to corroborate each other (validated work) without agreeing: not far (activations), or within
     the bounds' own near bound (gradients, whose not-far bound is too loose to earn credit by)."""
-    if bounds.near_cosine is None:
-        return not far(a, b, bounds)
-    s = similarity(a, b)
-    return s is not None and s[0] >= bounds.near_cosine and s[1] >= (bounds.near_norm_ratio or 0.0)
+    return bounds.is_near(similarity(a, b))
 
 
 def odd_one_out(outputs: list[torch.Tensor], bounds: Bounds = ACTIVATIONS) -> int | None:

@@ -31,10 +31,7 @@ from swarm.integrity.spot import (
     SPOT_SHARE,
     Bounds,
     CreditBook,
-    agree,
     checked_share,
-    far,
-    near,
     odd_one_out,
     similarity,
 )
@@ -103,8 +100,8 @@ class SpotChecker:
         seen = similarity(out, second)
         if seen is not None:
             self._observe(kind, k, op, seen)
-        agreed = agree(out, second, bounds)
-        if agreed or not far(out, second, bounds):
+        agreed = bounds.agrees(seen)
+        if agreed or not bounds.is_far(seen):
             # Agreed, or apart within the verdicts' own bound (honest copies of a layer that trains on skewed
             # shards disagree at the 0.9 cosine without being far): neither can be the odd one of any trio
             # (odd_one_out wants it far from every other), so no third peer is asked. Both are corroborated, as at
@@ -113,7 +110,7 @@ class SpotChecker:
                 self.agreed += 1
             else:
                 self.near += 1
-            if agreed or near(out, second, bounds):
+            if agreed or bounds.is_near(seen):
                 for peer in (primary, other):
                     self.book.add(peer)
             return
