@@ -94,11 +94,7 @@ async def _allow(peer: SwarmPeer, record: MemberRecord) -> None:
 
 async def _drive(dht0, peers, hostile_id: str) -> dict:
     layer1, honest_last, hostile_last = peers
-    p2p = await fresh_p2p(dht0)
-    executor = ThreadPoolExecutor(max_workers=1)
-    dataset = load_dataset(RUN.data, RUN.model)
-    shards = make_shards(dataset.y_train, RUN.data, dataset.num_classes)
-    driver = PipelineDriver(RUN, StageWorker(RUN, 0), p2p, executor, dataset, shards, 0, peer_tag="blame")
+    p2p, executor, driver = await _driver(dht0, RUN, "blame")
     driver.set_peers("layer1", [str(layer1.dht.peer_id)])
     driver.set_peers("layer2", [hostile_id])  # every micro-batch through it until layer1 bans it (10 strikes)
     task = asyncio.create_task(driver.run_forever())
@@ -183,11 +179,7 @@ def test_a_last_stage_that_returns_ascent_gradients_is_caught_by_gradient_spot_c
 
 
 async def _drive_with_checks(dht0, peers, hostile_id: str) -> dict:
-    p2p = await fresh_p2p(dht0)
-    executor = ThreadPoolExecutor(max_workers=1)
-    dataset = load_dataset(SPOT_RUN.data, SPOT_RUN.model)
-    shards = make_shards(dataset.y_train, SPOT_RUN.data, dataset.num_classes)
-    driver = PipelineDriver(SPOT_RUN, StageWorker(SPOT_RUN, 0), p2p, executor, dataset, shards, 0, peer_tag="spot")
+    p2p, executor, driver = await _driver(dht0, SPOT_RUN, "spot")
     driver.set_peers("layer1", [str(peers[0].dht.peer_id)])
     driver.set_peers("layer2", [str(peer.dht.peer_id) for peer in peers[1:]])
     culprits: set[str] = set()
@@ -212,3 +204,12 @@ async def _drive_with_checks(dht0, peers, hostile_id: str) -> dict:
         await p2p.shutdown()
     return {"caught": driver.spot.caught, "culprits": culprits, "stats": driver.spot.stats(),
             "after": driver.stats.microbatches - (caught_at or 0)}
+
+
+async def _driver(dht0, run: RunConfig, tag: str) -> tuple:
+    """A real driver of ``run`` on its own P2P replica of ``dht0``: (p2p, executor, driver); the caller shuts both."""
+    p2p = await fresh_p2p(dht0)
+    executor = ThreadPoolExecutor(max_workers=1)
+    dataset = load_dataset(run.data, run.model)
+    shards = make_shards(dataset.y_train, run.data, dataset.num_classes)
+    return p2p, executor, PipelineDriver(run, StageWorker(run, 0), p2p, executor, dataset, shards, 0, peer_tag=tag)
