@@ -61,9 +61,15 @@ def _layer0(peer: HostilePeer):
     return records[0] if records else None
 
 
-def _trained(peer: HostilePeer) -> int:
-    record = _layer0(peer)
-    return record.trained if record is not None else 0
+def _trained(peer: HostilePeer, timeout_s: float = 15.0) -> int:
+    """The honest driver's count of trained samples. A DHT read on a loaded machine can miss its record (CI: a
+    rate of 0 measured between a read that found it and one that did not), so a miss is read again, not 0."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        record = _layer0(peer)
+        if record is not None or time.monotonic() > deadline:
+            return record.trained if record is not None else 0
+        time.sleep(0.3)
 
 
 def _training_rate(peer: HostilePeer, seconds: float) -> float:
