@@ -148,10 +148,12 @@ class SimPeer:
     def __init__(self, index: int, swarm: str, dht: NodeDHT, run: Any, signer: Any):
         from swarm.dht.membership import Membership, ReadSchedule
         from swarm.dht.records import peer_id_from_public_key, public_key_of_subkey
+        from swarm.integrity.identity_work import find_work
 
         self.peer_id = peer_id_from_public_key(public_key_of_subkey(signer.local_public_key))
         self.index, self.swarm, self.dht, self.run = index, swarm, dht, run
         self.membership = Membership(dht, run, signer.local_public_key)
+        self.membership.work = find_work(self.peer_id, run.integrity.identity_bits) or 0
         self.started_at = time.time()
         self.beats = 0
         self.records_read = 0
@@ -204,7 +206,9 @@ async def _cell(peers: int, args: Any) -> dict[str, Any]:
 
     _apply_hivemind_fixes()
     run = RunConfig.model_validate({"name": "dhtscale", "model": {"stages": args.stages},
-                                    "timeouts": {"heartbeat_s": args.heartbeat_s}})
+                                    "timeouts": {"heartbeat_s": args.heartbeat_s},
+                                    # work sized for hundreds of simulated peers; readers still check each record's
+                                    "integrity": {"identity_bits": 2}})
     loop = asyncio.get_running_loop()
     workdir = Path(tempfile.mkdtemp(prefix="volunteer-dhtscale-"))
     nodes: list[Any] = []

@@ -117,7 +117,9 @@ def _benchmark(fleet: Fleet, args: argparse.Namespace) -> dict[str, Any]:
     probed = joins[-1] if args.quick else _join_once(fleet, maddr, reader, "joinprobe", probe=True)
 
     run_path = write_run(fleet.workdir / "getbench.yaml",
-                         {"name": "getbench", "timeouts": {"heartbeat_s": RECORD_HEARTBEAT_S}})
+                         # identity work sized for many synthetic peers (the reader still checks each record's)
+                         {"name": "getbench", "timeouts": {"heartbeat_s": RECORD_HEARTBEAT_S},
+                          "integrity": {"identity_bits": 2}})
     get_report = _get_latency(fleet, load_run_config(run_path), maddr, reader, args.peers, args.reads)
     status_report = _status(fleet, run_path, maddr, args.status_runs, plain_too=not args.quick)
 
@@ -250,6 +252,7 @@ def _get_latency(fleet: Fleet, run: Any, maddr: str, reader_dht: Any, peers: int
     from swarm.dht.dht import make_validators
     from swarm.dht.membership import Membership
     from swarm.dht.records import MemberRecord
+    from swarm.integrity.identity_work import identity_work
 
     reader = Membership(reader_dht, run, b"")
     say(f"starting {peers} announcing peers (in-process DHTs, one identity each)")
@@ -258,6 +261,7 @@ def _get_latency(fleet: Fleet, run: Any, maddr: str, reader_dht: Any, peers: int
         validators = make_validators(run.run_id, run.swarm_names, identity)
         dht = fleet.dht([maddr], validators, identity_path=identity)
         membership = Membership(dht, run, validators[0].local_public_key)
+        membership.work = identity_work(identity, str(dht.peer_id), run.integrity.identity_bits)
         now = time.time()
         record = MemberRecord(peer_id=str(dht.peer_id), state="online", version="bench", started_at=now,
                               updated_at=now, throughput=100.0 + k, loss=1.0, clock=1000 * k, served=k)

@@ -145,7 +145,7 @@ class HostilePeer:
     """One hostile participant of a run. Use as a context manager; ``close`` is idempotent."""
 
     def __init__(self, run: RunConfig, initial_peers: list[str], identity_path: Path, *,
-                 process_group: int | None = None, heartbeat_s: float | None = None):
+                 process_group: int | None = None, heartbeat_s: float | None = None, work: bool = True):
         from swarm.dht.dht import DHTSettings, ensure_identity, make_validators, start_dht
         from swarm.dht.membership import Membership
 
@@ -156,6 +156,10 @@ class HostilePeer:
                                          identity_path=identity_path, process_group=process_group), validators)
         self.peer_id = str(self.dht.peer_id)
         self.membership = Membership(self.dht, run, validators[0].local_public_key)
+        if work:  # a stranger pays for its identity as a volunteer does (``work=False``: one that does not)
+            from swarm.integrity.identity_work import identity_work
+
+            self.membership.work = identity_work(identity_path, self.peer_id, run.integrity.identity_bits)
         self.heartbeat_s = heartbeat_s or run.timeouts.heartbeat_s
         self._record: tuple[str, MemberRecord] | None = None
         self._started_at = time.time()

@@ -28,6 +28,7 @@ from swarm.pipeline.stage_rpc import stage_namespace
 from swarm.integrity.receipts import Receipt, ReceiptKey
 from swarm.pipeline.keybook import KeyBook
 from swarm.pipeline.stage_receipts import ReceiptDesk, Vouched
+from swarm.integrity.identity_work import identity_work
 from swarm.pipeline.wire import decode_tensors, encode_tensors, unpack_metadata
 
 MALFORMED_KINDS = ("no_tensor", "wrong_shape", "nan", "garbage_meta", "huge")
@@ -68,6 +69,7 @@ class Impostor:
         self.dht = start_dht(DHTSettings(initial_peers=[maddr], identity_path=identity), validators)
         self.peer_id = str(self.dht.peer_id)
         self.membership = Membership(self.dht, run, validators[0].local_public_key)
+        self.membership.work = identity_work(identity, self.peer_id, run.integrity.identity_bits)  # as a stranger pays
         self.worker = StageWorker(run, self.index) if mode == "honest" else None
         self.desk = ReceiptDesk(run.run_id, self.index, ReceiptKey(self.peer_id), KeyBook())
         self.dataset = load_dataset(run.data, run.model) if mode == "honest" else None

@@ -214,7 +214,13 @@ class Swarm:
         return left
 
 
+# identity work sized for a test (4 scrypt evaluations, ~20 ms): the shipped default (8 bits, about a second of CPU
+# per new identity) would add minutes to a suite that starts hundreds of fresh identities
+TEST_IDENTITY_BITS = 2
+
+
 def write_run(path: Path, name: str = "testrun", stages: int = 2, heartbeat_s: float = 1.0, **extra: str) -> Path:
+    extra.setdefault("integrity", f"{{identity_bits: {TEST_IDENTITY_BITS}}}")
     lines = [f"name: {name}", "model:", f"  stages: {stages}", "timeouts:", f"  heartbeat_s: {heartbeat_s}"]
     for key, value in extra.items():
         lines.append(f"{key}: {value}")

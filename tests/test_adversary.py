@@ -105,6 +105,23 @@ def test_a_peer_without_a_layer0_record_is_not_served(driver):
     assert not reply.ok and reply.code == "unknown_driver", (reply.code, reply.error)
 
 
+def test_a_stranger_without_identity_work_is_nobody(driver, run_swarm, tmp_path_factory):
+    """A key made for free (its record carries no proof of identity work, swarm/integrity/identity_work.py): its
+    layer0 record is in the DHT, but no reader takes it, so it drives nothing: the stages refuse its forwards."""
+    from swarm.dht.membership import latest
+    from swarm.dht.records import parse_swarm, swarm_key
+
+    with HostilePeer(driver.run, [run_swarm[2]], tmp_path_factory.mktemp("free") / "free.key", heartbeat_s=1.0,
+                     work=False) as free:
+        _announced(free, "layer0", shard=0)
+        stored = latest(driver.dht, swarm_key(driver.run.run_id, "layer0")).result(timeout=30)
+        assert free.peer_id in {r.peer_id for r in parse_swarm(stored.value, now=time.time())}, "not even stored"
+        time.sleep(4.0)  # a proven record is known to a stage within a heartbeat or two (1 s here)
+        reply = free.call(_peer(driver, "layer1"), "layer1", "forward", [torch.zeros(8, 128)])
+        assert not reply.ok and reply.code == "unknown_driver", (reply.code, reply.error)
+        assert free.peer_id not in {r.peer_id for r in driver.online("layer0")}
+
+
 def test_sample_ids_from_another_drivers_shard_are_refused(driver, run_swarm):
     from swarm.run.data import load_dataset, make_shards
 

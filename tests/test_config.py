@@ -113,7 +113,9 @@ def test_run_id_is_name_plus_canonical_hash():
 def test_a_removed_field_keeps_the_run_id_earlier_clients_compute():
     """The direction check's fields (integrity.ascent_*) left with it; a run keeps the id it had, and a config
     that still sets one is refused instead of silently ignored."""
-    assert RunConfig(name="x").run_id == "x-a3bb3a9e", "the id clients before the removal computed"
+    before_work = RunConfig(name="x", integrity={"identity_bits": 0})  # the id predates identity work, too
+    assert before_work.run_id == "x-a3bb3a9e", "the id clients before the removal computed"
+    assert RunConfig(name="x").run_id != before_work.run_id, "asking for identity work is a new run id"
     with pytest.raises(ValueError, match="ascent_cosine"):
         RunConfig.model_validate({"name": "x", "integrity": {"ascent_cosine": -1.0}})
 

@@ -145,8 +145,10 @@ def test_three_volunteers_in_two_swarms_appear_then_leave(foundation):
     joins[2].signal(signal.SIGINT)
     assert joins[1].wait(30) == 0
     # offline, or already gone: the offline record lives one record lifetime (3 s with these 1 s
-    # heartbeats), so that a restart's first heartbeat replaces it (tests/test_rejoin.py)
-    assert f.states().get(ids[1], "offline") == "offline"
+    # heartbeats), so that a restart's first heartbeat replaces it (tests/test_rejoin.py). Read again for a few
+    # seconds: a loaded DHT's partial answer keeps the last view's records while their heartbeat is fresh
+    # (membership.merge_view, against flicker), which once showed b online for a read after its exit
+    wait_until(lambda: f.states().get(ids[1], "offline") == "offline", 5, interval_s=0.5, what="b offline")
     assert "Traceback" not in joins[1].stderr()
     assert not [pid for pid in tagged_pids(f.harness.tag) if pid == joins[1].pid]
     assert joins[2].wait(30) == 0

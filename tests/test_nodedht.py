@@ -17,6 +17,7 @@ from swarm.dht.dht import DHTSettings, DHTStartError, claim_identity, fresh_p2p,
 from swarm.dht.membership import Membership  # noqa: E402
 from swarm.dht.nodedht import start_node_dht  # noqa: E402
 from swarm.dht.records import MemberRecord  # noqa: E402
+from swarm.integrity.identity_work import identity_work  # noqa: E402
 from swarm.run.runconfig import RunConfig  # noqa: E402
 
 
@@ -25,7 +26,7 @@ def _p2pd_children() -> set[int]:
 
 
 def test_an_in_process_node_announces_reads_serves_a_replica_and_leaves_nothing(tmp_path):
-    run = RunConfig.model_validate({"name": "nodedht"})
+    run = RunConfig.model_validate({"name": "nodedht", "integrity": {"identity_bits": 2}})
     boot = start_dht(DHTSettings(), make_validators(run.run_id, run.swarm_names, None))
     daemons_before = _p2pd_children()
     nodes = []
@@ -35,7 +36,9 @@ def test_an_in_process_node_announces_reads_serves_a_replica_and_leaves_nothing(
             identity, lock = claim_identity(None, tmp_path / name)
             validators = make_validators(run.run_id, run.swarm_names, identity)
             dht = start_node_dht(DHTSettings(initial_peers=[maddr], identity_path=identity), validators)
-            nodes.append((dht, Membership(dht, run, validators[0].local_public_key), lock))
+            membership = Membership(dht, run, validators[0].local_public_key)
+            membership.work = identity_work(identity, str(dht.peer_id), run.integrity.identity_bits)
+            nodes.append((dht, membership, lock))
         (a, membership_a, _), (b, membership_b, _) = nodes[:2]
         assert len(_p2pd_children() - daemons_before) == len(nodes)  # one daemon per node, no DHT process
         assert str(a.peer_id) != str(b.peer_id) and a.get_visible_maddrs()

@@ -10,9 +10,10 @@ import pytest
 from swarm.dht.dht import DHTSettings, ensure_identity, make_validators, shutdown_dht, start_dht
 from swarm.dht.membership import Membership, least_served_swarm
 from swarm.dht.records import MemberRecord, parse_member, parse_swarm, swarm_key
+from swarm.integrity.identity_work import identity_work
 from swarm.run.runconfig import RunConfig
 
-RUN = RunConfig.model_validate({"name": "rec", "model": {"stages": 2}})
+RUN = RunConfig.model_validate({"name": "rec", "model": {"stages": 2}, "integrity": {"identity_bits": 2}})
 
 
 def _record(peer_id: str, **changes) -> MemberRecord:
@@ -34,7 +35,9 @@ def two_peers(tmp_path):
             initial = [str(m) for m in dhts[0].get_visible_maddrs()] if dhts else []
             dht = start_dht(DHTSettings(initial_peers=initial, identity_path=identity), validators)
             dhts.append(dht)
-            peers.append((dht, Membership(dht, RUN, validators[0].local_public_key)))
+            membership = Membership(dht, RUN, validators[0].local_public_key)
+            membership.work = identity_work(identity, str(dht.peer_id), RUN.integrity.identity_bits)
+            peers.append((dht, membership))
         yield peers
     finally:
         for dht in dhts:
@@ -99,7 +102,8 @@ def test_an_evaluation_from_the_future_or_negative_heals_are_skipped():
     good = MemberRecord(peer_id=peer_id_from_public_key(public), state="online", version="t", started_at=now - 9,
                         updated_at=now, test_accuracy=0.9, eval_at=now - 3, eval_version=5, heals=1)
     assert parse_member(subkey, good.to_wire(), now) == good
-    for bad in ({"eval_at": now + 3600}, {"eval_at": float("nan")}, {"heals": -1_000_000}):
+    for bad in ({"eval_at": now + 3600}, {"eval_at": float("nan")}, {"heals": -1_000_000},
+                {"work": -2}, {"work": 2**63}, {"work": True}):
         assert parse_member(subkey, {**good.to_wire(), **bad}, now) is None, bad
 
 

@@ -84,6 +84,15 @@ def load_identity_key(path: Path) -> Any:
     return key
 
 
+def identity_peer_id(path: Path) -> str:
+    """The libp2p peer id of an identity file, without starting anything (the id its records must carry)."""
+    from swarm.dht.records import peer_id_from_public_key, public_key_of_subkey
+    from swarm.dht.validators import validator_classes
+
+    signature_class, _ = validator_classes()
+    return peer_id_from_public_key(public_key_of_subkey(signature_class(load_identity_key(path)).local_public_key))
+
+
 def receipt_seed(identity_path: Path, run_id: str) -> bytes:
     """The seed of this peer's per-run receipt key (swarm/integrity/receipts.py): derived from the identity's
     private key and the run id, so a restarted peer signs with the key it signed with before, and a key of one

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -34,6 +35,8 @@ class Membership:
         self.ttl_s = run.timeouts.record_ttl_s
         self.seen: dict[str, list[MemberRecord]] = {}  # swarm -> its view after the last read_all (merge_view)
         self.fresh: set[str] = set()  # the swarms the last read_all read (the others kept their last view)
+        self.work = -1  # our identity's proof of work, put in every record we store (set before the first)
+        self.unproven: set[str] = set()  # peer ids whose records we ignored for lack of identity work (said once)
 
     def announce(self, swarm: str, record: MemberRecord, ttl_s: float | None = None,
                  timeout_s: float | None = None) -> bool:
@@ -42,6 +45,8 @@ class Membership:
         from swarm.dht.dht import GET_BEAM
 
         expiration = dht_time() + (ttl_s if ttl_s is not None else self.ttl_s)
+        if self.work >= 0 and record.work != self.work:
+            record = dataclasses.replace(record, work=self.work)
         future = self.dht.store(swarm_key(self.run.run_id, swarm), subkey=self.owner_subkey, value=record.to_wire(),
                                 expiration_time=expiration, return_future=True, beam_size=GET_BEAM)
         return bool(_result(future, timeout_s if timeout_s is not None else self.run.timeouts.rpc_s, default=False))
@@ -49,8 +54,24 @@ class Membership:
     def read(self, swarm: str) -> list[MemberRecord]:
         future = latest(self.dht, swarm_key(self.run.run_id, swarm))
         found = _result(future, self.run.timeouts.rpc_s, default=None)
-        return parse_swarm(found.value if found is not None else None, now=dht_time(),
-                           heartbeat_s=self.run.timeouts.heartbeat_s)
+        return self.proven(parse_swarm(found.value if found is not None else None, now=dht_time(),
+                                       heartbeat_s=self.run.timeouts.heartbeat_s))
+
+    def proven(self, records: list[MemberRecord]) -> list[MemberRecord]:
+        """The records whose peer id carries the run's identity work (swarm/integrity/identity_work.py): a peer
+        without it is nobody here (not routed to, pulled from or served). Each one ignored is said once."""
+        from swarm.integrity.identity_work import has_work
+
+        bits = self.run.integrity.identity_bits
+        kept = [r for r in records if has_work(r.peer_id, r.work, bits)]
+        if len(kept) < len(records):
+            for r in records:
+                new = r.peer_id not in self.unproven and len(self.unproven) < 4096
+                if new and not has_work(r.peer_id, r.work, bits):
+                    self.unproven.add(r.peer_id)
+                    logger.warning("ignoring peer %s: its record carries no proof of %d bits of identity work (a "
+                                   "client older than identity work, or a key made for free)", r.peer_id[-8:], bits)
+        return kept
 
     def read_all(self, names: list[str] | None = None, timeout_s: float | None = None) -> dict[str, list[MemberRecord]]:
         """Every swarm (or ``names``) at once: the gets run concurrently inside the DHT process, all of them
@@ -70,7 +91,7 @@ class Membership:
             read = None
             try:
                 found = future.result(timeout=max(0.0, deadline - time.monotonic()))
-                read = parse_swarm(found.value if found is not None else None, now=now)
+                read = self.proven(parse_swarm(found.value if found is not None else None, now=now))
                 self.fresh.add(name)
             except Exception as exc:  # a slow or failed lookup keeps the last view of that swarm, not a crash
                 logger.warning("reading swarm %s failed: %s", name, exc.__class__.__name__ if not str(exc) else exc)
@@ -209,6 +230,8 @@ def conflicting_runs(dht: Any, run: RunConfig) -> dict[str, list[str]]:
 
 def other_runs(dht: Any, run: RunConfig) -> list[OtherRun]:
     """The other runs of our name, each with its online peers counted over all its swarms (read concurrently)."""
+    from swarm.integrity.identity_work import has_work
+
     mine = run.canonical()
     configs = other_run_configs(dht, run)
     futures = {}
@@ -221,9 +244,17 @@ def other_runs(dht: Any, run: RunConfig) -> list[OtherRun]:
     for (run_id, _), future in futures.items():
         found = _result(future, run.timeouts.rpc_s, None)
         records = parse_swarm(found.value if found is not None else None, now=now)
-        online[run_id] += sum(1 for r in records if r.state == "online")
+        bits = _identity_bits(configs[run_id])  # free keys must not make another run look busy either
+        online[run_id] += sum(1 for r in records if r.state == "online" and has_work(r.peer_id, r.work, bits))
     return [OtherRun(run_id, config_differences(mine, theirs)[:8], theirs, online[run_id])
             for run_id, theirs in configs.items()]
+
+
+def _identity_bits(config: dict) -> int:
+    """The identity work another run's published config asks for (a run before the field: none)."""
+    integrity = config.get("integrity")
+    bits = integrity.get("identity_bits", 0) if isinstance(integrity, dict) else 0
+    return bits if isinstance(bits, int) and not isinstance(bits, bool) and 0 <= bits <= 32 else 32
 
 
 def summarize(records: list[MemberRecord]) -> tuple[int, float, float | None]:

@@ -28,7 +28,8 @@ OWNER_PREFIX = b"[owner:"
 MAX_VERSION_CHARS = 64
 # newer than some clients: a record without them parses with the defaults
 OPTIONAL_FIELDS = frozenset({"staleness_mean", "staleness_p95", "staleness_max", "mbps_in", "mbps_out", "capacity",
-                             "movable", "reachable", "stalled_s", "drivers_refused", "drivers_seen", "ban_reason"})
+                             "movable", "reachable", "stalled_s", "drivers_refused", "drivers_seen", "ban_reason",
+                             "work"})
 ONLINE_WITHIN_MIN_S = 10.0
 ONLINE_WITHIN_HEARTBEATS = 3.0  # a record whose heartbeat is older than this many heartbeats is offline, whatever
 # its DHT lifetime says (a record stored with a long expiration outlives its peer)
@@ -83,6 +84,9 @@ class MemberRecord:
     drivers_refused: int = -1
     drivers_seen: int = -1
     ban_reason: str = ""
+    # the proof of work of this peer id (swarm/integrity/identity_work.py); -1 = none (a client before the field).
+    # Readers of a run that asks for identity work ignore a record without enough (swarm/dht/membership.py)
+    work: int = -1
 
     def to_wire(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -138,6 +142,7 @@ class _MemberValueSchema(pydantic_v1.BaseModel):
     drivers_refused: Optional[pydantic_v1.StrictInt] = None
     drivers_seen: Optional[pydantic_v1.StrictInt] = None
     ban_reason: Optional[pydantic_v1.constr(strict=True, max_length=MAX_BAN_REASON_CHARS)] = None  # type: ignore[valid-type]
+    work: Optional[pydantic_v1.StrictInt] = None
 
     class Config:
         extra = pydantic_v1.Extra.forbid
@@ -237,6 +242,8 @@ def parse_member(subkey: Any, value: Any, now: float) -> MemberRecord | None:
             raise ValueError("driver counts must be integers from -1 to 10^6")
         if not isinstance(record.ban_reason, str) or len(record.ban_reason) > MAX_BAN_REASON_CHARS:
             raise ValueError(f"ban_reason must be text of at most {MAX_BAN_REASON_CHARS} characters")
+        if isinstance(record.work, bool) or not isinstance(record.work, int) or not -1 <= record.work < 2**63:
+            raise ValueError("work must be an integer from -1 to 2^63 - 1")
         return record
     except (TypeError, ValueError) as exc:
         logger.warning("skipping a bad membership record: %s", exc)

@@ -38,10 +38,14 @@ HASH_WHEN_SET = {("training", "end_at_target"): False, ("training", "sample_budg
                  ("model", "tie_embeddings"): False, ("model", "mixed_precision"): "none",
                  ("model", "activation_checkpointing"): False,
                  ("data", "tokenizer"): None, ("data", "tokenizer_sha256"): None, ("data", "token_dtype"): "uint16",
-                 ("integrity", "spot_share"): 0.03}
+                 ("integrity", "spot_share"): 0.03,
+                 # runs before identity work had none; the default asks for it, so every run's id changed with it
+                 # (clients before it would be invisible to clients after it: a new id says so instead)
+                 ("integrity", "identity_bits"): 0}
 # Fields removed after runs existed still enter the run id at the value every run had (the direction check's,
 # removed with it: no shipped config set them), so clients before and after the removal still train together.
 HASH_REMOVED = {("integrity", "ascent_cosine"): -0.25, ("integrity", "ascent_min_updates"): 64}
+DEFAULT_IDENTITY_BITS = 8
 DEFAULT_WIRE_RANK = HASH_WHEN_SET[("training", "wire_rank")]
 WIRE_CODECS = ("float32", "float16", "int8", "lowrank")  # swarm/pipeline/codecs.py, swarm/pipeline/wire.py
 
@@ -202,6 +206,11 @@ class IntegrityConfig(Strict):
     spot_share: float = Field(0.03, ge=0.0, le=1.0, description="the share of hops a driver also sends to a second "
                               "peer of the swarm (forwards and gradients) and of stage-0 outputs a layer1 peer has "
                               "recomputed by other layer0 peers, to compare; each check costs one more computation")
+    # identities that cost something (swarm/integrity/identity_work.py)
+    identity_bits: int = Field(DEFAULT_IDENTITY_BITS, ge=0, le=20, description="leading zero bits of the proof of "
+                               "work each peer id publishes: 2^bits scrypt evaluations (1 MiB, ~5 ms each) to find, "
+                               "once per identity (8: about a second of one core); readers ignore the records of "
+                               "peers without it. 0: none")
 
 
 class TimeoutsConfig(Strict):

@@ -218,6 +218,14 @@ class Node:
         self.membership = Membership(self.dht, run, validators[0].local_public_key)
         self.board.publish(peer_id=peer_id, maddrs=tuple(visible_maddrs(self.dht)))
         emit(f"joined the DHT as {peer_id[-8:]}", kind="joined")
+        # before our first record: readers ignore a record without it (swarm/integrity/identity_work.py)
+        from swarm.integrity.identity_work import identity_work
+
+        work = identity_work(identity_path, peer_id, run.integrity.identity_bits, should_stop=self._stop.is_set,
+                             say=lambda text: emit(text, kind="joining"))
+        if work is None:  # stopped while proving it
+            return
+        self.membership.work = work
 
         if self._stop.is_set():
             return

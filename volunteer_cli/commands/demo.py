@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +31,8 @@ from volunteer_cli.main import UserError
 from volunteer.config import load_run
 from volunteer.hygiene import die_with_parent_hook
 from volunteer.snapshot import bits_per_byte, evaluation_figure
+
+logger = logging.getLogger(__name__)
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 DEMO_HEARTBEAT_S = 2.0
@@ -147,7 +151,13 @@ def run_demo(args: argparse.Namespace) -> int:
     try:
         say(f"demo of run {run.run_id} ({run_path}): 1 bootstrap peer + {args.per_swarm} volunteer(s) "
             f"per swarm x {run.model.stages} swarms, logs in {workdir}")
+        volunteers = run.model.stages * args.per_swarm
+        # the volunteers' identities and their work, made while the bootstrap peer starts (each volunteer would
+        # otherwise prove its own at once, on a machine busy starting all of them: 5-10 s more to "online" on 2 cores)
+        identities = _Identities(workdir / "data" / "identities", volunteers, run.integrity.identity_bits,
+                                 shutdown.event)
         maddr = _start_bootstrap(children, workdir, shutdown)
+        identities.wait(say)
         say(f"bootstrap peer at {maddr}; from another terminal, `volunteer status --run {demo_run} --initial-peers "
             f"{maddr}` reads the run, and with `--serve 8080` serves its health page on http://127.0.0.1:8080/")
         for k in range(run.model.stages):
@@ -173,6 +183,49 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result), flush=True)
     return code
+
+
+class _Identities:
+    """``count`` identity files in ``folder`` (the slots volunteers claim, swarm/dht/dht.py ``claim_identity``), each
+    with its proof of work kept beside it (swarm/integrity/identity_work.py), made in two threads (scrypt and the RSA
+    key generation run outside the GIL)."""
+
+    def __init__(self, folder: Path, count: int, bits: int, stop: threading.Event):
+        self.folder, self.count, self.bits, self.stop = folder, count, bits, stop
+        self.started = time.monotonic()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._make, name="demo-identities", daemon=True)
+        self.thread.start()
+
+    def _make(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from swarm.dht.dht import ensure_identity, identity_peer_id
+        from swarm.integrity.identity_work import identity_work
+
+        def one(slot: int) -> None:
+            path = self.folder / f"identity-{slot}.key"
+            ensure_identity(path)
+            identity_work(path, identity_peer_id(path), self.bits, should_stop=self.stop.is_set)
+
+        try:
+            with ThreadPoolExecutor(max_workers=2, thread_name_prefix="demo-identity") as pool:
+                list(pool.map(one, range(self.count)))
+        except Exception as exc:  # the volunteers make their own then: slower, not broken
+            self.error = exc
+
+    def wait(self, say) -> None:
+        if self.thread.is_alive():
+            say(f"proving the work of {self.count} volunteer identities ({self.bits} bits each, about a second of CPU "
+                "apiece: in a public run, identities cost something)")
+        while self.thread.is_alive() and not self.stop.is_set():
+            self.thread.join(0.2)
+        if self.stop.is_set():
+            raise KeyboardInterrupt
+        if self.error is not None:
+            say(f"could not prepare the volunteers' identities ({self.error}); each volunteer makes its own")
+        else:
+            logger.info("demo identities ready after %.1f s", time.monotonic() - self.started)
 
 
 def _start_bootstrap(children: Children, workdir: Path, shutdown) -> str:
