@@ -97,3 +97,44 @@ def test_the_run_config_bounds_the_bits_and_the_default_asks_for_about_a_second(
     assert RunConfig(name="x").integrity.identity_bits == 8
     with pytest.raises(ValueError, match="identity_bits"):
         RunConfig.model_validate({"name": "x", "integrity": {"identity_bits": 21}})
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_stranger_cannot_make_a_reader_evaluate_forever(monkeypatch):
+    """A junk nonce costs its author nothing and a reader one evaluation: a peer is evaluated once per hold
+    whatever nonces it shows meanwhile, and one read evaluates for at most its budget."""
+    clock = _Clock()
+    checks = iw.WorkChecks(3, budget_s=1.0, hold_s=60.0, clock=clock)
+    nonce = iw.find_work(PEER, 3)
+    evaluated = []
+    real = iw.work_digest
+    monkeypatch.setattr(iw, "work_digest", lambda *a: evaluated.append(a) or real(*a))
+    iw._verified.clear()
+    honest = _record(PEER, nonce)
+    for junk in range(20):  # the liar shows a new nonce at every read
+        kept, refused = checks.keep([honest, _record("QmLiar", 10_000 + junk)])
+        assert kept == [honest] and [r.peer_id for r in refused] == ["QmLiar"]
+        clock.now += 1.0
+    assert len(evaluated) == 2, "one evaluation each, not one per read"
+    clock.now += 60.0
+    checks.keep([_record("QmLiar", 99)])
+    assert len(evaluated) == 3, "checked again after the hold"
+
+    class SlowClock(_Clock):  # every evaluation takes 0.3 s: a budget of 1 s checks 4 records a read
+        def __call__(self) -> float:
+            self.now += 0.3
+            return self.now
+
+    slow = iw.WorkChecks(3, budget_s=1.0, clock=SlowClock())
+    many = [_record(f"QmPeer{k}", -1) for k in range(10)]
+    kept, refused = slow.keep(many)
+    assert not kept and 0 < len(refused) < 10, "the rest wait for a later read, neither kept nor refused"
+    _, refused_next = slow.keep(many)
+    assert len(refused) + len(refused_next) > len(refused), "the next read goes on"

@@ -37,6 +37,7 @@ class Membership:
         self.fresh: set[str] = set()  # the swarms the last read_all read (the others kept their last view)
         self.work = -1  # our identity's proof of work, put in every record we store (set before the first)
         self.unproven: set[str] = set()  # peer ids whose records we ignored for lack of identity work (said once)
+        self.work_checks: Any = None  # identity_work.WorkChecks, made at the first read
 
     def announce(self, swarm: str, record: MemberRecord, ttl_s: float | None = None,
                  timeout_s: float | None = None) -> bool:
@@ -60,17 +61,17 @@ class Membership:
     def proven(self, records: list[MemberRecord]) -> list[MemberRecord]:
         """The records whose peer id carries the run's identity work (swarm/integrity/identity_work.py): a peer
         without it is nobody here (not routed to, pulled from or served). Each one ignored is said once."""
-        from swarm.integrity.identity_work import has_work
+        if self.work_checks is None:
+            from swarm.integrity.identity_work import WorkChecks
 
-        bits = self.run.integrity.identity_bits
-        kept = [r for r in records if has_work(r.peer_id, r.work, bits)]
-        if len(kept) < len(records):
-            for r in records:
-                new = r.peer_id not in self.unproven and len(self.unproven) < 4096
-                if new and not has_work(r.peer_id, r.work, bits):
-                    self.unproven.add(r.peer_id)
-                    logger.warning("ignoring peer %s: its record carries no proof of %d bits of identity work (a "
-                                   "client older than identity work, or a key made for free)", r.peer_id[-8:], bits)
+            self.work_checks = WorkChecks(self.run.integrity.identity_bits)
+        kept, refused = self.work_checks.keep(records)
+        for r in refused:
+            if r.peer_id not in self.unproven and len(self.unproven) < 4096:
+                self.unproven.add(r.peer_id)
+                logger.warning("ignoring peer %s: its record carries no proof of %d bits of identity work (a client "
+                               "older than identity work, or a key made for free)", r.peer_id[-8:],
+                               self.run.integrity.identity_bits)
         return kept
 
     def read_all(self, names: list[str] | None = None, timeout_s: float | None = None) -> dict[str, list[MemberRecord]]:

@@ -28,6 +28,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,53 @@ def has_work(peer_id: str, nonce: int, bits: int) -> bool:
         if len(_verified) > VERIFIED_MAX:
             _verified.popitem(last=False)
     return verdict
+
+
+# A reader's checks are bounded against a stranger who would make it evaluate scrypt forever for free (a record with
+# a junk nonce costs its author nothing and a reader ~4 ms): a peer is checked for one nonce, again only after
+# RECHECK_HOLD_S whatever nonce it shows meanwhile (an honest peer's never changes), and one read checks for at most
+# CHECK_BUDGET_S (the rest are checked at the next reads: a newcomer to a swarm of hundreds sees ~60 more a read).
+CHECK_BUDGET_S = 0.25
+RECHECK_HOLD_S = 60.0
+CHECKS_KEPT = 16384
+
+
+class WorkChecks:
+    """One reader's verdicts on identity work, per peer id (see CHECK_BUDGET_S and RECHECK_HOLD_S)."""
+
+    def __init__(self, bits: int, *, budget_s: float = CHECK_BUDGET_S, hold_s: float = RECHECK_HOLD_S,
+                 clock: Callable[[], float] = time.monotonic):
+        self.bits, self.budget_s, self.hold_s, self.clock = bits, budget_s, hold_s, clock
+        self._last: OrderedDict[str, tuple[int, bool, float]] = OrderedDict()  # peer -> (nonce, verdict, checked at)
+
+    def keep(self, records: list) -> tuple[list, list]:
+        """(the records proven, the records found without the work) of ``records`` (anything with ``peer_id`` and
+        ``work``); a record left unchecked by this read's budget is in neither, and is checked at a later read."""
+        if self.bits <= 0:
+            return list(records), []
+        deadline = self.clock() + self.budget_s
+        kept, refused = [], []
+        for record in records:
+            verdict = self._proven(record.peer_id, record.work, deadline)
+            if verdict is not None:
+                (kept if verdict else refused).append(record)
+        return kept, refused
+
+    def _proven(self, peer_id: str, nonce: Any, deadline: float) -> bool | None:
+        now = self.clock()
+        last = self._last.get(peer_id)
+        if last is not None and last[0] == nonce:
+            return last[1]
+        if last is not None and now - last[2] < self.hold_s:
+            return False  # another nonce within the hold: not evaluated (an honest peer keeps its nonce)
+        if now > deadline:
+            return None  # this read's checks are spent
+        verdict = has_work(peer_id, nonce, self.bits)
+        self._last[peer_id] = (nonce, verdict, now)
+        self._last.move_to_end(peer_id)
+        if len(self._last) > CHECKS_KEPT:
+            self._last.popitem(last=False)
+        return verdict
 
 
 def find_work(peer_id: str, bits: int, *, start: int = 0, should_stop: Callable[[], bool] | None = None,
