@@ -221,11 +221,17 @@ class Node:
         # before our first record: readers ignore a record without it (swarm/integrity/identity_work.py)
         from swarm.integrity.identity_work import identity_work
 
+        def say(text: str) -> None:
+            emit(text, kind="joining")
+            # what the header says while we wait (published only: announcing now would store a record without it)
+            self.board.publish(reason="proving this identity's work (once per identity; see the events)")
+
         work = identity_work(identity_path, peer_id, run.integrity.identity_bits, should_stop=self._stop.is_set,
-                             say=lambda text: emit(text, kind="joining"))
+                             say=say)
         if work is None:  # stopped while proving it
             return
         self.membership.work = work
+        self.board.publish(reason="connecting to the swarm")
 
         if self._stop.is_set():
             return
