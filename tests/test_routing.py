@@ -166,3 +166,37 @@ def test_a_bad_reply_bans_longer_than_a_failure():
 
 def test_refusal_backoff_is_capped_exponential():
     assert [backoff_s(n, 0.2, 1.0) for n in (1, 2, 3, 4, 5)] == [0.2, 0.4, 0.8, 1.0, 1.0]
+
+
+def test_newcomers_together_get_a_bounded_share_of_the_hops_while_a_peer_with_validated_work_is_usable():
+    """Fresh keys that answer fastest used to get every hop until each was caught; now all of them together get at
+    most NEWCOMER_ROUTE_SHARE of the swarm's recent hops while an established peer is usable."""
+    from swarm.pipeline.routing import NEWCOMER_ROUTE_SHARE, ROUTE_WINDOW
+
+    router = SwarmRouter(rng=random.Random(0))
+    router.set_peers(["senior", *[f"fresh{k}" for k in range(10)]])
+    router.success("senior", 0.5)  # slow
+    for k in range(10):
+        router.success(f"fresh{k}", 0.01)  # ten fresh keys, fast
+    credit = {"senior"}
+    router.established = lambda pid: pid in credit
+    chosen = [router.choose(0.0, hop=True) for _ in range(4 * ROUTE_WINDOW)]
+    fresh = sum(1 for pid in chosen if pid != "senior")
+    assert fresh <= NEWCOMER_ROUTE_SHARE * len(chosen) + 1, fresh
+    assert fresh >= NEWCOMER_ROUTE_SHARE * len(chosen) - 2, "newcomers still get their share: it is how they earn credit"
+    # a spot check or a hedge chooses freely (a newcomer as the checker earns credit when it agrees)
+    assert router.choose(0.0) != "senior"
+    # a newcomer that earned credit competes on speed like anyone
+    credit.add("fresh3")
+    assert router.choose(0.0, hop=True) in {"fresh3", *[f"fresh{k}" for k in range(10)]}
+    # no stall: with the established peer held off, newcomers take the hops
+    router.peers["senior"].held_until = 10.0
+    credit.discard("fresh3")
+    assert all(router.choose(0.0, hop=True) != "senior" for _ in range(8))
+    # nobody established (a new run, one peer per swarm, checks off): no bound
+    nobody = SwarmRouter(rng=random.Random(0))
+    nobody.set_peers(["a", "b"])
+    nobody.success("a", 0.01)
+    nobody.success("b", 0.5)
+    nobody.established = lambda pid: False
+    assert all(nobody.choose(0.0, hop=True) == "a" for _ in range(10))

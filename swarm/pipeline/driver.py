@@ -107,6 +107,8 @@ class PipelineDriver:
                               is_stopping=lambda: self._stopping, call=call, keys=self.keys)
         # a share of forward and gradient hops replicated at a second peer
         self.spot = SpotChecker(self.hops, share=run.integrity.spot_share, seed=seed)
+        for router in self.routers.values():  # newcomers together get a bounded share of each swarm's hops
+            router.established = self.spot.established
         self.peer_tag = peer_tag
         self._ids = itertools.count()
         self._running = asyncio.Event()

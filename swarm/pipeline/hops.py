@@ -147,7 +147,7 @@ class HopCaller:
         for attempt in range(1 if only else MAX_HOP_ATTEMPTS):
             if self.is_stopping():
                 raise DriverStopped()
-            peer = only or router.choose(time.monotonic(), exclude=tried[-1:])
+            peer = only or router.choose(time.monotonic(), exclude=tried[-1:], hop=True)
             if peer is None:
                 await self._wait_for_swarm(swarm, router, attempt)
                 continue

@@ -12,13 +12,18 @@ outcome, and asks it for a peer, a timeout and a hedge delay.
   that op; ``first_contact_s`` for a peer never measured; each timeout of the op in a row doubles it.
 - Bans (our judgement: failures, bad replies) are soft: if every peer is banned the least bad is used.
   Holds (the peer's own ``retry_after_s``: busy, banned, unknown_driver) are hard: never before.
+- Newcomers together (with ``established``: the driver's spot-check credit, swarm/pipeline/spot_checks.py): while a
+  peer with validated work here is usable, peers without it get at most NEWCOMER_ROUTE_SHARE of the swarm's recent
+  hops, however many they are. The fastest peer used to get every hop, so fresh keys that answer fast (identities
+  cost a second of CPU) carried most of the traffic until each was caught; now they carry a quarter while they earn
+  credit (every check of their hops that agrees), and then compete on speed like anyone.
 """
 
 from __future__ import annotations
 
 import random
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 SERVICE_EMA_ALPHA = 0.2
@@ -30,6 +35,8 @@ RETRY_BASE_S = 0.05  # driver's wait before a retry; doubles per attempt
 RETRY_MAX_S = 2.0
 SERVICE_WINDOW = 64  # recent service times per op the timeouts are taken from
 MIN_SAMPLES_FOR_P95 = 3
+NEWCOMER_ROUTE_SHARE = 0.25  # of a swarm's recent hops, the most its peers without validated work here get...
+ROUTE_WINDOW = 32  # ...over this many hops, while a peer with validated work is usable
 
 
 @dataclass(slots=True, frozen=True)
@@ -68,6 +75,8 @@ class SwarmRouter:
     rng: random.Random = field(default_factory=random.Random)
     service_s: dict[str, deque] = field(default_factory=dict)  # op -> recent successful service times
     timeouts_in_row: dict[str, int] = field(default_factory=dict)  # op -> consecutive timeouts
+    established: Callable[[str], bool] | None = None  # has the peer validated work here (None: nobody is told)
+    recent: deque = field(default_factory=lambda: deque(maxlen=ROUTE_WINDOW))  # per recent hop: to a newcomer?
 
     def set_peers(self, peer_ids: Iterable[str]) -> None:
         """The online peers from the latest records; stats of peers that stay are kept."""
@@ -78,16 +87,33 @@ class SwarmRouter:
         self.peers.setdefault(peer_id, PeerStats())
 
     # ----- choice
-    def choose(self, now: float, exclude: Iterable[str] = ()) -> str | None:
+    def choose(self, now: float, exclude: Iterable[str] = (), *, hop: bool = False) -> str | None:
         """The peer expected to finish the hop soonest; None if there is none, or every one holds us off.
-        Bans are ignored if every peer that does not hold us off is banned."""
+        Bans are ignored if every peer that does not hold us off is banned. ``hop``: a training hop, whose share
+        going to newcomers is bounded (NEWCOMER_ROUTE_SHARE); spot checks and hedges choose freely."""
         excluded = set(exclude)
         free = [pid for pid, stats in self.peers.items() if stats.held_until <= now]
         candidates = [pid for pid in free if pid not in excluded] or free
         if not candidates:
             return None
         usable = [pid for pid in candidates if self.peers[pid].banned_until <= now] or candidates
-        return min(usable, key=lambda pid: (self.expected_s(pid), self.rng.random()))
+        bounded = hop and self.established is not None
+        if bounded:
+            usable = self._newcomers_bounded(usable)
+        peer = min(usable, key=lambda pid: (self.expected_s(pid), self.rng.random()))
+        if bounded:
+            self.recent.append(not self.established(peer))
+        return peer
+
+    def _newcomers_bounded(self, usable: list[str]) -> list[str]:
+        """``usable`` without the newcomers when one more hop to them would pass their share of the recent hops and
+        a peer with validated work is usable (never fewer peers to choose from than that: no stall)."""
+        seniors = [pid for pid in usable if self.established(pid)]
+        if not seniors or len(seniors) == len(usable):
+            return usable
+        if (sum(self.recent) + 1) / (len(self.recent) + 1) <= NEWCOMER_ROUTE_SHARE:
+            return usable
+        return seniors
 
     def free_at(self) -> float | None:
         """When the first peer that holds us off takes us again (None: no peer, or one is free)."""

@@ -28,6 +28,7 @@ import torch
 from swarm.integrity.spot import (
     ACTIVATIONS,
     GRADIENTS,
+    ESTABLISHED_CREDIT,
     SPOT_SHARE,
     Bounds,
     CreditBook,
@@ -139,6 +140,11 @@ class SpotChecker:
         if culprit == primary:
             raise Refused("spot_check", f"layer{k} peer {primary[-8:]} failed a spot check (its {kind} disagree "
                                         "with two other peers'): not passed on")
+
+    def established(self, peer: str) -> bool:
+        """Has ``peer`` validated work here (ESTABLISHED_CREDIT outputs corroborated in our checks)? Routing bounds
+        the share of hops that go to peers without it (swarm/pipeline/routing.py NEWCOMER_ROUTE_SHARE)."""
+        return self.book.get(peer) >= ESTABLISHED_CREDIT
 
     def share_for(self, primary: str) -> float:
         """How often a hop ``primary`` served is checked: ``share``, or NEWCOMER_FACTOR times it while ``primary`` has
