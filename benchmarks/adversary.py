@@ -173,7 +173,7 @@ def _run(fleet: Fleet, maddr: str, attack: Attack | None, shape: tuple, s: Setti
         fleet.stop(everyone + hogs)
     out = summarize_run(samples, attack_at - sampler.t0, s.attack_s, s.after_s)
     out.update(attacker=attacker, all_alive=all(alive.values()), layer1_rss_mb_before_after=rss,
-               cpu_cores_during=cpu, **_bans(everyone, hostile.peer_id))
+               cpu_cores_during=cpu, **_bans(everyone, handle.peer_ids if handle else [hostile.peer_id]))
     if attack is not None and attack.role == "driver":
         out["refused_after_s"] = attacker.get("first_refusal_s")
     return out
@@ -182,11 +182,13 @@ def _run(fleet: Fleet, maddr: str, attack: Attack | None, shape: tuple, s: Setti
 BAN_LINE = re.compile(r"banned peer (\w{8}) for")
 
 
-def _bans(procs: list[Any], attacker: str) -> dict[str, Any]:
-    """From the volunteers' logs: bans that landed on a peer other than the attacker (``honest_bans``: every penalty
-    must land on the peer that authored the wrong tensor), and whether the attacker was banned anywhere."""
+def _bans(procs: list[Any], attackers: list[str]) -> dict[str, Any]:
+    """From the volunteers' logs: bans that landed on a peer other than the attacker's identities (``honest_bans``:
+    every penalty must land on the peer that authored the wrong tensor), and whether the attacker was banned
+    anywhere."""
     banned = [m.group(1) for p in procs for m in BAN_LINE.finditer(p.stdout() + p.stderr())]
-    return {"honest_bans": sum(1 for b in banned if b != attacker[-8:]), "attacker_banned": attacker[-8:] in banned}
+    ours = {a[-8:] for a in attackers}
+    return {"honest_bans": sum(1 for b in banned if b not in ours), "attacker_banned": any(b in ours for b in banned)}
 
 
 def _wait_training(hostile: HostilePeer, per_swarm: int, procs: list[Any]) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ class Attack:
     per_swarm: int = 1
     optimizer: str = "adam"
     busy: int = 0
+    identities: int = 1  # signed servers: this many keys, each its own stage peer (each pays its identity work)
 
     @property
     def shape(self) -> tuple:
@@ -72,6 +74,9 @@ def _attacks() -> dict[str, Attack]:
         # which of two disagreeing copies lies, hence 2 honest peers per swarm)
         Attack("signed_last_stage_ascent_gradient", "signed_server", "ascent_gradient", swarm="layer2", per_swarm=2),
         Attack("signed_middle_ascent_gradient", "signed_server", "ascent_gradient", swarm="layer1", per_swarm=2),
+        # the same with many keys: four liars in the last swarm next to its two honest peers
+        Attack("sybil_last_stage_ascent_gradient", "signed_server", "ascent_gradient", swarm="layer2", per_swarm=2,
+               identities=4),
         *(Attack(f"poison_{p}", "poison", p, per_swarm=2) for p in ("nan", "x1000", "same_norm")),
         # a registered driver that signs made-up stage-0 outputs as its own (tests/hostile.py made_up_activations):
         # two honest drivers are there to recompute them (stage-0 spot checks, swarm/pipeline/stage0_checks.py)
@@ -98,6 +103,11 @@ class Handle:
         self.stopping = False
         self.task: Any = None
         self.servicers: list[Any] = []
+        self.extras: list[HostilePeer] = []  # the attacker's other identities (Attack.identities)
+
+    @property
+    def peer_ids(self) -> list[str]:
+        return [self.hostile.peer_id, *(extra.peer_id for extra in self.extras)]
 
     def note(self, reply: Reply) -> None:
         self.codes[reply.code or "ok"] += 1
@@ -121,6 +131,8 @@ class Handle:
             release = getattr(servicer, "release", None)
             if release is not None:
                 self.hostile._loop.call_soon_threadsafe(release.set)
+        for extra in self.extras:
+            extra.close()
         return {"replies": dict(self.codes), "first_refusal_s": self.first_refusal_s,
                 "requests_served_by_attacker": served, "seconds": time.monotonic() - self.started,
                 **({"training_ops_sent_to_attacker": len(training),
@@ -205,6 +217,14 @@ def _start_signed_server(handle: Handle) -> None:
     params, _ = hostile.on_loop(fetch_params(hostile.p2p, donor.peer_id, hostile.run, swarm, timeout_s=20))
     handle.servicers.append(serve_signed_stage(hostile, swarm, params, handle.attack.kind))
     hostile.announce(swarm)
+    if handle.attack.identities > 1:
+        folder = Path(tempfile.mkdtemp(prefix="volunteer-sybil-"))
+        maddrs = [str(m) for m in hostile.dht.get_visible_maddrs()]
+        for i in range(handle.attack.identities - 1):
+            extra = HostilePeer(hostile.run, maddrs, folder / f"sybil-{i}.key", heartbeat_s=hostile.heartbeat_s)
+            handle.extras.append(extra)
+            handle.servicers.append(serve_signed_stage(extra, swarm, params, handle.attack.kind))
+            extra.announce(swarm)
 
 
 def _start_poison(handle: Handle) -> None:

@@ -200,3 +200,19 @@ def test_newcomers_together_get_a_bounded_share_of_the_hops_while_a_peer_with_va
     nobody.success("b", 0.5)
     nobody.established = lambda pid: False
     assert all(nobody.choose(0.0, hop=True) == "a" for _ in range(10))
+
+
+def test_a_conviction_is_not_lifted_by_an_answer_that_lands_afterwards():
+    """A spot check convicts a liar while other hops to it are in flight: their answers used to lift the ban at once
+    (success cleared it), and the liar got hops again (benchmarks.adversary: 38 training ops over 26 s after 7
+    catches). A ban for failures is still lifted by an answer: a cut stream is not an attack."""
+    router = _router("liar", "flaky", "honest")
+    router.failure("liar", 0.0, min_ban_s=BAD_REPLY_BAN_S, convicted=True)
+    router.failure("flaky", 0.0)
+    router.success("liar", 0.01)  # an in-flight hop's answer
+    router.success("flaky", 0.01)
+    assert router.peers["liar"].banned_until == BAD_REPLY_BAN_S
+    assert router.peers["flaky"].banned_until == 0.0
+    router.success("honest", 0.5)
+    assert router.choose(1.0, hop=True) != "liar"
+    assert router.peers["liar"].banned_until < BAD_REPLY_BAN_S + 1.0, "the conviction runs out"

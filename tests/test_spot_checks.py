@@ -82,7 +82,7 @@ class _Router:
     def choose(self, now: float, exclude: list[str]) -> str | None:
         return next((p for p in self.peers if p not in exclude), None)
 
-    def failure(self, peer: str, now: float, min_ban_s: float) -> float:
+    def failure(self, peer: str, now: float, min_ban_s: float, convicted: bool = False) -> float:
         self.held.append(peer)
         return min_ban_s
 

@@ -286,7 +286,7 @@ class PipelineDriver:
             return
         for name, router in self.routers.items():
             if exc.author in router.peers:
-                ban_s = router.failure(exc.author, time.monotonic(), min_ban_s=BAD_REPLY_BAN_S)
+                ban_s = router.failure(exc.author, time.monotonic(), min_ban_s=BAD_REPLY_BAN_S, convicted=True)
                 logger.warning("%s peer %s computed a tensor a stage refused; not using it for %.0f s", name,
                                exc.author[-8:], ban_s)
 

@@ -64,6 +64,9 @@ class PeerStats:
     banned_until: float = 0.0
     held_until: float = 0.0  # the peer asked us not to come back before this
     abandoned: int = 0  # hedged requests in a row it had not answered when another peer had
+    # a ban on evidence of a wrong tensor (a failed spot check, a tensor a stage refused as its author's): an answer
+    # that lands afterwards (a hop that was in flight) lifts a ban for failures, never this one
+    convicted_until: float = 0.0
 
 
 @dataclass(slots=True)
@@ -174,7 +177,7 @@ class SwarmRouter:
         stats = self.peers.setdefault(peer_id, PeerStats())
         stats.failures = 0
         stats.abandoned = 0
-        stats.banned_until = 0.0
+        stats.banned_until = stats.convicted_until  # past or a conviction's: never lifted by an answer
         self._observe(stats, service_s)
         if op:
             self.service_s.setdefault(op, deque(maxlen=SERVICE_WINDOW)).append(service_s)
@@ -196,12 +199,15 @@ class SwarmRouter:
             aside_s = min(BAN_MAX_S, BAN_BASE_S * 2 ** min(stats.abandoned - 1, 8))
             stats.banned_until = max(stats.banned_until, now + aside_s)
 
-    def failure(self, peer_id: str, now: float, min_ban_s: float = 0.0) -> float:
-        """Ban the peer for a while (exponential in consecutive failures); returns the ban in seconds."""
+    def failure(self, peer_id: str, now: float, min_ban_s: float = 0.0, *, convicted: bool = False) -> float:
+        """Ban the peer for a while (exponential in consecutive failures); returns the ban in seconds.
+        ``convicted``: on evidence of a wrong tensor, a ban its later answers do not lift (see PeerStats)."""
         stats = self.peers.setdefault(peer_id, PeerStats())
         stats.failures += 1
         ban_s = max(min_ban_s, min(BAN_MAX_S, BAN_BASE_S * 2 ** (stats.failures - 1)))
         stats.banned_until = max(stats.banned_until, now + ban_s)
+        if convicted:
+            stats.convicted_until = max(stats.convicted_until, now + ban_s)
         return ban_s
 
     def timed_out(self, peer_id: str, op: str, now: float) -> float:

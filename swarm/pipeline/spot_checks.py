@@ -130,7 +130,7 @@ class SpotChecker:
         accusers = [p for p in trio if p != culprit]
         if self.book.outvoted(culprit, *accusers):
             self.caught += 1
-            ban_s = router.failure(culprit, time.monotonic(), min_ban_s=BAD_REPLY_BAN_S)
+            ban_s = router.failure(culprit, time.monotonic(), min_ban_s=BAD_REPLY_BAN_S, convicted=True)
             logger.warning("spot check at layer%d: peer %s computed an output (%s) two other peers disagree with; not "
                            "using it for %.0f s", k, culprit[-8:], kind, ban_s)
         else:  # its accusers have less validated work than it has: no routing ban on their word
