@@ -58,8 +58,8 @@ def has_work(peer_id: str, nonce: int, bits: int) -> bool:
     reader pays one evaluation per peer id and nonce, not one per read."""
     if bits <= 0:
         return True
-    if isinstance(nonce, bool) or not isinstance(nonce, int) or not 0 <= nonce <= MAX_NONCE:
-        return False
+    if isinstance(nonce, bool) or not isinstance(nonce, int) or not 0 <= nonce <= MAX_NONCE or bits > MAX_BITS:
+        return False  # (more bits than any run may ask for: a run config no client accepts)
     key = (peer_id, nonce, bits)
     verdict = _verified.get(key)
     if verdict is None:
