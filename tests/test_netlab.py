@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from benchmarks.netlab import Lab, LabError, Link, lab_unavailable, nat_unavailable, remove_stale_labs
-from procs import wait_until
+from procs import TEST_IDENTITY_BITS, wait_until
 
 UNAVAILABLE = lab_unavailable()
 pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=UNAVAILABLE or "")
@@ -128,6 +128,9 @@ def _default_run(path: Path) -> Path:
     config = run.model_dump(mode="json")
     config["timeouts"]["heartbeat_s"] = 1.0  # local timing only: not part of the run id
     config["training"]["eval_every_s"] = 5.0  # the target is seen sooner (a run id of its own)
+    # identity work sized for a test, as every test run (procs.TEST_IDENTITY_BITS): at the default each lab host
+    # proved ~1 s of scrypt (5-10 s in a loaded suite), which spread the volunteers' arrivals out
+    config["integrity"]["identity_bits"] = TEST_IDENTITY_BITS
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
 
