@@ -116,10 +116,17 @@ def test_a_stranger_without_identity_work_is_nobody(driver, run_swarm, tmp_path_
         _announced(free, "layer0", shard=0)
         stored = latest(driver.dht, swarm_key(driver.run.run_id, "layer0")).result(timeout=30)
         assert free.peer_id in {r.peer_id for r in parse_swarm(stored.value, now=time.time())}, "not even stored"
-        time.sleep(4.0)  # a proven record is known to a stage within a heartbeat or two (1 s here)
-        reply = free.call(_peer(driver, "layer1"), "layer1", "forward", [torch.zeros(8, 128)])
-        assert not reply.ok and reply.code == "unknown_driver", (reply.code, reply.error)
-        assert free.peer_id not in {r.peer_id for r in driver.online("layer0")}
+        # the control: a stranger that paid for its key, announced at the same time, is known within that wait
+        with HostilePeer(driver.run, [run_swarm[2]], tmp_path_factory.mktemp("paid") / "paid.key",
+                         heartbeat_s=1.0) as paid:
+            _announced(paid, "layer0", shard=0)
+            time.sleep(4.0)  # a proven record is known to a stage within a heartbeat or two (1 s here)
+            reply = free.call(_peer(driver, "layer1"), "layer1", "forward", [torch.zeros(8, 128)])
+            assert not reply.ok and reply.code == "unknown_driver", (reply.code, reply.error)
+            assert free.peer_id not in {r.peer_id for r in driver.online("layer0")}
+            control = _until_known(lambda: paid.call(_peer(driver, "layer1"), "layer1", "forward",
+                                                     [torch.zeros(8, 128)]))
+            assert control.code != "unknown_driver", "a proven key was not known either: the test proves nothing"
 
 
 def test_sample_ids_from_another_drivers_shard_are_refused(driver, run_swarm):

@@ -133,8 +133,20 @@ def test_a_stranger_cannot_make_a_reader_evaluate_forever(monkeypatch):
             return self.now
 
     slow = iw.WorkChecks(3, budget_s=1.0, clock=SlowClock())
-    many = [_record(f"QmPeer{k}", -1) for k in range(10)]
+    many = [_record(f"QmPeer{k}", 10_000 + k) for k in range(10)]  # nonces that cost an evaluation to refuse
     kept, refused = slow.keep(many)
     assert not kept and 0 < len(refused) < 10, "the rest wait for a later read, neither kept nor refused"
     _, refused_next = slow.keep(many)
     assert len(refused) + len(refused_next) > len(refused), "the next read goes on"
+
+
+def test_a_record_without_work_costs_no_evaluation_and_does_not_hold_off_the_proven_one():
+    """A volunteer stopped while proving its work (or an old client) shows no nonce: refused at once, and not held
+    against its restart, whose proven record a minute's hold would have kept out."""
+    clock = _Clock()
+    checks = iw.WorkChecks(3, hold_s=60.0, clock=clock)
+    nonce = iw.find_work(PEER, 3)
+    assert checks.keep([_record(PEER, -1)]) == ([], [_record(PEER, -1)])
+    clock.now += 1.0
+    proven = _record(PEER, nonce)
+    assert checks.keep([proven]) == ([proven], [])

@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -53,13 +54,18 @@ def zero_bits(digest: bytes) -> int:
 _verified: OrderedDict[tuple[str, int, int], bool] = OrderedDict()
 
 
+def _may_prove(nonce: Any, bits: int) -> bool:
+    """Could ``nonce`` prove ``bits`` at all (an integer in range, bits a run may ask for)? Answered without scrypt."""
+    return not isinstance(nonce, bool) and isinstance(nonce, int) and 0 <= nonce <= MAX_NONCE and bits <= MAX_BITS
+
+
 def has_work(peer_id: str, nonce: int, bits: int) -> bool:
     """Does ``nonce`` prove ``bits`` of work for ``peer_id``? (0 bits: anything does.) Each verdict is kept, so a
     reader pays one evaluation per peer id and nonce, not one per read."""
     if bits <= 0:
         return True
-    if isinstance(nonce, bool) or not isinstance(nonce, int) or not 0 <= nonce <= MAX_NONCE or bits > MAX_BITS:
-        return False  # (more bits than any run may ask for: a run config no client accepts)
+    if not _may_prove(nonce, bits):
+        return False
     key = (peer_id, nonce, bits)
     verdict = _verified.get(key)
     if verdict is None:
@@ -87,6 +93,7 @@ class WorkChecks:
                  clock: Callable[[], float] = time.monotonic):
         self.bits, self.budget_s, self.hold_s, self.clock = bits, budget_s, hold_s, clock
         self._last: OrderedDict[str, tuple[int, bool, float]] = OrderedDict()  # peer -> (nonce, verdict, checked at)
+        self._lock = threading.Lock()  # a Membership may be read from more than one thread
 
     def keep(self, records: list) -> tuple[list, list]:
         """(the records proven, the records found without the work) of ``records`` (anything with ``peer_id`` and
@@ -95,13 +102,16 @@ class WorkChecks:
             return list(records), []
         deadline = self.clock() + self.budget_s
         kept, refused = [], []
-        for record in records:
-            verdict = self._proven(record.peer_id, record.work, deadline)
-            if verdict is not None:
-                (kept if verdict else refused).append(record)
+        with self._lock:
+            for record in records:
+                verdict = self._proven(record.peer_id, record.work, deadline)
+                if verdict is not None:
+                    (kept if verdict else refused).append(record)
         return kept, refused
 
     def _proven(self, peer_id: str, nonce: Any, deadline: float) -> bool | None:
+        if not _may_prove(nonce, self.bits):
+            return False  # refused without an evaluation: no hold (a restart's proven record must not wait it out)
         now = self.clock()
         last = self._last.get(peer_id)
         if last is not None and last[0] == nonce:

@@ -92,6 +92,10 @@ class Announcer:
         node = self.node
         if node.membership is None or not node.swarm:
             return False
+        if node.membership.work < 0 and node.run.integrity.identity_bits > 0:
+            # stopped while proving our identity's work: nothing was announced, and a record without the work
+            # would only make readers hold our restart's proven record off (identity_work.WorkChecks)
+            return False
         state = node.board.snapshot().state.value
         try:
             if node.membership.announce(node.swarm, self.record(state), ttl_s=ttl_s, timeout_s=timeout_s):
