@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarm.dht.records import MemberRecord, as_seen, is_fresh, parse_swarm, swarm_key
+from swarm.integrity.identity_work import WorkChecks
 from swarm.run.runconfig import RunConfig, config_differences
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ class Membership:
         self.fresh: set[str] = set()  # the swarms the last read_all read (the others kept their last view)
         self.work = -1  # our identity's proof of work, put in every record we store (set before the first)
         self.unproven: set[str] = set()  # peer ids whose records we ignored for lack of identity work (said once)
-        self.work_checks: Any = None  # identity_work.WorkChecks, made at the first read
+        self.work_checks = WorkChecks(run.integrity.identity_bits)  # the identity work of the records we read
 
     def announce(self, swarm: str, record: MemberRecord, ttl_s: float | None = None,
                  timeout_s: float | None = None) -> bool:
@@ -61,10 +62,6 @@ class Membership:
     def proven(self, records: list[MemberRecord]) -> list[MemberRecord]:
         """The records whose peer id carries the run's identity work (swarm/integrity/identity_work.py): a peer
         without it is nobody here (not routed to, pulled from or served). Each one ignored is said once."""
-        if self.work_checks is None:
-            from swarm.integrity.identity_work import WorkChecks
-
-            self.work_checks = WorkChecks(self.run.integrity.identity_bits)
         kept, refused = self.work_checks.keep(records)
         for r in refused:
             if r.peer_id not in self.unproven and len(self.unproven) < 4096:
@@ -231,8 +228,6 @@ def conflicting_runs(dht: Any, run: RunConfig) -> dict[str, list[str]]:
 
 def other_runs(dht: Any, run: RunConfig) -> list[OtherRun]:
     """The other runs of our name, each with its online peers counted over all its swarms (read concurrently)."""
-    from swarm.integrity.identity_work import WorkChecks
-
     mine = run.canonical()
     configs = other_run_configs(dht, run)
     work_checks: dict[str, WorkChecks] = {}

@@ -368,8 +368,11 @@ class Node:
             if not self.peer.drain(LEAVE_DRAIN_S):
                 board.emit("stopped with micro-batches in flight; their drivers retry them elsewhere", kind=kind)
             board.publish(**self.announcer.work_fields())
+        # stopped while proving its identity's work: nothing was announced, so nothing to take back
+        proven = self.membership is not None and (self.membership.work >= 0 or run.integrity.identity_bits <= 0)
         if self.membership is not None and self.swarm:
             board.publish(state=NodeState.OFFLINE, reason=reason)
+        if proven and self.swarm:
             # The offline record lives exactly one record lifetime, like a heartbeat: the DHT keeps whichever
             # entry of a subkey expires later, so a longer-lived offline record would hide our own restart
             # (its first heartbeat expires sooner) until it ran out; this one always expires first.
