@@ -54,12 +54,17 @@ def test_a_volunteer_behind_nat_joins_and_drives_and_nobody_routes_to_it(swarm, 
         cut_off = next(r for r in views["layer2"] if r.reachable == 0)
         assert cut_off.served == 0 and cut_off.state == "online", cut_off
 
-        done = subprocess.run(
-            [*natted.exec_prefix(), volunteer_exe(), "doctor", "--run", str(run_path), "--initial-peers", maddr,
-             "--listen", natted.maddr(), "--data-dir", str(tmp_path / "doctor"), "--json"],
-            env=swarm.env, capture_output=True, text=True, timeout=120)
-        checks = {(c["section"], c["name"]): c for c in json.loads(done.stdout)["checks"]}
-        reach_check = checks[("reachability", "dialled from outside")]
+        # a second run of doctor, as a user would, when the first could not ask enough peers ("need 2 to tell":
+        # in a loaded suite two of the three peers asked once did not try our addresses in time)
+        for _ in range(2):
+            done = subprocess.run(
+                [*natted.exec_prefix(), volunteer_exe(), "doctor", "--run", str(run_path), "--initial-peers", maddr,
+                 "--listen", natted.maddr(), "--data-dir", str(tmp_path / "doctor"), "--json"],
+                env=swarm.env, capture_output=True, text=True, timeout=120)
+            checks = {(c["section"], c["name"]): c for c in json.loads(done.stdout)["checks"]}
+            reach_check = checks[("reachability", "dialled from outside")]
+            if "need 2 to tell" not in reach_check["detail"]:
+                break
         assert reach_check["status"] == "warn" and "could not dial" in reach_check["detail"], reach_check
         assert "forward a TCP port" in reach_check["detail"] and "layer0" in reach_check["detail"]
         swarm.close()  # before the namespaces go
