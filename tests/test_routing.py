@@ -216,3 +216,44 @@ def test_a_conviction_is_not_lifted_by_an_answer_that_lands_afterwards():
     router.success("honest", 0.5)
     assert router.choose(1.0, hop=True) != "liar"
     assert router.peers["liar"].banned_until < BAD_REPLY_BAN_S + 1.0, "the conviction runs out"
+
+
+def test_a_peer_measured_slow_once_is_measured_again_and_a_black_hole_ever_more_rarely():
+    """One slow first answer (a cold start under load) used to leave a peer out for good while faster peers had hops
+    queued: its speed was only learnt from hops it never got (tests/test_spot_checks.py's liar was starved so)."""
+    from swarm.pipeline.routing import REMEASURE_MAX_S, REMEASURE_S
+
+    router = _router("cold", "fast1", "fast2")
+    router.success("cold", 2.0)
+    router.success("fast1", 0.05)
+    router.success("fast2", 0.05)
+    for pid in ("fast1", "fast2"):
+        for _ in range(4):
+            router.begin(pid)  # queued: still faster than 2 s
+    assert router.choose(0.0, hop=True) != "cold"
+    assert all(router.choose(t, hop=True) != "cold" for t in (1.0, 10.0, REMEASURE_S - 1.0))
+    assert router.choose(REMEASURE_S, hop=True) == "cold", "no hop for REMEASURE_S: one probe, as if new"
+    router.begin("cold")
+    assert router.choose(REMEASURE_S + 0.1, hop=True) != "cold", "one probe at a time"
+    router.end("cold")
+    router.success("cold", 0.01)
+    router.success("cold", 0.01)
+    router.success("cold", 0.01)
+    assert router.choose(REMEASURE_S + 0.2, hop=True) == "cold", "measured fast now: it competes on speed"
+    # spot checks and hedges choose freely and never probe
+    assert router.choose(10 * REMEASURE_S) in {"cold", "fast1", "fast2"}
+
+    # a black hole: each hedge it lost doubles the wait before the next probe
+    holes = _router("hole", "fast")
+    holes.success("fast", 0.05)
+    for _ in range(3):
+        holes.begin("fast")
+    holes.success("hole", 0.05)
+    holes.slow("hole", 5.0, now=0.0)
+    holes.slow("hole", 5.0, now=0.0)  # two lost in a row: 4x REMEASURE_S, and set aside meanwhile
+    assert all(holes.choose(t, hop=True) == "fast" for t in range(0, int(4 * REMEASURE_S), 5))
+    assert holes.choose(4 * REMEASURE_S, hop=True) == "hole"
+    holes.slow("hole", 5.0, now=4 * REMEASURE_S)
+    next_probe = 4 * REMEASURE_S + min(REMEASURE_MAX_S, 8 * REMEASURE_S)
+    assert all(holes.choose(t, hop=True) == "fast" for t in range(int(4 * REMEASURE_S) + 1, int(next_probe), 5))
+    assert holes.choose(next_probe, hop=True) == "hole"

@@ -17,6 +17,10 @@ outcome, and asks it for a peer, a timeout and a hedge delay.
   hops, however many they are. The fastest peer used to get every hop, so fresh keys that answer fast (identities
   cost a second of CPU) carried most of the traffic until each was caught; now they carry a quarter while they earn
   credit (every check of their hops that agrees), and then compete on speed like anyone.
+- Re-measurement: a peer's speed is known only from the hops it gets, so one slow first answer (a cold start, a busy
+  second) used to leave it out for good while faster peers had hops queued. A training hop goes to a usable peer
+  that has not had one for REMEASURE_S (twice as long per hedge lost or failure in a row) as if it were new: one
+  probe, whose answer replaces the old measurement.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ SERVICE_WINDOW = 64  # recent service times per op the timeouts are taken from
 MIN_SAMPLES_FOR_P95 = 3
 NEWCOMER_ROUTE_SHARE = 0.25  # of a swarm's recent hops, the most its peers without validated work here get...
 ROUTE_WINDOW = 32  # ...over this many hops, while a peer with validated work is usable
+REMEASURE_S = 30.0  # a usable peer without a training hop for this long gets one, to measure it again...
+REMEASURE_MAX_S = 480.0  # ...doubling per hedge lost or failure in a row (a black hole: ever more rarely)
 
 
 @dataclass(slots=True, frozen=True)
@@ -67,6 +73,7 @@ class PeerStats:
     # a ban on evidence of a wrong tensor (a failed spot check, a tensor a stage refused as its author's): an answer
     # that lands afterwards (a hop that was in flight) lifts a ban for failures, never this one
     convicted_until: float = 0.0
+    last_hop_at: float | None = None  # when it last got a training hop (before its first: when first seen)
 
 
 @dataclass(slots=True)
@@ -103,7 +110,16 @@ class SwarmRouter:
         bounded = hop and self.established is not None
         if bounded:
             usable = self._newcomers_bounded(usable)
-        peer = min(usable, key=lambda pid: (self.expected_s(pid), self.rng.random()))
+        if hop:
+            for pid in candidates:
+                if self.peers[pid].last_hop_at is None:
+                    self.peers[pid].last_hop_at = now
+        peer = min(usable, key=lambda pid: (self.expected_s(pid, now if hop else None), self.rng.random()))
+        if hop:
+            stats = self.peers[peer]
+            if self._stale(stats, now):
+                stats.service_ema_s = None  # a probe: its answer is the new measurement, not one more in an average
+            stats.last_hop_at = now
         if bounded:
             self.recent.append(not self.established(peer))
         return peer
@@ -124,14 +140,26 @@ class SwarmRouter:
             return None
         return min(stats.held_until for stats in self.peers.values())
 
-    def expected_s(self, peer_id: str) -> float:
+    def expected_s(self, peer_id: str, now: float | None = None) -> float:
+        """Seconds until the peer would finish one more hop. With ``now`` (a training hop's choice): a peer whose
+        measurement is stale (no hop for REMEASURE_S, doubled per hedge lost or failure in a row) and that has
+        nothing in flight counts as unmeasured (0 s: one probe)."""
         stats = self.peers[peer_id]
         if stats.abandoned and stats.in_flight:  # it left its last hedged hop unanswered: one probe at a time
             return float("inf")
+        if now is not None and self._stale(stats, now):
+            return 0.0
         if stats.service_ema_s is not None:
             return stats.service_ema_s * (stats.in_flight + 1)
         # never measured: tried early (0 s), but one probe at a time, and not again soon after it failed
         return self.policy.first_contact_s * (stats.in_flight + stats.failures)
+
+    @staticmethod
+    def _stale(stats: PeerStats, now: float) -> bool:
+        if stats.service_ema_s is None or stats.in_flight or stats.last_hop_at is None:
+            return False
+        misses = min(stats.abandoned + stats.failures, 8)
+        return now - stats.last_hop_at >= min(REMEASURE_MAX_S, REMEASURE_S * 2**misses)
 
     # ----- timeouts
     def p95_s(self, op: str) -> float | None:
