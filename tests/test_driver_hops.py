@@ -44,9 +44,11 @@ def test_a_black_hole_middle_stage_is_hedged_within_seconds():
     fake = FakeSwarm({"layer1": {"hole": BLACK_HOLE, "good": honest(run, 1)}, "layer2": {"last": honest(run, 2)}})
     driver = drive(run, fake, seconds=3.5)
     hole_forwards = fake.calls_to("hole", "forward")
-    # probed at the start, then set aside 1 s, 2 s ... after each hop it left unanswered: twice at most in 3.5 s
-    # (a time bound, < 3 s after the first call, failed a loaded suite once: the second probe came later, not more)
-    assert hole_forwards and len(hole_forwards) <= 2, f"probed {len(hole_forwards)} times"
+    # probed at the start (by two of the four lanes at most: two unmeasured peers with a probe each in flight tie),
+    # then set aside 1 s, 2 s ... after each hop it left unanswered: three times at most in 3.5 s (a time bound,
+    # < 3 s after the first call, and then a count of 2 each failed a loaded suite once: under load the honest peer's
+    # first answer comes later, so a third lane starts while both peers are still unmeasured)
+    assert hole_forwards and len(hole_forwards) <= 3, f"probed {len(hole_forwards)} times"
     assert driver.stats.hedges >= 1 and driver.stats.lost == 0
     for _, _, _, meta, asked in hole_forwards:
         rescued = [c for c in fake.calls_to("good", "forward") if c[3]["mb"] == meta["mb"]]
