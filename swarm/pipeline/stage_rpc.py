@@ -1,7 +1,8 @@
 """The stage server's RPCs over hivemind's P2P, and the client call the driver uses.
 
-Two handlers per stage, in the namespace ``{run_id}.layer{k}``: ``rpc_call`` (unary) and
-``rpc_call_stream`` (for payloads over the unary limit). Both take tensors plus metadata
+Three handlers per stage, in the namespace ``{run_id}.layer{k}``: ``rpc_session`` (many calls on one long-lived
+stream: swarm/pipeline/sessions.py), ``rpc_call`` (unary: a peer without sessions) and ``rpc_call_stream`` (for
+payloads over the session and unary limits). All take tensors plus metadata
 ``{"op": ..., "mb": micro-batch id, ...}`` and dispatch on ``op``:
 
     forward           [x]            -> [y]
@@ -55,6 +56,7 @@ from swarm.pipeline.fair_queue import FairQueue
 from swarm.pipeline.stage import NeedInput, StageWorker
 from swarm.pipeline.stage0_replicas import ReplicaService
 from swarm.pipeline.stage0_rpc import Stage0Ops, Stage0Refused
+from swarm.pipeline.sessions import SESSION_LIMIT_BYTES, open_session, serve_session, session_for
 from swarm.pipeline.stage_gate import SERVED_OPS, UPDATE_OPS, Outcome, StageGate
 from swarm.pipeline.stage_receipts import NeedChain, ReceiptDesk, ReceiptRefusal, Vouched
 from swarm.pipeline.traffic import Traffic  # noqa: F401  (re-exported: the RPC modules count their bytes in it)
@@ -129,6 +131,20 @@ class StageServicer(Stage0Ops, ServicerBase):
         self.traffic.count(str(context.remote_id), outbound=buffer_bytes(out))
         for message in split_message(out, pack_metadata(meta), runtime_pb2.ExpertResponse):
             yield message
+
+    async def rpc_session(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
+                          context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Many calls on one stream, answered as each is done (swarm/pipeline/sessions.py)."""
+        remote = str(context.remote_id)
+
+        async def handle(request: runtime_pb2.ExpertRequest) -> tuple[list[Any], dict]:
+            self.traffic.count(remote, inbound=buffer_bytes(request.tensors))
+            serialized, meta = await self._handle(list(request.tensors), request.metadata, context)
+            self.traffic.count(remote, outbound=buffer_bytes(serialized))
+            return [as_proto(t) for t in serialized], meta
+
+        async for reply in serve_session(requests, handle):
+            yield reply
 
     async def rpc_receipt_key(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         """This peer's receipt key, asked of it over its own connection (swarm/pipeline/keybook.py)."""
@@ -368,6 +384,8 @@ def _expect(tensors: list[torch.Tensor], count: int, op: str) -> list[torch.Tens
 
 # ----- client
 
+_SESSION_HANDLE = StageServicer._get_handle_name("{}", "rpc_session")
+
 
 async def call_stage(p2p: Any, peer_id: str, namespace: str, op: str, tensors: list[torch.Tensor], meta: dict,
                      *, timeout_s: float, codec: str, max_bytes: int, expect_bytes: int = 0,
@@ -380,7 +398,14 @@ async def call_stage(p2p: Any, peer_id: str, namespace: str, op: str, tensors: l
     metadata = pack_metadata({**meta, "op": op})
     sent = buffer_bytes(serialized)
     started = time.perf_counter()
-    if max(sent, expect_bytes) < UNARY_LIMIT_BYTES:
+    session = None
+    if max(sent, expect_bytes) < SESSION_LIMIT_BYTES:
+        session = open_session(p2p, peer_id, namespace) or \
+            await asyncio.wait_for(session_for(p2p, peer_id, namespace, _SESSION_HANDLE.format(namespace)), timeout_s)
+    if session is not None:
+        left_s = max(timeout_s - (time.perf_counter() - started), 0.001)
+        out_serialized, reply_meta = await session.call([as_proto(t) for t in serialized], metadata, left_s)
+    elif max(sent, expect_bytes) < UNARY_LIMIT_BYTES:
         request = runtime_pb2.ExpertRequest(tensors=[as_proto(t) for t in serialized], metadata=metadata)
         reply = await asyncio.wait_for(stub.rpc_call(request), timeout_s)
         out_serialized, out_meta = list(reply.tensors), reply.metadata
@@ -392,7 +417,8 @@ async def call_stage(p2p: Any, peer_id: str, namespace: str, op: str, tensors: l
 
         out_serialized, out_meta = await asyncio.wait_for(stream_call(), timeout_s)
     elapsed = time.perf_counter() - started
-    reply_meta = unpack_metadata(out_meta)
+    if session is None:
+        reply_meta = unpack_metadata(out_meta)
     if traffic is not None:
         traffic.count(peer_id, inbound=buffer_bytes(out_serialized), outbound=sent)
     if not reply_meta:

@@ -1,0 +1,185 @@
+"""Stage calls on one long-lived stream per peer (swarm/pipeline/sessions.py): real hivemind P2P peers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+import pytest
+import torch
+from hivemind.p2p import P2P, P2PContext, ServicerBase
+from hivemind.proto import runtime_pb2
+
+from swarm.pipeline import sessions
+from swarm.pipeline.sessions import SessionBroken, serve_session, session_for
+from swarm.pipeline.stage_rpc import call_stage
+from swarm.pipeline.wire import pack_metadata, unpack_metadata
+
+NS = "sessions-test"
+HANDLE = f"{NS}::EchoServicer.rpc_session"
+
+
+class EchoServicer(ServicerBase):
+    """Answers each session call with its own metadata after ``delay_s`` (from the request), or never (``hang``)."""
+
+    def __init__(self):
+        self.sessions_opened = 0
+        self.unary_calls = 0
+
+    async def rpc_session(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
+                          context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        self.sessions_opened += 1
+
+        async def handle(request):
+            meta = unpack_metadata(request.metadata)
+            if meta.get("quit"):  # this session's stream ends after this reply, calls still waiting on it or not
+                quit_now.set()
+            if meta.get("hang"):
+                await asyncio.Event().wait()
+            await asyncio.sleep(meta.get("delay_s", 0.0))
+            return list(request.tensors), {"ok": True, "echo": meta.get("n")}
+
+        quit_now = asyncio.Event()
+        async for reply in serve_session(requests, handle):
+            yield reply
+            if quit_now.is_set():
+                return
+
+    async def rpc_call(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        self.unary_calls += 1
+        return runtime_pb2.ExpertResponse(tensors=request.tensors, metadata=pack_metadata({"ok": True}))
+
+
+class UnaryOnly(ServicerBase):
+    """An older peer: the stage handlers without ``rpc_session`` (registered under StageServicer's names)."""
+
+    def __init__(self):
+        self.unary_calls = 0
+
+    async def rpc_call(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        self.unary_calls += 1
+        return runtime_pb2.ExpertResponse(tensors=request.tensors, metadata=pack_metadata({"ok": True}))
+
+
+UnaryOnly.__name__ = "StageServicer"  # hivemind names a handler by its class: a stub of ours finds this one
+
+
+def with_peers(body, servicer):
+    async def main():
+        server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        client = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                  initial_peers=[str(m) for m in await server.get_visible_maddrs()])
+        try:
+            await servicer.add_p2p_handlers(server, namespace=NS)
+            return await asyncio.wait_for(body(server, client), 60)
+        finally:
+            sessions.close_sessions(client)
+            await client.shutdown()
+            await server.shutdown()
+
+    return asyncio.run(main())
+
+
+def request_meta(n: int, **extra) -> bytes:
+    return pack_metadata({"n": n, **extra})
+
+
+def test_concurrent_calls_share_one_session_and_each_reply_finds_its_call():
+    servicer = EchoServicer()
+
+    async def body(server, client):
+        session = await session_for(client, str(server.peer_id), NS, HANDLE)
+        assert session is not None
+
+        async def one(n):  # the first calls answer last: replies come back out of order
+            tensors, meta = await session.call([], request_meta(n, delay_s=0.02 * (16 - n)), timeout_s=20)
+            return meta["echo"]
+
+        echoes = await asyncio.gather(*(one(n) for n in range(16)))
+        assert echoes == list(range(16))
+        again = await session_for(client, str(server.peer_id), NS, HANDLE)
+        assert again is session and servicer.sessions_opened == 1 and servicer.unary_calls == 0
+
+    with_peers(body, servicer)
+
+
+def test_a_broken_session_fails_its_waiting_calls_and_the_next_call_opens_another():
+    servicer = EchoServicer()
+
+    async def body(server, client):
+        session = await session_for(client, str(server.peer_id), NS, HANDLE)
+        waiting = asyncio.create_task(session.call([], request_meta(1, hang=True), timeout_s=30))
+        await asyncio.sleep(0.3)
+        _, meta = await session.call([], request_meta(2, quit=True), timeout_s=10)  # the server ends the stream
+        with pytest.raises(SessionBroken):
+            await asyncio.wait_for(waiting, 5)
+        assert session.closed
+        fresh = await session_for(client, str(server.peer_id), NS, HANDLE)
+        assert fresh is not session
+        _, meta = await fresh.call([], request_meta(3), timeout_s=10)
+        assert meta["echo"] == 3 and servicer.sessions_opened == 2
+
+    with_peers(body, servicer)
+
+
+def test_a_timed_out_call_is_dropped_and_a_session_that_answers_nothing_is_closed():
+    servicer = EchoServicer()
+
+    async def body(server, client):
+        session = await session_for(client, str(server.peer_id), NS, HANDLE)
+        _, meta = await session.call([], request_meta(0), timeout_s=10)
+        with pytest.raises(TimeoutError):
+            await session.call([], request_meta(1, hang=True), timeout_s=0.3)
+        assert not session.closed and not session.waiting  # one timeout: a slow stage, not a dead session
+        _, meta = await session.call([], request_meta(2), timeout_s=10)  # a reply in between clears the count
+        assert meta["echo"] == 2
+        for n in (3, 4):
+            with pytest.raises(TimeoutError):
+                await session.call([], request_meta(n, hang=True), timeout_s=0.3)
+        assert session.closed  # two in a row with nothing answered: the next call opens a new one
+        fresh = await session_for(client, str(server.peer_id), NS, HANDLE)
+        assert fresh is not session and (await fresh.call([], request_meta(5), timeout_s=10))[1]["echo"] == 5
+
+    with_peers(body, servicer)
+
+
+def test_a_peer_without_sessions_gets_unary_calls():
+    servicer = UnaryOnly()
+
+    async def body(server, client):
+        x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+        for _ in range(3):
+            (out,), reply, _ = await call_stage(client, str(server.peer_id), NS, "forward", [x], {}, timeout_s=10,
+                                                codec="float32", max_bytes=2**20)
+            assert torch.equal(out, x) and reply["ok"] is True
+        assert servicer.unary_calls == 3
+        assert sessions._NO_SESSION_UNTIL[client]  # asked once, then unary for NO_SESSION_S
+
+    with_peers(body, servicer)
+
+
+def test_a_session_runs_at_most_max_running_calls_at_once(monkeypatch):
+    monkeypatch.setattr(sessions, "MAX_RUNNING", 4)
+
+    async def main():
+        gate = asyncio.Event()
+
+        async def handle(request):
+            await gate.wait()
+            return [], {"ok": True}
+
+        async def requests():
+            for n in range(6):
+                yield runtime_pb2.ExpertRequest(uid=str(n))
+            await asyncio.sleep(0.2)
+            gate.set()
+
+        replies = []
+        async for reply in serve_session(requests(), handle):
+            replies.append(unpack_metadata(reply.metadata))
+        return replies
+
+    replies = asyncio.run(asyncio.wait_for(main(), 10))
+    busy = [r for r in replies if r.get("code") == "busy"]
+    assert [r["cid"] for r in busy] == ["4", "5"] and busy[0]["retry_after_s"] > 0
+    assert sorted(r["cid"] for r in replies if r.get("ok")) == ["0", "1", "2", "3"]  # answered after the input ended
