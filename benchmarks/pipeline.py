@@ -23,11 +23,11 @@ prints one JSON object (progress goes to stderr):
 - ``hop_overhead_ms_64k``, ``hop_overhead_ms_4m``: median time of a forward hop (``call_stage``
   to a ``StageServicer`` of another P2P peer, in-process, over loopback through both p2pd daemons)
   minus the median local forward (``dispatch``: checks and forward on the same kind of worker), for
-  64 KiB and 4 MiB of activations, each sent the way call_stage chooses (unary below
-  ``wire.UNARY_LIMIT_BYTES``, streamed from there). Ratios: against an empty hop (batch 1)
-  and as MB/s of activations moved both ways; ``hop_{overhead,cpu}_<size>_unary_vs_streamed``
-  compare the two transports, each forced, at equal sizes (64 KiB to 2 MiB), in time and in CPU (this
-  process and both p2pd daemons).
+  64 KiB and 4 MiB of activations, each sent the way call_stage chooses (on a session below
+  ``sessions.SESSION_LIMIT_BYTES``, a stream of its own from there). Ratios: against an empty hop (batch 1)
+  and as MB/s of activations moved both ways; ``hop_{overhead,cpu}_<size>_unary_vs_streamed`` and
+  ``hop_{overhead,cpu}_<size>_session_vs_{unary,streamed}`` compare the three transports, each forced, at equal
+  sizes (64 KiB to 2 MiB), in time and in CPU (this process and both p2pd daemons).
 
 Throughput is read from the drivers' own membership records (``trained`` samples at ``updated_at``,
 one record per heartbeat), summed over layer0 peers, after a warm-up.

@@ -1,6 +1,6 @@
 """benchmarks.pipeline, one hop: a forward to a ``StageServicer`` of another P2P peer (in this process,
 over loopback through both p2pd daemons) against the same forward on a local worker, for sizes from
-an empty hop to 4 MiB, unary and streamed (see benchmarks/pipeline.py for the figures it reports)."""
+an empty hop to 4 MiB, on a session, unary and streamed (see benchmarks/pipeline.py for the figures it reports)."""
 
 from __future__ import annotations
 
@@ -19,13 +19,14 @@ MIB = 1024 * 1024
 # session's figures): a forward at stage 1 names its sample ids in its metadata (8 bytes a row, stage-0 spot checks),
 # and 4 MiB of 64-wide rows were 16,384 of them, 128 KiB of ids, over the 64 KiB metadata bound. At 256, 32 KiB.
 HOP_WIDTH = 256
-# name -> (activation bytes, transport): "default" lets call_stage choose (it streams from
-# wire.UNARY_LIMIT_BYTES up); "unary" / "stream" force one, to compare the two at equal sizes.
+# name -> (activation bytes, transport): "default" lets call_stage choose (a session below
+# sessions.SESSION_LIMIT_BYTES, a stream of its own from there); "session" / "unary" / "stream" force one, to compare
+# them at equal sizes.
 HOP_CASES = {"empty": (4 * HOP_WIDTH, "default"), "64k": (64 * KIB, "default"), "4m": (4 * MIB, "default")}
 HOP_COMPARED = ("64k", "256k", "1m", "2m")
 HOP_COMPARED_BYTES = {"64k": 64 * KIB, "256k": 256 * KIB, "1m": MIB, "2m": 2 * MIB}
 HOP_CASES.update({f"{name}_{transport}": (HOP_COMPARED_BYTES[name], transport)
-                  for name in HOP_COMPARED for transport in ("unary", "stream")})
+                  for name in HOP_COMPARED for transport in ("session", "unary", "stream")})
 P2PD_UNARY_CAP_BYTES = 4 * MIB  # p2pd's persistent-connection message limit
 HOP_TIMEOUT_S = 60.0
 
@@ -75,9 +76,17 @@ def hops(fleet: Fleet, maddr: str, reps: int) -> dict[str, Any]:
                                                                  report[f"hop_overhead_ms_{name}_stream"])
         report[f"hop_cpu_{name}_unary_vs_streamed"] = ratio(timings[f"{name}_unary"]["cpu_ms"],
                                                              timings[f"{name}_stream"]["cpu_ms"])
+        for other, said in (("unary", "unary"), ("stream", "streamed")):
+            report[f"hop_overhead_{name}_session_vs_{said}"] = ratio(report[f"hop_overhead_ms_{name}_session"],
+                                                                     report[f"hop_overhead_ms_{name}_{other}"])
+            report[f"hop_cpu_{name}_session_vs_{said}"] = ratio(timings[f"{name}_session"]["cpu_ms"],
+                                                                timings[f"{name}_{other}"]["cpu_ms"])
     from swarm.pipeline.wire import UNARY_LIMIT_BYTES
 
+    from swarm.pipeline.sessions import SESSION_LIMIT_BYTES
+
     report["hop_unary_limit_bytes"] = UNARY_LIMIT_BYTES
+    report["hop_session_limit_bytes"] = SESSION_LIMIT_BYTES
     report["hop"] = {"width": HOP_WIDTH, "op": "forward", "sizes": detail, "failures": failures}
     return report
 
@@ -134,6 +143,7 @@ async def _one_hop(p2p: Any, peer: Any, local: Any, run: Any, x: Any, mb: str, s
     (swarm/integrity/receipts.py); ``receipt`` is the part of it those receipt steps took."""
     import torch
 
+    import swarm.pipeline.sessions as sessions
     import swarm.pipeline.stage_rpc as stage_rpc
     from swarm.integrity.receipts import ids_digest, tensor_digest
     from swarm.pipeline.replies import Vouch, check_receipt
@@ -143,8 +153,12 @@ async def _one_hop(p2p: Any, peer: Any, local: Any, run: Any, x: Any, mb: str, s
     key, keys = _driver_keys(p2p)
     x = x.clone()  # a fresh stage-0 output, serialized anew, as the driver's is each micro-batch
     ids = torch.arange(x.shape[0], dtype=torch.int64)
-    default_limit = stage_rpc.UNARY_LIMIT_BYTES  # call_stage reads it at each call: force the transport
-    stage_rpc.UNARY_LIMIT_BYTES = {"unary": P2PD_UNARY_CAP_BYTES - 1, "stream": 0}.get(transport, default_limit)
+    # call_stage reads these at each call: force the transport
+    defaults = stage_rpc.UNARY_LIMIT_BYTES, stage_rpc.SESSION_LIMIT_BYTES, sessions.ENABLED
+    if transport != "default":
+        sessions.ENABLED = transport == "session"
+        stage_rpc.SESSION_LIMIT_BYTES = P2PD_UNARY_CAP_BYTES
+        stage_rpc.UNARY_LIMIT_BYTES = P2PD_UNARY_CAP_BYTES - 1 if transport == "unary" else 0
     try:
         cpu = sum(process_cpu_seconds(pid) for pid in cpu_pids)
         started = time.perf_counter()
@@ -166,7 +180,7 @@ async def _one_hop(p2p: Any, peer: Any, local: Any, run: Any, x: Any, mb: str, s
         hop_s = time.perf_counter() - started
         cpu = sum(process_cpu_seconds(pid) for pid in cpu_pids) - cpu
     finally:
-        stage_rpc.UNARY_LIMIT_BYTES = default_limit
+        stage_rpc.UNARY_LIMIT_BYTES, stage_rpc.SESSION_LIMIT_BYTES, sessions.ENABLED = defaults
     if y.shape != x.shape:
         raise BenchmarkError(f"the hop returned {tuple(y.shape)}, expected {tuple(x.shape)}")
     with peer.worker.lock:  # drop the saved graph: no backward follows in this benchmark

@@ -50,6 +50,18 @@ class EchoServicer(ServicerBase):
         return runtime_pb2.ExpertResponse(tensors=request.tensors, metadata=pack_metadata({"ok": True}))
 
 
+class Flooder(ServicerBase):
+    """A hostile peer: answers every call, after a flood of replies to calls nobody made."""
+
+    async def rpc_session(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
+                          context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        async for request in requests:
+            for n in range(sessions.MAX_UNMATCHED + 8):
+                yield runtime_pb2.ExpertResponse(metadata=pack_metadata({"ok": True, "cid": f"x{n}"}) if n % 2
+                                                 else b"\xc1 garbage")
+            yield runtime_pb2.ExpertResponse(metadata=pack_metadata({"ok": True, "cid": request.uid}))
+
+
 class UnaryOnly(ServicerBase):
     """An older peer: the stage handlers without ``rpc_session`` (registered under StageServicer's names)."""
 
@@ -183,3 +195,13 @@ def test_a_session_runs_at_most_max_running_calls_at_once(monkeypatch):
     busy = [r for r in replies if r.get("code") == "busy"]
     assert [r["cid"] for r in busy] == ["4", "5"] and busy[0]["retry_after_s"] > 0
     assert sorted(r["cid"] for r in replies if r.get("ok")) == ["0", "1", "2", "3"]  # answered after the input ended
+
+
+def test_a_peer_that_floods_its_session_with_replies_nobody_asked_for_loses_the_session():
+    async def body(server, client):
+        session = await session_for(client, str(server.peer_id), NS, "sessions-test::Flooder.rpc_session")
+        with pytest.raises(SessionBroken, match="nobody made"):
+            await session.call([], request_meta(1), timeout_s=10)
+        assert session.closed
+
+    with_peers(body, Flooder())

@@ -50,6 +50,7 @@ NO_SESSION_S = 60.0  # a peer whose session could not be opened gets unary calls
 STUCK_TIMEOUTS = 2  # timeouts in a row with no reply in between: the session is closed, the next call reopens it
 MAX_RUNNING = 32  # calls one session runs at once on a server; more are answered "busy"
 MAX_CALL_ID_CHARS = 20
+MAX_UNMATCHED = 16  # replies to calls nobody made (beyond the late ones) before a session is closed as hostile
 # benchmarks switch sessions off to measure the same code without them (VOLUNTEER_STAGE_SESSIONS=0)
 ENABLED = os.environ.get("VOLUNTEER_STAGE_SESSIONS", "1") != "0"
 
@@ -82,6 +83,8 @@ class ClientSession:
         self.last_used = time.monotonic()
         self.last_reply = time.monotonic()
         self.timeouts_in_a_row = 0
+        self.unmatched = 0  # replies to no call waiting: late ones (after a timeout or a lost hedge), or a flood
+        self.given_up = 0  # calls that stopped waiting before their reply: the late replies they may still get
 
     async def open(self, p2p: Any, handle_name: str) -> None:
         from hivemind.p2p import PeerID
@@ -124,13 +127,17 @@ class ClientSession:
             meta = unpack_metadata(reply.metadata)
         except WireError as exc:
             logger.info("a session reply from %s without readable metadata was dropped: %s", self.key[0][-8:], exc)
-            return
+            meta = {}
         cid = meta.pop("cid", None)
         future = self.waiting.pop(cid, None) if isinstance(cid, str) else None
+        if future is None or future.done():
+            self.unmatched += 1
+            if self.unmatched > self.given_up + MAX_UNMATCHED:  # more than it was ever asked: not a slow peer
+                self.close(SessionBroken(f"the peer sent {self.unmatched} replies to calls nobody made"))
+            return
         self.last_reply = time.monotonic()
         self.timeouts_in_a_row = 0
-        if future is not None and not future.done():
-            future.set_result((list(reply.tensors), meta))
+        future.set_result((list(reply.tensors), meta))
 
     async def call(self, tensors: list[Any], metadata: bytes, timeout_s: float) -> tuple[list[Any], dict]:
         """Send one request on the session and wait for its reply: (serialized tensors, reply metadata)."""
@@ -157,7 +164,8 @@ class ClientSession:
             self.close(exc)
             raise SessionBroken(f"the session broke while sending: {exc}") from None
         finally:
-            self.waiting.pop(cid, None)
+            if self.waiting.pop(cid, None) is not None:  # a timeout, a cancelled hedge: its reply may still come
+                self.given_up += 1
 
     def close(self, error: BaseException | None = None) -> None:
         if self.closed:

@@ -56,6 +56,7 @@ from swarm.pipeline.fair_queue import FairQueue
 from swarm.pipeline.stage import NeedInput, StageWorker
 from swarm.pipeline.stage0_replicas import ReplicaService
 from swarm.pipeline.stage0_rpc import Stage0Ops, Stage0Refused
+from swarm.pipeline import sessions
 from swarm.pipeline.sessions import SESSION_LIMIT_BYTES, open_session, serve_session, session_for
 from swarm.pipeline.stage_gate import SERVED_OPS, UPDATE_OPS, Outcome, StageGate
 from swarm.pipeline.stage_receipts import NeedChain, ReceiptDesk, ReceiptRefusal, Vouched
@@ -399,7 +400,7 @@ async def call_stage(p2p: Any, peer_id: str, namespace: str, op: str, tensors: l
     sent = buffer_bytes(serialized)
     started = time.perf_counter()
     session = None
-    if max(sent, expect_bytes) < SESSION_LIMIT_BYTES:
+    if sessions.ENABLED and max(sent, expect_bytes) < SESSION_LIMIT_BYTES:
         session = open_session(p2p, peer_id, namespace) or \
             await asyncio.wait_for(session_for(p2p, peer_id, namespace, _SESSION_HANDLE.format(namespace)), timeout_s)
     if session is not None:
