@@ -24,6 +24,7 @@ from swarm.run.runconfig import EDGE_MODES, RunConfig
 from swarm.pipeline.peer_eval import Evaluations
 from swarm.pipeline.peer_metrics import PeerMetrics, collect_metrics
 from swarm.pipeline.peer_views import HELD_MEMORY_VIEWS, HeldShards  # noqa: F401  (HELD_MEMORY_VIEWS re-exported)
+from swarm.pipeline.sessions import close_sessions
 from swarm.pipeline.stage import StageWorker
 from swarm.pipeline.stage_gate import StageGate
 from swarm.pipeline.stage_rpc import Traffic, make_servicer, stage_namespace
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 SETUP_TIMEOUT_S = 60.0
 DRAIN_TIMEOUT_S = 60.0
+TEARDOWN_TASKS_S = 2.0  # what is still running on the loop at a stop gets this long to end once cancelled
 DRAIN_STALLED_S = 1.5  # a drain gives up when none of our hops has answered for this long
 CLAIM_GRACE_HEARTBEATS = 3  # a new shard claim stays open to the other drivers this long (integrity/labels.py)
 
@@ -272,6 +274,9 @@ class SwarmPeer:
                     await self._servicer.remove_p2p_handlers(self.p2p, namespace=stage_namespace(self.run.run_id, self.swarm))
                 except Exception as exc:
                     logger.debug("removing handlers: %s", exc)
+                # sessions others hold with this stage end while the loop runs (a coroutine left pending is closed
+                # later by the garbage collector, on a stopped loop, and says so on stderr)
+                await self._servicer.end_sessions(TEARDOWN_TASKS_S)
             if self._dial_back_servicer is not None and self.p2p is not None:
                 from swarm.dht.reachability import namespace
 
@@ -280,6 +285,7 @@ class SwarmPeer:
                 except Exception as exc:
                     logger.debug("removing the dial-back handler: %s", exc)
             if self.p2p is not None:
+                await asyncio.gather(*close_sessions(self.p2p), return_exceptions=True)
                 try:
                     await self.p2p.shutdown()
                 except Exception as exc:

@@ -48,7 +48,7 @@ SESSION_LIMIT_BYTES = 2 * 2**20
 IDLE_S = 60.0  # a session unused this long is closed (by the next session opened)
 NO_SESSION_S = 60.0  # a peer whose session could not be opened gets unary calls this long
 STUCK_TIMEOUTS = 2  # timeouts in a row with no reply in between: the session is closed, the next call reopens it
-MAX_RUNNING = 32  # calls one session runs at once on a server; more are answered "busy"
+MAX_RUNNING = 32  # calls one session runs at once on a server (at least; a stage allows twice its per-driver cap)
 MAX_CALL_ID_CHARS = 20
 MAX_UNMATCHED = 16  # replies to calls nobody made (beyond the late ones) before a session is closed as hostile
 # benchmarks switch sessions off to measure the same code without them (VOLUNTEER_STAGE_SESSIONS=0)
@@ -251,10 +251,15 @@ def _close_idle(sessions: dict[tuple[str, str], ClientSession], unary_until: dic
         del unary_until[key]
 
 
-def close_sessions(p2p: Any) -> None:
-    """Close every session of one P2P instance (a node that leaves; tests)."""
+def close_sessions(p2p: Any) -> list[asyncio.Task]:
+    """Close every session of one P2P instance (a node that leaves; tests): each server is told the calls ended and
+    answers what it was asked before it ends its side. Returns the sessions' reading tasks (cancelled) to await."""
+    readers = []
     for session in list(_SESSIONS.get(p2p, {}).values()):
         session.close(SessionBroken("closed by this node"))
+        if session.reader is not None:
+            readers.append(session.reader)
+    return readers
 
 
 # ----- server
@@ -262,8 +267,10 @@ def close_sessions(p2p: Any) -> None:
 
 async def serve_session(requests: AsyncIterator[runtime_pb2.ExpertRequest],
                         handle: Callable[[runtime_pb2.ExpertRequest], Awaitable[tuple[list[Any], dict]]],
-                        ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-    """Answer a session's requests as each is done: ``handle(request) -> (serialized tensors, reply metadata)``."""
+                        max_running: int | None = None) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+    """Answer a session's requests as each is done: ``handle(request) -> (serialized tensors, reply metadata)``;
+    more than ``max_running`` at once (default ``MAX_RUNNING``) are answered "busy", unread."""
+    max_running = max_running or MAX_RUNNING
     done: asyncio.Queue[runtime_pb2.ExpertResponse | None] = asyncio.Queue()
     running: set[asyncio.Task] = set()
 
@@ -284,9 +291,9 @@ async def serve_session(requests: AsyncIterator[runtime_pb2.ExpertRequest],
         try:
             async for request in requests:
                 cid = request.uid[:MAX_CALL_ID_CHARS]
-                if len(running) >= MAX_RUNNING:
+                if len(running) >= max_running:
                     done.put_nowait(reply(cid, [], refusal_meta(
-                        "busy", f"over {MAX_RUNNING} calls at once on one session", retry_after_s=0.2)))
+                        "busy", f"over {max_running} calls at once on one session", retry_after_s=0.2)))
                     continue
                 task = asyncio.create_task(one(cid, request))
                 running.add(task)
@@ -300,7 +307,8 @@ async def serve_session(requests: AsyncIterator[runtime_pb2.ExpertRequest],
     try:
         while (message := await done.get()) is not None:
             yield message
-    finally:
+    finally:  # the caller left or the node stops: nothing of this session may outlive it on the loop
         reader.cancel()
         for task in list(running):
             task.cancel()
+        await asyncio.gather(reader, *running, return_exceptions=True)

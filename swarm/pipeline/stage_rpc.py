@@ -113,6 +113,7 @@ class StageServicer(Stage0Ops, ServicerBase):
         self.is_accepting = is_accepting
         self.traffic = traffic or Traffic()
         self.active = 0  # requests being served right now (a leaving peer waits for these)
+        self.session_tasks: set[asyncio.Task] = set()  # hivemind's tasks that run our sessions (ended at a stop)
 
     async def rpc_call(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         remote = str(context.remote_id)
@@ -144,8 +145,24 @@ class StageServicer(Stage0Ops, ServicerBase):
             self.traffic.count(remote, outbound=buffer_bytes(serialized))
             return [as_proto(t) for t in serialized], meta
 
-        async for reply in serve_session(requests, handle):
-            yield reply
+        # the gate's own cap per driver decides; the session's only bounds what one stream holds
+        per_driver = self.gate.cfg.max_in_flight_per_requester if self.gate is not None else 0
+        task = asyncio.current_task()
+        self.session_tasks.add(task)
+        try:
+            async for reply in serve_session(requests, handle, max(sessions.MAX_RUNNING, 2 * per_driver)):
+                yield reply
+        finally:
+            self.session_tasks.discard(task)
+
+    async def end_sessions(self, timeout_s: float) -> None:
+        """End every session served here (a stop): hivemind's stream handler then closes each stream itself."""
+        tasks = [task for task in self.session_tasks if not task.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
+            await asyncio.sleep(0.05)  # hivemind's handler notices its processing task ended, and closes the stream
 
     async def rpc_receipt_key(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         """This peer's receipt key, asked of it over its own connection (swarm/pipeline/keybook.py)."""
