@@ -205,3 +205,15 @@ def test_a_peer_that_floods_its_session_with_replies_nobody_asked_for_loses_the_
         assert session.closed
 
     with_peers(body, Flooder())
+
+
+def test_a_peer_that_cannot_be_reached_fails_the_call_at_once_without_a_unary_retry():
+    async def body(server, client):
+        gone = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        gone_id = str(gone.peer_id)
+        await gone.shutdown()
+        with pytest.raises(SessionBroken, match="could not open a session"):
+            await asyncio.wait_for(session_for(client, gone_id, NS, HANDLE), 30)
+        assert (gone_id, NS) not in sessions._NO_SESSION_UNTIL.get(client, {})  # the next call tries a session again
+
+    with_peers(body, EchoServicer())

@@ -19,7 +19,8 @@ Failures stay per call: a call that times out is dropped from the session (a lat
 that breaks fails every call waiting on it with ``SessionBroken`` (a ``ConnectionError``: the hop is retried at
 another peer, as for a cut unary call) and the next call opens a new session. A session that answers nothing
 while its calls time out is closed (``STUCK_TIMEOUTS``), and one idle for ``IDLE_S`` is closed by the next call
-that opens another. A peer without the handler (an older version) gets unary calls for ``NO_SESSION_S``.
+that opens another. A peer without the handler (an older version) gets unary calls for ``NO_SESSION_S``; a peer
+that cannot be reached fails the call at once (a unary call would only dial it again).
 
 On the server, one session runs at most ``MAX_RUNNING`` calls at once; more are answered ``busy`` unread (the
 stage's fair queue and gate still decide everything else, per requester, as for unary calls).
@@ -51,6 +52,7 @@ STUCK_TIMEOUTS = 2  # timeouts in a row with no reply in between: the session is
 MAX_RUNNING = 32  # calls one session runs at once on a server (at least; a stage allows twice its per-driver cap)
 MAX_CALL_ID_CHARS = 20
 MAX_UNMATCHED = 16  # replies to calls nobody made (beyond the late ones) before a session is closed as hostile
+NO_HANDLER = "protocols not supported"  # what p2pd says when the peer has no such handler (measured, 1.1.12)
 # benchmarks switch sessions off to measure the same code without them (VOLUNTEER_STAGE_SESSIONS=0)
 ENABLED = os.environ.get("VOLUNTEER_STAGE_SESSIONS", "1") != "0"
 
@@ -151,10 +153,11 @@ class ClientSession:
         self.waiting[cid] = future
         self.last_used = started = time.monotonic()
         try:
-            # one request's bytes go out whole: send_protobuf writes them all before its only await (drain)
-            await asyncio.wait_for(P2P.send_protobuf(
-                runtime_pb2.ExpertRequest(uid=cid, tensors=tensors, metadata=metadata), self.writer), timeout_s)
-            return await asyncio.wait_for(future, max(timeout_s - (time.monotonic() - started), 0.001))
+            async with asyncio.timeout(timeout_s):  # one deadline for both, and no task per call
+                # one request's bytes go out whole: send_protobuf writes them all before its only await (drain)
+                await P2P.send_protobuf(runtime_pb2.ExpertRequest(uid=cid, tensors=tensors, metadata=metadata),
+                                        self.writer)
+                return await future
         except TimeoutError:
             self.timeouts_in_a_row += 1
             if self.timeouts_in_a_row >= STUCK_TIMEOUTS and self.last_reply < started:
@@ -231,9 +234,11 @@ async def session_for(p2p: Any, peer_id: str, namespace: str, handle_name: str) 
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            if NO_HANDLER not in str(exc):  # the peer cannot be reached: a unary call would dial it again in vain
+                raise SessionBroken(f"could not open a session: {exc.__class__.__name__}: {str(exc)[:200]}") from None
             unary_until[key] = now + NO_SESSION_S
-            logger.info("no session with %s (%s: %s): unary calls for %.0f s", peer_id[-8:],
-                        exc.__class__.__name__, str(exc)[:200], NO_SESSION_S)
+            logger.info("%s serves no sessions (an older version): unary calls for %.0f s", peer_id[-8:],
+                        NO_SESSION_S)
             return None
     else:
         try:
