@@ -6,6 +6,7 @@ Map:
 - activations.py saved forward graphs, bounded, an equal share per driver
 - staleness.py   staleness of updates (window: mean, p95, max) and the staleness-aware step size
 - stage_rpc.py   the stage RPCs (server and client call); stage_gate.py: who may ask, fair share, bans
+- sessions.py    stage calls on one long-lived stream per peer: call ids, replies in any order, failures per call
 - stage_receipts.py the stage's side of receipts: what a request's receipts vouch for, whom a wrong tensor blames
 - keybook.py     whose receipt key is whose: the keys of the peers whose receipts we check
 - spot_checks.py the driver's spot checks: a share of forward and gradient hops recomputed at a second peer of the swarm
