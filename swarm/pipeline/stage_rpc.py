@@ -402,8 +402,6 @@ def _expect(tensors: list[torch.Tensor], count: int, op: str) -> list[torch.Tens
 
 # ----- client
 
-_SESSION_HANDLE = StageServicer._get_handle_name("{}", "rpc_session")
-
 
 async def call_stage(p2p: Any, peer_id: str, namespace: str, op: str, tensors: list[torch.Tensor], meta: dict,
                      *, timeout_s: float, codec: str, max_bytes: int, expect_bytes: int = 0,
@@ -419,7 +417,8 @@ async def call_stage(p2p: Any, peer_id: str, namespace: str, op: str, tensors: l
     session = None
     if sessions.ENABLED and max(sent, expect_bytes) < SESSION_LIMIT_BYTES:
         session = open_session(p2p, peer_id, namespace) or \
-            await asyncio.wait_for(session_for(p2p, peer_id, namespace, _SESSION_HANDLE.format(namespace)), timeout_s)
+            await asyncio.wait_for(session_for(p2p, peer_id, namespace,
+                                               StageServicer._get_handle_name(namespace, "rpc_session")), timeout_s)
     if session is not None:
         left_s = max(timeout_s - (time.perf_counter() - started), 0.001)
         out_serialized, reply_meta = await session.call([as_proto(t) for t in serialized], metadata, left_s)
