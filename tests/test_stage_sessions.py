@@ -217,3 +217,23 @@ def test_a_peer_that_cannot_be_reached_fails_the_call_at_once_without_a_unary_re
         assert (gone_id, NS) not in sessions._NO_SESSION_UNTIL.get(client, {})  # the next call tries a session again
 
     with_peers(body, EchoServicer())
+
+
+def test_a_retired_session_still_answers_the_calls_waiting_on_a_busy_peer():
+    """Two timeouts with nothing answered retire a session; a slow call already waiting on it is not failed (a busy
+    machine is not a broken stream): it gets its reply, then the session closes, and new calls use a new one."""
+    servicer = EchoServicer()
+
+    async def body(server, client):
+        session = await session_for(client, str(server.peer_id), NS, HANDLE)
+        slow = asyncio.create_task(session.call([], request_meta(1, delay_s=1.5), timeout_s=20))
+        for n in (2, 3):
+            with pytest.raises(TimeoutError):
+                await session.call([], request_meta(n, hang=True), timeout_s=0.3)
+        assert session.retired and not session.closed
+        fresh = await session_for(client, str(server.peer_id), NS, HANDLE)
+        assert fresh is not session and (await fresh.call([], request_meta(4), timeout_s=10))[1]["echo"] == 4
+        assert (await asyncio.wait_for(slow, 10))[1]["echo"] == 1
+        assert session.closed
+
+    with_peers(body, servicer)

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 SETUP_TIMEOUT_S = 60.0
 DRAIN_TIMEOUT_S = 60.0
-TEARDOWN_TASKS_S = 2.0  # what is still running on the loop at a stop gets this long to end once cancelled
+TEARDOWN_TASKS_S = 2.0  # the sessions this stage serves get this long to end at a stop, once cancelled
 DRAIN_STALLED_S = 1.5  # a drain gives up when none of our hops has answered for this long
 CLAIM_GRACE_HEARTBEATS = 3  # a new shard claim stays open to the other drivers this long (integrity/labels.py)
 

@@ -18,7 +18,7 @@ message would hold every small one behind it).
 Failures stay per call: a call that times out is dropped from the session (a late reply is discarded); a stream
 that breaks fails every call waiting on it with ``SessionBroken`` (a ``ConnectionError``: the hop is retried at
 another peer, as for a cut unary call) and the next call opens a new session. A session that answers nothing
-while its calls time out is closed (``STUCK_TIMEOUTS``), and one idle for ``IDLE_S`` is closed by the next call
+while its calls time out takes no new calls and closes once those still waiting are done (``STUCK_TIMEOUTS``), and one idle for ``IDLE_S`` is closed by the next call
 that opens another. A peer without the handler (an older version) gets unary calls for ``NO_SESSION_S``; a peer
 that cannot be reached fails the call at once (a unary call would only dial it again).
 
@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 SESSION_LIMIT_BYTES = 2 * 2**20
 IDLE_S = 60.0  # a session unused this long is closed (by the next session opened)
 NO_SESSION_S = 60.0  # a peer whose session could not be opened gets unary calls this long
-STUCK_TIMEOUTS = 2  # timeouts in a row with no reply in between: the session is closed, the next call reopens it
+STUCK_TIMEOUTS = 2  # timeouts in a row with no reply in between: the session retires, the next call opens another
 MAX_RUNNING = 32  # calls one session runs at once on a server (at least; a stage allows twice its per-driver cap)
 MAX_CALL_ID_CHARS = 20
 MAX_UNMATCHED = 16  # replies to calls nobody made (beyond the late ones) before a session is closed as hostile
@@ -82,6 +82,7 @@ class ClientSession:
         self.writer: asyncio.StreamWriter | None = None
         self.reader: asyncio.Task | None = None
         self.closed = False
+        self.retired = False  # no new calls: closed once those waiting are done (retire)
         self.last_used = time.monotonic()
         self.last_reply = time.monotonic()
         self.timeouts_in_a_row = 0
@@ -161,7 +162,7 @@ class ClientSession:
         except TimeoutError:
             self.timeouts_in_a_row += 1
             if self.timeouts_in_a_row >= STUCK_TIMEOUTS and self.last_reply < started:
-                self.close(SessionBroken("the session answered nothing while its calls timed out"))
+                self.retire()
             raise
         except (ConnectionError, OSError) as exc:
             self.close(exc)
@@ -169,15 +170,28 @@ class ClientSession:
         finally:
             if self.waiting.pop(cid, None) is not None:  # a timeout, a cancelled hedge: its reply may still come
                 self.given_up += 1
+            if self.retired and not self.waiting:
+                self.close(SessionBroken("the session answered nothing while its calls timed out"))
+
+    def retire(self) -> None:
+        """New calls open a new session; this one closes when the calls still waiting on it are done. A busy peer's
+        slow answers are not a broken stream: its other calls keep waiting for their own replies and deadlines."""
+        self.retired = True
+        self._unregister()
+        if not self.waiting:
+            self.close(SessionBroken("the session answered nothing while its calls timed out"))
+
+    def _unregister(self) -> None:
+        p2p = self.p2p_ref()
+        sessions = _SESSIONS.get(p2p) if p2p is not None else None
+        if sessions is not None and sessions.get(self.key) is self:
+            del sessions[self.key]
 
     def close(self, error: BaseException | None = None) -> None:
         if self.closed:
             return
         self.closed = True
-        p2p = self.p2p_ref()
-        sessions = _SESSIONS.get(p2p) if p2p is not None else None
-        if sessions is not None and sessions.get(self.key) is self:
-            del sessions[self.key]
+        self._unregister()
         if self.writer is not None:  # the server answers what it was asked, then ends its side
             from hivemind.p2p import P2P
 

@@ -116,11 +116,16 @@ class StageServicer(Stage0Ops, ServicerBase):
         self.session_tasks: set[asyncio.Task] = set()  # hivemind's tasks that run our sessions (ended at a stop)
 
     async def rpc_call(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        tensors, meta = await self._one_message(request, context)
+        return runtime_pb2.ExpertResponse(tensors=tensors, metadata=pack_metadata(meta))
+
+    async def _one_message(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> tuple[list[Any], dict]:
+        """A call that came in one message (unary, or on a session): its reply's tensors and metadata, bytes counted."""
         remote = str(context.remote_id)
         self.traffic.count(remote, inbound=buffer_bytes(request.tensors))
         serialized, meta = await self._handle(list(request.tensors), request.metadata, context)
         self.traffic.count(remote, outbound=buffer_bytes(serialized))
-        return runtime_pb2.ExpertResponse(tensors=[as_proto(t) for t in serialized], metadata=pack_metadata(meta))
+        return [as_proto(t) for t in serialized], meta
 
     async def rpc_call_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                               context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
@@ -137,13 +142,9 @@ class StageServicer(Stage0Ops, ServicerBase):
     async def rpc_session(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                           context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """Many calls on one stream, answered as each is done (swarm/pipeline/sessions.py)."""
-        remote = str(context.remote_id)
 
         async def handle(request: runtime_pb2.ExpertRequest) -> tuple[list[Any], dict]:
-            self.traffic.count(remote, inbound=buffer_bytes(request.tensors))
-            serialized, meta = await self._handle(list(request.tensors), request.metadata, context)
-            self.traffic.count(remote, outbound=buffer_bytes(serialized))
-            return [as_proto(t) for t in serialized], meta
+            return await self._one_message(request, context)
 
         # the gate's own cap per driver decides; the session's only bounds what one stream holds
         per_driver = self.gate.cfg.max_in_flight_per_requester if self.gate is not None else 0
