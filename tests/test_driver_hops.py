@@ -117,6 +117,42 @@ def test_when_every_peer_holds_us_off_the_driver_waits_and_says_why():
     assert driver.stats.lost == 0
 
 
+def test_a_stage_still_getting_a_receipt_key_makes_the_micro_batch_wait_not_drop():
+    """Session 10: at start-up a stage that could not fetch its neighbour's receipt key yet refused every
+    micro-batch as ``unknown_signer``; the driver dropped them at once and kept sending (736 lost in 8 s, while
+    the last stage applied its half of each). ``key_pending`` now makes the micro-batch wait and ask again."""
+    import time
+
+    good = honest(RUN2, 1)
+    until = time.monotonic() + 0.6
+
+    def slow_key(op, tensors, meta):
+        if time.monotonic() < until:
+            return [], {"ok": False, "code": "key_pending", "error": "fake key_pending", "retry_after_s": 0.2}
+        return good(op, tensors, meta)
+
+    fake = FakeSwarm({"layer1": {"p": slow_key}})
+    driver = drive(RUN2, fake, seconds=1.5, min_microbatches=11)
+    pending = [c for c in fake.calls_to("p") if c[4] < until]
+    assert len(pending) <= 4 * 5, f"{len(pending)} asks in 0.6 s: the lanes wait retry_after_s, no storm"
+    assert driver.stats.refused == 0 and driver.stats.lost == 0, "nothing dropped"
+    first_mbs = {c[3]["mb"] for c in pending}
+    done = {c[3]["mb"] for c in fake.calls_to("p", "forward_backward") if c[4] >= until}
+    assert first_mbs <= done, "the micro-batches that waited are the ones that then passed"
+    assert driver.stats.microbatches > 10 and driver.stats.blocked_reason == ""
+
+
+def test_a_key_that_never_comes_drops_the_micro_batch_after_the_wait(monkeypatch):
+    from swarm.pipeline import hops
+
+    monkeypatch.setattr(hops, "KEY_WAIT_MAX_S", 0.5)
+    fake = FakeSwarm({"layer1": {"p": refusing("key_pending", retry_after_s=0.2)}})
+    driver = drive(RUN2, fake, seconds=1.5)
+    assert 4 <= driver.stats.refused <= 16, driver.stats.refused
+    assert driver.stats.lost == 0 and driver.stats.trained == 0
+    assert len(fake.calls_to("p")) <= 4 * 12, "each lane asks about once per retry_after_s"
+
+
 def test_a_sick_own_copy_pauses_the_lanes_and_loses_nothing():
     fake = FakeSwarm({"layer1": {"good": honest(RUN2, 1)}})
     seen = {}

@@ -174,3 +174,69 @@ def test_one_requesters_flood_of_forwards_evicts_its_own_emitted_digests_not_the
         desk.sign("flooder", "forward", stage_receipts.Vouched(mb=f"f{k}", input=b"i" * 16, ids=b"d" * 16), out, 1)
     assert all(("honest", f"h{k}") in desk.emitted for k in range(10))
     assert sum(1 for r, _ in desk.emitted if r == "flooder") == stage_receipts.MAX_EMITTED_PER_REQUESTER
+
+
+def test_a_key_not_had_yet_is_waited_for_and_a_gone_signer_is_given_up(monkeypatch):
+    """Session 10: a stage that could not fetch a neighbour's receipt key at start-up refused the micro-batches it
+    signed as ``unknown_signer`` (dropped at once). A failing fetch now backs off from 0.5 s, and the signer is
+    waited for (``key_pending``) until its fetches have failed for ``KEY_PATIENCE_S``."""
+    import asyncio
+
+    from swarm.pipeline import keybook
+
+    attempts = []
+    answer = {"key": None}
+
+    async def fetch(peer_id: str, swarm: str) -> bytes:
+        attempts.append(peer_id)
+        if answer["key"] is None:
+            raise ConnectionError("not reachable yet")
+        return answer["key"]
+
+    async def main():
+        book = keybook.KeyBook(fetch)
+        assert await book.key("late", "layer2") is None
+        wait = book.wait_s("late")
+        assert wait is not None and 0.1 <= wait <= keybook.FIRST_RETRY_S
+        assert await book.key("late", "layer2") is None and len(attempts) == 1, "not asked again before the backoff"
+        await asyncio.sleep(wait + 0.05)
+        assert await book.key("late", "layer2") is None and len(attempts) == 2
+        assert book.wait_s("late") > keybook.FIRST_RETRY_S, "the backoff doubles"
+        answer["key"] = bytes(32)
+        await asyncio.sleep(book.wait_s("late") + 0.05)
+        assert await book.key("late", "layer2") == bytes(32)
+        monkeypatch.setattr(keybook, "KEY_PATIENCE_S", 0.3)
+        answer["key"] = None
+        assert await book.key("gone", "layer2") is None and book.wait_s("gone") is not None
+        await asyncio.sleep(0.35)
+        assert book.wait_s("gone") is None, "failing for longer than the patience: taken for gone"
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_the_stage_says_key_pending_while_the_key_may_come_and_unknown_signer_after():
+    import asyncio
+    import time
+
+    from swarm.integrity.receipts import ReceiptKey
+    from swarm.pipeline import keybook, stage_receipts
+
+    async def fetch(peer_id: str, swarm: str) -> bytes:
+        raise ConnectionError("not reachable")
+
+    async def main():
+        signer = ReceiptKey("QmLayer2")
+        desk = stage_receipts.ReceiptDesk("run-x", 1, ReceiptKey("QmStage1"), keybook.KeyBook(fetch))
+        receipt = stage_receipts.Receipt.from_wire(signer.sign("run-x", "mb1", "backward", 2, 1, b"i" * 16,
+                                                               b"o" * 16, b"d" * 16).to_wire())
+        expect = stage_receipts.Expect("run-x", 2, stage_receipts.GRADIENT_OPS, b"o" * 16, mb="mb1")
+        with pytest.raises(stage_receipts.ReceiptRefusal) as first:
+            await desk._verify("driver", receipt, 2, expect)
+        assert first.value.code == "key_pending" and not first.value.strike and first.value.retry_after_s > 0
+        now = time.monotonic()  # failing since long before the patience, next try in 5 s
+        desk.keys._failed["QmLayer2"] = (now - 2 * keybook.KEY_PATIENCE_S, 10.0, now + 5)
+        with pytest.raises(stage_receipts.ReceiptRefusal) as later:
+            await desk._verify("driver", receipt, 2, expect)
+        assert later.value.code == "unknown_signer" and not later.value.strike
+
+    asyncio.run(asyncio.wait_for(main(), 10))

@@ -6,7 +6,8 @@
 (no peer of the swarm served it after many tries). Everything else a peer can do is that peer's
 problem: a timeout, a transport error, a malformed reply (swarm/pipeline/replies.py), ``paused`` or
 ``healing`` ban it for a while and the hop goes to another peer; ``busy``, ``banned`` and
-``unknown_driver`` hold it off for its ``retry_after_s``. Ops that apply no update (forward,
+``unknown_driver`` hold it off for its ``retry_after_s``; ``key_pending`` (the stage is still getting the receipt
+key of a peer whose tensor we relay) makes this micro-batch wait and ask again, up to ``KEY_WAIT_MAX_S``. Ops that apply no update (forward,
 infer, evaluate) are hedged: after ``SwarmRouter.hedge_after_s`` the same request goes to a second
 peer and the first answer wins. Ops that apply an update are never sent twice at once.
 """
@@ -37,10 +38,12 @@ HOLD_DEFAULT_S = 1.0  # a hold code without a usable retry_after_s
 HOLD_CODES = frozenset({"busy", "banned", "unknown_driver"})
 # bad_receipt: the stage says a receipt we relayed does not hold; bad_author: a tensor we relayed was computed by a
 # peer that stage has banned (its reply names it: we stop using that peer too); unknown_signer: the stage cannot get
-# the key of the peer that computed a tensor we relayed (it is gone): that micro-batch cannot pass, nobody's fault;
+# the key of the peer that computed a tensor we relayed (it is gone, not merely slow: key_pending): that micro-batch
+# cannot pass, nobody's fault;
 # spot_check: stage 1 found our stage-0 output far from two other layer0 peers' recomputations of it
 REFUSED_CODES = frozenset({"rejected", "wrong_shard", "bad_receipt", "bad_author", "unknown_signer", "spot_check"})
 HOLD_POLL_MAX_S = 1.0
+KEY_WAIT_MAX_S = 30.0  # a stage that still has no key after this long: the micro-batch is given up (unknown_signer)
 
 CallStage = Callable[..., Awaitable[tuple[list[torch.Tensor], dict, float]]]
 
@@ -70,6 +73,12 @@ class Refused(Exception):
 
 class _TryElsewhere(Exception):
     pass
+
+
+class _KeyPending(_TryElsewhere):
+    def __init__(self, wait_s: float, reason: str):
+        super().__init__(reason)
+        self.wait_s = wait_s
 
 
 @dataclass(slots=True)
@@ -144,6 +153,7 @@ class HopCaller:
         swarm = f"layer{k}"
         router = self.routers[swarm]
         tried: list[str] = []
+        key_waited = 0.0
         for attempt in range(1 if only else MAX_HOP_ATTEMPTS):
             if self.is_stopping():
                 raise DriverStopped()
@@ -157,6 +167,14 @@ class HopCaller:
                     return await self._hedged(k, op, tensors, meta, peer, vouch)
                 out, reply = await self._attempt(k, op, tensors, meta, peer, vouch)
                 return out, reply, peer
+            except _KeyPending as exc:
+                if only or key_waited + exc.wait_s > KEY_WAIT_MAX_S:
+                    raise Refused("unknown_signer", f"{swarm} could not get a receipt key for {key_waited:.0f} s: "
+                                  f"{exc}") from None
+                self.blockage.set(f"{swarm} is getting the receipt key of a peer whose tensor we relay")
+                key_waited += exc.wait_s
+                await asyncio.sleep(exc.wait_s)
+                continue
             except _TryElsewhere:
                 pass
             tried.append(peer)
@@ -206,6 +224,9 @@ class HopCaller:
                 what = "gradients" if op == "backward" else "activations"
                 raise Refused(code, f"{swarm} {'rejects our ' + what if code == 'rejected' else 'says'}: {exc}",
                               getattr(exc, "author", "") or "")
+            if code == "key_pending":  # nobody's fault, and this peer may hold our saved activations: wait, ask again
+                retry_after_s = getattr(exc, "retry_after_s", None)
+                raise _KeyPending(min(KEY_WAIT_MAX_S, max(0.1, retry_after_s or HOLD_DEFAULT_S)), str(exc))
             if code == "need_input":
                 raise NeedInputReply(str(exc))
             if code in HOLD_CODES:

@@ -6,8 +6,14 @@ asked for with ``rpc_receipt_key`` in the namespace of the swarm the receipt say
 relayed by anyone else is never believed, so a relay cannot sign in another peer's name.
 
 Fetches are bounded: one in flight per peer, at most ``MAX_FETCHES_PER_S`` a second in all, each within
-``FETCH_TIMEOUT_S``, and a peer that did not answer is not asked again for ``FAILED_RETRY_S`` (a stranger
-naming random signers costs us a few dials a second, not a storm). And a peer our last two views of that swarm do
+``FETCH_TIMEOUT_S``, and a peer that did not answer is asked again only after a backoff (``FIRST_RETRY_S``
+doubling up to ``FAILED_RETRY_S``: a stranger naming random signers costs us a few dials a second, not a storm).
+A key that cannot be had *yet* is not a gone signer: at start-up a stage meets its neighbours' receipts before it
+can reach them (its first fetch fails, or its view of their swarm is older than they are), and refusing those
+micro-batches at once dropped every backward for seconds while the last stage kept applying its half of them
+(736 micro-batches lost in 8 s, a diverging copy). ``wait_s`` says how long a caller should wait for a key: a
+signer that has failed for less than ``KEY_PATIENCE_S`` is waited for (reply ``key_pending``), one past it is gone
+(``unknown_signer``). And a peer our last two views of that swarm do
 not list may take a fetch only while more than half the budget is left: a stranger naming random signers spent
 the whole budget that the keys of the peers we know needed. Not "never": a stage reads its neighbours' swarms as
 rarely as once a minute, and refusing every signer it had not read yet lost micro-batches of a newly online
@@ -30,6 +36,8 @@ MAX_KEYS = 4096
 MAX_FETCHES_PER_S = 8.0
 FETCH_TIMEOUT_S = 3.0
 FAILED_RETRY_S = 10.0
+FIRST_RETRY_S = 0.5
+KEY_PATIENCE_S = 20.0  # a signer whose key fetches have failed this long is taken for gone
 
 Fetch = Callable[[str, str], Awaitable[bytes]]  # (peer id, swarm) -> its public key
 
@@ -38,7 +46,7 @@ class KeyBook:
     def __init__(self, fetch: Fetch | None = None):
         self._fetch = fetch
         self._keys: OrderedDict[str, bytes] = OrderedDict()
-        self._failed: dict[str, float] = {}
+        self._failed: dict[str, tuple[float, float, float]] = {}  # peer -> (first failure, backoff, next try at)
         self._pending: dict[str, asyncio.Future] = {}
         self._tokens = MAX_FETCHES_PER_S
         self._tokens_at = time.monotonic()
@@ -62,7 +70,8 @@ class KeyBook:
         if key is not None or self._fetch is None:
             return key
         now = time.monotonic()
-        if now - self._failed.get(peer_id, float("-inf")) < FAILED_RETRY_S:
+        failed = self._failed.get(peer_id)
+        if failed is not None and now < failed[2]:
             return None
         members = self._members.get(swarm)
         stranger = members is not None and peer_id not in members[0] and peer_id not in members[1]
@@ -89,10 +98,28 @@ class KeyBook:
         if isinstance(key, bytes) and len(key) == PUBLIC_KEY_BYTES:
             self.learn(peer_id, key)
             return key
-        self._failed[peer_id] = time.monotonic()
+        now = time.monotonic()
+        first, backoff, next_at = self._failed.get(peer_id, (now, FIRST_RETRY_S / 2, now))
+        if now - next_at > KEY_PATIENCE_S:  # nobody asked for a long while: a new episode, patience anew
+            first, backoff = now, FIRST_RETRY_S / 2
+        backoff = min(FAILED_RETRY_S, 2 * backoff)
         if len(self._failed) > MAX_KEYS:
             self._failed.clear()
+        self._failed[peer_id] = (first, backoff, now + backoff)
         return None
+
+    def wait_s(self, peer_id: str) -> float | None:
+        """After ``key`` gave None: how long to wait before asking again, or None if the signer is taken for gone
+        (its fetches have failed for ``KEY_PATIENCE_S``). A signer not tried yet (no fetch token left) is waited
+        for: the caller bounds its own wait (swarm/pipeline/hops.py)."""
+        now = time.monotonic()
+        failed = self._failed.get(peer_id)
+        if failed is None:
+            return 1.0 / MAX_FETCHES_PER_S
+        first, _, next_at = failed
+        if now - first >= KEY_PATIENCE_S:
+            return None
+        return max(0.1, next_at - now)
 
     def prefetch(self, peer_ids: list[str], swarm: str) -> None:
         """Ask for the keys of ``swarm``'s peers we do not have yet, in the background (on the running loop): a

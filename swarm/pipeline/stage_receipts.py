@@ -19,7 +19,8 @@ Blame: a receipt that is missing, malformed, or that does not match the tensor i
 driver checks every receipt it relays: swarm/pipeline/hops.py); a signature that does not verify with the key its
 signer gives us is nobody's strike (the signer may have shown the driver another key); a tensor whose
 receipt holds but whose content is wrong (non-finite, wrong shape, clipped to nothing) is its signer's.
-A signer we cannot get a key from right now is nobody's fault: ``unknown_signer``, retry later.
+A signer we cannot get a key from is nobody's fault: ``key_pending`` (wait ``retry_after_s`` and ask again) while
+the key may still come, ``unknown_signer`` (the micro-batch cannot pass) once its signer is taken for gone.
 """
 
 from __future__ import annotations
@@ -41,14 +42,13 @@ from swarm.integrity.receipts import (
     signature_valid,
     tensor_digest,
 )
-from swarm.pipeline.keybook import KeyBook
+from swarm.pipeline.keybook import KEY_PATIENCE_S, KeyBook
 from swarm.pipeline.wire import payload_of
 
 MAX_EMITTED = 4096  # forwards whose output digest we keep for the backward (more than the activation cache)
 # ... of which one requester's at most: a flood of one identity's forwards evicts its own, not the other drivers'
 # (whose backwards would then need the longer chain of receipts)
 MAX_EMITTED_PER_REQUESTER = 512
-UNKNOWN_SIGNER_RETRY_S = 2.0
 # infer takes a forward's activations too: a driver's spot check (swarm/pipeline/spot_checks.py) asks a second peer
 # for the output of an input another peer computed in training
 INPUT_OPS = {"forward": frozenset({"forward"}), "forward_backward": frozenset({"forward"}),
@@ -166,8 +166,14 @@ class ReceiptDesk:
         if key is None:
             if stage == 0:
                 raise ReceiptError("no receipt key of yours: send it with your requests ('rk')")
+            wait_s = self.keys.wait_s(receipt.signer)
+            if wait_s is not None:  # not yet reachable (start-up, a slow dial): the requester waits, nothing is lost
+                raise ReceiptRefusal("key_pending", f"getting the receipt key of layer{stage} peer "
+                                     f"{receipt.signer[-8:]}: ask again in {wait_s:.1f} s", strike=False,
+                                     retry_after_s=wait_s)
             raise ReceiptRefusal("unknown_signer", f"cannot get the receipt key of layer{stage} peer "
-                                 f"{receipt.signer[-8:]} now", strike=False, retry_after_s=UNKNOWN_SIGNER_RETRY_S)
+                                 f"{receipt.signer[-8:]}: it has not answered for {KEY_PATIENCE_S:.0f} s",
+                                 strike=False)
         if not signature_valid(receipt, key):
             if receipt.signer == requester:
                 raise ReceiptError("your receipt is not signed with the key you sent ('rk')")

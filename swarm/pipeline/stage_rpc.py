@@ -31,7 +31,8 @@ with code ``rejected`` (malformed: never applied), ``paused`` (this peer takes n
 ``healing`` (this copy is sick and restoring itself: swarm/integrity/health.py), ``need_input``
 (backward without the input at a peer that has no saved activations), ``busy`` (over your fair share
 or too many requests queued: retry after), ``banned`` (not before retry_after_s), ``unknown_driver``
-(no online layer0 record of you here yet: retry after) or ``wrong_shard`` (sample ids outside your
+(no online layer0 record of you here yet: retry after), ``key_pending`` (the receipt key of a tensor's signer is
+still being fetched: ask again after retry_after_s) or ``wrong_shard`` (sample ids outside your
 shards: drop the micro-batch) or ``spot_check`` (stage 1: your stage-0 output is far from two other layer0 peers'
 recomputations of it). The full table is in docs/ARCHITECTURE.md "Stage RPCs".
 """
