@@ -78,6 +78,20 @@ def test_honest_label_skewed_copies_are_never_blamed():
             assert verdict in (AGREED, UNDECIDED), verdict
 
 
+@pytest.mark.parametrize("scale", [0.43, 0.5, 2.0, 2.3])
+def test_a_specialist_copy_whose_outputs_on_its_own_classes_are_larger_is_not_blamed(scale):
+    """Session 10: on label-skewed shards a copy's activations on the classes it trains on grew to about twice the
+    other copies' (the same direction: cosine 0.84-0.93, norm ratio 0.43-0.50 after 60 s of a live run), and the
+    norm-ratio bound of 0.5 made that honest driver the odd one out, struck and banned. Far is now a ratio < 0.25."""
+    h = _honest()
+    a, b = _skewed_copy(h, 0.88, 1), _skewed_copy(h, 0.88, 2)
+    author = _skewed_copy(h, 0.88, 3) * scale
+    for verdict in (judge_author(author, [a, b])[0], judge_author(a, [author, b])[0]):
+        assert verdict in (AGREED, UNDECIDED), (scale, verdict)
+    assert judge_author(h * 10, [a, b]) == (AUTHOR_ODD, None), "a liar scaling by 10 is still far"
+    assert judge_author(h * 0.1, [a, b]) == (AUTHOR_ODD, None)
+
+
 def test_one_replica_only_says_and_none_skips():
     h = _honest()
     assert judge_author(h * 10, [h]) == (DISAGREED, None)  # two copies cannot tell which one lies

@@ -44,8 +44,13 @@ class Bounds:
 # Activations. Singled out only when far from both others, not merely outside agreement: honest copies differ more
 # than one would hope. Measured on label-skewed digits, two copies of stage 0 trained apart for 300 steps had a
 # median row cosine of 0.88 on the same inputs (0.95 on IID shards), while one copy on wrongly paired inputs had
-# 0.84 (0.76).
-ACTIVATIONS = Bounds()
+# 0.84 (0.76). The norm ratio's far bound is 0.25, not 0.5: on label-skewed shards a copy's activations on the
+# classes it trains on grow larger than the other copies' (which never see them), in the same direction. Measured
+# (tests/test_stage0_spot_swarm.py, 3 honest drivers with 2 classes each, 60 s, averaging on): the author against
+# both recomputations cosine 0.84-0.93 but norm ratio 0.43-0.50, the two recomputations 0.87 / 0.86-0.95; at 0.5
+# that honest specialist was the odd one out and banned. A liar's scaled output (x10: ratio 0.1) or a random one
+# (cosine ~0) is still far; one scaled by up to 4x is not, and the next stage clips what it does with it.
+ACTIVATIONS = Bounds(far_norm_ratio=0.25)
 # Input gradients (a last stage's forward_backward, a backward). Honest copies' input gradients differ far more than
 # their activations: the gradient of a loss scales with each copy's error on that micro-batch, and a middle stage's
 # passes through its own ReLU masks. Measured on real swarms (3 volunteers per swarm, digits, SGD with momentum, one

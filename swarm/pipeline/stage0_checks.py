@@ -57,6 +57,7 @@ from swarm.integrity.spot import (
     checked_share,
     far,
     judge_author,
+    similarity,
 )
 from swarm.pipeline.replies import Vouch, check_receipt, check_reply
 from swarm.pipeline.routing import BAD_REPLY_BAN_S
@@ -146,13 +147,19 @@ class Stage0Checker:
                 break  # agreed, or two replicas decided it
         if verdict == UNDECIDED and not any(far(x, r) for r in replicas):
             self.book.add(author)  # not far from either: corroborated at the verdicts' own bound (skewed copies)
-        return self._conclude(author, mb, verdict, odd, asked)
+        figures = ""
+        if verdict in (AUTHOR_ODD, REPLICA_ODD):  # the evidence, in the log line: (cosine, norm ratio) of each pair
+            outs = [x, replicas[0], replicas[1]]
+            figures = " [" + ", ".join(_pair_figures(outs[i], outs[j], name) for i, j, name in (
+                (0, 1, "author-1st"), (0, 2, "author-2nd"), (1, 2, "1st-2nd"))) + "]"
+        return self._conclude(author, mb, verdict, odd, asked, figures)
 
-    def _conclude(self, author: str, mb: str, verdict: str, odd: int | None, asked: list[tuple[str, Any]]) -> str:
+    def _conclude(self, author: str, mb: str, verdict: str, odd: int | None, asked: list[tuple[str, Any]],
+                  figures: str = "") -> str:
         if verdict == AUTHOR_ODD:
             (a, ra), (b, rb) = asked[0], asked[1]
             reason = (f"spot check: its stage-0 output for {mb[:40]} is far from the recomputations of layer0 peers "
-                      f"{a[-8:]} and {b[-8:]}, which are close to each other")
+                      f"{a[-8:]} and {b[-8:]}, which are close to each other{figures}")
             if self._outvoted(author, a, b):
                 self.counts["caught"] += 1
                 self.evidence.append((author, mb, [ra.to_wire(), rb.to_wire()]))
@@ -164,7 +171,7 @@ class Stage0Checker:
         elif verdict == REPLICA_ODD:
             peer, other = asked[odd][0], asked[1 - odd][0]
             reason = (f"spot check: its recomputation of stage 0 for {mb[:40]} is far from two others, which are close "
-                      "to each other")
+                      f"to each other{figures}")
             if self._outvoted(peer, author, other):
                 self.counts["replica_caught"] += 1
                 self._held[peer] = time.monotonic() + BAD_REPLY_BAN_S
@@ -229,3 +236,8 @@ class Stage0Checker:
 
     def stats(self) -> dict[str, int]:
         return dict(self.counts)
+
+
+def _pair_figures(a: torch.Tensor, b: torch.Tensor, name: str) -> str:
+    s = similarity(a, b)
+    return f"{name} none" if s is None else f"{name} cos {s[0]:.2f} ratio {s[1]:.2f}"
