@@ -6,10 +6,11 @@
 (no peer of the swarm served it after many tries). Everything else a peer can do is that peer's
 problem: a timeout, a transport error, a malformed reply (swarm/pipeline/replies.py), ``paused`` or
 ``healing`` ban it for a while and the hop goes to another peer; ``busy``, ``banned`` and
-``unknown_driver`` hold it off for its ``retry_after_s``; ``key_pending`` (the stage is still getting the receipt
-key of a peer whose tensor we relay) makes this micro-batch wait and ask again, up to ``KEY_WAIT_MAX_S``. Ops that apply no update (forward,
-infer, evaluate) are hedged: after ``SwarmRouter.hedge_after_s`` the same request goes to a second
-peer and the first answer wins. Ops that apply an update are never sent twice at once.
+``unknown_driver`` hold it off for its ``retry_after_s``; ``key_pending`` (the stage is still getting
+the receipt key of a peer whose tensor we relay) makes this micro-batch wait and ask again, up to
+``KEY_WAIT_MAX_S``. Ops that apply no update (forward, infer, evaluate) are hedged: after
+``SwarmRouter.hedge_after_s`` the same request goes to a second peer and the first answer wins. Ops
+that apply an update are never sent twice at once.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ HOLD_CODES = frozenset({"busy", "banned", "unknown_driver"})
 # spot_check: stage 1 found our stage-0 output far from two other layer0 peers' recomputations of it
 REFUSED_CODES = frozenset({"rejected", "wrong_shard", "bad_receipt", "bad_author", "unknown_signer", "spot_check"})
 HOLD_POLL_MAX_S = 1.0
+KEY_WAIT_NOTICE_S = 2.0
 KEY_WAIT_MAX_S = 30.0  # a stage that still has no key after this long: the micro-batch is given up (unknown_signer)
 
 CallStage = Callable[..., Awaitable[tuple[list[torch.Tensor], dict, float]]]
@@ -171,7 +173,8 @@ class HopCaller:
                 if only or key_waited + exc.wait_s > KEY_WAIT_MAX_S:
                     raise Refused("unknown_signer", f"{swarm} could not get a receipt key for {key_waited:.0f} s: "
                                   f"{exc}") from None
-                self.blockage.set(f"{swarm} is getting the receipt key of a peer whose tensor we relay")
+                if key_waited >= KEY_WAIT_NOTICE_S:  # a blip is not news; a wait of seconds is said
+                    self.blockage.set(f"{swarm} is getting the receipt key of a peer whose tensor we relay")
                 key_waited += exc.wait_s
                 await asyncio.sleep(exc.wait_s)
                 continue
