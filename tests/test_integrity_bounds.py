@@ -257,6 +257,26 @@ def test_newcomers_together_share_one_pool_however_many_keys_they_have():
     assert newcomers_allow(pool=500, established=[], share=0.25)  # nobody established: no probation, no pool
 
 
+def test_drivers_starting_together_are_asked_back_within_a_quarter_second_not_a_window():
+    """Session 10: three honest drivers of a label-skewed run (burst 8, slack 1.1, window 5 s) starting together
+    held each other to a burst per window: each fair-share refusal said "retry when your oldest update leaves the
+    window" (~4 s), while the others' next update would open the share within milliseconds."""
+    from swarm.integrity.requesters import FAIR_SHARE_RETRY_S
+
+    cfg = IntegrityConfig(fair_share_burst=8, fair_share_slack=1.1, fair_share_window_s=5.0, probation_updates=64)
+    book = RequesterBook(cfg)
+    apply = _applier(book)
+    for t in range(9):
+        for name in ("a", "b", "c"):
+            assert apply(name, 0.01 * t) is None
+    assert apply("a", 0.1) is None  # 9 < 1.1 x 9: one more
+    refusal = book.admit("a", True, now=0.2)  # 10 is not under 1.1 x the others' 9
+    assert refusal is not None and refusal.code == "busy" and "fair share" in refusal.error
+    assert refusal.retry_after_s <= FAIR_SHARE_RETRY_S
+    assert apply("b", 0.21) is None and apply("c", 0.22) is None
+    assert book.admit("a", True, now=0.2 + FAIR_SHARE_RETRY_S) is None, "the others moved on: a is served again"
+
+
 def test_strikes_decay_and_bans_double():
     assert decayed(8.0, elapsed_s=30.0, half_life_s=30.0) == pytest.approx(4.0)
     assert [ban_duration_s(n, 60.0, 200.0) for n in range(3)] == [60.0, 120.0, 200.0]
