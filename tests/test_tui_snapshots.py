@@ -101,3 +101,21 @@ def test_no_figure_of_your_work_is_cut_or_pushed_out(size: tuple[int, int]) -> N
     if size[1] >= 30:  # 24 rows leave the panel 7: the least needed rows go at the bottom
         assert "staleness avg 1.2 · p95 3 · max 4 updates" in flat, left
         assert "device Intel Xeon Platinum 8480C (cpu)" in flat, left
+
+
+def test_a_links_peer_id_does_not_run_into_its_figures() -> None:
+    """Session 10, a real terminal: the busiest links' rows read "   vWQSs2ni30.57 in, 30.55 out" (the id filled
+    the label column)."""
+    from rich.console import Console
+
+    from tui.work import figures_table
+    from volunteer.snapshot import LinkRow
+
+    snapshot = sample_snapshot(mbps_in=30.57, mbps_out=30.55,
+                               links=(LinkRow("QmPeerAAAAvWQSs2ni", 30.57, 30.55),))
+    console = Console(width=60, record=True, color_system=None)
+    console.print(figures_table(snapshot))
+    text = console.export_text()
+    assert "Mb/s      30.57 in, 30.55 out" in text, text
+    row = next(line for line in text.splitlines() if "in, 30.55 out" in line and "Mb/s" not in line)
+    assert row.split() == ["vWQSs2ni", "30.57", "in,", "30.55", "out"], row

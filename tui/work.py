@@ -106,7 +106,8 @@ def figures_table(snapshot: NodeSnapshot) -> Table:
     if snapshot.mbps_in > 0 or snapshot.mbps_out > 0:  # over the last heartbeat
         grid.add_row("Mb/s", f"{snapshot.mbps_in:.2f} in, {snapshot.mbps_out:.2f} out")
     for link in snapshot.links[:LINKS_SHOWN]:
-        grid.add_row(f"  {short_id(link.peer_id)}", f"{link.mbps_in:.2f} in, {link.mbps_out:.2f} out")
+        # the id fills the label column (8 of 10): a space on each side, or it runs into its figures
+        grid.add_row(f" {short_id(link.peer_id)} ", f"{link.mbps_in:.2f} in, {link.mbps_out:.2f} out")
     return grid
 
 
