@@ -72,6 +72,7 @@ class Settings:
     heavy_in_flight: int = 8
     heavy_warmup_s: float = 20.0
     heavy_window_s: float = 30.0
+    heavy_codec: str = "float32"  # the heavy run's training.wire_codec (float16, int8: fewer bytes through p2pd)
     local_slices: int = 3  # per thread count, before and after the pipeline
     local_slice_s: float = 4.0
     local_warmup_batches: int = 3
@@ -95,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = replace(Settings(**QUICK) if args.quick else Settings(), step_s=args.step_s)
     if args.scaling_stages is not None:
         settings.scaling_stages = args.scaling_stages
+    settings.heavy_codec = args.heavy_codec
     started = time.monotonic()
     with Fleet(prefix="volunteer-bench-pipeline-") as fleet:
         report = _benchmark(fleet, settings, args)
@@ -108,6 +110,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--scaling-stages", type=int, default=None, help="stages of the scaling runs (default 2)")
     parser.add_argument("--only", choices=("hop", "heavy", "scaling", "configs"), action="append",
                         help="run only these parts (repeatable); default: all")
+    parser.add_argument("--heavy-codec", default="float32", choices=("float32", "float16", "int8"),
+                        help="the heavy run's wire codec (training.wire_codec; default float32)")
     parser.add_argument("--runs", default=None,
                         help="the shipped runs the configs part measures, comma-separated (default: digits-mlp,charlm; "
                              "e.g. llm-tiny)")
@@ -240,6 +244,8 @@ def _heavy_run(fleet: Fleet, s: Settings) -> tuple[Path, Any]:
     config = _run_config("pipeheavy", stages=s.heavy_stages, heartbeat_s=s.heartbeat_s, in_flight=s.heavy_in_flight,
                          batch=s.heavy_batch, width=s.heavy_width,
                          data={"source": "npz", "path": str(data_path), "shards": 1})
+    if s.heavy_codec != "float32":
+        config["training"]["wire_codec"] = s.heavy_codec
     run_path = write_run(fleet.workdir / "heavy.yaml", config)
     return run_path, load_run_config(run_path)
 
@@ -280,7 +286,7 @@ def _heavy(fleet: Fleet, maddr: str, reader: Any, s: Settings) -> dict[str, Any]
         "cpu_efficiency_heavy": ratio(swarm["samples_per_cpu_s"], local_cpu_1),
         "heavy": {
             "model": {"stages": s.heavy_stages, "width": s.heavy_width, "batch": s.heavy_batch,
-                      "optimizer": "adam", "in_flight": s.heavy_in_flight},
+                      "optimizer": "adam", "in_flight": s.heavy_in_flight, "wire_codec": s.heavy_codec},
             "pipeline": swarm,
             "stage_threads": 1,
             "local_samples_per_s": {str(n): rate for n, rate in local.items()},
