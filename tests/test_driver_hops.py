@@ -207,3 +207,29 @@ def test_requests_carry_sample_ids_never_targets():
     ids = torch.cat([c[2][1] for c in fake.calls if c[1] == "evaluate"])
     assert torch.equal(ids, torch.arange(len(driver2.dataset.y_test))), "evaluate sends test-split rows"
     assert accuracy == pytest.approx(0.5, abs=0.01)
+
+
+def test_brief_holds_are_not_news_and_a_lasting_blockage_is_said_once(monkeypatch):
+    """Session 10: three drivers starting together logged "no micro-batch flows" and "micro-batches flow again"
+    ~50 times in 12 s while they trained (fair-share holds of a second or less). A blockage is said once it has
+    lasted BLOCKED_NOTICE_AFTER_S, and "flow again" only after it was said."""
+    import time
+
+    from swarm.pipeline import hops
+
+    monkeypatch.setattr(hops, "BLOCKED_NOTICE_AFTER_S", 0.2)
+    said = []
+    stats = hops.DriverStats()
+    blockage = hops.Blockage(stats, lambda kind, text: said.append((kind, text)))
+    for _ in range(20):  # brief holds between micro-batches that complete
+        blockage.set("every layer2 peer asks us to wait")
+        assert stats.blocked_reason
+        blockage.clear()
+    assert said == [] and stats.blocked_reason == ""
+    blockage.set("layer1 rejects our activations: rejected")
+    time.sleep(0.25)
+    blockage.set("layer1 rejects our activations: rejected")
+    blockage.set("layer1 rejects our activations: rejected")
+    assert said == [("warning", "no micro-batch flows: layer1 rejects our activations: rejected")]
+    blockage.clear()
+    assert said[-1] == ("info", "micro-batches flow again") and len(said) == 2

@@ -297,8 +297,8 @@ class PipelineDriver:
             try:
                 return await loop.run_in_executor(self.executor, fn, *args)
             except SickCopy as exc:
-                self.blockage.set(f"our layer0 copy is sick, healing ({exc})")
                 while self.worker.health.sick:
+                    self.blockage.set(f"our layer0 copy is sick, healing ({exc})")  # said once it has lasted 2 s
                     if self._stopping:
                         raise DriverStopped() from None
                     await asyncio.sleep(SICK_POLL_S)
