@@ -1,6 +1,6 @@
 """Pipeline throughput against one process, scaling with peers per swarm, and the cost of one hop.
 
-    python -m benchmarks.pipeline --json [--quick] [--step-s 0.05] [--scaling-stages 2]
+    python -m benchmarks.pipeline --json [--quick] [--step-s 0.05] [--scaling-stages 2] [--heavy-codec float16]
 
 prints one JSON object (progress goes to stderr):
 
