@@ -157,6 +157,24 @@ def test_a_large_swarm_is_read_less_often_so_that_the_records_read_per_heartbeat
     assert [b for b, beat in enumerate(reads) if "layer3" in beat] == [0, 4, 8]
 
 
+def test_a_swarm_with_a_peer_on_its_way_in_is_read_every_heartbeat_until_it_is_in():
+    """Session 10: a server's dashboard showed the other swarms' new peers as "0/1" online, and the wrong swarm as
+    the bottleneck, for ~30 s while it already trained through them (other swarms are read every 5th heartbeat)."""
+    from types import SimpleNamespace
+
+    from swarm.dht.membership import ReadSchedule
+
+    names = ["layer0", "layer1", "layer2"]
+    schedule = ReadSchedule()
+    joining, online = SimpleNamespace(state="joining"), SimpleNamespace(state="online")
+    schedule.done({"layer0": [joining], "layer1": [online], "layer2": [online]})
+    assert schedule.due(names, "layer1", False, 5) == ["layer0", "layer1"], "layer0's newcomer: read again at once"
+    schedule.done({"layer0": [SimpleNamespace(state="syncing")], "layer1": [online]})
+    assert schedule.due(names, "layer1", False, 5) == ["layer0", "layer1"]
+    schedule.done({"layer0": [online], "layer1": [online]})
+    assert schedule.due(names, "layer1", False, 5) == ["layer1"], "in: back to every fifth heartbeat"
+
+
 def test_a_failed_read_is_retried_at_the_next_heartbeat():
     from swarm.dht.membership import ReadSchedule
 
