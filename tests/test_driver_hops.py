@@ -233,3 +233,18 @@ def test_brief_holds_are_not_news_and_a_lasting_blockage_is_said_once(monkeypatc
     assert said == [("warning", "no micro-batch flows: layer1 rejects our activations: rejected")]
     blockage.clear()
     assert said[-1] == ("info", "micro-batches flow again") and len(said) == 2
+
+
+def test_a_peer_that_answers_only_key_pending_is_routed_around(monkeypatch):
+    """Review of session 10: ``key_pending`` costs a stage nothing, so a hostile one could say it to every request
+    and hold each lane that reaches it KEY_WAIT_MAX_S per micro-batch, never penalised. A peer that has answered
+    nothing but key_pending for KEY_WAIT_MAX_S is treated as failing: the lanes go to the honest peer."""
+    from swarm.pipeline import hops
+
+    monkeypatch.setattr(hops, "KEY_WAIT_MAX_S", 0.5)
+    fake = FakeSwarm({"layer1": {"liar": refusing("key_pending", retry_after_s=30.0), "good": honest(RUN2, 1)}})
+    driver = drive(RUN2, fake, seconds=3.0, min_microbatches=21)
+    start = fake.calls[0][4]
+    late = [c for c in fake.calls_to("liar") if c[4] - start > 1.5]
+    assert late == [], f"{len(late)} requests to the liar after 1.5 s: it was never routed around"
+    assert driver.stats.microbatches > 20 and driver.stats.lost == 0

@@ -47,6 +47,10 @@ REFUSED_CODES = frozenset({"rejected", "wrong_shard", "bad_receipt", "bad_author
 HOLD_POLL_MAX_S = 1.0
 KEY_WAIT_NOTICE_S = 2.0
 KEY_WAIT_MAX_S = 30.0  # a stage that still has no key after this long: the micro-batch is given up (unknown_signer)
+# ... and a peer that has answered nothing but key_pending for this long is treated as failing (routed around): an
+# honest stage gives a signer up after 20 s (keybook.KEY_PATIENCE_S), a hostile one could say it forever and hold
+# every lane that reaches it 30 s per micro-batch at no cost to itself
+MAX_KEY_PENDING_PEERS = 1024
 
 CallStage = Callable[..., Awaitable[tuple[list[torch.Tensor], dict, float]]]
 
@@ -117,9 +121,8 @@ class Blockage:
     def __init__(self, stats: DriverStats, notify: Callable[[str, str], None]):
         self.stats = stats
         self.notify = notify
-        self._said: dict[str, float] = {}
+        self._said: dict[str, float] = {}  # kind -> when it was said, since micro-batches last flowed after a warning
         self._since: float | None = None  # when the current blockage began
-        self._warned = False
 
     def set(self, reason: str) -> None:
         self.stats.blocked_reason = reason
@@ -130,15 +133,13 @@ class Blockage:
         if now - self._since >= BLOCKED_NOTICE_AFTER_S and \
                 now - self._said.get(kind, -BLOCKED_NOTICE_S) >= BLOCKED_NOTICE_S:
             self._said[kind] = now
-            self._warned = True
             self.notify("warning", f"no micro-batch flows: {reason}")
 
     def clear(self) -> None:
         self._since = None
         if self.stats.blocked_reason:
             self.stats.blocked_reason = ""
-            if self._warned:
-                self._warned = False
+            if self._said:  # a warning was said: flowing again is news
                 self._said.clear()
                 self.notify("info", "micro-batches flow again")
 
@@ -160,6 +161,7 @@ class HopCaller:
         self.call = call
         self._empty_since: dict[str, float] = {}
         self._logged: set[tuple[str, str]] = set()
+        self._key_pending_since: dict[str, float] = {}  # peer -> its first key_pending since it last served us
 
     async def hop(self, k: int, op: str, tensors: list[torch.Tensor], meta: dict, *, only: str | None = None,
                   vouch: Vouch | None = None) -> tuple[list[torch.Tensor], dict, str]:
@@ -225,6 +227,7 @@ class HopCaller:
         finally:
             router.end(peer)
         router.success(peer, elapsed, op)
+        self._key_pending_since.pop(peer, None)
         self.stats.hops_ok += 1
         self.stats.hop_ms[swarm] = elapsed * 1000
         return out, reply
@@ -241,8 +244,13 @@ class HopCaller:
                 raise Refused(code, f"{swarm} {'rejects our ' + what if code == 'rejected' else 'says'}: {exc}",
                               getattr(exc, "author", "") or "")
             if code == "key_pending":  # nobody's fault, and this peer may hold our saved activations: wait, ask again
-                retry_after_s = getattr(exc, "retry_after_s", None)
-                raise _KeyPending(min(KEY_WAIT_MAX_S, max(0.1, retry_after_s or HOLD_DEFAULT_S)), str(exc))
+                if peer not in self._key_pending_since and len(self._key_pending_since) >= MAX_KEY_PENDING_PEERS:
+                    self._key_pending_since.clear()  # peers long gone
+                since = self._key_pending_since.setdefault(peer, now)
+                if now - since <= KEY_WAIT_MAX_S:
+                    retry_after_s = getattr(exc, "retry_after_s", None)
+                    raise _KeyPending(min(KEY_WAIT_MAX_S, max(0.1, retry_after_s or HOLD_DEFAULT_S)), str(exc))
+                del self._key_pending_since[peer]  # nothing but key_pending for too long: a failing peer (below)
             if code == "need_input":
                 raise NeedInputReply(str(exc))
             if code in HOLD_CODES:

@@ -40,6 +40,7 @@ recomputations of it). The full table is in docs/ARCHITECTURE.md "Stage RPCs".
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -143,10 +144,7 @@ class StageServicer(Stage0Ops, ServicerBase):
     async def rpc_session(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                           context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """Many calls on one stream, answered as each is done (swarm/pipeline/sessions.py)."""
-
-        async def handle(request: runtime_pb2.ExpertRequest) -> tuple[list[Any], dict]:
-            return await self._one_message(request, context)
-
+        handle = functools.partial(self._one_message, context=context)
         # the gate's own cap per driver decides; the session's only bounds what one stream holds
         per_driver = self.gate.cfg.max_in_flight_per_requester if self.gate is not None else 0
         task = asyncio.current_task()
