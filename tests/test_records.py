@@ -175,6 +175,24 @@ def test_a_swarm_with_a_peer_on_its_way_in_is_read_every_heartbeat_until_it_is_i
     assert schedule.due(names, "layer1", False, 5) == ["layer1"], "in: back to every fifth heartbeat"
 
 
+def test_a_record_that_says_joining_forever_does_not_keep_every_server_reading_its_swarm():
+    """Anyone can publish a record; one stuck at "joining" boosts its swarm's reads for ARRIVING_MAX_READS reads in
+    a row, then the swarm is read at the ordinary rate again."""
+    from types import SimpleNamespace
+
+    from swarm.dht.membership import ARRIVING_MAX_READS, ReadSchedule
+
+    names = ["layer0", "layer1"]
+    schedule = ReadSchedule()
+    stuck = [SimpleNamespace(state="joining")]
+    reads = 0
+    for _ in range(ARRIVING_MAX_READS + 20):
+        due = schedule.due(names, "layer1", False, 5)
+        reads += "layer0" in due
+        schedule.done({name: stuck if name == "layer0" else [] for name in due})
+    assert reads <= ARRIVING_MAX_READS + 1 + 20 // 5, reads
+
+
 def test_a_failed_read_is_retried_at_the_next_heartbeat():
     from swarm.dht.membership import ReadSchedule
 

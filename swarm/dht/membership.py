@@ -117,6 +117,9 @@ def merge_view(previous: list[MemberRecord], read: list[MemberRecord] | None, no
 
 READ_RECORDS_PER_BEAT = 4  # records of one swarm a peer takes in per heartbeat, on average, once the swarm is large
 ARRIVING_STATES = frozenset({"joining", "syncing"})  # brief: a swarm with such a peer is read at its users' rate
+# ... for this many reads in a row at most: a record that says "joining" forever (anyone can publish one) would
+# otherwise make every server read that swarm five times as often for as long as it likes
+ARRIVING_MAX_READS = 12
 MAX_READ_PERIOD_BEATS = 12  # but a swarm it uses is read at least this often (1 min at the default heartbeat)
 
 
@@ -146,7 +149,7 @@ class ReadSchedule:
         self.beat = 0
         self.read_at: dict[str, int] = {}  # swarm -> beat of its last read
         self.sizes: dict[str, int] = {}  # swarm -> records in that read
-        self.arriving: set[str] = set()  # swarms whose last read had a peer still joining or syncing
+        self.arriving: dict[str, int] = {}  # swarm -> reads in a row with a peer still joining or syncing
 
     def due(self, swarm_names: list[str], own: str, drives: bool, others_every: int) -> list[str]:
         out = []
@@ -154,7 +157,8 @@ class ReadSchedule:
             # a swarm with a peer on its way in is read as if used, until it is in: a server's dashboard showed
             # the other swarms' new peers as "0/1" online (and the wrong swarm as the bottleneck) for ~30 s while
             # it already trained through them
-            uses = drives or name == own or own not in swarm_names or name in self.arriving
+            uses = drives or name == own or own not in swarm_names or \
+                0 < self.arriving.get(name, 0) <= ARRIVING_MAX_READS
             last = self.read_at.get(name)
             if last is None or self.beat - last >= read_period(self.sizes.get(name, 0), uses, others_every):
                 out.append(name)
@@ -167,9 +171,9 @@ class ReadSchedule:
             self.read_at[name] = self.beat
             self.sizes[name] = len(records)
             if any(getattr(r, "state", "") in ARRIVING_STATES for r in records):
-                self.arriving.add(name)
+                self.arriving[name] = self.arriving.get(name, 0) + 1
             else:
-                self.arriving.discard(name)
+                self.arriving.pop(name, None)
         self.beat += 1
 
 
