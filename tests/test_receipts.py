@@ -25,7 +25,7 @@ RUN = "run-12345678"
 
 def _signed(key: ReceiptKey, **changes) -> Receipt:
     fields = dict(run_id=RUN, mb="mb-1", op="forward", stage=1, version=7, input=b"i" * 16, output=b"o" * 16,
-                  ids=b"d" * 16)
+                  ids=b"d" * 16, weights=b"w" * 16, forward_weights=b"f" * 16)
     fields.update(changes)
     return key.sign(**fields)
 
@@ -37,7 +37,8 @@ def test_a_receipt_verifies_with_its_signers_key_only():
     assert not signature_valid(receipt, mallory.public)
     # any field changed after signing breaks the signature: a relay cannot edit what it relays
     for change in (dict(output=b"x" * 16), dict(mb="mb-2"), dict(stage=2), dict(op="backward"), dict(ids=b"e" * 16),
-                   dict(signer="QmMallory"), dict(version=8), dict(run_id="run-other")):
+                   dict(signer="QmMallory"), dict(version=8), dict(run_id="run-other"), dict(weights=b"v" * 16),
+                   dict(forward_weights=b"g" * 16)):
         assert not signature_valid(dataclasses.replace(receipt, **change), alice.public), change
 
 
@@ -52,8 +53,10 @@ def test_the_wire_form_round_trips_and_malformed_ones_are_refused():
     receipt = _signed(ReceiptKey("QmAlice"))
     assert Receipt.from_wire(receipt.to_wire()) == receipt
     wire = receipt.to_wire()
-    bad = [None, "text", [], wire[:-1], [2, *wire[1:]], [*wire[:4], "1", *wire[5:]], [*wire[:6], b"short", *wire[7:]],
-           [*wire[:3], "explode", *wire[4:]], [*wire[:10], b"\0" * 10], [*wire[:2], {"a": 1}, *wire[3:]],
+    assert receipt.weights == b"w" * 16 and receipt.forward_weights == b"f" * 16  # committed, and signed
+    bad = [None, "text", [], wire[:-1], [1, *wire[1:]], [*wire[:4], "1", *wire[5:]], [*wire[:6], b"short", *wire[7:]],
+           [*wire[:3], "explode", *wire[4:]], [*wire[:12], b"\0" * 10], [*wire[:2], {"a": 1}, *wire[3:]],
+           [*wire[:9], b"short", *wire[10:]], [*wire[:10], None, *wire[11:]],
            [*wire[:4], True, *wire[5:]], [*wire[:4], -1, *wire[5:]]]
     for raw in bad:
         with pytest.raises(ReceiptError):

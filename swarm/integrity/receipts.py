@@ -1,8 +1,10 @@
 """Signed hop receipts: every tensor a stage applies names the peer that computed it.
 
-A receipt says "I, ``signer``, ran ``op`` of stage ``stage`` (parameter version ``version``) for micro-batch
-``mb`` of run ``run_id``, on the input whose digest is ``input``, and produced the output whose digest is
-``output``; the chain started from the sample ids whose digest is ``ids``". It is signed with the signer's
+A receipt says "I, ``signer``, ran ``op`` of stage ``stage`` (parameter version ``version``, whose tensors have the
+digest ``weights``) for micro-batch ``mb`` of run ``run_id``, on the input whose digest is ``input``, and produced the
+output whose digest is ``output``; the chain started from the sample ids whose digest is ``ids``". The weights
+digest makes every hop a claim a referee can check by recomputing it (swarm/integrity/weights.py,
+swarm/pipeline/referee.py). It is signed with the signer's
 per-run Ed25519 key (``cryptography``'s, not a home-made scheme). Digests are BLAKE3 (``blake3``: 2 GB/s
 on one core, so hashing what travels costs well under 1 % of a hop) over the serialized tensor as it
 travels, after the codec: the driver relays those bytes unchanged, so a stage can check that what it
@@ -25,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-RECEIPT_FORMAT = 1
+RECEIPT_FORMAT = 2  # 2: receipts commit to the signer's weights (a format-1 peer is refused as malformed)
 DIGEST_BYTES = 16
 SIGNATURE_BYTES = 64
 PUBLIC_KEY_BYTES = 32
@@ -34,6 +36,7 @@ MAX_TEXT_CHARS = 160
 CHECK_OPS = frozenset({"forward_backward_check", "backward_check"})
 OPS = frozenset({"forward", "backward", "forward_backward", "infer", "evaluate"}) | CHECK_OPS
 GRADIENT_OPS = frozenset({"backward", "forward_backward"})
+NO_WEIGHTS = b"\0" * 16  # a receipt of no stage computation (a driver's own stage 0 before it has committed)
 
 
 class ReceiptError(ValueError):
@@ -82,37 +85,41 @@ class Receipt:
     ids: bytes
     signer: str
     signature: bytes = b""
+    weights: bytes = NO_WEIGHTS  # the digest of the signer's parameters at ``version`` (weights.py weights_digest)
+    # a backward's input gradient runs through the activations its forward computed, with an older version's
+    # weights (swarm/pipeline/stage.py): their digest; the same as ``weights`` for every other op
+    forward_weights: bytes = NO_WEIGHTS
 
     def body(self) -> bytes:
         """The signed bytes: every field but the signature, unambiguous (lengths are fixed or prefixed)."""
         parts = [str(RECEIPT_FORMAT), self.run_id, self.mb, self.op, str(self.stage), str(self.version), self.signer]
         text = "\x1f".join(f"{len(p)}:{p}" for p in parts).encode()
-        return text + b"\x1e" + self.input + self.output + self.ids
+        return text + b"\x1e" + self.input + self.output + self.ids + self.weights + self.forward_weights
 
     def to_wire(self) -> list[Any]:
         return [RECEIPT_FORMAT, self.run_id, self.mb, self.op, self.stage, self.version, self.input, self.output,
-                self.ids, self.signer, self.signature]
+                self.ids, self.weights, self.forward_weights, self.signer, self.signature]
 
     @classmethod
     def from_wire(cls, raw: Any) -> Receipt:
         """Parse a stranger's receipt; anything malformed is a ReceiptError (never another exception)."""
-        if not isinstance(raw, (list, tuple)) or len(raw) != 11 or raw[0] != RECEIPT_FORMAT:
+        if not isinstance(raw, (list, tuple)) or len(raw) != 13 or raw[0] != RECEIPT_FORMAT:
             raise ReceiptError("malformed receipt")
-        _, run_id, mb, op, stage, version, inp, out, ids, signer, signature = raw
+        _, run_id, mb, op, stage, version, inp, out, ids, weights, forward_weights, signer, signature = raw
         for text in (run_id, mb, op, signer):
             if not isinstance(text, str) or not 0 < len(text) <= MAX_TEXT_CHARS:
                 raise ReceiptError("malformed receipt: a text field")
         for number in (stage, version):
             if not isinstance(number, int) or isinstance(number, bool) or not 0 <= number < 2**62:
                 raise ReceiptError("malformed receipt: a number field")
-        for blob in (inp, out, ids):
+        for blob in (inp, out, ids, weights, forward_weights):
             if not isinstance(blob, bytes) or len(blob) != DIGEST_BYTES:
                 raise ReceiptError("malformed receipt: a digest")
         if not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES:
             raise ReceiptError("malformed receipt: the signature")
         if op not in OPS:
             raise ReceiptError(f"malformed receipt: unknown op {op[:32]!r}")
-        return cls(run_id, mb, op, stage, version, inp, out, ids, signer, signature)
+        return cls(run_id, mb, op, stage, version, inp, out, ids, signer, signature, weights, forward_weights)
 
 
 def parse_all(raw: Any, count: int) -> list[Receipt]:
@@ -134,10 +141,12 @@ class ReceiptKey:
         self.public = self._key.public_key().public_bytes_raw()
 
     def sign(self, run_id: str, mb: str, op: str, stage: int, version: int, input: bytes, output: bytes,
-             ids: bytes) -> Receipt:
-        unsigned = Receipt(run_id, mb, op, stage, max(0, int(version)), input, output, ids, self.peer_id)
+             ids: bytes, weights: bytes = NO_WEIGHTS, forward_weights: bytes | None = None) -> Receipt:
+        forward_weights = weights if forward_weights is None else forward_weights
+        unsigned = Receipt(run_id, mb, op, stage, max(0, int(version)), input, output, ids, self.peer_id,
+                           weights=weights, forward_weights=forward_weights)
         return Receipt(run_id, mb, op, stage, unsigned.version, input, output, ids, self.peer_id,
-                       self._key.sign(unsigned.body()))
+                       self._key.sign(unsigned.body()), weights, forward_weights)
 
 
 def signature_valid(receipt: Receipt, public_key: bytes) -> bool:

@@ -26,6 +26,7 @@ class Saved:
     params: dict[str, torch.Tensor]
     created: float
     version: int = 0  # updates the stage had applied when this forward ran (its staleness is counted from it)
+    weights: bytes = b"\0" * 16  # the digest of the weights it ran with (its backward's receipt names them too)
 
 
 Key = tuple[str, str]  # (owner: the requesting driver, "" for local calls; micro-batch id)

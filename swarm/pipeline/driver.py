@@ -50,6 +50,7 @@ from swarm.pipeline.keybook import KeyBook
 from swarm.pipeline.replies import Vouch
 from swarm.pipeline.routing import BAD_REPLY_BAN_S, HopPolicy, SwarmRouter, backoff_s
 from swarm.pipeline.driver_eval import evaluate
+from swarm.pipeline.referee import Referee
 from swarm.pipeline.spot_checks import SpotChecker
 from swarm.pipeline.stage0_replicas import ids_bytes
 from swarm.pipeline.wire import serialize_once
@@ -106,7 +107,8 @@ class PipelineDriver:
         self.hops = HopCaller(run, p2p, self.routers, self.stats, self.blockage, traffic=self.traffic,
                               is_stopping=lambda: self._stopping, call=call, keys=self.keys)
         # a share of forward and gradient hops replicated at a second peer
-        self.spot = SpotChecker(self.hops, share=run.integrity.spot_share, seed=seed)
+        self.referee = Referee(run, p2p, self.hops.namespaces, executor, dataset, call=call)
+        self.spot = SpotChecker(self.hops, share=run.integrity.spot_share, seed=seed, referee=self.referee)
         for router in self.routers.values():  # newcomers together get a bounded share of each swarm's hops
             router.established = self.spot.established
         self.peer_tag = peer_tag
@@ -224,8 +226,8 @@ class PipelineDriver:
         inputs: dict[int, torch.Tensor] = {}
         served_by: dict[int, str] = {}
         ids_d = ids_digest(ids)
-        h = await self._own(self.worker.forward, mb, x)
-        forwards = {0: self._sign_own(mb, "forward", h, ids_d)}  # stage -> the receipt of its forward
+        h, committed = await self._own(self._forward_committed, mb, x)
+        forwards = {0: self._sign_own(mb, "forward", h, ids_d, committed)}  # stage -> the receipt of its forward
         for k in range(1, stages - 1):
             inputs[k] = h
             meta, vouch = self._meta(mb, forwards[k - 1]), self._vouch(mb, forwards[k - 1], ids_d)
@@ -233,7 +235,7 @@ class PipelineDriver:
                 meta["ids"] = ids_bytes(ids)
             (h,), reply, served_by[k] = await self.hops.hop(k, "forward", [h], meta, vouch=vouch)
             forwards[k] = reply["receipt"]
-            await self.spot.after_forward(k, inputs[k], meta, vouch, served_by[k], h)
+            await self.spot.after_forward(k, inputs[k], meta, vouch, served_by[k], h, forwards[k])
         last, last_meta = stages - 1, self._meta(mb, forwards[stages - 2])
         last_vouch = self._vouch(mb, forwards[stages - 2], ids_d)
         reply_tensors, meta, served_by[last] = await self.hops.hop(last, "forward_backward", [h, ids], last_meta,
@@ -242,7 +244,7 @@ class PipelineDriver:
         grad, receipt = reply_tensors[0], meta["receipt"]
         try:
             await self.spot.after_gradient(last, "forward_backward_check", [h, ids], last_meta, last_vouch,
-                                           served_by[last], grad)
+                                           served_by[last], grad, receipt)
             for k in range(stages - 2, 0, -1):
                 grad, receipt = await self._backward_hop(k, mb, grad, receipt, inputs[k], forwards, served_by[k],
                                                          loss, ids_d)
@@ -264,15 +266,20 @@ class PipelineDriver:
                                                        only=peer, vouch=vouch)
         except (HopGivenUp, NeedInputReply):
             (grad_in,), reply, peer = await self.hops.hop(k, "backward", [grad, x], chain, vouch=vouch)
-        await self.spot.after_gradient(k, "backward_check", [grad, x], chain, vouch, peer, grad_in)
+        await self.spot.after_gradient(k, "backward_check", [grad, x], chain, vouch, peer, grad_in, reply["receipt"])
         return grad_in, reply["receipt"]
 
-    def _sign_own(self, mb: str, op: str, h: torch.Tensor, ids_d: bytes) -> Receipt:
-        """The receipt of our own stage 0's output: serialized once, so what travels is what we signed."""
+    def _forward_committed(self, mb: str, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, bytes]]:
+        """Our stage 0's forward and the weights it ran with (version, digest), read on the compute thread."""
+        return self.worker.forward(mb, x), self.worker.committed
+
+    def _sign_own(self, mb: str, op: str, h: torch.Tensor, ids_d: bytes, committed: tuple[int, bytes]) -> Receipt:
+        """The receipt of our own stage 0's output, committed to the weights that computed it (a referee can recompute
+        it exactly): serialized once, so what travels is what we signed."""
         training = self.run.training
         item = serialize_once(h, training.codec, training.wire_rank)
-        return self.receipt_key.sign(self.run_id, mb, op, 0, self.worker.stats.param_version, ids_d,
-                                     tensor_digest(item), ids_d)
+        version, weights = committed
+        return self.receipt_key.sign(self.run_id, mb, op, 0, version, ids_d, tensor_digest(item), ids_d, weights)
 
     def _meta(self, mb: str, *receipts: Receipt) -> dict:
         return {"mb": mb, "rc": [r.to_wire() for r in receipts], "rk": self.receipt_key.public}

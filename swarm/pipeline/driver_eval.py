@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -68,8 +68,8 @@ async def _evaluate_through(driver: PipelineDriver, last: str | None) -> Figures
             part_loss, part_correct, part_count = await loop.run_in_executor(driver.executor, driver.worker.evaluate, x, y)
         else:
             mb, ids_d = f"{driver.peer_tag}-ev{next(driver._ids)}", ids_digest(ids)
-            h = await loop.run_in_executor(driver.executor, driver.worker.infer, x)
-            receipt = driver._sign_own(mb, "infer", h, ids_d)
+            h, committed = await loop.run_in_executor(driver.executor, _infer_committed, driver.worker, x)
+            receipt = driver._sign_own(mb, "infer", h, ids_d, committed)
             for k in range(1, stages - 1):
                 (h,), reply, _ = await driver.hops.hop(k, "infer", [h], driver._meta(mb, receipt),
                                                      vouch=driver._vouch(mb, receipt, ids_d))
@@ -80,3 +80,8 @@ async def _evaluate_through(driver: PipelineDriver, last: str | None) -> Figures
         loss_sum, correct, count = loss_sum + part_loss, correct + part_correct, count + part_count
     accuracy = correct / count if driver.dataset.kind == "classification" else None
     return Figures(last or "", accuracy, loss_sum / max(count, 1))
+
+
+def _infer_committed(worker: Any, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, bytes]]:
+    """Stage 0's evaluation forward and the weights it ran with, read on the compute thread."""
+    return worker.infer(x), worker.committed

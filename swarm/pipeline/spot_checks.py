@@ -21,6 +21,7 @@ import random
 import time
 import collections
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,7 +37,9 @@ from swarm.integrity.spot import (
     odd_one_out,
     similarity,
 )
+from swarm.integrity.receipts import Receipt
 from swarm.pipeline.hops import HopCaller, HopGivenUp, NeedInputReply, Refused
+from swarm.pipeline.referee import CONVICTED, CONVICTED_BAN_S, HOLDS, UNSHOWN, Referee, Verdict
 from swarm.pipeline.replies import Vouch
 from swarm.pipeline.routing import BAD_REPLY_BAN_S
 
@@ -45,9 +48,23 @@ logger = logging.getLogger(__name__)
 SIMILARITIES_KEPT = 200
 
 
+@dataclass(slots=True, frozen=True)
+class Claim:
+    """One peer's answer in a check: who, what it returned, the receipt that commits it to its weights, the op."""
+
+    peer: str
+    out: torch.Tensor
+    receipt: Receipt | None
+    op: str
+
+
 class SpotChecker:
-    def __init__(self, hops: HopCaller, share: float = SPOT_SHARE, seed: int = 0):
+    def __init__(self, hops: HopCaller, share: float = SPOT_SHARE, seed: int = 0, referee: Referee | None = None):
         self.hops = hops
+        self.referee = referee  # recomputes disputed hops from committed weights (None: disputes go to a vote)
+        self.convicted = 0  # signers whose claim did not follow from their committed weights
+        self.unshown = 0  # disputed claims whose weights could not be had: not used, nobody convicted
+        self.refereed_alone = 0  # hops of a swarm without a second copy, recomputed by the referee
         self.share = share
         self.rng = random.Random(seed)
         self.checked = 0  # forward hops replicated
@@ -70,28 +87,33 @@ class SpotChecker:
         return self.book.credit
 
     async def after_forward(self, k: int, x: torch.Tensor, meta: dict, vouch: Vouch, primary: str,
-                            out: torch.Tensor) -> None:
-        """Maybe replicate the forward hop that ``primary`` served; raises Refused when ``primary`` is caught."""
-        await self._maybe_replicate(k, "infer", [x], meta, vouch, primary, out, ACTIVATIONS)
+                            out: torch.Tensor, receipt: Receipt | None = None) -> None:
+        """Maybe replicate the forward hop that ``primary`` served (``receipt``: its reply's, which commits to its
+        weights); raises Refused when ``primary`` is caught."""
+        await self._maybe_replicate(k, "infer", [x], meta, vouch, primary, out, ACTIVATIONS,
+                                    Claim(primary, out, receipt, "forward"))
 
     async def after_gradient(self, k: int, op: str, tensors: list[torch.Tensor], meta: dict, vouch: Vouch,
-                             primary: str, grad_in: torch.Tensor) -> None:
+                             primary: str, grad_in: torch.Tensor, receipt: Receipt | None = None) -> None:
         """Maybe replicate the gradient hop that ``primary`` served (the last stage's forward_backward: ``op``
         forward_backward_check, ``tensors`` [x, ids]; another stage's backward: backward_check, [g, x], ``meta`` with
         the receipts of g, x and primary's forward);
         raises Refused when ``primary`` is caught. Its update is applied already: what the check keeps from
         anyone upstream is the wrong input gradient, and the peer that computed it from our traffic."""
-        await self._maybe_replicate(k, op, tensors, meta, vouch, primary, grad_in, GRADIENTS)
+        primary_op = "forward_backward" if op == "forward_backward_check" else "backward"
+        await self._maybe_replicate(k, op, tensors, meta, vouch, primary, grad_in, GRADIENTS,
+                                    Claim(primary, grad_in, receipt, primary_op))
 
     async def _maybe_replicate(self, k: int, op: str, tensors: list[torch.Tensor], meta: dict, vouch: Vouch,
-                               primary: str, out: torch.Tensor, bounds: Bounds) -> None:
+                               primary: str, out: torch.Tensor, bounds: Bounds, claim: Claim) -> None:
         router = self.hops.routers[f"layer{k}"]
-        if self.share <= 0 or len(router.peers) < 2 or self.rng.random() >= self.share_for(primary):
+        if self.share <= 0 or self.rng.random() >= self.share_for(primary):
             return
-        other = self._usable(router, exclude=[primary, *self._cannot[op]])
-        if other is None:
+        other = self._usable(router, exclude=[primary, *self._cannot[op]]) if len(router.peers) >= 2 else None
+        if other is None:  # no second copy to compare with: the referee recomputes the hop itself
+            await self._referee_alone(k, tensors, claim)
             return
-        second = await self._recompute(k, op, tensors, meta, vouch, other)
+        second, second_receipt = await self._recompute(k, op, tensors, meta, vouch, other)
         if second is None:
             return
         self.checked += 1
@@ -115,8 +137,13 @@ class SpotChecker:
                 for peer in (primary, other):
                     self.book.add(peer)
             return
+        # A far disagreement: settled by recomputing the disputed hops from the weights each signer committed to (one
+        # honest referee suffices, no vote); only when both claims follow from their weights (copies that differ, or
+        # a copy trained to harm) or neither could be checked does a third peer's word count, and then with credit
+        if await self._referee_dispute(k, tensors, claim, Claim(other, second, second_receipt, op), kind):
+            return
         third = self._usable(router, exclude=[primary, other, *self._cannot[op]])
-        arbiter = await self._recompute(k, op, tensors, meta, vouch, third) if third is not None else None
+        arbiter = (await self._recompute(k, op, tensors, meta, vouch, third))[0] if third is not None else None
         if arbiter is None:
             self._say_once(primary, other, f"spot check at layer{k}: peers {primary[-8:]} and {other[-8:]} computed "
                                            f"different {kind} for the same input; no third peer to tell which is "
@@ -140,6 +167,61 @@ class SpotChecker:
         if culprit == primary:
             raise Refused("spot_check", f"layer{k} peer {primary[-8:]} failed a spot check (its {kind} disagree "
                                         "with two other peers'): not passed on")
+
+    async def _referee_alone(self, k: int, tensors: list[torch.Tensor], claim: Claim) -> None:
+        """A sampled hop of a swarm with no second copy: recomputed from the weights its signer committed to. A claim
+        that does not follow is refused and its signer convicted; one whose weights do not come is refused (nothing
+        doubtful is used) and its signer backed off like a failing peer, not convicted (a slow link is no lie)."""
+        if self.referee is None:
+            return
+        self.refereed_alone += 1
+        verdict = await self.referee.judge(k, claim.op, tensors, claim.out, claim.receipt, claim.peer)
+        if verdict.outcome == CONVICTED:
+            self._convict(k, verdict)
+            raise Refused("spot_check", f"layer{k} peer {claim.peer[-8:]} was convicted by recomputation: "
+                                        f"{verdict.describe()}")
+        if verdict.outcome == UNSHOWN:
+            self.unshown += 1
+            self.hops.routers[f"layer{k}"].failure(claim.peer, time.monotonic())
+            raise Refused("spot_check", f"layer{k} peer {claim.peer[-8:]} could not show the weights of a sampled "
+                                        f"hop ({verdict.describe()}): not passed on")
+
+    async def _referee_dispute(self, k: int, tensors: list[torch.Tensor], primary: Claim, other: Claim,
+                               kind: str) -> bool:
+        """Settle a far disagreement by recomputation; True when settled (a liar convicted, or one claim held while
+        the other's weights could not be had). Newcomers are refereed first (the fewest corroborated outputs), and
+        the second party only when the first held or could not be checked. Raises Refused when ``primary`` lost."""
+        if self.referee is None:
+            return False
+        verdicts: dict[str, Verdict] = {}
+        for claim in sorted((primary, other), key=lambda c: self.book.get(c.peer)):
+            verdict = await self.referee.judge(k, claim.op, tensors, claim.out, claim.receipt, claim.peer)
+            verdicts[claim.peer] = verdict
+            if verdict.outcome == CONVICTED:
+                self._convict(k, verdict)
+                if claim.peer == primary.peer:
+                    raise Refused("spot_check", f"layer{k} peer {primary.peer[-8:]} was convicted by recomputation "
+                                                f"(its {kind}: {verdict.describe()}): not passed on")
+                return True
+        outcomes = {verdict.outcome for verdict in verdicts.values()}
+        if outcomes != {HOLDS, UNSHOWN}:
+            return False  # both hold (the weights differ: a vote with credit decides) or neither could be checked
+        unshown = next(peer for peer, verdict in verdicts.items() if verdict.outcome == UNSHOWN)
+        self.unshown += 1
+        ban_s = self.hops.routers[f"layer{k}"].failure(unshown, time.monotonic(), min_ban_s=BAD_REPLY_BAN_S)
+        logger.warning("referee at layer%d: peer %s could not show the weights of an output (%s) another peer's "
+                       "recomputable one disputes; not using it for %.0f s", k, unshown[-8:], kind, ban_s)
+        if unshown == primary.peer:
+            raise Refused("spot_check", f"layer{k} peer {primary.peer[-8:]} could not show the weights of its disputed "
+                                        f"{kind}: not passed on")
+        return True
+
+    def _convict(self, k: int, verdict: Verdict) -> None:
+        """A signer proven wrong by recomputation: routed around for CONVICTED_BAN_S, its credit gone."""
+        self.convicted += 1
+        self.book.credit.pop(verdict.peer, None)
+        self.hops.routers[f"layer{k}"].failure(verdict.peer, time.monotonic(), min_ban_s=CONVICTED_BAN_S,
+                                               convicted=True)
 
     def established(self, peer: str) -> bool:
         """Has ``peer`` validated work here (ESTABLISHED_CREDIT outputs corroborated in our checks)? Routing bounds
@@ -183,10 +265,10 @@ class SpotChecker:
         return peer
 
     async def _recompute(self, k: int, op: str, tensors: list[torch.Tensor], meta: dict, vouch: Vouch,
-                         peer: str) -> torch.Tensor | None:
+                         peer: str) -> tuple[torch.Tensor | None, Receipt | None]:
         try:
-            (out,), _, _ = await self.hops.hop(k, op, tensors, meta, only=peer, vouch=vouch)
-            return out
+            (out,), reply, _ = await self.hops.hop(k, op, tensors, meta, only=peer, vouch=vouch)
+            return out, reply.get("receipt")
         except (HopGivenUp, NeedInputReply, Refused) as exc:  # a replica that fails is no evidence either way
             if isinstance(exc, Refused) and exc.code == "rejected" and "unknown op" in exc.reason:
                 # a client from before this op (runs mix versions): it struck us once; never asked for one again
@@ -194,7 +276,7 @@ class SpotChecker:
                 logger.info("layer%d peer %s does not know %s (an older client): not asked for checks", k,
                             peer[-8:], op)
             logger.debug("spot check at layer%d peer %s: %s", k, peer[-8:], exc)
-            return None
+            return None, None
 
     def _say_once(self, a: str, b: str, text: str) -> None:
         pair = (min(a, b), max(a, b))
@@ -204,4 +286,6 @@ class SpotChecker:
 
     def stats(self) -> dict[str, Any]:
         return {"checked": self.checked, "gradients_checked": self.gradients_checked, "agreed": self.agreed,
-                "near": self.near, "caught": self.caught, "outweighed": self.outweighed}
+                "near": self.near, "caught": self.caught, "outweighed": self.outweighed, "convicted": self.convicted,
+                "unshown": self.unshown, "refereed_alone": self.refereed_alone,
+                **({"referee": self.referee.stats()} if self.referee is not None else {})}

@@ -35,7 +35,9 @@ from swarm.pipeline.activations import ActivationCache, Saved
 from swarm.integrity.clip import NormHistory, clip_scale, combined_bound, step_ceiling
 from swarm.integrity.guard import StepGuard
 from swarm.integrity.health import HealthMonitor, SickCopy
+from swarm.integrity.receipts import NO_WEIGHTS
 from swarm.integrity.requesters import HEAVY_CLIP_SCALE
+from swarm.integrity.weights import WeightsRing
 from swarm.run.local import make_optimizer
 from swarm.run.models import EVAL_BATCH_MAX, build_stage, eval_batch, loss_fn, stage_input_spec, target_spec
 from swarm.run.optim_state import load_optimizer_tensors, optimizer_tensors
@@ -108,6 +110,11 @@ class StageWorker:
         # drivers new here while established ones train (swarm/integrity/requesters.py): their updates are
         # clipped to the median accepted norm, not a multiple, and do not move the clip history
         self.on_probation: Callable[[str], bool] = lambda owner: False
+        # the weights each op computes with, committed: (version, digest) of the latest op's, signed into its receipt,
+        # and the recent versions kept for a referee to recompute a hop from (swarm/integrity/weights.py)
+        self.ring = WeightsRing.sized_for(self.module)
+        self.committed: tuple[int, bytes] = (0, NO_WEIGHTS)
+        self.forward_weights = NO_WEIGHTS  # a backward's: the digest its saved forward ran with (else = committed's)
 
     # ----- checks
     def check_input(self, x: torch.Tensor) -> torch.Tensor:
@@ -138,12 +145,13 @@ class StageWorker:
             inputs.requires_grad_(True)  # the previous stage needs this gradient
         outputs = functional_call(self.module, params, (inputs,))
         return Saved(inputs=inputs, outputs=outputs, params=params, created=time.monotonic(),
-                     version=self.stats.served)
+                     version=self.stats.served, weights=self.committed[1])
 
     def forward(self, mb_id: str, x: torch.Tensor, owner: str = "") -> torch.Tensor:
         """Training forward; keeps the graph for a backward of ``owner`` (the requesting driver) that comes back here."""
         with self.lock, self.stats.busy():
             self._refuse_if_sick()
+            self._commit()
             saved = self._graph(x)
             self._refuse_out_of_bound(self._check_emitted(saved.outputs, "outputs"))
             if self.is_first and not owner:  # our own driver's data: a collapsed copy shows here
@@ -157,6 +165,7 @@ class StageWorker:
     def infer(self, x: torch.Tensor) -> torch.Tensor:
         with self.lock, self.stats.busy():
             self._refuse_if_sick()
+            self._commit()
             was_training = self.module.training
             self.module.eval()
             try:
@@ -188,7 +197,10 @@ class StageWorker:
             if saved is None:
                 if x is None:
                     raise NeedInput(mb_id)
+                self._commit()
                 saved = self._graph(x)
+            self._commit()  # the input gradient is taken with the weights of now (the graph aliases them) ...
+            self.forward_weights = saved.weights  # ... through the activations of the forward's weights
             saved.outputs.backward(grad_out.to(self.device, saved.outputs.dtype))
             peak = self._check_emitted(saved.inputs.grad, "input gradients")
             self._apply(saved, batch_size=grad_out.shape[0], loss=loss, owner=owner, scale=out_scale, out_rms=out_rms,
@@ -201,6 +213,7 @@ class StageWorker:
         """Last stage: loss and input gradient of one micro-batch, with the update applied."""
         with self.lock, self.stats.busy():
             self._refuse_if_sick()
+            self._commit()
             saved = self._graph(x)
             loss = loss_fn(self.run.model, saved.outputs, y.to(self.device))
             value = float(loss.item())
@@ -222,6 +235,7 @@ class StageWorker:
         history, no health signal, no parameter."""
         with self.lock, self.stats.busy():
             self._refuse_if_sick()
+            self._commit()
             inputs = x.to(self.device).requires_grad_(True)
             outputs = self.module(inputs)
             loss_value: float | None = None
@@ -343,6 +357,16 @@ class StageWorker:
             raise WireError(f"layer{self.index} {what} would be non-finite: the request's values are out of range")
         self.health.check_tensor(tensor, f"layer{self.index} {what}")  # raises SickCopy
         raise SickCopy(f"layer{self.index} {what} contain non-finite values")
+
+    def _commit(self) -> None:
+        """The weights this op computes with, committed (hashed and kept once per version): its receipt signs them."""
+        self.committed = self.ring.commit(self.module, self.stats.param_version)
+        self.forward_weights = self.committed[1]
+
+    def weights_for(self, digest: bytes) -> dict[str, torch.Tensor] | None:
+        """The weights of a version this stage computed with, by the digest its receipts signed; None once dropped."""
+        kept = self.ring.get(digest)
+        return None if kept is None else kept.tensors
 
     def _refuse_if_sick(self) -> None:
         reason = self.health.sick_reason

@@ -62,6 +62,7 @@ from swarm.pipeline import sessions
 from swarm.pipeline.sessions import SESSION_LIMIT_BYTES, open_session, serve_session, session_for
 from swarm.pipeline.stage_gate import SERVED_OPS, UPDATE_OPS, Outcome, StageGate
 from swarm.pipeline.stage_receipts import NeedChain, ReceiptDesk, ReceiptRefusal, Vouched
+from swarm.pipeline.weights_rpc import WEIGHTS_OP, WeightsDoor
 from swarm.pipeline.traffic import Traffic  # noqa: F401  (re-exported: the RPC modules count their bytes in it)
 from swarm.pipeline.wire import (
     DEFAULT_RANK,
@@ -80,6 +81,7 @@ from swarm.pipeline.wire import (
 
 logger = logging.getLogger(__name__)
 
+COMMITTED_KEY = "_committed"  # in _run's reply, never on the wire: popped before signing
 NEW_WORK_OPS = frozenset({"forward", "forward_backward", "infer", "evaluate", "forward_backward_check",
                           "backward_check"})
 
@@ -116,6 +118,7 @@ class StageServicer(Stage0Ops, ServicerBase):
         self.traffic = traffic or Traffic()
         self.active = 0  # requests being served right now (a leaving peer waits for these)
         self.session_tasks: set[asyncio.Task] = set()  # hivemind's tasks that run our sessions (ended at a stop)
+        self.shown = WeightsDoor()  # the committed weights a referee asks to see (swarm/pipeline/weights_rpc.py)
 
     async def rpc_call(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         tensors, meta = await self._one_message(request, context)
@@ -183,6 +186,8 @@ class StageServicer(Stage0Ops, ServicerBase):
         except WireError as exc:
             return [], _refusal("rejected", str(exc))
         op = meta.get("op")
+        if op == WEIGHTS_OP:  # a referee's request: anyone may ask, within the door's rate (weights_rpc.py)
+            return await self.shown.serve(self.worker, requester, meta)
         if not isinstance(op, str) or op not in SERVED_OPS:
             if self.gate is not None:
                 self.gate.strike(requester, "a request with an unknown op")
@@ -210,6 +215,7 @@ class StageServicer(Stage0Ops, ServicerBase):
                 await self._stage0_verdict(check, requester, None)
             request = Request(requester=requester, gate=self.gate)
             out, reply, outcome = await self.fair.run(requester, _run, self.worker, op, tensors, meta, request)
+            committed = reply.pop(COMMITTED_KEY, None)
             if check is not None and op == "forward":
                 await self._stage0_verdict(check, requester, meta.get("mb"))
             # An update clipped to nothing at a backward is its gradient's signer's doing. At the last stage the update
@@ -217,7 +223,7 @@ class StageServicer(Stage0Ops, ServicerBase):
             # could be any of them, so it is nobody's strike (the step bound has already held the update).
             outcome = replace(outcome, author=vouched.applied_author) if op == "backward" else \
                 replace(outcome, clip_scale=1.0)
-            return await self._signed(requester, op, vouched, out, reply)
+            return await self._signed(requester, op, vouched, out, reply, committed)
         except Stage0Refused as exc:  # its author is already struck, by the check itself
             return [], _refusal("spot_check", str(exc))
         except NeedInput:
@@ -263,13 +269,17 @@ class StageServicer(Stage0Ops, ServicerBase):
         return None
 
     async def _signed(self, requester: str, op: str, vouched: Vouched, out: list[torch.Tensor],
-                      reply: dict) -> tuple[list[Any], dict]:
-        """Encode the reply once, and sign the digest of exactly those bytes."""
+                      reply: dict, committed: tuple[int, bytes, bytes] | None = None) -> tuple[list[Any], dict]:
+        """Encode the reply once, and sign the digest of exactly those bytes and of the weights it was computed with
+        (``committed``: (version, weights digest, its forward's weights digest), taken on the compute thread as the op
+        ran)."""
         serialized = await encode_off_loop(out, self.codec, self.rank)
         if self.desk is not None:
             figures = (reply["loss_sum"], reply["correct"], reply["count"]) if op == "evaluate" else None
-            reply = {**reply, "rc": self.desk.sign(requester, op, vouched, serialized, self.worker.stats.param_version,
-                                                  figures), "rk": self.desk.key.public}
+            version, weights, forward_weights = committed if committed is not None else \
+                (*self.worker.committed, self.worker.forward_weights)
+            reply = {**reply, "rk": self.desk.key.public,
+                     "rc": self.desk.sign(requester, op, vouched, serialized, version, figures, weights, forward_weights)}
         return serialized, reply
 
 
@@ -295,6 +305,8 @@ def _run(worker: StageWorker, op: Any, tensors: list[torch.Tensor], meta: dict,
     """dispatch, then (still on the compute thread, before another request can step) what the bounds did."""
     worker.last_update = None
     out, reply = dispatch(worker, op, tensors, meta, request)
+    # the weights this op ran with, taken before another op can run
+    reply = {**reply, COMMITTED_KEY: (*worker.committed, worker.forward_weights)}
     report = worker.last_update
     if op not in UPDATE_OPS or report is None:
         return out, reply, Outcome()

@@ -1,0 +1,124 @@
+"""Committed weights: the digest of a stage's parameters at each version it computes with, and a bounded ring of
+recent versions its signer can be made to show.
+
+Every receipt a stage signs names the digest of the tensors it ran with (swarm/integrity/receipts.py ``weights``),
+so every hop is a checkable claim: *these* weights, on this input, give this output. A referee that doubts the
+claim asks the signer for the weights of that digest and recomputes the hop (swarm/pipeline/referee.py; Verde's
+refereed delegation). The digest is computed once per version, when the first hop of that version is served, not
+per hop and not per update (an update nobody computes with is never hashed), and the tensors of that version are
+kept beside it: a copy per served version, within ``max_bytes`` and ``keep_s``.
+
+Pure except for the copies it keeps; thread-safe (the compute thread commits, the RPC loop reads).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from swarm.integrity.receipts import DIGEST_BYTES
+
+KEEP_S = 30.0  # a version is shown for at least this long after it was last served (memory permitting)
+RING_MIN_BYTES = 32 * 2**20  # a small stage keeps many versions: a referee asks within a round trip or two
+RING_COPIES = 2.0  # a large one keeps at most this many copies of its weights beside the live one
+
+
+def weights_digest(tensors: dict[str, torch.Tensor]) -> bytes:
+    """BLAKE3 over every tensor's name, dtype, shape and bytes, in name order: the same weights give the same digest on
+    any machine and any device (the bytes are taken on the CPU)."""
+    import blake3
+
+    h = blake3.blake3()
+    for name in sorted(tensors):
+        tensor = tensors[name].detach()
+        h.update(f"{name}|{tensor.dtype}|{list(tensor.shape)}|".encode())
+        flat = tensor.to("cpu").contiguous().reshape(-1)
+        if flat.numel():
+            h.update(flat.view(torch.uint8).numpy())
+    return h.digest(DIGEST_BYTES)
+
+
+def tensors_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+@dataclass(slots=True)
+class Version:
+    version: int
+    digest: bytes
+    tensors: dict[str, torch.Tensor]
+    nbytes: int
+    served_at: float  # when a hop last ran on it (monotonic)
+
+
+class WeightsRing:
+    """The versions this stage computed with recently, by digest. ``commit`` is called by every op that computes with
+    the weights, under the stage's lock; it copies and hashes the weights only when they changed since the last
+    commit (a new version, or any in-place change: the tensors' own version counters say so)."""
+
+    def __init__(self, max_bytes: int = RING_MIN_BYTES, keep_s: float = KEEP_S):
+        self.max_bytes = max_bytes
+        self.keep_s = keep_s
+        self._versions: OrderedDict[bytes, Version] = OrderedDict()
+        self._key: tuple | None = None
+        self._current: Version | None = None
+        self._lock = threading.Lock()
+        self.commits = 0  # versions hashed
+        self.evicted = 0
+
+    @staticmethod
+    def sized_for(module: nn.Module, keep_s: float = KEEP_S) -> WeightsRing:
+        """A ring for ``module``: RING_MIN_BYTES, or RING_COPIES copies of its weights where that is more."""
+        size = sum(t.numel() * t.element_size() for t in module.state_dict().values())
+        return WeightsRing(max(RING_MIN_BYTES, int(RING_COPIES * size)), keep_s)
+
+    def commit(self, module: nn.Module, version: int, now: float | None = None) -> tuple[int, bytes]:
+        """(version, digest) of ``module``'s weights now; keeps a copy of them under that digest."""
+        now = time.monotonic() if now is None else now
+        state = module.state_dict()
+        key = (version, tuple((t.data_ptr(), t._version) for t in state.values()))
+        with self._lock:
+            if key == self._key and self._current is not None:
+                self._current.served_at = now
+                self._versions.move_to_end(self._current.digest)
+                return self._current.version, self._current.digest
+        tensors = {name: t.detach().to("cpu", copy=True) for name, t in state.items()}
+        digest = weights_digest(tensors)
+        entry = Version(version, digest, tensors, tensors_bytes(tensors), now)
+        with self._lock:
+            self._key, self._current = key, entry
+            self._versions[digest] = entry
+            self._versions.move_to_end(digest)
+            self.commits += 1
+            self._evict(now)
+        return version, digest
+
+    def get(self, digest: bytes, now: float | None = None) -> Version | None:
+        """The version with this digest, if it is still kept."""
+        with self._lock:
+            self._evict(time.monotonic() if now is None else now)
+            return self._versions.get(digest)
+
+    @property
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(v.nbytes for v in self._versions.values())
+
+    def __len__(self) -> int:
+        return len(self._versions)
+
+    def _evict(self, now: float) -> None:
+        """Oldest first: past keep_s, or past max_bytes (the version being served now always stays)."""
+        total = sum(v.nbytes for v in self._versions.values())
+        while len(self._versions) > 1:
+            digest, oldest = next(iter(self._versions.items()))
+            if oldest is self._current or (now - oldest.served_at <= self.keep_s and total <= self.max_bytes):
+                break
+            del self._versions[digest]
+            total -= oldest.nbytes
+            self.evicted += 1

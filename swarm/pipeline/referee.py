@@ -1,0 +1,187 @@
+"""The driver's referee: a disputed (or sampled) hop is settled by recomputing it from the weights its signer committed
+to in the receipt, not by counting copies (Verde's refereed delegation; docs/ARCHITECTURE.md "Referees").
+
+``Referee.judge`` fetches the weights of the digest the receipt signed from the signer itself (``weights`` op,
+swarm/pipeline/weights_rpc.py), hashes them, and recomputes the hop on the driver's compute thread
+(swarm/integrity/recompute.py). Three outcomes:
+
+- HOLDS: the claim follows from the committed weights. (It says nothing of whether those weights are honest: a copy
+  trained to harm computes honestly from itself. That is judged elsewhere: see the threat model.)
+- CONVICTED: the weights shown are not the ones signed, are not a copy of this stage, or the claim does not follow
+  from them. Self-contained evidence (the receipt, the inputs, the claim, the weights) any peer can re-check; the
+  driver routes around the signer for ``CONVICTED_BAN_S``.
+- UNSHOWN: no weights came (the version was dropped, the signer is busy, slow or gone, or it commits to nothing). No
+  conviction: an honest peer on a slow link must not be punished. What depends on the claim is not used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from swarm.integrity.receipts import NO_WEIGHTS, Receipt
+from swarm.integrity.recompute import LAST_GRADIENT_OPS, REFEREED_OPS, Finding, compare, recompute, tolerance_for
+from swarm.integrity.weights import tensors_bytes, weights_digest
+from swarm.pipeline.weights_rpc import fetch_weights
+from swarm.run.models import build_stage
+
+logger = logging.getLogger(__name__)
+
+HOLDS, CONVICTED, UNSHOWN = "holds", "convicted", "unshown"
+CONVICTED_BAN_S = 3600.0  # a signer whose claim does not follow from its own weights: proven, not suspected
+FETCH_BASE_S = 3.0
+FETCH_BYTES_PER_S = 5e6  # a home uplink's worth: the fetch timeout grows with the stage's size
+FETCH_TRIES = 3  # a busy door is asked again after its retry_after_s
+WEIGHTS_KEPT = 8  # versions fetched, by digest (a dispute's two parties, a backward's two versions)
+CONVICTIONS_KEPT = 256
+
+
+@dataclass(slots=True, frozen=True)
+class Verdict:
+    outcome: str  # HOLDS, CONVICTED, UNSHOWN
+    peer: str
+    finding: Finding | None = None
+    why: str = ""
+
+    def describe(self) -> str:
+        return self.why or (self.finding.describe() if self.finding is not None else self.outcome)
+
+
+@dataclass(slots=True)
+class Conviction:
+    """The evidence: what the signer signed, what it was given, what it claimed, the weights it showed."""
+
+    peer: str
+    stage: int
+    receipt: list[Any]
+    inputs: list[torch.Tensor]
+    claim: torch.Tensor
+    why: str
+    at: float = field(default_factory=time.time)
+
+
+class Referee:
+    def __init__(self, run: Any, p2p: Any, namespaces: dict[str, str], executor: Any, dataset: Any, call: Any = None):
+        self.run = run
+        self.p2p = p2p
+        self.namespaces = namespaces
+        self.executor = executor
+        self.dataset = dataset
+        self.call = call
+        self._modules: dict[int, torch.nn.Module] = {}
+        self._weights: OrderedDict[bytes, dict[str, torch.Tensor]] = OrderedDict()
+        self._stage_bytes: dict[int, int] = {}
+        self.convictions: OrderedDict[str, Conviction] = OrderedDict()
+        self.refereed = 0
+        self.held = 0
+        self.unshown = 0
+        self.recompute_s = 0.0  # compute-thread seconds spent recomputing
+        self.fetch_s = 0.0
+
+    def stats(self) -> dict[str, Any]:
+        return {"refereed": self.refereed, "held": self.held, "convicted": len(self.convictions),
+                "unshown": self.unshown, "recompute_s": round(self.recompute_s, 3), "fetch_s": round(self.fetch_s, 3)}
+
+    async def judge(self, k: int, op: str, tensors: list[torch.Tensor], claim: torch.Tensor, receipt: Receipt | None,
+                    peer: str) -> Verdict:
+        """Does ``claim`` (what ``peer`` returned for ``op`` at stage ``k`` on ``tensors``, the same tensors a spot
+        check sends: [x], [g, x] or [x, ids]) follow from the weights its ``receipt`` committed to?"""
+        self.refereed += 1
+        if receipt is None or op not in REFEREED_OPS or receipt.weights == NO_WEIGHTS or receipt.signer != peer:
+            return self._unshown(peer, "its receipt commits to no weights")
+        try:
+            weights = await self._fetch(k, peer, receipt.weights)
+            forward_weights = None
+            if op == "backward" and receipt.forward_weights not in (receipt.weights, NO_WEIGHTS):
+                forward_weights = await self._fetch(k, peer, receipt.forward_weights)
+        except _Lied as exc:
+            return self._convict(k, peer, receipt, tensors, claim, str(exc))
+        except Exception as exc:  # gone, busy, slow, a broken stream: no evidence either way
+            return self._unshown(peer, f"no weights: {str(exc)[:160]}")
+        targets = self.dataset.y_train[tensors[1].long()] if op in LAST_GRADIENT_OPS else None
+        started = time.perf_counter()
+        try:
+            recomputed = await asyncio.get_running_loop().run_in_executor(
+                self.executor, recompute, self.run.model, self._module(k), op, weights,
+                tensors[:1] if op in LAST_GRADIENT_OPS else tensors, targets, forward_weights)
+        except ValueError as exc:  # weights that hash right but are no copy of this stage
+            return self._convict(k, peer, receipt, tensors, claim, f"showed weights that are not this stage's: {exc}")
+        finally:
+            self.recompute_s += time.perf_counter() - started
+        finding = compare(claim, recomputed, tolerance_for(op, self.run.training.codec, _dropout(self.run.model)))
+        if not finding.holds:
+            return self._convict(k, peer, receipt, tensors, claim,
+                                 f"its {op} does not follow from the weights it committed to ({finding.describe()})",
+                                 finding)
+        self.held += 1
+        logger.debug("referee at layer%d: %s of %s holds (%s)", k, op, peer[-8:], finding.describe())
+        return Verdict(HOLDS, peer, finding)
+
+    # ----- parts
+    async def _fetch(self, k: int, peer: str, digest: bytes) -> dict[str, torch.Tensor]:
+        kept = self._weights.get(digest)
+        if kept is not None:
+            self._weights.move_to_end(digest)
+            return kept
+        size = self._bytes(k)
+        timeout_s = FETCH_BASE_S + size / FETCH_BYTES_PER_S
+        started = time.perf_counter()
+        try:
+            for attempt in range(FETCH_TRIES):
+                try:
+                    weights = await fetch_weights(self.p2p, peer, self.namespaces[f"layer{k}"], digest,
+                                                  expect_bytes=size, timeout_s=timeout_s, call=self.call)
+                    break
+                except Exception as exc:
+                    retry_s = getattr(exc, "retry_after_s", None)
+                    if getattr(exc, "code", "") != "busy" or attempt == FETCH_TRIES - 1:
+                        raise
+                    await asyncio.sleep(min(1.0, retry_s or 0.25))
+        finally:
+            self.fetch_s += time.perf_counter() - started
+        if weights_digest(weights) != digest:
+            raise _Lied("showed weights whose digest is not the one it signed")
+        if tensors_bytes(weights) > 2 * size + 2**20:
+            raise _Lied("showed weights far larger than this stage's")
+        self._weights[digest] = weights
+        while len(self._weights) > WEIGHTS_KEPT:
+            self._weights.popitem(last=False)
+        return weights
+
+    def _module(self, k: int) -> torch.nn.Module:
+        if k not in self._modules:
+            self._modules[k] = build_stage(self.run.model, k)
+        return self._modules[k]
+
+    def _bytes(self, k: int) -> int:
+        if k not in self._stage_bytes:
+            self._stage_bytes[k] = tensors_bytes(self._module(k).state_dict())
+        return self._stage_bytes[k]
+
+    def _unshown(self, peer: str, why: str) -> Verdict:
+        self.unshown += 1
+        logger.info("referee: peer %s: %s (no verdict)", peer[-8:], why)
+        return Verdict(UNSHOWN, peer, why=why)
+
+    def _convict(self, k: int, peer: str, receipt: Receipt, tensors: list[torch.Tensor], claim: torch.Tensor,
+                 why: str, finding: Finding | None = None) -> Verdict:
+        self.convictions[peer] = Conviction(peer, k, receipt.to_wire(), [t.detach() for t in tensors], claim.detach(),
+                                            why)
+        while len(self.convictions) > CONVICTIONS_KEPT:
+            self.convictions.popitem(last=False)
+        logger.warning("referee: layer%d peer %s convicted: %s", k, peer[-8:], why)
+        return Verdict(CONVICTED, peer, finding, why)
+
+
+class _Lied(Exception):
+    """The signer showed something that contradicts what it signed."""
+
+
+def _dropout(model: Any) -> float:
+    return float(getattr(model, "dropout", 0.0) or 0.0)

@@ -1,0 +1,210 @@
+"""Referees (swarm/integrity/weights.py, recompute.py, swarm/pipeline/referee.py, weights_rpc.py): every receipt commits
+to the signer's weights, a signer shows them, and a hop is settled by recomputing it from them, with no vote.
+
+Real stage workers; the referee's ``weights`` calls go straight to a real WeightsDoor (no network here: the swarm
+tests, tests/test_referee_swarm.py, run it over P2P)."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from swarm.integrity.receipts import NO_WEIGHTS, ReceiptKey
+from swarm.integrity.recompute import compare, recompute, tolerance_for
+from swarm.integrity.weights import WeightsRing, weights_digest
+from swarm.pipeline.referee import CONVICTED, HOLDS, UNSHOWN, Referee
+from swarm.pipeline.stage import StageWorker
+from swarm.pipeline.stage_rpc import refusal_error
+from swarm.pipeline.weights_rpc import WeightsDoor
+from swarm.pipeline.wire import decode_tensors
+from swarm.run.data import load_dataset
+from swarm.run.models import build_stage
+from swarm.run.runconfig import RunConfig
+
+RUN = RunConfig.model_validate({"name": "referee", "model": {"stages": 3, "hidden_dim": 32},
+                                "training": {"batch_size": 8}})
+HIDDEN = 32
+
+
+def _trained(worker: StageWorker, steps: int, seed: int = 1) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for i in range(steps):
+        x = torch.randn(8, HIDDEN, generator=gen).relu()
+        worker.forward(f"t{seed}-{i}", x)
+        worker.backward(f"t{seed}-{i}", 0.1 * torch.randn(8, HIDDEN, generator=gen), None, None)
+
+
+# ----- committed weights
+
+
+def test_the_weights_digest_names_every_tensor_and_byte():
+    module = build_stage(RUN.model, 1)
+    state = {k: v.clone() for k, v in module.state_dict().items()}
+    digest = weights_digest(state)
+    assert digest == weights_digest({k: v.clone() for k, v in reversed(list(state.items()))})  # order-free
+    name = next(iter(state))
+    nudged = {**state, name: state[name].clone()}
+    nudged[name].view(-1)[0] += 1e-7
+    assert weights_digest(nudged) != digest
+    assert weights_digest({**state, name: state[name].double()}) != digest  # another dtype is another tensor
+
+
+def test_a_stage_commits_each_version_once_and_keeps_it_for_its_receipts():
+    worker = StageWorker(RUN, 1)
+    x = torch.randn(8, HIDDEN).relu()
+    worker.forward("a", x)
+    version, digest = worker.committed
+    assert digest != NO_WEIGHTS and weights_digest(worker.weights_for(digest)) == digest
+    worker.infer(x)
+    assert worker.committed == (version, digest) and worker.ring.commits == 1  # same weights: not hashed again
+    worker.backward("a", 0.1 * torch.randn(8, HIDDEN), None, None)  # the update comes after the gradient
+    assert worker.committed[1] == digest and worker.forward_weights == digest
+    worker.infer(x)
+    assert worker.committed[1] != digest and worker.ring.commits == 2
+    assert worker.weights_for(digest) is not None  # the older version is still shown
+
+
+def test_the_ring_is_bounded_in_bytes_and_time_and_keeps_the_current_version():
+    module = build_stage(RUN.model, 1)
+    size = sum(t.numel() * t.element_size() for t in module.state_dict().values())
+    ring = WeightsRing(max_bytes=3 * size, keep_s=10.0)
+    digests = []
+    for version in range(6):
+        with torch.no_grad():
+            next(module.parameters()).add_(0.01)
+        digests.append(ring.commit(module, version, now=float(version))[1])
+    assert len(ring) == 3 and ring.held_bytes <= 3 * size and ring.evicted == 3
+    assert ring.get(digests[0], now=5.0) is None and ring.get(digests[-1], now=5.0) is not None
+    assert ring.get(digests[-1], now=1000.0) is not None  # the current version outlives keep_s
+    assert ring.get(digests[-2], now=1000.0) is None
+
+
+# ----- recomputation
+
+
+def test_honest_hops_reproduce_exactly_a_backward_through_an_older_forward_too():
+    worker, module = StageWorker(RUN, 1), build_stage(RUN.model, 1)
+    x = torch.randn(8, HIDDEN).relu()
+    y = worker.forward("mb", x)
+    forward_digest = worker.committed[1]
+    weights = worker.weights_for(forward_digest)
+    assert compare(y, recompute(RUN.model, module, "forward", weights, [x]), tolerance_for("forward", "float32")).holds
+    _trained(worker, 8)  # 8 updates land between this micro-batch's forward and its backward
+    g = 0.1 * torch.randn(8, HIDDEN)
+    grad_in = worker.backward("mb", g, None, None)
+    now = worker.weights_for(worker.committed[1])
+    assert worker.forward_weights == forward_digest != worker.committed[1]
+    exact = recompute(RUN.model, module, "backward", now, [g, x], forward_weights=weights)
+    finding = compare(grad_in, exact, tolerance_for("backward", "float32"))
+    assert finding.holds and finding.cosine > 0.9999 and abs(finding.ratio - 1) < 1e-4, finding
+    # what a referee that ignored the forward's version would see: close, not exact
+    assert compare(grad_in, recompute(RUN.model, module, "backward", now, [g, x]),
+                   tolerance_for("backward", "float32")).cosine < 0.99999
+
+
+def test_the_last_stage_gradient_and_check_ops_reproduce_and_lies_do_not():
+    worker, module = StageWorker(RUN, 2), build_stage(RUN.model, 2)
+    _trained_last(worker)
+    x, y = torch.randn(8, HIDDEN).relu(), torch.randint(0, 10, (8,))
+    _, grad = worker.forward_backward("mb", x, y)
+    weights = worker.weights_for(worker.committed[1])
+    recomputed = recompute(RUN.model, module, "forward_backward", weights, [x], targets=y)
+    tol = tolerance_for("forward_backward", "float32")
+    assert compare(grad, recomputed, tol).holds
+    noise = torch.randn_like(grad) * grad.norm() / grad.numel() ** 0.5
+    for lie in (-grad, torch.randn_like(grad) * grad.norm() / grad.numel() ** 0.5, grad + noise, 3 * grad):
+        assert not compare(lie, recomputed, tol).holds
+    assert compare(0.5 * grad, recomputed, tol).holds  # a stage clips: a shorter gradient is honest
+    _, checked = worker.input_gradient(x, y)
+    assert compare(checked, recompute(RUN.model, module, "forward_backward_check", worker.weights_for(
+        worker.committed[1]), [x], targets=y), tol).holds
+
+
+def _trained_last(worker: StageWorker) -> None:
+    gen = torch.Generator().manual_seed(3)
+    for i in range(4):
+        worker.forward_backward(f"w{i}", torch.randn(8, HIDDEN, generator=gen).relu(),
+                                torch.randint(0, 10, (8,), generator=gen))
+
+
+def test_weights_that_are_not_this_stage_are_refused():
+    module = build_stage(RUN.model, 1)
+    with pytest.raises(ValueError):
+        recompute(RUN.model, module, "forward", {"w": torch.zeros(3)}, [torch.zeros(8, HIDDEN)])
+
+
+# ----- the referee against a real stage's door
+
+
+class _Door:
+    """``call`` for the referee: the weights op answered by a real WeightsDoor over ``worker`` (no network)."""
+
+    def __init__(self, worker: StageWorker, tamper: bool = False):
+        self.worker, self.door, self.tamper, self.asked = worker, WeightsDoor(), tamper, 0
+
+    async def __call__(self, p2p, peer, namespace, op, tensors, meta, *, timeout_s, codec, max_bytes, expect_bytes):
+        assert op == "weights" and codec == "float32"
+        self.asked += 1
+        serialized, reply = await self.door.serve(self.worker, "referee", meta)
+        if not reply.get("ok"):
+            raise refusal_error(reply)
+        out = decode_tensors(serialized, max_bytes, coded=True)
+        if self.tamper:
+            out = [t + 0.01 for t in out]
+        return out, reply, 0.0
+
+
+def _referee(call) -> tuple[Referee, ThreadPoolExecutor]:
+    executor = ThreadPoolExecutor(max_workers=1)
+    dataset = load_dataset(RUN.data, RUN.model)
+    return Referee(RUN, None, {"layer1": "ns.layer1", "layer2": "ns.layer2"}, executor, dataset, call=call), executor
+
+
+def _signed_forward(worker: StageWorker, key: ReceiptKey, out: torch.Tensor):
+    version, digest = worker.committed
+    return key.sign(RUN.run_id, "mb", "forward", 1, version, b"i" * 16, b"o" * 16, b"d" * 16, digest)
+
+
+def test_the_referee_upholds_an_honest_hop_and_convicts_a_lie_with_no_other_copy():
+    worker, key = StageWorker(RUN, 1), ReceiptKey("QmSigner")
+    x = torch.randn(8, HIDDEN).relu()
+    y = worker.forward("mb", x)
+    receipt = _signed_forward(worker, key, y)
+    referee, executor = _referee(_Door(worker))
+    try:
+        honest = asyncio.run(referee.judge(1, "forward", [x], y, receipt, "QmSigner"))
+        lie = asyncio.run(referee.judge(1, "forward", [x], 1.5 * y, receipt, "QmSigner"))
+        assert honest.outcome == HOLDS and lie.outcome == CONVICTED, (honest, lie)
+        assert "does not follow" in lie.why and "QmSigner" in referee.convictions
+        assert referee.convictions["QmSigner"].receipt == receipt.to_wire()  # the evidence names what it signed
+        # weights shown that are not the ones signed: a lie too
+        tampered, executor2 = _referee(_Door(worker, tamper=True))
+        assert asyncio.run(tampered.judge(1, "forward", [x], y, receipt, "QmSigner")).outcome == CONVICTED
+        executor2.shutdown()
+        # a version no longer kept, or a receipt that commits to nothing: no verdict, nobody convicted
+        gone = key.sign(RUN.run_id, "mb", "forward", 1, 0, b"i" * 16, b"o" * 16, b"d" * 16, b"z" * 16)
+        assert asyncio.run(referee.judge(1, "forward", [x], y, gone, "QmSigner")).outcome == UNSHOWN
+        bare = key.sign(RUN.run_id, "mb", "forward", 1, 0, b"i" * 16, b"o" * 16, b"d" * 16)
+        assert asyncio.run(referee.judge(1, "forward", [x], y, bare, "QmSigner")).outcome == UNSHOWN
+        assert len(referee.convictions) == 1
+    finally:
+        executor.shutdown()
+
+
+def test_the_door_bounds_what_showing_costs():
+    worker = StageWorker(RUN, 1)
+    worker.infer(torch.zeros(2, HIDDEN))
+    door = WeightsDoor()
+
+    async def twice():
+        first = await door.serve(worker, "a", {"digest": worker.committed[1]})
+        again = await door.serve(worker, "a", {"digest": worker.committed[1]})  # within MIN_INTERVAL_S
+        other = await door.serve(worker, "b", {"digest": worker.committed[1]})
+        bad = await door.serve(worker, "c", {"digest": "nope"})
+        return first[1], again[1], other[1], bad[1]
+
+    first, again, other, bad = asyncio.run(twice())
+    assert first["ok"] and other["ok"] and again["code"] == "busy" and bad["code"] == "rejected"
