@@ -44,6 +44,8 @@ class StageServicer(stage_rpc.StageServicer):
 
     async def _handle(self, serialized, metadata, context):
         meta = unpack_metadata(metadata)
+        if meta.get("op") == "weights" and self.impostor.mode == "honest":  # shows what it committed to, as a real stage
+            return await self.shown.serve(self.impostor.worker, str(context.remote_id), meta)
         out, reply = await self.impostor.answer(decode_tensors(serialized, self.max_bytes), meta)
         items = encode_tensors(out)
         if self.impostor.mode == "honest" and reply.get("ok"):  # signs what it computed, as a real stage does
@@ -51,8 +53,9 @@ class StageServicer(stage_rpc.StageServicer):
             vouched = Vouched(mb=meta["mb"], input=received.output, ids=received.ids)
             op = meta["op"]
             figures = (reply["loss_sum"], reply["correct"], reply["count"]) if op == "evaluate" else None
-            reply = {**reply, "rc": self.impostor.desk.sign(str(context.remote_id), op, vouched, items, 0, figures),
-                     "rk": self.impostor.desk.key.public}
+            version, weights = reply.pop("committed")
+            reply = {**reply, "rc": self.impostor.desk.sign(str(context.remote_id), op, vouched, items, version, figures,
+                                                           weights), "rk": self.impostor.desk.key.public}
         return items, reply
 
 
@@ -116,9 +119,14 @@ class Impostor:
             kind = MALFORMED_KINDS[(self.requests - 1) % len(MALFORMED_KINDS)]
             return _malformed(kind, tensors)
         loop = asyncio.get_running_loop()
-        out = await loop.run_in_executor(self.executor, self._last_stage, meta.get("op"), tensors, meta)
+        out, reply = await loop.run_in_executor(self.executor, self._committed_stage, meta.get("op"), tensors, meta)
         self.answered += 1
-        return out
+        return out, reply
+
+    def _committed_stage(self, op: str, tensors: list[torch.Tensor], meta: dict) -> tuple[list[torch.Tensor], dict]:
+        """``_last_stage``, and the weights it ran with (read on the compute thread, before another request runs)."""
+        out, reply = self._last_stage(op, tensors, meta)
+        return out, {**reply, "committed": self.worker.committed}
 
     def _last_stage(self, op: str, tensors: list[torch.Tensor], meta: dict) -> tuple[list[torch.Tensor], dict]:
         """An honest last stage of the labels-by-id protocol (the only ops a last stage serves)."""

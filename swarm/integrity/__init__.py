@@ -11,6 +11,8 @@ Map:
 - requesters.py  fair share, in-flight cap, strikes and bans per driver (pure decisions + RequesterBook)
 - receipts.py    signed hop receipts: every tensor a stage applies names the peer that computed it
 - spot.py        spot validation by replication: agree, far, the odd one out, the verdict on a stage-0 output
+- weights.py     committed weights: the digest of each version a stage computes with, the ring of recent versions
+- recompute.py   a referee's recomputation of one hop from committed weights, and whether a claim reproduces
 - evaluations.py evaluations validated by replication over peers of the last stage, each figure signed
 - labels.py      targets by sample id, shard checks, the view of the run's drivers
 - mixing.py      bounded influence through averaging: reject, clip or skip one peer's copy or edge message

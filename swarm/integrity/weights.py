@@ -24,7 +24,7 @@ from torch import nn
 from swarm.integrity.receipts import DIGEST_BYTES
 
 KEEP_S = 30.0  # a version is shown for at least this long after it was last served (memory permitting)
-RING_MIN_BYTES = 32 * 2**20  # a small stage keeps many versions: a referee asks within a round trip or two
+RING_MIN_BYTES = 8 * 2**20  # a small stage keeps many versions (digits: ~120): a referee asks within a round trip or two
 RING_COPIES = 2.0  # a large one keeps at most this many copies of its weights beside the live one
 
 

@@ -10,6 +10,8 @@ Map:
 - stage_receipts.py the stage's side of receipts: what a request's receipts vouch for, whom a wrong tensor blames
 - keybook.py     whose receipt key is whose: the keys of the peers whose receipts we check
 - spot_checks.py the driver's spot checks: a share of forward and gradient hops recomputed at a second peer of the swarm
+- referee.py     the driver's referee: a disputed or sampled hop recomputed from the weights its signer committed to
+- weights_rpc.py the ``weights`` op: a signer shows the weights of a digest it signed, within a door's rate
 - stage0_checks.py stage 1's spot checks of the stage-0 outputs it is sent: recomputed by other layer0 peers
 - stage0_replicas.py stage 0's infer [ids] for those checks: who may ask and how much (pure), the ids on the wire
 - stage0_rpc.py  the servicer's part in them (a mixin of stage_rpc's StageServicer)

@@ -24,6 +24,7 @@ import asyncio
 import itertools
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -107,7 +108,9 @@ class PipelineDriver:
         self.hops = HopCaller(run, p2p, self.routers, self.stats, self.blockage, traffic=self.traffic,
                               is_stopping=lambda: self._stopping, call=call, keys=self.keys)
         # a share of forward and gradient hops replicated at a second peer
-        self.referee = Referee(run, p2p, self.hops.namespaces, executor, dataset, call=call)
+        # VOLUNTEER_REFEREE=0: disputes go to the vote as before (benchmarks measure the referee's cost both ways)
+        self.referee = None if os.environ.get("VOLUNTEER_REFEREE") == "0" else \
+            Referee(run, p2p, self.hops.namespaces, executor, dataset, call=call)
         self.spot = SpotChecker(self.hops, share=run.integrity.spot_share, seed=seed, referee=self.referee)
         for router in self.routers.values():  # newcomers together get a bounded share of each swarm's hops
             router.established = self.spot.established

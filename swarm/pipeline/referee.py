@@ -37,7 +37,7 @@ HOLDS, CONVICTED, UNSHOWN = "holds", "convicted", "unshown"
 CONVICTED_BAN_S = 3600.0  # a signer whose claim does not follow from its own weights: proven, not suspected
 FETCH_BASE_S = 3.0
 FETCH_BYTES_PER_S = 5e6  # a home uplink's worth: the fetch timeout grows with the stage's size
-FETCH_TRIES = 3  # a busy door is asked again after its retry_after_s
+FETCH_TRIES = 8  # a busy door is asked again after its retry_after_s (~2 s in all): busy is no reason to refuse
 WEIGHTS_KEPT = 8  # versions fetched, by digest (a dispute's two parties, a backward's two versions)
 CONVICTIONS_KEPT = 256
 
@@ -77,16 +77,19 @@ class Referee:
         self._modules: dict[int, torch.nn.Module] = {}
         self._weights: OrderedDict[bytes, dict[str, torch.Tensor]] = OrderedDict()
         self._stage_bytes: dict[int, int] = {}
+        self._fetching: dict[bytes, asyncio.Future] = {}
         self.convictions: OrderedDict[str, Conviction] = OrderedDict()
         self.refereed = 0
         self.held = 0
         self.unshown = 0
         self.recompute_s = 0.0  # compute-thread seconds spent recomputing
         self.fetch_s = 0.0
+        self.fetches = 0
 
     def stats(self) -> dict[str, Any]:
         return {"refereed": self.refereed, "held": self.held, "convicted": len(self.convictions),
-                "unshown": self.unshown, "recompute_s": round(self.recompute_s, 3), "fetch_s": round(self.fetch_s, 3)}
+                "unshown": self.unshown, "recompute_s": round(self.recompute_s, 3), "fetches": self.fetches,
+                "fetch_s": round(self.fetch_s, 3)}
 
     async def judge(self, k: int, op: str, tensors: list[torch.Tensor], claim: torch.Tensor, receipt: Receipt | None,
                     peer: str) -> Verdict:
@@ -125,13 +128,24 @@ class Referee:
 
     # ----- parts
     async def _fetch(self, k: int, peer: str, digest: bytes) -> dict[str, torch.Tensor]:
+        """The weights of ``digest`` from ``peer``, hashed and checked; lanes that want the same version at once share
+        one fetch (a digest names its tensors whoever shows them)."""
         kept = self._weights.get(digest)
         if kept is not None:
             self._weights.move_to_end(digest)
             return kept
+        pending = self._fetching.get(digest)
+        if pending is None:
+            pending = asyncio.ensure_future(self._fetch_once(k, peer, digest))
+            self._fetching[digest] = pending
+            pending.add_done_callback(lambda _: self._fetching.pop(digest, None))
+        return await asyncio.shield(pending)
+
+    async def _fetch_once(self, k: int, peer: str, digest: bytes) -> dict[str, torch.Tensor]:
         size = self._bytes(k)
         timeout_s = FETCH_BASE_S + size / FETCH_BYTES_PER_S
         started = time.perf_counter()
+        weights: dict[str, torch.Tensor] = {}
         try:
             for attempt in range(FETCH_TRIES):
                 try:
@@ -144,6 +158,7 @@ class Referee:
                         raise
                     await asyncio.sleep(min(1.0, retry_s or 0.25))
         finally:
+            self.fetches += 1
             self.fetch_s += time.perf_counter() - started
         if weights_digest(weights) != digest:
             raise _Lied("showed weights whose digest is not the one it signed")

@@ -16,6 +16,7 @@ it, a gradient before anything upstream did (that micro-batch is lost: the stage
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -46,6 +47,7 @@ from swarm.pipeline.routing import BAD_REPLY_BAN_S
 logger = logging.getLogger(__name__)
 
 SIMILARITIES_KEPT = 200
+MAX_BACKGROUND_REFEREES = 4  # sampled hops of established peers refereed off the lanes' path at once
 
 
 @dataclass(slots=True, frozen=True)
@@ -65,6 +67,7 @@ class SpotChecker:
         self.convicted = 0  # signers whose claim did not follow from their committed weights
         self.unshown = 0  # disputed claims whose weights could not be had: not used, nobody convicted
         self.refereed_alone = 0  # hops of a swarm without a second copy, recomputed by the referee
+        self._background: set[asyncio.Task] = set()
         self.share = share
         self.rng = random.Random(seed)
         self.checked = 0  # forward hops replicated
@@ -110,7 +113,9 @@ class SpotChecker:
         if self.share <= 0 or self.rng.random() >= self.share_for(primary):
             return
         other = self._usable(router, exclude=[primary, *self._cannot[op]]) if len(router.peers) >= 2 else None
-        if other is None:  # no second copy to compare with: the referee recomputes the hop itself
+        if other is None or (self.referee is not None and not self.established(primary)):
+            # no second copy to compare with, or a newcomer (fresh keys could earn credit by agreeing with each other):
+            # the referee recomputes the hop itself, and only that earns a newcomer its standing
             await self._referee_alone(k, tensors, claim)
             return
         second, second_receipt = await self._recompute(k, op, tensors, meta, vouch, other)
@@ -135,7 +140,10 @@ class SpotChecker:
                 self.near += 1
             if agreed or bounds.is_near(seen):
                 for peer in (primary, other):
-                    self.book.add(peer)
+                    # with a referee, agreement adds to a standing recomputation earned, never starts one: two fresh
+                    # keys agreeing with each other prove nothing (settled evidence, not a count of keys)
+                    if self.referee is None or self.established(peer):
+                        self.book.add(peer)
             return
         # A far disagreement: settled by recomputing the disputed hops from the weights each signer committed to (one
         # honest referee suffices, no vote); only when both claims follow from their weights (copies that differ, or
@@ -169,13 +177,28 @@ class SpotChecker:
                                         "with two other peers'): not passed on")
 
     async def _referee_alone(self, k: int, tensors: list[torch.Tensor], claim: Claim) -> None:
-        """A sampled hop of a swarm with no second copy: recomputed from the weights its signer committed to. A claim
-        that does not follow is refused and its signer convicted; one whose weights do not come is refused (nothing
-        doubtful is used) and its signer backed off like a failing peer, not convicted (a slow link is no lie)."""
+        """A sampled hop of a swarm with no second copy, or of a newcomer: recomputed from the weights its signer
+        committed to. A claim that follows earns its signer credit; one that does not is refused and its signer
+        convicted; one whose weights do not come is refused (nothing doubtful is used) and its signer backed off like
+        a failing peer, not convicted (a slow link is no lie)."""
         if self.referee is None:
             return
         self.refereed_alone += 1
-        verdict = await self.referee.judge(k, claim.op, tensors, claim.out, claim.receipt, claim.peer)
+        if self.established(claim.peer):
+            # Off the lane's path: the 97 % of its hops not sampled pass unchecked anyway, so holding this one back
+            # protects little, while a fetch in the path cost every sampled micro-batch a round trip. A lie found
+            # later still convicts it and routes every later hop around it.
+            if len(self._background) < MAX_BACKGROUND_REFEREES:
+                task = asyncio.ensure_future(self._referee_later(k, tensors, claim))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+            return
+        await self._referee_alone_verdict(k, tensors, claim)
+
+    def _alone_verdict(self, k: int, claim: Claim, verdict: Verdict) -> None:
+        if verdict.outcome == HOLDS:
+            self.book.add(claim.peer)  # validated work: its claim followed from the weights it committed to
+            return
         if verdict.outcome == CONVICTED:
             self._convict(k, verdict)
             raise Refused("spot_check", f"layer{k} peer {claim.peer[-8:]} was convicted by recomputation: "
@@ -185,6 +208,18 @@ class SpotChecker:
             self.hops.routers[f"layer{k}"].failure(claim.peer, time.monotonic())
             raise Refused("spot_check", f"layer{k} peer {claim.peer[-8:]} could not show the weights of a sampled "
                                         f"hop ({verdict.describe()}): not passed on")
+
+    async def _referee_later(self, k: int, tensors: list[torch.Tensor], claim: Claim) -> None:
+        try:
+            await self._referee_alone_verdict(k, tensors, claim)
+        except Refused:
+            pass  # convicted or backed off already; its micro-batch went on before the verdict
+        except Exception:  # a referee's bug must never reach a lane
+            logger.exception("a background referee failed")
+
+    async def _referee_alone_verdict(self, k: int, tensors: list[torch.Tensor], claim: Claim) -> None:
+        verdict = await self.referee.judge(k, claim.op, tensors, claim.out, claim.receipt, claim.peer)
+        self._alone_verdict(k, claim, verdict)
 
     async def _referee_dispute(self, k: int, tensors: list[torch.Tensor], primary: Claim, other: Claim,
                                kind: str) -> bool:

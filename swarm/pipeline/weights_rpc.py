@@ -7,7 +7,8 @@ name order, in float32 on the wire whatever the run's codec (a recomputation nee
 is the proof, the referee hashes what it received (a mismatch is the signer's lie, swarm/pipeline/referee.py).
 
 Anyone of the run may ask (a referee is a driver or any third peer), so the door bounds what asking costs the
-stage: ``MAX_SHOWING`` answers at once in all, one per requester, and one per ``MIN_INTERVAL_S`` per requester.
+stage: ``MAX_SHOWING`` answers at once in all, ``PER_REQUESTER`` per requester, and one per ``MIN_INTERVAL_S`` per
+requester (a driver with several lanes in flight referees several hops at once).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from swarm.integrity.receipts import DIGEST_BYTES
 from swarm.pipeline.wire import WireError, encode_off_loop, refusal_meta
 
 WEIGHTS_OP = "weights"
-MAX_SHOWING = 2
-MIN_INTERVAL_S = 0.1
+MAX_SHOWING = 8
+PER_REQUESTER = 4  # a driver's lanes referee hops in parallel (in_flight 4 by default)
+MIN_INTERVAL_S = 0.005
 BUSY_RETRY_S = 0.25
 MAX_REQUESTERS = 4096
 
@@ -33,14 +35,14 @@ class WeightsDoor:
         self.shown = 0  # versions sent
         self.gone = 0  # asked for a version no longer kept
         self._last: dict[str, float] = {}
-        self._busy: set[str] = set()
+        self._busy: dict[str, int] = {}
 
     async def serve(self, worker: Any, requester: str, meta: dict) -> tuple[list[Any], dict]:
         digest = meta.get("digest")
         if worker is None or not isinstance(digest, bytes) or len(digest) != DIGEST_BYTES:
             return [], refusal_meta("rejected", "weights: a 16-byte 'digest' of a version this stage signed, please")
         now = time.monotonic()
-        if self.showing >= MAX_SHOWING or requester in self._busy or \
+        if self.showing >= MAX_SHOWING or self._busy.get(requester, 0) >= PER_REQUESTER or \
                 now - self._last.get(requester, float("-inf")) < MIN_INTERVAL_S:
             return [], refusal_meta("busy", "showing weights to other referees: ask again", BUSY_RETRY_S)
         tensors = worker.weights_for(digest)
@@ -51,7 +53,7 @@ class WeightsDoor:
             self._last.clear()
         self._last[requester] = now
         self.showing += 1
-        self._busy.add(requester)
+        self._busy[requester] = self._busy.get(requester, 0) + 1
         try:
             names = sorted(tensors)
             serialized = await encode_off_loop([tensors[name] for name in names], "float32")
@@ -59,7 +61,10 @@ class WeightsDoor:
             return serialized, {"ok": True, "names": names}
         finally:
             self.showing -= 1
-            self._busy.discard(requester)
+            if self._busy[requester] <= 1:
+                del self._busy[requester]
+            else:
+                self._busy[requester] -= 1
 
 
 async def fetch_weights(p2p: Any, peer: str, namespace: str, digest: bytes, *, expect_bytes: int, timeout_s: float,

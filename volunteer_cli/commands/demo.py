@@ -49,7 +49,7 @@ EXIT_INTERRUPTED = 130
 def keep_workdir(code: int) -> bool:
     """Keep the demo's folder (logs, checkpoints) only when the demo failed: its logs say why. A success or
     a Ctrl+C leaves nothing behind in /tmp."""
-    return code not in (0, EXIT_INTERRUPTED)
+    return code not in (0, EXIT_INTERRUPTED) or bool(os.environ.get("VOLUNTEER_KEEP_DEMO"))
 
 
 def _clean_up(workdir: Path, code: int, say) -> None:

@@ -1,0 +1,110 @@
+"""Where votes cannot settle it: a liar in a swarm of two, and two liars beside one honest peer (real stage peers over
+P2P in one process, a real driver). The liars sign every reply with their own keys, train honestly and return ascent
+input gradients at the honest norm, in training and in the checks a driver asks of them. Before referees the first
+took a run to chance (the driver saw the disagreement and could not tell who lied) and the second made the honest
+peer "the odd one out". Now each dispute is settled by recomputing the hop from the weights its signer committed to:
+the liars are convicted, the honest peer is never held off, and training goes on through it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+
+from swarm.dht.dht import DHTSettings, shutdown_dht, start_dht
+from swarm.dht.records import MemberRecord
+from swarm.pipeline.peer import SwarmPeer
+from swarm.run.runconfig import RunConfig
+from test_blame_swarm import _allow, _ascent_last_stage, _driver
+
+RUN = RunConfig.model_validate({
+    "name": "referee-swarm",
+    "model": {"stages": 3, "hidden_dim": 32},
+    "training": {"batch_size": 8, "in_flight": 2},
+    "timeouts": {"rpc_s": 10},
+})
+DRIVE_LIMIT_S = 60.0
+AFTER_MICROBATCHES = 40
+CONVICTED_WITHIN_S = 10.0
+
+
+def _swarm(liars: int):
+    """A bootstrap DHT, a layer1 peer, one honest layer2 peer and ``liars`` ascent ones: (dhts, peers, liar ids)."""
+    dhts, peers = [], []
+    first = start_dht(DHTSettings(), [])
+    dhts.append(first)
+    maddrs = [str(m) for m in first.get_visible_maddrs()]
+    for swarm in ("layer1", "layer2", *["layer2"] * liars):
+        dht = start_dht(DHTSettings(initial_peers=maddrs), [])
+        dhts.append(dht)
+        peer = SwarmPeer(RUN, dht, swarm, evaluate=False)
+        peer.start()
+        peers.append(peer)
+    for liar in peers[2:]:
+        _ascent_last_stage(liar.worker)
+    record = MemberRecord(str(first.peer_id), "online", "test", 0.0, 0.0, shard=0)
+    for peer in peers:
+        asyncio.run_coroutine_threadsafe(_allow(peer, record), peer._loop).result(5)
+    return dhts, peers, {str(peer.dht.peer_id) for peer in peers[2:]}
+
+
+async def _drive(dht0, peers) -> dict:
+    p2p, executor, driver = await _driver(dht0, RUN, "ref")
+    driver.set_peers("layer1", [str(peers[0].dht.peer_id)])
+    driver.set_peers("layer2", [str(peer.dht.peer_id) for peer in peers[1:]])
+    honest = str(peers[1].dht.peer_id)
+    task = asyncio.create_task(driver.run_forever())
+    started = time.monotonic()
+    deadline, settled_at, honest_held = started + DRIVE_LIMIT_S, None, 0.0
+    liars = {str(p.dht.peer_id) for p in peers[2:]}
+    try:
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+            now = time.monotonic()
+            stats = driver.routers["layer2"].peers.get(honest)
+            if stats is not None and max(stats.banned_until, stats.held_until) > now + 1.0:
+                honest_held += 0.1
+            convicted = set(driver.referee.convictions)
+            if settled_at is None and convicted >= liars:
+                settled_at = (now - started, driver.stats.microbatches)
+            if settled_at is not None and driver.stats.microbatches - settled_at[1] >= AFTER_MICROBATCHES:
+                break
+            assert not task.done(), f"the driver ended: {task.exception()!r}"
+    finally:
+        driver.stop()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        executor.shutdown(wait=False)
+        await p2p.shutdown()
+    return {"settled_at": settled_at, "convicted": set(driver.referee.convictions), "honest_held_s": honest_held,
+            "stats": driver.spot.stats(), "microbatches": driver.stats.microbatches, "hop_ms": driver.stats.hop_ms,
+            "after": driver.stats.microbatches - (settled_at[1] if settled_at else 0)}
+
+
+def _run_case(liars: int) -> dict:
+    dhts, peers = [], []
+    try:
+        dhts, peers, liar_ids = _swarm(liars)
+        result = asyncio.run(_drive(dhts[0], peers))
+        assert result["settled_at"] is not None, result
+        assert result["convicted"] == liar_ids, result  # every liar, nobody else
+        assert result["settled_at"][0] < CONVICTED_WITHIN_S + 5.0, result  # start-up included
+        assert result["after"] >= AFTER_MICROBATCHES, result  # training goes on through the honest peer
+        assert result["honest_held_s"] < 1.0, result  # the honest peer was never routed around
+        assert not [ban for peer in peers for ban in peer.gate.book.bans], "no stage banned anyone"
+        assert all(bool(torch.isfinite(p).all()) for peer in peers for p in peer.worker.module.parameters())
+        return result
+    finally:
+        for peer in peers:
+            peer.stop()
+        for dht in dhts:
+            shutdown_dht(dht)
+
+
+def test_a_liar_in_a_swarm_of_two_is_convicted_by_recomputation():
+    _run_case(liars=1)
+
+
+def test_two_liars_beside_one_honest_peer_cannot_make_it_the_odd_one_out():
+    _run_case(liars=2)
