@@ -208,3 +208,35 @@ def test_the_door_bounds_what_showing_costs():
 
     first, again, other, bad = asyncio.run(twice())
     assert first["ok"] and other["ok"] and again["code"] == "busy" and bad["code"] == "rejected"
+
+
+# ----- stage 1 referees a driver's stage-0 output (swarm/pipeline/stage0_referee.py)
+
+
+def test_stage_one_recomputes_a_lone_drivers_stage0_output_exactly():
+    """No other layer0 peer to compare with (before referees: no check at all): stage 1 fetches the driver's committed
+    stage-0 weights and recomputes its output on the sample ids; a made-up output is refused and its author struck to a
+    ban, an honest one earns credit, and an author that shows nothing is not blamed."""
+    from swarm.integrity.spot import AUTHOR_ODD
+    from swarm.pipeline.stage0_checks import Stage0Checker
+
+    driver = StageWorker(RUN, 0)
+    dataset = load_dataset(RUN.data, RUN.model)
+    ids = torch.arange(8)
+    h = driver.forward("mb", dataset.x_train[ids])
+    digest = driver.committed[1]
+    struck: list[tuple[str, float]] = []
+    checker = Stage0Checker(RUN, None, None, lambda: [], lambda peer, reason, n: struck.append((peer, n)), share=1.0,
+                            call=_Door(driver), seed=0)
+
+    async def verdicts():
+        honest = await checker.start("QmDriver", "mb", h, ids, digest)
+        made_up = await checker.start("QmDriver", "mb2", h.flip(0), ids, digest)
+        unshown = await checker.start("QmOther", "mb3", h, ids, b"q" * 16)
+        bare = checker.start("QmOther", "mb4", h, ids)  # its receipt commits to nothing: nothing to recompute
+        return honest, made_up, unshown, bare
+
+    honest, made_up, unshown, bare = asyncio.run(verdicts())
+    assert honest == "upheld" and made_up == AUTHOR_ODD and unshown != AUTHOR_ODD and bare is None
+    assert struck == [("QmDriver", 14.0)] and checker.credit.get("QmDriver", 0) == 0  # convicted: credit cleared
+    assert checker.stats()["convicted"] == 1 and checker.stats()["upheld"] == 1

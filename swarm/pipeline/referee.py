@@ -37,7 +37,6 @@ HOLDS, CONVICTED, UNSHOWN = "holds", "convicted", "unshown"
 CONVICTED_BAN_S = 3600.0  # a signer whose claim does not follow from its own weights: proven, not suspected
 FETCH_BASE_S = 3.0
 FETCH_BYTES_PER_S = 5e6  # a home uplink's worth: the fetch timeout grows with the stage's size
-FETCH_TRIES = 8  # a busy door is asked again after its retry_after_s (~2 s in all): busy is no reason to refuse
 WEIGHTS_KEPT = 8  # versions fetched, by digest (a dispute's two parties, a backward's two versions)
 CONVICTIONS_KEPT = 256
 
@@ -145,18 +144,9 @@ class Referee:
         size = self._bytes(k)
         timeout_s = FETCH_BASE_S + size / FETCH_BYTES_PER_S
         started = time.perf_counter()
-        weights: dict[str, torch.Tensor] = {}
         try:
-            for attempt in range(FETCH_TRIES):
-                try:
-                    weights = await fetch_weights(self.p2p, peer, self.namespaces[f"layer{k}"], digest,
-                                                  expect_bytes=size, timeout_s=timeout_s, call=self.call)
-                    break
-                except Exception as exc:
-                    retry_s = getattr(exc, "retry_after_s", None)
-                    if getattr(exc, "code", "") != "busy" or attempt == FETCH_TRIES - 1:
-                        raise
-                    await asyncio.sleep(min(1.0, retry_s or 0.25))
+            weights = await fetch_weights(self.p2p, peer, self.namespaces[f"layer{k}"], digest, expect_bytes=size,
+                                          timeout_s=timeout_s, call=self.call)
         finally:
             self.fetches += 1
             self.fetch_s += time.perf_counter() - started

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from swarm.integrity.receipts import ids_digest
+from swarm.integrity.receipts import NO_WEIGHTS, ids_digest
 from swarm.integrity.spot import (
     AGREED,
     AUTHOR_ODD,
@@ -59,7 +59,9 @@ from swarm.integrity.spot import (
     judge_author,
     similarity,
 )
+from swarm.pipeline.referee import CONVICTED, HOLDS
 from swarm.pipeline.replies import Vouch, check_receipt, check_reply
+from swarm.pipeline.stage0_referee import Stage0Referee
 from swarm.pipeline.routing import BAD_REPLY_BAN_S
 from swarm.pipeline.stage_rpc import call_stage, stage_namespace
 from swarm.pipeline.wire import coded_bytes
@@ -71,6 +73,7 @@ logger = logging.getLogger(__name__)
 # A sampled forward waits at most this for its verdict: half the hop timeout's floor (1 s), so a check alone does not
 # time out an honest driver's hop, and about the round trip of two recomputations on a slow link.
 CHECK_BUDGET_S = 0.5
+REFEREE_MIN_S = 0.25  # what a referee gets after the replicas disagreed, if their round trips used up the budget
 REPLICA_HOLD_S = 10.0  # a layer0 peer that failed to answer a replica is not asked again for this long
 MAX_EVIDENCE = 32  # caught authors kept with the receipts that convicted them (tests and status read them)
 # Strikes per verdict. Not 1: at SPOT_SHARE a liar at r micro-batches a second collects 0.03 r strikes a second,
@@ -86,7 +89,7 @@ Strike = Callable[[str, str, float], None]  # (peer, reason, strikes): StageGate
 class Stage0Checker:
     def __init__(self, run: RunConfig, p2p: Any, keys: Any, drivers: Callable[[], Iterable[str]], strike: Strike,
                  *, share: float = SPOT_SHARE, budget_s: float = CHECK_BUDGET_S, seed: int | None = None,
-                 call: Callable[..., Any] = call_stage):
+                 call: Callable[..., Any] = call_stage, referee: bool = True):
         self.run = run
         self.run_id = run.run_id
         self.namespace = stage_namespace(self.run_id, "layer0")
@@ -104,30 +107,66 @@ class Stage0Checker:
         self.evidence: deque[tuple[str, str, list]] = deque(maxlen=MAX_EVIDENCE)  # (author, mb, replica receipts)
         self.book = CreditBook()  # layer0 peer -> its stage-0 outputs we checked and found corroborated
         self.counts = {name: 0 for name in ("checked", AGREED, "caught", "replica_caught", "undecided", SKIPPED,
-                                             "said", "outweighed")}
+                                             "said", "outweighed", "convicted", "upheld", "refereed")}
+        # recomputes an author's output from the weights its receipt commits to (exact; swarm/pipeline/stage0_referee.py)
+        self.referee = Stage0Referee(run, p2p, call=call) if referee else None
 
     @property
     def credit(self) -> dict[str, int]:
         """Per layer0 peer, its stage-0 outputs we checked and found corroborated (the book's own dict)."""
         return self.book.credit
 
-    def start(self, author: str, mb: str, x: torch.Tensor, ids: torch.Tensor) -> asyncio.Task | None:
-        """Maybe check ``x``, the stage-0 output ``author`` signed for ``ids``: a task whose result is the verdict
-        (AUTHOR_ODD: refuse it), or None when this forward is not sampled or no other layer0 peer can replicate."""
+    def start(self, author: str, mb: str, x: torch.Tensor, ids: torch.Tensor,
+              weights: bytes = NO_WEIGHTS) -> asyncio.Task | None:
+        """Maybe check ``x``, the stage-0 output ``author`` signed for ``ids`` (with its stage-0 weights' digest
+        ``weights``): a task whose result is the verdict (AUTHOR_ODD: refuse it), or None when this forward is not
+        sampled or nobody can check it."""
         if self.share <= 0 or self.rng.random() >= checked_share(self.share, self.book.get(author)):
             return None  # a driver new here (or convicted) is checked more often (spot.py NEWCOMER_FACTOR)
         now = time.monotonic()
         others = sorted(d for d in self.drivers() if d != author and self._held.get(d, 0.0) <= now)
-        if not others:
-            return None
+        if not others:  # no other copy to compare with: the referee recomputes it from the author's own weights
+            if self.referee is None or weights == NO_WEIGHTS:
+                return None
+            task = asyncio.create_task(self._referee_only(author, mb, x, ids, weights))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return task
         # a random order weighted by 1 + credit (Efraimidis-Spirakis): fresh keys are asked, established peers first
         others.sort(key=lambda d: self.rng.random() ** (1.0 / (1.0 + self.book.get(d))), reverse=True)
-        task = asyncio.create_task(self._check(author, mb, x, ids, others))
+        task = asyncio.create_task(self._check(author, mb, x, ids, others, weights))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _check(self, author: str, mb: str, x: torch.Tensor, ids: torch.Tensor, others: list[str]) -> str:
+    async def _referee_only(self, author: str, mb: str, x: torch.Tensor, ids: torch.Tensor, weights: bytes) -> str:
+        self.counts["checked"] += 1
+        settled = await self._refereed(author, mb, x, ids, weights, time.monotonic() + self.budget_s)
+        return settled if settled is not None else self._conclude(author, mb, SKIPPED, None, [])
+
+    async def _refereed(self, author: str, mb: str, x: torch.Tensor, ids: torch.Tensor, weights: bytes,
+                        deadline: float) -> str | None:
+        """The referee's verdict, as a check's: AUTHOR_ODD (convicted: refused, struck to a ban), "upheld" (its output
+        follows from its committed weights: credit, whatever replicas said), None (no weights in time: no verdict)."""
+        if self.referee is None:
+            return None
+        self.counts["refereed"] += 1
+        outcome = await self.referee.judge(author, x, ids, weights, deadline - time.monotonic())
+        if outcome == CONVICTED:
+            self.counts["convicted"] += 1
+            reason = f"referee: {self.referee.last_reason} (micro-batch {mb[:40]})"
+            logger.warning("refused a micro-batch of driver %s: %s", author[-8:], reason)
+            self.book.credit.pop(author, None)
+            self.strike(author, reason, 2 * VERDICT_STRIKES)  # a proof, not a vote: banned at once
+            return AUTHOR_ODD
+        if outcome == HOLDS:
+            self.counts["upheld"] += 1
+            self.book.add(author)
+            return "upheld"
+        return None
+
+    async def _check(self, author: str, mb: str, x: torch.Tensor, ids: torch.Tensor, others: list[str],
+                     weights: bytes = NO_WEIGHTS) -> str:
         self.counts["checked"] += 1
         deadline = time.monotonic() + self.budget_s
         replicas: list[torch.Tensor] = []
@@ -145,6 +184,12 @@ class Stage0Checker:
             verdict, odd = judge_author(x, replicas)
             if verdict != DISAGREED:
                 break  # agreed, or two replicas decided it
+        if verdict in (DISAGREED, AUTHOR_ODD, REPLICA_ODD) or (verdict == UNDECIDED and any(far(x, r) for r in replicas)):
+            # copies disagree: recomputing the author's own output from its committed weights settles it exactly (a
+            # frame-up by colluding recomputers fails; a liar with one other layer0 peer online is caught)
+            settled = await self._refereed(author, mb, x, ids, weights, max(deadline, time.monotonic() + REFEREE_MIN_S))
+            if settled is not None:
+                return settled
         if verdict == UNDECIDED and not any(far(x, r) for r in replicas):
             self.book.add(author)  # not far from either: corroborated at the verdicts' own bound (skewed copies)
         figures = ""

@@ -50,7 +50,7 @@ class Stage0Ops:
         if op == "forward" and ids_digest(ids) != vouched.ids:
             raise ReceiptRefusal("bad_receipt", "the sample ids sent ('ids') are not the ones your stage-0 receipt "
                                  "names", strike=True)
-        return self.spot0.start(requester, vouched.mb, tensors[0], ids)
+        return self.spot0.start(requester, vouched.mb, tensors[0], ids, vouched.input_weights)
 
     async def _stage0_verdict(self, check: asyncio.Task, requester: str, mb: Any) -> None:
         """Wait for the check (bounded by its budget; shielded, so a requester that gives up still gets its verdict)

@@ -13,6 +13,7 @@ requester (a driver with several lanes in flight referees several hops at once).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -27,6 +28,7 @@ PER_REQUESTER = 4  # a driver's lanes referee hops in parallel (in_flight 4 by d
 MIN_INTERVAL_S = 0.005
 BUSY_RETRY_S = 0.25
 MAX_REQUESTERS = 4096
+FETCH_TRIES = 8  # a busy door is asked again this many times at most (~2 s at its retry_after_s)
 
 
 class WeightsDoor:
@@ -68,15 +70,27 @@ class WeightsDoor:
 
 
 async def fetch_weights(p2p: Any, peer: str, namespace: str, digest: bytes, *, expect_bytes: int, timeout_s: float,
-                        call: Any = None) -> dict[str, torch.Tensor]:
-    """The tensors ``peer`` committed to under ``digest`` (not yet checked against it: the referee hashes them).
-    Raises StageError (``weights_gone``, ``busy``...), WireError for a malformed reply, or a transport error."""
+                        call: Any = None, tries: int = FETCH_TRIES) -> dict[str, torch.Tensor]:
+    """The tensors ``peer`` committed to under ``digest`` (not yet checked against it: the caller hashes them). A
+    ``busy`` door is asked again after its retry_after_s (busy is no reason to give a verdict up), within
+    ``timeout_s`` in all. Raises StageError (``weights_gone``, ``busy``...), WireError for a malformed reply, or a
+    transport error or timeout."""
     from swarm.pipeline.stage_rpc import call_stage
 
     call = call or call_stage
     max_bytes = max(int(expect_bytes * 1.25) + 2**20, 8 * 2**20)
-    tensors, reply, _ = await call(p2p, peer, namespace, WEIGHTS_OP, [], {"digest": digest}, timeout_s=timeout_s,
-                                   codec="float32", max_bytes=max_bytes, expect_bytes=expect_bytes)
+    deadline = time.monotonic() + timeout_s
+    for attempt in range(tries):
+        try:
+            tensors, reply, _ = await call(p2p, peer, namespace, WEIGHTS_OP, [], {"digest": digest},
+                                           timeout_s=max(0.01, deadline - time.monotonic()), codec="float32",
+                                           max_bytes=max_bytes, expect_bytes=expect_bytes)
+            break
+        except Exception as exc:
+            wait_s = min(1.0, getattr(exc, "retry_after_s", None) or BUSY_RETRY_S)
+            if getattr(exc, "code", "") != "busy" or attempt == tries - 1 or time.monotonic() + wait_s >= deadline:
+                raise
+            await asyncio.sleep(wait_s)
     names = reply.get("names")
     if not isinstance(names, list) or len(names) != len(tensors) or not all(isinstance(n, str) for n in names) or \
             len(set(names)) != len(names):
