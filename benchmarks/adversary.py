@@ -180,15 +180,19 @@ def _run(fleet: Fleet, maddr: str, attack: Attack | None, shape: tuple, s: Setti
 
 
 BAN_LINE = re.compile(r"banned peer (\w{8}) for")
+CONVICTED_LINE = re.compile(r"layer\d peer (\w{8}) convicted")
 
 
 def _bans(procs: list[Any], attackers: list[str]) -> dict[str, Any]:
     """From the volunteers' logs: bans that landed on a peer other than the attacker's identities (``honest_bans``:
     every penalty must land on the peer that authored the wrong tensor), and whether the attacker was banned
     anywhere."""
-    banned = [m.group(1) for p in procs for m in BAN_LINE.finditer(p.stdout() + p.stderr())]
+    logs = [p.stdout() + p.stderr() for p in procs]
+    banned = [m.group(1) for log in logs for m in BAN_LINE.finditer(log)]
+    convicted = {m.group(1) for log in logs for m in CONVICTED_LINE.finditer(log)}  # by a driver's referee
     ours = {a[-8:] for a in attackers}
-    return {"honest_bans": sum(1 for b in banned if b not in ours), "attacker_banned": any(b in ours for b in banned)}
+    return {"honest_bans": sum(1 for b in banned if b not in ours), "attacker_banned": any(b in ours for b in banned),
+            "honest_convicted": len(convicted - ours), "attackers_convicted": len(convicted & ours)}
 
 
 def _wait_training(hostile: HostilePeer, per_swarm: int, procs: list[Any]) -> None:

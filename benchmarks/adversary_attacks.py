@@ -79,11 +79,10 @@ def _attacks() -> dict[str, Attack]:
                identities=4),
         # where votes cannot settle it (issue 40): one liar beside the one honest peer of its swarm (a swarm of two),
         # and two liars' keys beside it, at the last and at a middle stage: settled by the referee's recomputation
-        Attack("pair_last_stage_ascent_gradient", "signed_server", "ascent_gradient", swarm="layer2"),
-        Attack("pair_middle_ascent_gradient", "signed_server", "ascent_gradient", swarm="layer1"),
-        Attack("two_keys_last_stage_ascent_gradient", "signed_server", "ascent_gradient", swarm="layer2",
-               identities=2),
-        Attack("two_keys_middle_ascent_gradient", "signed_server", "ascent_gradient", swarm="layer1", identities=2),
+        Attack("pair_last_ascent", "signed_server", "ascent_gradient", swarm="layer2"),
+        Attack("pair_middle_ascent", "signed_server", "ascent_gradient", swarm="layer1"),
+        Attack("two_keys_last_ascent", "signed_server", "ascent_gradient", swarm="layer2", identities=2),
+        Attack("two_keys_middle_ascent", "signed_server", "ascent_gradient", swarm="layer1", identities=2),
         *(Attack(f"poison_{p}", "poison", p, per_swarm=2) for p in ("nan", "x1000", "same_norm")),
         # a registered driver that signs made-up stage-0 outputs as its own (tests/hostile.py made_up_activations):
         # two honest drivers are there to recompute them (stage-0 spot checks, swarm/pipeline/stage0_checks.py)

@@ -129,6 +129,8 @@ def summary(results: dict[str, dict[str, Any]], clean: dict[tuple, dict[str, Any
     report["lost_microbatches"] = sum(r["lost_microbatches"] for r in results.values())
     report["honest_bans"] = {n: r.get("honest_bans", 0) for n, r in results.items()}
     report["attacker_banned"] = {n: r.get("attacker_banned", False) for n, r in results.items()}
+    report["honest_convicted"] = {n: r.get("honest_convicted", 0) for n, r in results.items()}
+    report["attackers_convicted"] = {n: r.get("attackers_convicted", 0) for n, r in results.items()}
     stale = {n: r["stale_eval_unlabelled_s"] for n, r in results.items()}
     report["stale_eval_unlabelled"] = any(v > 2 * EVAL_EVERY_S for v in stale.values())
     report["stale_eval_unlabelled_s"] = stale

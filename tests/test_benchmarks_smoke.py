@@ -102,3 +102,15 @@ def test_penalty_counter_counts_holds_and_strikes_not_statements():
     assert count_penalties([said, unstruck])["total"] == 0
     counts = count_penalties([held, struck, replica])
     assert (counts["spot_check"], counts["stage0_spot_check"], counts["total"]) == (1, 2, 3)
+
+
+def test_referee_benchmark_quick_prices_the_weights_digest():
+    import os
+
+    import pytest
+
+    report = _quick("benchmarks.referee", {**os.environ, "PYTHONPATH": str(ROOT)})
+    for name in ("digits", "heavy"):
+        figures = report[name]
+        assert figures["step_ms"] > 0 and figures["commit_ms"] > 0, figures
+        assert report[f"digest_share_{name}"] == pytest.approx(figures["commit_ms"] / figures["step_ms"], rel=0.01)

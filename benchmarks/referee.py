@@ -1,0 +1,101 @@
+"""What referees cost (issue 40's goals): the weights digest against a step, and a run's throughput with and without.
+
+- ``digest_share_<model>``: a stage's commit of a new version (a copy of its tensors and their BLAKE3 digest,
+  swarm/integrity/weights.py) over one training step of that stage (forward, backward, update) on this machine,
+  one thread, for the default digits stage (hidden 128, batch 32) and benchmarks.pipeline's heavy stage (2048 wide,
+  batch 256). A version is committed at most once per step (when its first hop is served).
+- ``throughput_ratio`` (with ``--live``): samples per second of ``volunteer demo`` (the default run, one volunteer per
+  swarm: every swarm a lone copy, the referee's most frequent case) with the referee over without it
+  (``VOLUNTEER_REFEREE=0``), ``--runs`` runs each, alternating, each ``--seconds`` long.
+
+    python -m benchmarks.referee --json [--live] [--runs 2] [--seconds 45]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+
+from benchmarks.common import finish, machine_notes, median, parser, ratio, say
+
+REPEATS = 20
+QUICK_REPEATS = 5
+SHAPES = {"digits": dict(hidden_dim=128, batch=32, input_dim=64),
+          "heavy": dict(hidden_dim=2048, batch=256, input_dim=2048)}
+
+
+def digest_share(name: str, repeats: int = REPEATS) -> dict[str, float]:
+    """(seconds per step, seconds per commit, their ratio) for a middle stage of shape ``name``."""
+    from swarm.integrity.weights import WeightsRing
+    from swarm.pipeline.stage import StageWorker
+    from swarm.run.runconfig import RunConfig
+
+    shape = SHAPES[name]
+    run = RunConfig.model_validate({"name": f"ref-{name}", "model": {
+        "stages": 3, "hidden_dim": shape["hidden_dim"], "input_dim": shape["input_dim"]},
+        "training": {"batch_size": shape["batch"]}})
+    worker = StageWorker(run, 1)
+    ring = WeightsRing.sized_for(worker.module)
+    x = torch.randn(shape["batch"], shape["hidden_dim"]).relu()
+    g = 0.01 * torch.randn(shape["batch"], shape["hidden_dim"])
+    worker.ring = WeightsRing(max_bytes=1, keep_s=0.0)  # the step alone: its own commits cost ~nothing to keep
+    steps, commits = [], []
+    for i in range(repeats):
+        started = time.perf_counter()
+        worker.forward(f"m{i}", x)
+        worker.backward(f"m{i}", g, None, None)
+        steps.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        ring.commit(worker.module, i)
+        commits.append(time.perf_counter() - started)
+    step_s, commit_s = median(steps[2:]), median(commits[2:])
+    return {"step_ms": step_s * 1000, "commit_ms": commit_s * 1000, "share": commit_s / step_s,
+            "stage_mb": sum(t.numel() * t.element_size() for t in worker.module.state_dict().values()) / 2**20}
+
+
+def live(runs: int, seconds: float) -> dict[str, Any]:
+    rates: dict[str, list[float]] = {"on": [], "off": []}
+    for i in range(runs):
+        for mode in ("on", "off"):
+            env = {**os.environ, "VOLUNTEER_REFEREE": "1" if mode == "on" else "0"}
+            out = subprocess.run([sys.executable, "-m", "volunteer_cli", "demo", "--time-limit-s", str(seconds),
+                                  "--target-accuracy", "0.999", "--json"], env=env, capture_output=True, text=True,
+                                 timeout=seconds + 240)
+            result = json.loads(out.stdout.strip().splitlines()[-1])
+            rates[mode].append(result["samples"] / result["seconds"])
+            say(f"run {i + 1} referee {mode}: {rates[mode][-1]:.0f} samples/s, lost {result['lost_microbatches']}")
+    return {"samples_per_s": rates, "throughput_ratio": ratio(median(rates["on"]), median(rates["off"]))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    started = time.monotonic()
+    torch.set_num_threads(1)
+    report: dict[str, Any] = {"machine": machine_notes()}
+    for name in SHAPES:
+        figures = digest_share(name, QUICK_REPEATS if args.quick else REPEATS)
+        report[f"digest_share_{name}"] = figures["share"]
+        report[name] = figures
+        say(f"{name}: step {figures['step_ms']:.2f} ms, commit {figures['commit_ms']:.3f} ms "
+            f"({figures['share']:.2%}), {figures['stage_mb']:.1f} MiB")
+    if args.live and not args.quick:
+        report.update(live(args.runs, args.seconds))
+    return finish(report, "referee", started, args)
+
+
+def _parser():
+    out = parser("referee", __doc__, quick_help="fewer steps, no live runs (a smoke test)")
+    out.add_argument("--live", action="store_true", help="also run volunteer demo with and without the referee")
+    out.add_argument("--runs", type=int, default=2)
+    out.add_argument("--seconds", type=float, default=45.0)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
