@@ -240,3 +240,14 @@ def test_stage_one_recomputes_a_lone_drivers_stage0_output_exactly():
     assert honest == "upheld" and made_up == AUTHOR_ODD and unshown != AUTHOR_ODD and bare is None
     assert struck == [("QmDriver", 14.0)] and checker.credit.get("QmDriver", 0) == 0  # convicted: credit cleared
     assert checker.stats()["convicted"] == 1 and checker.stats()["upheld"] == 1
+
+
+def test_a_run_with_dropout_is_refereed_only_where_it_can_be_replayed():
+    """A training op draws a random dropout mask: an honest claim could not be reproduced, so nothing is judged but
+    eval-mode ops (a referee must never convict the honest for the randomness of their training)."""
+    run = RunConfig.model_validate({"name": "referee-drop", "model": {"stages": 3, "hidden_dim": 32, "dropout": 0.2},
+                                    "training": {"batch_size": 8}})
+    referee = Referee(run, None, {}, None, None)
+    assert referee.can_judge("infer") and not referee.can_judge("forward") and not referee.can_judge("backward")
+    verdict = asyncio.run(referee.judge(1, "forward", [torch.zeros(8, HIDDEN)], torch.zeros(8, HIDDEN), None, "QmP"))
+    assert verdict.outcome == "not_reproducible" and not referee.convictions

@@ -12,6 +12,7 @@ swarm/pipeline/weights_rpc.py), hashes them, and recomputes the hop on the drive
   driver routes around the signer for ``CONVICTED_BAN_S``.
 - UNSHOWN: no weights came (the version was dropped, the signer is busy, slow or gone, or it commits to nothing). No
   conviction: an honest peer on a slow link must not be punished. What depends on the claim is not used.
+- NOT_REPRODUCIBLE: a training op of a run with dropout (its random mask cannot be replayed): no check at all.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from swarm.run.models import build_stage
 logger = logging.getLogger(__name__)
 
 HOLDS, CONVICTED, UNSHOWN = "holds", "convicted", "unshown"
+# a run with dropout draws a random mask in every training op: only eval-mode ops (infer) can be recomputed exactly
+NOT_REPRODUCIBLE = "not_reproducible"
 CONVICTED_BAN_S = 3600.0  # a signer whose claim does not follow from its own weights: proven, not suspected
 FETCH_BASE_S = 3.0
 FETCH_BYTES_PER_S = 5e6  # a home uplink's worth: the fetch timeout grows with the stage's size
@@ -90,10 +93,16 @@ class Referee:
                 "unshown": self.unshown, "recompute_s": round(self.recompute_s, 3), "fetches": self.fetches,
                 "fetch_s": round(self.fetch_s, 3)}
 
+    def can_judge(self, op: str) -> bool:
+        """Whether a claim of ``op`` can be recomputed at all (not a training op of a run with dropout)."""
+        return op in REFEREED_OPS and (op == "infer" or _dropout(self.run.model) == 0)
+
     async def judge(self, k: int, op: str, tensors: list[torch.Tensor], claim: torch.Tensor, receipt: Receipt | None,
                     peer: str) -> Verdict:
         """Does ``claim`` (what ``peer`` returned for ``op`` at stage ``k`` on ``tensors``, the same tensors a spot
         check sends: [x], [g, x] or [x, ids]) follow from the weights its ``receipt`` committed to?"""
+        if _dropout(self.run.model) > 0 and op != "infer":
+            return Verdict(NOT_REPRODUCIBLE, peer, why="dropout: a training op's random mask cannot be replayed")
         self.refereed += 1
         if receipt is None or op not in REFEREED_OPS or receipt.weights == NO_WEIGHTS or receipt.signer != peer:
             return self._unshown(peer, "its receipt commits to no weights")

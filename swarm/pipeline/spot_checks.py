@@ -181,7 +181,7 @@ class SpotChecker:
         committed to. A claim that follows earns its signer credit; one that does not is refused and its signer
         convicted; one whose weights do not come is refused (nothing doubtful is used) and its signer backed off like
         a failing peer, not convicted (a slow link is no lie)."""
-        if self.referee is None:
+        if self.referee is None or not self.referee.can_judge(claim.op):
             return
         self.refereed_alone += 1
         if self.established(claim.peer):
@@ -226,7 +226,7 @@ class SpotChecker:
         """Settle a far disagreement by recomputation; True when settled (a liar convicted, or one claim held while
         the other's weights could not be had). Newcomers are refereed first (the fewest corroborated outputs), and
         the second party only when the first held or could not be checked. Raises Refused when ``primary`` lost."""
-        if self.referee is None:
+        if self.referee is None or not (self.referee.can_judge(primary.op) and self.referee.can_judge(other.op)):
             return False
         verdicts: dict[str, Verdict] = {}
         for claim in sorted((primary, other), key=lambda c: self.book.get(c.peer)):

@@ -43,6 +43,8 @@ class Stage0Referee:
 
     async def judge(self, author: str, x: torch.Tensor, ids: torch.Tensor, digest: bytes, timeout_s: float) -> str:
         """HOLDS, CONVICTED or UNSHOWN for ``x``, the stage-0 output ``author`` signed for ``ids`` with ``digest``."""
+        if float(getattr(self.run.model, "dropout", 0.0) or 0.0) > 0:  # a training forward's mask cannot be replayed
+            return self._count(UNSHOWN, "dropout: stage 0's training forward cannot be replayed")
         if digest in (b"", NO_WEIGHTS) or timeout_s <= 0:
             return self._count(UNSHOWN, "its receipt commits to no weights")
         started = time.monotonic()
