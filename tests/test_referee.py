@@ -251,3 +251,60 @@ def test_a_run_with_dropout_is_refereed_only_where_it_can_be_replayed():
     assert referee.can_judge("infer") and not referee.can_judge("forward") and not referee.can_judge("backward")
     verdict = asyncio.run(referee.judge(1, "forward", [torch.zeros(8, HIDDEN)], torch.zeros(8, HIDDEN), None, "QmP"))
     assert verdict.outcome == "not_reproducible" and not referee.convictions
+
+
+# ----- convictions any peer re-checks (swarm/pipeline/convictions.py)
+
+
+class _Keys:
+    def __init__(self, key: ReceiptKey):
+        self.key_of = {key.peer_id: key.public}
+
+    async def key(self, signer, swarm):
+        return self.key_of.get(signer)
+
+
+def _evidence(claim_scale: float):
+    """A stage-1 forward signed by QmSigner, and the conviction a referee would send of it with this claim."""
+    from swarm.integrity.receipts import tensor_digest
+    from swarm.pipeline.convictions import evidence
+    from swarm.pipeline.referee import Conviction
+    from swarm.pipeline.wire import serialize_once
+
+    worker, key = StageWorker(RUN, 1), ReceiptKey("QmSigner")
+    x = torch.randn(8, HIDDEN).relu()
+    y = worker.forward("mb", x)
+    claim = y * claim_scale
+    x_item, y_item = serialize_once(x), serialize_once(claim)
+    version, digest = worker.committed
+    receipt = key.sign(RUN.run_id, "mb", "forward", 1, version, tensor_digest(x_item), tensor_digest(y_item),
+                       b"d" * 16, digest)
+    conviction = Conviction("QmSigner", 1, receipt.to_wire(), [x], claim, "test", worker.weights_for(digest))
+    return key, evidence(conviction)
+
+
+def test_a_conviction_is_rechecked_and_a_false_one_costs_its_sender():
+    from swarm.pipeline.convictions import ConvictionDesk
+
+    banned, struck = [], []
+
+    async def no_labels():
+        raise AssertionError("a forward needs no targets")
+
+    for scale, proven in ((-1.0, True), (1.0, False)):
+        key, (tensors, meta) = _evidence(scale)
+        desk = ConvictionDesk(RUN, _Keys(key), lambda peer, why: banned.append(peer),
+                              lambda peer, why: struck.append(peer), no_labels)
+        _, reply = asyncio.run(desk.receive("QmAccuser", tensors, meta))
+        assert reply.get("ok") is proven, reply
+    assert banned == ["QmSigner"] and struck == ["QmAccuser"]  # the liar banned; the false accuser struck
+    # evidence whose tensors are not the ones the receipt names proves nothing
+    key, (tensors, meta) = _evidence(-1.0)
+    desk = ConvictionDesk(RUN, _Keys(key), lambda peer, why: banned.append(peer), lambda peer, why: struck.append(peer),
+                          no_labels)
+    forged = [torch.zeros_like(tensors[0]), *tensors[1:]]
+    from swarm.pipeline.wire import serialize_once
+
+    serialize_once(forged[0])
+    _, reply = asyncio.run(desk.receive("QmForger", forged, meta))
+    assert not reply.get("ok") and struck[-1] == "QmForger" and banned == ["QmSigner"]

@@ -65,6 +65,7 @@ class Conviction:
     inputs: list[torch.Tensor]
     claim: torch.Tensor
     why: str
+    weights: dict[str, torch.Tensor] | None = None  # as shown, when the claim was recomputed from them
     at: float = field(default_factory=time.time)
 
 
@@ -129,7 +130,7 @@ class Referee:
         if not finding.holds:
             return self._convict(k, peer, receipt, tensors, claim,
                                  f"its {op} does not follow from the weights it committed to ({finding.describe()})",
-                                 finding)
+                                 finding, weights)
         self.held += 1
         logger.debug("referee at layer%d: %s of %s holds (%s)", k, op, peer[-8:], finding.describe())
         return Verdict(HOLDS, peer, finding)
@@ -184,9 +185,9 @@ class Referee:
         return Verdict(UNSHOWN, peer, why=why)
 
     def _convict(self, k: int, peer: str, receipt: Receipt, tensors: list[torch.Tensor], claim: torch.Tensor,
-                 why: str, finding: Finding | None = None) -> Verdict:
-        self.convictions[peer] = Conviction(peer, k, receipt.to_wire(), [t.detach() for t in tensors], claim.detach(),
-                                            why)
+                 why: str, finding: Finding | None = None, weights: dict[str, torch.Tensor] | None = None) -> Verdict:
+        # the tensors as they travelled (their payloads are what the receipt's digests name: convictions.py)
+        self.convictions[peer] = Conviction(peer, k, receipt.to_wire(), list(tensors), claim, why, weights)
         while len(self.convictions) > CONVICTIONS_KEPT:
             self.convictions.popitem(last=False)
         logger.warning("referee: layer%d peer %s convicted: %s", k, peer[-8:], why)

@@ -39,6 +39,7 @@ from swarm.integrity.spot import (
     similarity,
 )
 from swarm.integrity.receipts import Receipt
+from swarm.pipeline.convictions import announce
 from swarm.pipeline.hops import HopCaller, HopGivenUp, NeedInputReply, Refused
 from swarm.pipeline.referee import CONVICTED, CONVICTED_BAN_S, HOLDS, UNSHOWN, Referee, Verdict
 from swarm.pipeline.replies import Vouch
@@ -252,11 +253,20 @@ class SpotChecker:
         return True
 
     def _convict(self, k: int, verdict: Verdict) -> None:
-        """A signer proven wrong by recomputation: routed around for CONVICTED_BAN_S, its credit gone."""
+        """A signer proven wrong by recomputation: routed around for CONVICTED_BAN_S, its credit gone, and the evidence
+        sent to the stages next to it, which re-check it and refuse its tensors from then on (convictions.py)."""
         self.convicted += 1
         self.book.credit.pop(verdict.peer, None)
         self.hops.routers[f"layer{k}"].failure(verdict.peer, time.monotonic(), min_ban_s=CONVICTED_BAN_S,
                                                convicted=True)
+        conviction = self.referee.convictions.get(verdict.peer) if self.referee is not None else None
+        if conviction is None or len(self._background) >= 2 * MAX_BACKGROUND_REFEREES:
+            return
+        neighbours = [(peer, self.hops.namespaces[name]) for name in (f"layer{k - 1}", f"layer{k + 1}")
+                      if name in self.hops.routers and name != "layer0" for peer in self.hops.routers[name].peers]
+        task = asyncio.ensure_future(announce(conviction, neighbours, self.hops.call, self.hops.p2p, self.hops.run))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def established(self, peer: str) -> bool:
         """Has ``peer`` validated work here (ESTABLISHED_CREDIT outputs corroborated in our checks)? Routing bounds

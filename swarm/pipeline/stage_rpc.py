@@ -62,6 +62,7 @@ from swarm.pipeline import sessions
 from swarm.pipeline.sessions import SESSION_LIMIT_BYTES, open_session, serve_session, session_for
 from swarm.pipeline.stage_gate import SERVED_OPS, UPDATE_OPS, Outcome, StageGate
 from swarm.pipeline.stage_receipts import NeedChain, ReceiptDesk, ReceiptRefusal, Vouched
+from swarm.pipeline.convictions import CONVICTION_OP
 from swarm.pipeline.weights_rpc import WEIGHTS_OP, WeightsDoor
 from swarm.pipeline.traffic import Traffic  # noqa: F401  (re-exported: the RPC modules count their bytes in it)
 from swarm.pipeline.wire import (
@@ -119,6 +120,7 @@ class StageServicer(Stage0Ops, ServicerBase):
         self.active = 0  # requests being served right now (a leaving peer waits for these)
         self.session_tasks: set[asyncio.Task] = set()  # hivemind's tasks that run our sessions (ended at a stop)
         self.shown = WeightsDoor()  # the committed weights a referee asks to see (swarm/pipeline/weights_rpc.py)
+        self.convictions: Any = None  # a ConvictionDesk: referees' evidence re-checked here (convictions.py)
 
     async def rpc_call(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         tensors, meta = await self._one_message(request, context)
@@ -188,6 +190,12 @@ class StageServicer(Stage0Ops, ServicerBase):
         op = meta.get("op")
         if op == WEIGHTS_OP:  # a referee's request: anyone may ask, within the door's rate (weights_rpc.py)
             return await self.shown.serve(self.worker, requester, meta)
+        if op == CONVICTION_OP and self.convictions is not None:  # evidence against a signer, re-checked here
+            try:
+                return await self.convictions.receive(requester, decode_tensors(serialized, self.max_bytes, coded=True),
+                                                      meta)
+            except WireError as exc:
+                return [], _refusal("rejected", str(exc))
         if not isinstance(op, str) or op not in SERVED_OPS:
             if self.gate is not None:
                 self.gate.strike(requester, "a request with an unknown op")
