@@ -173,6 +173,7 @@ class PipelineDriver:
         finally:
             for lane in lanes:
                 lane.cancel()
+            self.spot.cancel_background()
 
     async def _lane(self, index: int = 0) -> None:
         """Micro-batches one after another; nothing a peer sends, and no bug in one micro-batch, ends it.

@@ -268,6 +268,11 @@ class SpotChecker:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def cancel_background(self) -> None:
+        """The driver stops: background referees and announcements end with it."""
+        for task in list(self._background):
+            task.cancel()
+
     def established(self, peer: str) -> bool:
         """Has ``peer`` validated work here (ESTABLISHED_CREDIT outputs corroborated in our checks)? Routing bounds
         the share of hops that go to peers without it (swarm/pipeline/routing.py NEWCOMER_ROUTE_SHARE)."""
