@@ -308,3 +308,32 @@ def test_a_conviction_is_rechecked_and_a_false_one_costs_its_sender():
     serialize_once(forged[0])
     _, reply = asyncio.run(desk.receive("QmForger", forged, meta))
     assert not reply.get("ok") and struck[-1] == "QmForger" and banned == ["QmSigner"]
+
+
+def test_a_transformer_stage_shows_its_dozens_of_tensors_and_is_upheld():
+    """A message carries at most 8 tensors: a charlm stage has 12-16, so a version travels one flat tensor per dtype
+    (weights_rpc.pack). Before, every charlm hop a referee sampled was 'unshown' and dropped (84 lost in a minute)."""
+    from swarm.pipeline.weights_rpc import pack, unpack
+    from swarm.pipeline.wire import WireError
+    from swarm.run.models import stage_input_spec
+    from volunteer.config import load_run
+
+    run, _ = load_run("charlm")
+    worker, key = StageWorker(run, 1), ReceiptKey("QmSigner")
+    assert len(worker.module.state_dict()) > 8
+    x = torch.randn(2, *stage_input_spec(run.model, 1).shape[1:])
+    y = worker.forward("mb", x)
+    version, digest = worker.committed
+    receipt = key.sign(run.run_id, "mb", "forward", 1, version, b"i" * 16, b"o" * 16, b"d" * 16, digest)
+    executor = ThreadPoolExecutor(max_workers=1)
+    try:
+        referee = Referee(run, None, {"layer1": "ns"}, executor, None, call=_Door(worker))
+        assert asyncio.run(referee.judge(1, "forward", [x], y, receipt, "QmSigner")).outcome == HOLDS
+    finally:
+        executor.shutdown()
+    flats, layout = pack(worker.weights_for(digest))
+    assert len(flats) <= 4 and weights_digest(unpack(flats, layout)) == digest
+    for bad in ({**layout, "shapes": layout["shapes"][:-1]}, {**layout, "dtypes": ["uint8"] * len(layout["names"])},
+                {**layout, "shapes": [[10**9]] * len(layout["names"])}, {**layout, "names": "x"}):
+        with pytest.raises(WireError):
+            unpack(flats, bad)

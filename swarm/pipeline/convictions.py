@@ -3,7 +3,8 @@ it before they act on it (issue 40 item 3: "a conviction is a self-contained, si
 accusation fails and costs its author").
 
 The ``conviction`` op (stage_rpc.py dispatches it): tensors ``[x (as it travelled), (ids,) claim (as it travelled),
-*weights in name order]``, metadata ``{"rc": the convict's receipt, "names": [...]}``. Everything is bound by the
+*the weights packed one flat tensor per dtype]``, metadata ``{"rc": the convict's receipt, "names", "shapes",
+"dtypes"}`` (weights_rpc.py ``pack``). Everything is bound by the
 convict's own signature: the receipt names the input's digest, the output's, the sample ids' and the weights'. The
 stage checks the signature with the signer's key, every digest, recomputes the op, and when the claim does not
 follow it bans the signer here (everything it signs is then ``bad_author``, whoever relays it). An accusation that
@@ -27,7 +28,8 @@ import torch
 from swarm.integrity.receipts import Receipt, ReceiptError, ids_digest, signature_valid, tensor_digest
 from swarm.integrity.recompute import LAST_GRADIENT_OPS, compare, recompute, tolerance_for
 from swarm.integrity.weights import weights_digest
-from swarm.pipeline.wire import payload_of, refusal_meta
+from swarm.pipeline.weights_rpc import pack, unpack
+from swarm.pipeline.wire import WireError, payload_of, refusal_meta
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +48,8 @@ def evidence(conviction: Any) -> tuple[list[torch.Tensor], dict] | None:
     inputs = conviction.inputs[:2] if receipt.op in LAST_GRADIENT_OPS else conviction.inputs[:1]
     if payload_of(inputs[0]) is None or payload_of(conviction.claim) is None:
         return None
-    names = sorted(conviction.weights)
-    return [*inputs, conviction.claim, *(conviction.weights[n] for n in names)], \
-        {"rc": conviction.receipt, "names": names}
+    flats, layout = pack(conviction.weights)
+    return [*inputs, conviction.claim, *flats], {"rc": conviction.receipt, **layout}
 
 
 class ConvictionDesk:
@@ -74,7 +75,7 @@ class ConvictionDesk:
         self.pending += 1
         try:
             proven, why = await self._check(tensors, meta)
-        except (ReceiptError, ValueError, KeyError, IndexError, TypeError) as exc:
+        except (ReceiptError, WireError, ValueError, KeyError, IndexError, TypeError) as exc:
             proven, why = False, f"malformed: {str(exc)[:160]}"
         finally:
             self.pending -= 1
@@ -102,10 +103,9 @@ class ConvictionDesk:
             return False, "the receipt is not signed by its signer"
         last = receipt.op in LAST_GRADIENT_OPS
         count = 3 if last else 2
-        names = meta.get("names")
-        if not isinstance(names, list) or len(tensors) != count + len(names):
-            return False, "tensors and names do not match"
-        x, claim, weights = tensors[0], tensors[count - 1], dict(zip(names, tensors[count:]))
+        if len(tensors) <= count:
+            return False, "no weights in the evidence"
+        x, claim, weights = tensors[0], tensors[count - 1], unpack(tensors[count:], meta)
         if _digest(x) != receipt.input or _digest(claim) != receipt.output:
             return False, "the input or the claim is not the one the receipt names"
         ids = tensors[1] if last else None

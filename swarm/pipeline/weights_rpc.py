@@ -14,6 +14,7 @@ requester (a driver with several lanes in flight referees several hops at once).
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from typing import Any
 
@@ -57,10 +58,10 @@ class WeightsDoor:
         self.showing += 1
         self._busy[requester] = self._busy.get(requester, 0) + 1
         try:
-            names = sorted(tensors)
-            serialized = await encode_off_loop([tensors[name] for name in names], "float32")
+            flats, layout = pack(tensors)
+            serialized = await encode_off_loop(flats, "float32")
             self.shown += 1
-            return serialized, {"ok": True, "names": names}
+            return serialized, {"ok": True, **layout}
         finally:
             self.showing -= 1
             if self._busy[requester] <= 1:
@@ -91,8 +92,54 @@ async def fetch_weights(p2p: Any, peer: str, namespace: str, digest: bytes, *, e
             if getattr(exc, "code", "") != "busy" or attempt == tries - 1 or time.monotonic() + wait_s >= deadline:
                 raise
             await asyncio.sleep(wait_s)
-    names = reply.get("names")
-    if not isinstance(names, list) or len(names) != len(tensors) or not all(isinstance(n, str) for n in names) or \
-            len(set(names)) != len(names):
-        raise WireError("weights reply: 'names' does not match its tensors")
-    return dict(zip(names, tensors))
+    return unpack(tensors, reply)
+
+
+# ----- a stage's tensors as one flat tensor per dtype (a message carries at most wire.MAX_TENSORS tensors, and a
+# transformer stage has dozens): metadata "names", "shapes", "dtypes" in name order say how to cut them apart
+
+PACKED_DTYPES = ("float32", "float16", "bfloat16", "int64")
+MAX_PACKED_NAMES = 4096
+
+
+def pack(tensors: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], dict]:
+    names = sorted(tensors)
+    dtypes = [str(tensors[n].dtype).removeprefix("torch.") for n in names]
+    if any(d not in PACKED_DTYPES for d in dtypes):
+        raise ValueError(f"a stage tensor of a dtype the wire does not carry: {sorted(set(dtypes))}")
+    flats = []
+    for dtype in PACKED_DTYPES:
+        parts = [tensors[n].detach().reshape(-1) for n, d in zip(names, dtypes) if d == dtype]
+        if parts:
+            flats.append(torch.cat(parts) if len(parts) > 1 else parts[0].clone())
+    return flats, {"names": names, "shapes": [list(tensors[n].shape) for n in names], "dtypes": dtypes}
+
+
+def unpack(flats: list[torch.Tensor], meta: dict) -> dict[str, torch.Tensor]:
+    """The tensors ``pack`` made ``flats`` of; a stranger's layout that does not add up is a WireError."""
+    names, shapes, dtypes = meta.get("names"), meta.get("shapes"), meta.get("dtypes")
+    if not (isinstance(names, list) and isinstance(shapes, list) and isinstance(dtypes, list)) or \
+            not 0 < len(names) == len(shapes) == len(dtypes) <= MAX_PACKED_NAMES or len(set(names)) != len(names) or \
+            not all(isinstance(n, str) and isinstance(d, str) and d in PACKED_DTYPES for n, d in zip(names, dtypes)) or \
+            not all(isinstance(sh, list) and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**31
+                                                  for v in sh) for sh in shapes):
+        raise WireError("weights: a malformed layout ('names', 'shapes', 'dtypes')")
+    present = [d for d in PACKED_DTYPES if d in dtypes]
+    if len(flats) != len(present):
+        raise WireError("weights: one flat tensor per dtype, please")
+    out: dict[str, torch.Tensor] = {}
+    for dtype, flat in zip(present, flats):
+        if str(flat.dtype).removeprefix("torch.") != dtype or flat.dim() != 1:
+            raise WireError(f"weights: the {dtype} part is not a flat {dtype} tensor")
+        offset = 0
+        for name, shape, d in zip(names, shapes, dtypes):
+            if d != dtype:
+                continue
+            numel = math.prod(shape)
+            if offset + numel > flat.numel():
+                raise WireError("weights: the layout asks for more values than were sent")
+            out[name] = flat[offset:offset + numel].reshape(shape)
+            offset += numel
+        if offset != flat.numel():
+            raise WireError("weights: more values were sent than the layout names")
+    return out
