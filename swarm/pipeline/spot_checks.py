@@ -114,7 +114,8 @@ class SpotChecker:
         if self.share <= 0 or self.rng.random() >= self.share_for(primary):
             return
         other = self._usable(router, exclude=[primary, *self._cannot[op]]) if len(router.peers) >= 2 else None
-        if other is None or (self.referee is not None and not self.established(primary)):
+        refereed = self.referee is not None and self.referee.can_judge(claim.op)  # not a training op with dropout
+        if other is None or (refereed and not self.established(primary)):
             # no second copy to compare with, or a newcomer (fresh keys could earn credit by agreeing with each other):
             # the referee recomputes the hop itself, and only that earns a newcomer its standing
             await self._referee_alone(k, tensors, claim)
@@ -143,7 +144,7 @@ class SpotChecker:
                 for peer in (primary, other):
                     # with a referee, agreement adds to a standing recomputation earned, never starts one: two fresh
                     # keys agreeing with each other prove nothing (settled evidence, not a count of keys)
-                    if self.referee is None or self.established(peer):
+                    if not refereed or self.established(peer):
                         self.book.add(peer)
             return
         # A far disagreement: settled by recomputing the disputed hops from the weights each signer committed to (one
