@@ -25,7 +25,9 @@ from swarm.integrity.receipts import DIGEST_BYTES
 
 KEEP_S = 30.0  # a version is shown for at least this long after it was last served (memory permitting)
 RING_MIN_BYTES = 8 * 2**20  # a small stage keeps many versions (digits: ~120): a referee asks within a round trip or two
-RING_COPIES = 2.0  # a large one keeps at most this many copies of its weights beside the live one
+RING_COPIES = 4.0  # a large one keeps at most this many copies of its weights beside the live one: a referee asks
+# for the version of a hop one round trip after it, and a backward's forward version is a pipeline round trip older
+# (a heavy 16 MiB stage at ~3 updates a second; with 2 copies a referee found its version gone)
 
 
 def weights_digest(tensors: dict[str, torch.Tensor]) -> bytes:

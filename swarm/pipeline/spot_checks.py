@@ -31,6 +31,7 @@ from swarm.integrity.spot import (
     ACTIVATIONS,
     GRADIENTS,
     ESTABLISHED_CREDIT,
+    MAX_CREDITED,
     SPOT_SHARE,
     Bounds,
     CreditBook,
@@ -49,6 +50,7 @@ logger = logging.getLogger(__name__)
 
 SIMILARITIES_KEPT = 200
 MAX_BACKGROUND_REFEREES = 4  # sampled hops of established peers refereed off the lanes' path at once
+UNSHOWN_IN_ROW = 3  # sampled hops in a row whose weights a peer did not show before it is backed off
 
 
 @dataclass(slots=True, frozen=True)
@@ -69,6 +71,7 @@ class SpotChecker:
         self.unshown = 0  # disputed claims whose weights could not be had: not used, nobody convicted
         self.refereed_alone = 0  # hops of a swarm without a second copy, recomputed by the referee
         self._background: set[asyncio.Task] = set()
+        self._unshown_in_row: dict[str, int] = {}  # peer -> sampled hops in a row it showed no weights for
         self.share = share
         self.rng = random.Random(seed)
         self.checked = 0  # forward hops replicated
@@ -202,16 +205,27 @@ class SpotChecker:
     def _alone_verdict(self, k: int, claim: Claim, verdict: Verdict) -> None:
         if verdict.outcome == HOLDS:
             self.book.add(claim.peer)  # validated work: its claim followed from the weights it committed to
+            self._unshown_in_row.pop(claim.peer, None)
             return
         if verdict.outcome == CONVICTED:
             self._convict(k, verdict)
             raise Refused("spot_check", f"layer{k} peer {claim.peer[-8:]} was convicted by recomputation: "
                                         f"{verdict.describe()}")
         if verdict.outcome == UNSHOWN:
+            # No verdict. A large stage keeps few versions (a 16 MiB one: 2-4) and drops one a referee was about to
+            # ask for: refusing and backing off then stalled a heavy run whose swarms had one peer each. So one miss
+            # is nothing; a peer that shows nothing UNSHOWN_IN_ROW times running is backed off like a failing one
+            # (what a liar that never shows gets), and its sampled micro-batch is refused
             self.unshown += 1
-            self.hops.routers[f"layer{k}"].failure(claim.peer, time.monotonic())
-            raise Refused("spot_check", f"layer{k} peer {claim.peer[-8:]} could not show the weights of a sampled "
-                                        f"hop ({verdict.describe()}): not passed on")
+            misses = self._unshown_in_row.get(claim.peer, 0) + 1
+            if len(self._unshown_in_row) >= MAX_CREDITED:
+                self._unshown_in_row.clear()
+            self._unshown_in_row[claim.peer] = misses
+            if misses >= UNSHOWN_IN_ROW:
+                self._unshown_in_row.pop(claim.peer, None)
+                self.hops.routers[f"layer{k}"].failure(claim.peer, time.monotonic())
+                raise Refused("spot_check", f"layer{k} peer {claim.peer[-8:]} showed the weights of none of its last "
+                                            f"{UNSHOWN_IN_ROW} sampled hops ({verdict.describe()}): not passed on")
 
     async def _referee_later(self, k: int, tensors: list[torch.Tensor], claim: Claim) -> None:
         try:
