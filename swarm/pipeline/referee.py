@@ -27,9 +27,7 @@ from typing import Any
 import torch
 
 from swarm.integrity.receipts import NO_WEIGHTS, Receipt
-from swarm.integrity.recompute import (
-    LAST_GRADIENT_OPS, REFEREED_OPS, Finding, Tolerance, compare, recompute, tolerance_for,
-)
+from swarm.integrity.recompute import LAST_GRADIENT_OPS, REFEREED_OPS, Finding, compare, recompute, tolerance_for
 from swarm.integrity.weights import tensors_bytes, weights_digest
 from swarm.pipeline.weights_rpc import fetch_weights
 from swarm.run.models import build_stage
@@ -44,9 +42,6 @@ FETCH_BASE_S = 3.0
 FETCH_BYTES_PER_S = 5e6  # a home uplink's worth: the fetch timeout grows with the stage's size
 WEIGHTS_KEPT = 8  # versions fetched, by digest (a dispute's two parties, a backward's two versions)
 CONVICTIONS_KEPT = 256
-# a backward recomputed at the weights of now only (its forward's version was dropped): honest gradients measured at
-# cosine 0.985 after 32 updates between forward and backward (tests/test_referee.py); an ascent one is at -1
-APPROXIMATE_BACKWARD = Tolerance(0.9, 1.1)
 
 
 @dataclass(slots=True, frozen=True)
@@ -112,17 +107,15 @@ class Referee:
         self.refereed += 1
         if receipt is None or op not in REFEREED_OPS or receipt.weights == NO_WEIGHTS or receipt.signer != peer:
             return self._unshown(peer, "its receipt commits to no weights")
-        approximate = False
         try:
             weights = await self._fetch(k, peer, receipt.weights)
             forward_weights = None
             if op == "backward" and receipt.forward_weights not in (receipt.weights, NO_WEIGHTS):
-                try:
-                    forward_weights = await self._fetch(k, peer, receipt.forward_weights)
-                except _Lied:
-                    raise
-                except Exception:  # its forward's version is a pipeline round trip older, and may be gone: the
-                    approximate = True  # weights of now alone give the direction to ~0.985 (APPROXIMATE_BACKWARD)
+                # Its forward's version is a pipeline round trip older and may be gone: then no verdict. Never an
+                # approximate one from the weights of now alone: a lane held seconds behind a black hole came back
+                # hundreds of updates stale, and an honest layer1 peer was convicted that way (its only peer: the
+                # run stopped for the hour of the ban)
+                forward_weights = await self._fetch(k, peer, receipt.forward_weights)
         except _Lied as exc:
             return self._convict(k, peer, receipt, tensors, claim, str(exc))
         except Exception as exc:  # gone, busy, slow, a broken stream: no evidence either way
@@ -137,9 +130,7 @@ class Referee:
             return self._convict(k, peer, receipt, tensors, claim, f"showed weights that are not this stage's: {exc}")
         finally:
             self.recompute_s += time.perf_counter() - started
-        tolerance = APPROXIMATE_BACKWARD if approximate else \
-            tolerance_for(op, self.run.training.codec, _dropout(self.run.model))
-        finding = compare(claim, recomputed, tolerance)
+        finding = compare(claim, recomputed, tolerance_for(op, self.run.training.codec, _dropout(self.run.model)))
         if not finding.holds:
             return self._convict(k, peer, receipt, tensors, claim,
                                  f"its {op} does not follow from the weights it committed to ({finding.describe()})",
