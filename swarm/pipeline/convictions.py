@@ -65,11 +65,14 @@ class ConvictionDesk:
         self.labels = labels
         self._modules: dict[int, torch.nn.Module] = {}
         self._checked: dict[bytes, bool] = {}
+        self.banned: Any = lambda peer: False  # desk_for: the stage gate's bans
         self.pending = 0
         self.upheld = 0
         self.false = 0
 
     async def receive(self, requester: str, tensors: list[torch.Tensor], meta: dict) -> tuple[list, dict]:
+        if self.banned(requester):  # a banned sender's accusations cost no recomputation (nor more strikes)
+            return [], refusal_meta("banned", "this peer has banned you: no convictions are checked for you")
         if self.pending >= MAX_PENDING:
             return [], refusal_meta("busy", "checking other convictions", 1.0)
         self.pending += 1
@@ -132,6 +135,24 @@ class ConvictionDesk:
 
             self._modules[k] = build_stage(self.run.model, k)
         return self._modules[k]
+
+
+def desk_for(run: Any, keys: Any, gate: Any) -> ConvictionDesk:
+    """A stage peer's desk: a proven convict is struck twice the ban threshold in ``gate``'s book (banned, and every
+    tensor it signs is bad_author here), a false accuser once; targets loaded on the first conviction that needs them."""
+    strikes = 2 * run.integrity.ban_strikes
+    loaded: dict[str, Any] = {}
+
+    async def labels() -> Any:
+        if "y" not in loaded:
+            from swarm.run.data import load_dataset
+
+            loaded["y"] = (await asyncio.to_thread(load_dataset, run.data, run.model)).y_train
+        return loaded["y"]
+
+    desk = ConvictionDesk(run, keys, lambda signer, reason: gate.strike(signer, reason, strikes), gate.strike, labels)
+    desk.banned = lambda peer: gate.book.banned(peer, time.monotonic())
+    return desk
 
 
 def _digest(tensor: torch.Tensor) -> bytes:

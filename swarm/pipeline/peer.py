@@ -110,7 +110,9 @@ class SwarmPeer:
             desk=ReceiptDesk(self.run.run_id, self.index, self.receipt_key, self.keys),
         )
         if self.index > 0:  # referees' convictions, re-checked before we refuse the convict's tensors
-            self._servicer.convictions = self._conviction_desk()
+            from swarm.pipeline.convictions import desk_for
+
+            self._servicer.convictions = desk_for(self.run, self.keys, self.gate)
         if self.index == 1:  # a share of the stage-0 outputs we are sent, recomputed by other layer0 peers
             from swarm.pipeline.stage0_checks import Stage0Checker
 
@@ -141,23 +143,6 @@ class SwarmPeer:
         reply = await stub.rpc_receipt_key(runtime_pb2.ExpertRequest())
         key = unpack_metadata(reply.metadata).get("key")
         return key if isinstance(key, bytes) else b""
-
-    def _conviction_desk(self) -> Any:
-        from swarm.pipeline.convictions import ConvictionDesk
-
-        gate, strikes = self.gate, 2 * self.run.integrity.ban_strikes
-        loaded: dict[str, Any] = {}
-
-        async def labels() -> Any:  # the train split's targets, loaded on the first conviction that needs them
-            if "y" not in loaded:
-                from swarm.run.data import load_dataset
-
-                dataset = await asyncio.to_thread(load_dataset, self.run.data, self.run.model)
-                loaded["y"] = dataset.y_train
-            return loaded["y"]
-
-        return ConvictionDesk(self.run, self.keys, lambda signer, reason: gate.strike(signer, reason, strikes),
-                              gate.strike, labels)
 
     async def _make_gate(self) -> StageGate:
         """Who may ask this stage, and (last stage) the run's targets by sample id."""

@@ -1,0 +1,96 @@
+"""The client side of the stage RPCs (swarm/pipeline/stage_rpc.py): one call to a stage peer, on a session, a unary
+message or a stream by size, and the StageError of a refusal."""
+
+from __future__ import annotations
+# StageError and StageServicer are imported where they are used: stage_rpc re-exports this module (no import circle)
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from hivemind.p2p import PeerID
+from hivemind.proto import runtime_pb2
+
+from swarm.pipeline import sessions
+from swarm.pipeline.sessions import SESSION_LIMIT_BYTES, open_session, session_for
+from swarm.pipeline.traffic import Traffic
+if TYPE_CHECKING:
+    from swarm.pipeline.stage_rpc import StageError
+
+from swarm.pipeline.wire import (
+    DEFAULT_RANK,
+    UNARY_LIMIT_BYTES,
+    as_proto,
+    buffer_bytes,
+    decode_tensors,
+    encode_off_loop,
+    join_stream,
+    pack_metadata,
+    split_message,
+    unpack_metadata,
+)
+
+
+async def call_stage(p2p: Any, peer_id: str, namespace: str, op: str, tensors: list[torch.Tensor], meta: dict,
+                     *, timeout_s: float, codec: str, max_bytes: int, expect_bytes: int = 0,
+                     traffic: Traffic | None = None, rank: int = DEFAULT_RANK,
+                     ) -> tuple[list[torch.Tensor], dict, float]:
+    """One hop: (tensors, reply metadata, seconds). Raises StageError (with ``retry_after_s``), WireError for a
+    malformed reply, or a transport error/timeout. The reply's contents are checked by swarm/pipeline/replies.py."""
+    from swarm.pipeline.stage_rpc import StageError, StageServicer
+
+    stub = StageServicer.get_stub(p2p, PeerID.from_base58(peer_id), namespace=namespace)
+    serialized = await encode_off_loop(tensors, codec, rank)
+    metadata = pack_metadata({**meta, "op": op})
+    sent = buffer_bytes(serialized)
+    started = time.perf_counter()
+    session = None
+    if sessions.ENABLED and max(sent, expect_bytes) < SESSION_LIMIT_BYTES:
+        session = open_session(p2p, peer_id, namespace) or \
+            await asyncio.wait_for(session_for(p2p, peer_id, namespace,
+                                               StageServicer._get_handle_name(namespace, "rpc_session")), timeout_s)
+    if session is not None:
+        left_s = max(timeout_s - (time.perf_counter() - started), 0.001)
+        out_serialized, reply_meta = await session.call([as_proto(t) for t in serialized], metadata, left_s)
+    elif max(sent, expect_bytes) < UNARY_LIMIT_BYTES:
+        request = runtime_pb2.ExpertRequest(tensors=[as_proto(t) for t in serialized], metadata=metadata)
+        reply = await asyncio.wait_for(stub.rpc_call(request), timeout_s)
+        out_serialized, out_meta = list(reply.tensors), reply.metadata
+    else:
+        async def stream_call():
+            messages = split_message(serialized, metadata, runtime_pb2.ExpertRequest)
+            replies = await stub.rpc_call_stream(_aiter(messages))
+            return await join_stream(replies, max_bytes)
+
+        out_serialized, out_meta = await asyncio.wait_for(stream_call(), timeout_s)
+    elapsed = time.perf_counter() - started
+    if session is None:
+        reply_meta = unpack_metadata(out_meta)
+    if traffic is not None:
+        traffic.count(peer_id, inbound=buffer_bytes(out_serialized), outbound=sent)
+    if not reply_meta:
+        raise StageError("broken", f"{peer_id[-8:]} sent a reply without metadata (did it fail mid-reply?)")
+    if reply_meta.get("ok") is not True:
+        raise refusal_error(reply_meta)
+    return decode_tensors(out_serialized, max_bytes, coded=True), reply_meta, elapsed
+
+
+def refusal_error(reply_meta: dict) -> StageError:
+    """The StageError of a refusal, with its ``retry_after_s`` (a float, or None when absent or unusable).
+    Every field is a stranger's: code and text are cut short, a bad retry_after_s is ignored."""
+    from swarm.pipeline.stage_rpc import StageError
+
+    code = reply_meta.get("code", "error")
+    error = StageError(code[:32] if isinstance(code, str) and code else "error", str(reply_meta.get("error", ""))[:300])
+    retry_after_s = reply_meta.get("retry_after_s")
+    ok = isinstance(retry_after_s, (int, float)) and not isinstance(retry_after_s, bool) and 0 <= retry_after_s < 1e6
+    error.retry_after_s = float(retry_after_s) if ok else None
+    author = reply_meta.get("author")
+    error.author = author[:128] if isinstance(author, str) else ""
+    return error
+
+
+async def _aiter(items):
+    for item in items:
+        yield item
