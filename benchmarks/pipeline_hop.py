@@ -144,6 +144,7 @@ async def _one_hop(p2p: Any, peer: Any, local: Any, run: Any, x: Any, mb: str, s
     import torch
 
     import swarm.pipeline.sessions as sessions
+    import swarm.pipeline.stage_client as stage_client
     import swarm.pipeline.stage_rpc as stage_rpc
     from swarm.integrity.receipts import ids_digest, tensor_digest
     from swarm.pipeline.replies import Vouch, check_receipt
@@ -154,11 +155,11 @@ async def _one_hop(p2p: Any, peer: Any, local: Any, run: Any, x: Any, mb: str, s
     x = x.clone()  # a fresh stage-0 output, serialized anew, as the driver's is each micro-batch
     ids = torch.arange(x.shape[0], dtype=torch.int64)
     # call_stage reads these at each call: force the transport
-    defaults = stage_rpc.UNARY_LIMIT_BYTES, stage_rpc.SESSION_LIMIT_BYTES, sessions.ENABLED
+    defaults = stage_client.UNARY_LIMIT_BYTES, stage_client.SESSION_LIMIT_BYTES, sessions.ENABLED
     if transport != "default":
         sessions.ENABLED = transport == "session"
-        stage_rpc.SESSION_LIMIT_BYTES = P2PD_UNARY_CAP_BYTES
-        stage_rpc.UNARY_LIMIT_BYTES = P2PD_UNARY_CAP_BYTES - 1 if transport == "unary" else 0
+        stage_client.SESSION_LIMIT_BYTES = P2PD_UNARY_CAP_BYTES
+        stage_client.UNARY_LIMIT_BYTES = P2PD_UNARY_CAP_BYTES - 1 if transport == "unary" else 0
     try:
         cpu = sum(process_cpu_seconds(pid) for pid in cpu_pids)
         started = time.perf_counter()
@@ -180,7 +181,7 @@ async def _one_hop(p2p: Any, peer: Any, local: Any, run: Any, x: Any, mb: str, s
         hop_s = time.perf_counter() - started
         cpu = sum(process_cpu_seconds(pid) for pid in cpu_pids) - cpu
     finally:
-        stage_rpc.UNARY_LIMIT_BYTES, stage_rpc.SESSION_LIMIT_BYTES, sessions.ENABLED = defaults
+        stage_client.UNARY_LIMIT_BYTES, stage_client.SESSION_LIMIT_BYTES, sessions.ENABLED = defaults
     if y.shape != x.shape:
         raise BenchmarkError(f"the hop returned {tuple(y.shape)}, expected {tuple(x.shape)}")
     with peer.worker.lock:  # drop the saved graph: no backward follows in this benchmark
