@@ -337,3 +337,59 @@ def test_a_transformer_stage_shows_its_dozens_of_tensors_and_is_upheld():
                 {**layout, "shapes": [[10**9]] * len(layout["names"])}, {**layout, "names": "x"}):
         with pytest.raises(WireError):
             unpack(flats, bad)
+
+
+def test_a_signer_computing_in_bf16_is_upheld_by_a_float32_referee():
+    """A GPU peer of a bf16 run computes under autocast; a referee on a CPU (or on a GPU in float32) recomputes in
+    float32. Honest numerics across that gap stay far inside the tolerance: on an llm-tiny last stage (the CPU's bf16
+    autocast standing in for the GPU's) activations and input gradients reproduce at cosine > 0.9999 (the bound:
+    0.99; llm-small-shaped stages measured the same)."""
+    from volunteer.config import load_run
+
+    run, _ = load_run("llm-tiny")
+    run = run.model_copy(update={"model": run.model.model_copy(update={"mixed_precision": "bf16"})})
+    worker, key = StageWorker(run, 1), ReceiptKey("QmSigner")
+    worker.module.force_autocast = True  # the signer: bf16 autocast, as on CUDA
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4, run.model.seq_len, run.model.d_model, generator=gen)
+    targets = torch.randint(0, run.model.vocab_size, (4, run.model.seq_len), generator=gen)
+    y = worker.forward("mb", x)
+    version, digest = worker.committed
+    _, grad = worker.forward_backward("mb2", x, targets)  # the same version: forward updated nothing
+    weights = worker.weights_for(digest)
+    reference = build_stage(run.model, 1)  # float32: force_autocast off
+    for op, claim, extra in (("forward", y, None), ("forward_backward", grad, targets)):
+        finding = compare(claim, recompute(run.model, reference, op, weights, [x], extra),
+                          tolerance_for(op, run.training.codec))
+        assert finding.holds and finding.cosine > 0.9999, (op, finding.describe())
+    receipt = key.sign(run.run_id, "mb", "forward", 1, version, b"i" * 16, b"o" * 16, b"d" * 16, digest)
+    referee = Referee(run, None, {"layer1": "ns"}, None, None, call=_Door(worker))  # its own thread, the CPU
+    try:
+        assert asyncio.run(referee.judge(1, "forward", [x], y, receipt, "QmSigner")).outcome == HOLDS
+        assert 0 < referee.busy_share() < 1 and referee.device == torch.device("cpu")
+    finally:
+        referee.close()
+
+
+def test_the_referees_busy_share_over_the_last_minute():
+    """Fetching a 100 MB stage's weights for every sampled hop would take a home uplink whole: an upheld peer's
+    sampled hops are recomputed only while the referee has been busy (fetching, recomputing) under
+    SAMPLED_BUSY_SHARE of the last BUSY_WINDOW_S (swarm/pipeline/spot_checks.py; disputes and a newcomer's first
+    hop are judged regardless)."""
+    from swarm.pipeline import referee as referee_module
+
+    referee = Referee(RUN, None, {}, None, None)  # its own thread
+    try:
+        now = 1000.0
+        assert referee.busy_share(now) == 0.0 and referee.has_time()
+        referee._busy.append((now - 1.0, 3.0))  # 3 s of the last minute
+        assert referee.busy_share(now) == pytest.approx(3.0 / referee_module.BUSY_WINDOW_S)
+        referee._busy.append((now - 2.0, 4.0))
+        assert referee.busy_share(now) > referee_module.SAMPLED_BUSY_SHARE
+        assert referee.busy_share(now + referee_module.BUSY_WINDOW_S + 5) == 0.0  # forgotten after the window
+        # an old judgement counts only for what of it lies inside the window
+        # (the window from now - 2.5: 1.5 s of the first, [now - 4, now - 1], and 0.5 s of the second)
+        assert referee.busy_share(now + referee_module.BUSY_WINDOW_S - 2.5) == pytest.approx(
+            2.0 / referee_module.BUSY_WINDOW_S)
+    finally:
+        referee.close()

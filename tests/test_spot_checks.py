@@ -249,3 +249,45 @@ def test_a_stage_peer_new_to_the_driver_is_checked_more_often_until_it_has_corro
         checker = SpotChecker(_Hops({"a": g, "b": other}), share=1.0)
         asyncio.run(checker.after_gradient(1, "backward_check", [g, g], {}, None, "a", g))
         assert checker.credit == credited and checker.stats()["gradients_checked"] == 1
+
+
+class _BudgetReferee:
+    """A referee whose judgement always holds, with a time budget the test sets."""
+
+    def __init__(self, has_time: bool):
+        self.time, self.judged = has_time, 0
+
+    def can_judge(self, op):
+        return True
+
+    def has_time(self):
+        return self.time
+
+    async def judge(self, k, op, tensors, claim, receipt, peer):
+        from swarm.pipeline.referee import HOLDS, Verdict
+
+        self.judged += 1
+        return Verdict(HOLDS, peer)
+
+
+@pytest.mark.parametrize("has_time", [True, False])
+def test_an_upheld_lone_peers_sampled_hops_are_refereed_within_the_referees_budget(has_time):
+    """A lone copy's sampled hops are recomputed; once the referee has upheld it, only while the referee is under its
+    time budget (a large stage's weights on a slow link). Its first sampled hop is judged whatever the budget."""
+    import asyncio
+
+    from swarm.pipeline.spot_checks import SpotChecker
+
+    out = torch.randn(8, 4)
+    referee = _BudgetReferee(has_time)
+    checker = SpotChecker(_Hops({"solo": out}), share=1.0, referee=referee)
+
+    async def two_hops():
+        await checker.after_forward(1, torch.zeros(8, 4), {}, None, "solo", out)  # a newcomer: judged in the path
+        await checker.after_forward(1, torch.zeros(8, 4), {}, None, "solo", out)  # upheld once: by the budget
+        await asyncio.gather(*checker._background)
+
+    asyncio.run(two_hops())
+    assert referee.judged == (2 if has_time else 1)
+    assert checker.referee_skipped == (0 if has_time else 1) and checker.refereed_alone == referee.judged
+    assert checker.credit.get("solo") == referee.judged

@@ -92,7 +92,19 @@ def recompute(model: ModelConfig, module: nn.Module, op: str, weights: dict[str,
     ``module``'s shape): forward/infer [x] -> y; backward/backward_check [g, x] -> grad x (unclipped), through the
     activations of ``forward_weights`` where a backward's forward ran on another version (as the stage does);
     forward_backward/_check [x, ids] with ``targets`` -> grad x of the loss. Raises ValueError on weights that do not
-    fit the module (names, shapes): the signer showed something else than a copy of this stage."""
+    fit the module (names, shapes): the signer showed something else than a copy of this stage.
+
+    Computed where ``module`` lives (a referee on a GPU recomputes a GPU-sized stage there, under the stage's own
+    autocast: swarm/run/llama.py); the result comes back on the CPU, where the claim is."""
+    device = _device_of(module)
+    tensors = [t.to(device) for t in tensors]
+    targets = None if targets is None else targets.to(device)
+    return _recompute(model, module, op, weights, tensors, targets, forward_weights).cpu()
+
+
+def _recompute(model: ModelConfig, module: nn.Module, op: str, weights: dict[str, torch.Tensor],
+               tensors: list[torch.Tensor], targets: torch.Tensor | None,
+               forward_weights: dict[str, torch.Tensor] | None) -> torch.Tensor:
     expected = module.state_dict()
     state = _fitted(expected, weights)
     if op in ACTIVATION_OPS:
@@ -129,4 +141,10 @@ def recompute(model: ModelConfig, module: nn.Module, op: str, weights: dict[str,
 def _fitted(expected: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if set(weights) != set(expected) or any(weights[n].shape != expected[n].shape for n in expected):
         raise ValueError("the weights shown are not a copy of this stage (names or shapes differ)")
-    return {name: weights[name].to(expected[name].dtype) for name in expected}
+    return {name: weights[name].to(expected[name].device, expected[name].dtype) for name in expected}
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    for tensor in module.state_dict().values():
+        return tensor.device
+    return torch.device("cpu")

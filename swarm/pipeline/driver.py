@@ -110,7 +110,7 @@ class PipelineDriver:
         # a share of forward and gradient hops replicated at a second peer
         # VOLUNTEER_REFEREE=0: disputes go to the vote as before (benchmarks measure the referee's cost both ways)
         self.referee = None if os.environ.get("VOLUNTEER_REFEREE") == "0" else \
-            Referee(run, p2p, self.hops.namespaces, executor, dataset, call=call)
+            Referee(run, p2p, self.hops.namespaces, None, dataset, call=call, device=worker.device)
         self.spot = SpotChecker(self.hops, share=run.integrity.spot_share, seed=seed, referee=self.referee)
         for router in self.routers.values():  # newcomers together get a bounded share of each swarm's hops
             router.established = self.spot.established
@@ -174,6 +174,8 @@ class PipelineDriver:
             for lane in lanes:
                 lane.cancel()
             self.spot.cancel_background()
+            if self.referee is not None:
+                self.referee.close()
 
     async def _lane(self, index: int = 0) -> None:
         """Micro-batches one after another; nothing a peer sends, and no bug in one micro-batch, ends it.

@@ -118,7 +118,8 @@ class SwarmPeer:
 
             gate = self.gate
             self._servicer.spot0 = Stage0Checker(self.run, self.p2p, self.keys, lambda: list(gate.view.current),
-                                                 gate.strike, share=self.run.integrity.spot_share)
+                                                 gate.strike, share=self.run.integrity.spot_share,
+                                                 device=self.device)
         await self._servicer.add_p2p_handlers(self.p2p, namespace=stage_namespace(self.run.run_id, self.swarm))
         from swarm.dht.reachability import DialBackServicer, namespace
 

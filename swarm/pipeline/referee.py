@@ -2,8 +2,9 @@
 to in the receipt, not by counting copies (Verde's refereed delegation; docs/ARCHITECTURE.md "Referees").
 
 ``Referee.judge`` fetches the weights of the digest the receipt signed from the signer itself (``weights`` op,
-swarm/pipeline/weights_rpc.py), hashes them, and recomputes the hop on the driver's compute thread
-(swarm/integrity/recompute.py). Three outcomes:
+swarm/pipeline/weights_rpc.py), hashes them, and recomputes the hop on the driver's own device (its GPU where it has one:
+a GPU-sized stage recomputed on a CPU took seconds a hop and stalled a CUDA run 40-fold) in a thread of its own, off the
+thread that computes the driver's stage 0 (swarm/integrity/recompute.py). Three outcomes:
 
 - HOLDS: the claim follows from the committed weights. (It says nothing of whether those weights are honest: a copy
   trained to harm computes honestly from itself. That is judged elsewhere: see the threat model.)
@@ -20,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +43,13 @@ CONVICTED_BAN_S = 3600.0  # a signer whose claim does not follow from its own we
 FETCH_BASE_S = 3.0
 FETCH_BYTES_PER_S = 5e6  # a home uplink's worth: the fetch timeout grows with the stage's size
 WEIGHTS_KEPT = 8  # versions fetched, by digest (a dispute's two parties, a backward's two versions)
+WEIGHTS_KEPT_COPIES = 4  # ... and at most this many copies of the stage's bytes (a 100 MB stage: 400 MB, not 800)
+# Sampled recomputations of peers already upheld once (not disputes, not a newcomer's first) stop while the referee
+# has been busy (fetching or recomputing) more than this share of the last BUSY_WINDOW_S: fetching a 100 MB stage's
+# weights for every sampled hop would take a home link's whole uplink (weights change every step, so a fetch is
+# rarely shared). A slow link thus checks a large stage less often, never stalls for it.
+SAMPLED_BUSY_SHARE = 0.1
+BUSY_WINDOW_S = 60.0
 CONVICTIONS_KEPT = 256
 
 
@@ -70,11 +79,17 @@ class Conviction:
 
 
 class Referee:
-    def __init__(self, run: Any, p2p: Any, namespaces: dict[str, str], executor: Any, dataset: Any, call: Any = None):
+    def __init__(self, run: Any, p2p: Any, namespaces: dict[str, str], executor: Any, dataset: Any, call: Any = None,
+                 device: str | torch.device = "cpu"):
+        """``executor``: where recomputations run (None: a thread of the referee's own, ``close`` ends it);
+        ``device``: where (the driver's device)."""
         self.run = run
         self.p2p = p2p
         self.namespaces = namespaces
-        self.executor = executor
+        self._own_executor = executor is None
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="referee") if executor is None else executor
+        self.device = torch.device(device)
+        self._busy: deque[tuple[float, float]] = deque(maxlen=256)  # (monotonic end, seconds) of each judgement
         self.dataset = dataset
         self.call = call
         self._modules: dict[int, torch.nn.Module] = {}
@@ -88,6 +103,21 @@ class Referee:
         self.recompute_s = 0.0  # compute-thread seconds spent recomputing
         self.fetch_s = 0.0
         self.fetches = 0
+
+    def close(self) -> None:
+        if self._own_executor:
+            self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def busy_share(self, now: float | None = None) -> float:
+        """The share of the last BUSY_WINDOW_S this referee spent fetching weights and recomputing."""
+        now = time.monotonic() if now is None else now
+        busy = sum(min(seconds, BUSY_WINDOW_S - (now - end)) for end, seconds in self._busy
+                   if now - end < BUSY_WINDOW_S)
+        return busy / BUSY_WINDOW_S
+
+    def has_time(self) -> bool:
+        """Whether a sampled (undisputed) recomputation fits its budget now (SAMPLED_BUSY_SHARE)."""
+        return self.busy_share() < SAMPLED_BUSY_SHARE
 
     def stats(self) -> dict[str, Any]:
         return {"refereed": self.refereed, "held": self.held, "convicted": len(self.convictions),
@@ -105,6 +135,14 @@ class Referee:
         if _dropout(self.run.model) > 0 and op != "infer":
             return Verdict(NOT_REPRODUCIBLE, peer, why="dropout: a training op's random mask cannot be replayed")
         self.refereed += 1
+        began = time.monotonic()
+        try:
+            return await self._judge(k, op, tensors, claim, receipt, peer)
+        finally:
+            self._busy.append((time.monotonic(), time.monotonic() - began))
+
+    async def _judge(self, k: int, op: str, tensors: list[torch.Tensor], claim: torch.Tensor, receipt: Receipt | None,
+                     peer: str) -> Verdict:
         if receipt is None or op not in REFEREED_OPS or receipt.weights == NO_WEIGHTS or receipt.signer != peer:
             return self._unshown(peer, "its receipt commits to no weights")
         try:
@@ -169,18 +207,19 @@ class Referee:
         if tensors_bytes(weights) > 2 * size + 2**20:
             raise _Lied("showed weights far larger than this stage's")
         self._weights[digest] = weights
-        while len(self._weights) > WEIGHTS_KEPT:
+        while len(self._weights) > 1 and (len(self._weights) > WEIGHTS_KEPT or sum(
+                tensors_bytes(w) for w in self._weights.values()) > WEIGHTS_KEPT_COPIES * size):
             self._weights.popitem(last=False)
         return weights
 
     def _module(self, k: int) -> torch.nn.Module:
         if k not in self._modules:
-            self._modules[k] = build_stage(self.run.model, k)
+            self._modules[k] = build_stage(self.run.model, k).to(self.device)
         return self._modules[k]
 
     def _bytes(self, k: int) -> int:
         if k not in self._stage_bytes:
-            self._stage_bytes[k] = tensors_bytes(self._module(k).state_dict())
+            self._stage_bytes[k] = tensors_bytes(self._module(k).state_dict())  # float32 wherever it lives
         return self._stage_bytes[k]
 
     def _unshown(self, peer: str, why: str) -> Verdict:

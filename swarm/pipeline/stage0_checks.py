@@ -89,7 +89,7 @@ Strike = Callable[[str, str, float], None]  # (peer, reason, strikes): StageGate
 class Stage0Checker:
     def __init__(self, run: RunConfig, p2p: Any, keys: Any, drivers: Callable[[], Iterable[str]], strike: Strike,
                  *, share: float = SPOT_SHARE, budget_s: float = CHECK_BUDGET_S, seed: int | None = None,
-                 call: Callable[..., Any] = call_stage, referee: bool = True):
+                 call: Callable[..., Any] = call_stage, referee: bool = True, device: str = "cpu"):
         self.run = run
         self.run_id = run.run_id
         self.namespace = stage_namespace(self.run_id, "layer0")
@@ -109,7 +109,7 @@ class Stage0Checker:
         self.counts = {name: 0 for name in ("checked", AGREED, "caught", "replica_caught", "undecided", SKIPPED,
                                              "said", "outweighed", "convicted", "upheld", "refereed")}
         # recomputes an author's output from the weights its receipt commits to (exact; swarm/pipeline/stage0_referee.py)
-        self.referee = Stage0Referee(run, p2p, call=call) if referee else None
+        self.referee = Stage0Referee(run, p2p, call=call, device=device) if referee else None
 
     @property
     def credit(self) -> dict[str, int]:

@@ -30,8 +30,9 @@ logger = logging.getLogger(__name__)
 
 
 class Stage0Referee:
-    def __init__(self, run: Any, p2p: Any, call: Any = None):
+    def __init__(self, run: Any, p2p: Any, call: Any = None, device: str = "cpu"):
         self.run = run
+        self.device = device  # this stage's: stage 0 recomputed where it would run (a GPU-sized one on the GPU)
         self.p2p = p2p
         self.call = call
         self.namespace = stage_namespace(run.run_id, "layer0")
@@ -89,4 +90,4 @@ class Stage0Referee:
     def _load(self) -> tuple[torch.nn.Module, torch.Tensor]:
         from swarm.run.data import load_dataset
 
-        return build_stage(self.run.model, 0), load_dataset(self.run.data, self.run.model).x_train
+        return build_stage(self.run.model, 0).to(self.device), load_dataset(self.run.data, self.run.model).x_train

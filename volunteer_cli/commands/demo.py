@@ -164,7 +164,8 @@ def run_demo(args: argparse.Namespace) -> int:
             for m in range(args.per_swarm):
                 children.start(f"layer{k}-{m}", ["join", "--run", str(demo_run), "--swarm", f"layer{k}",
                                                  "--initial-peers", maddr, "--listen", LOOPBACK, "--headless",
-                                                 "--device", args.device])
+                                                 "--device", args.device, *(["-" + "v" * args.verbose]
+                                                                             if args.verbose else [])])
         say(f"started {run.model.stages * args.per_swarm} volunteers; waiting for every swarm to come online")
         watched, _ = load_run(str(demo_run))  # the demo's heartbeat: a record 3 of them old is offline
         code, result = _watch(watched, maddr, children, shutdown, watchdog, say, target, args.time_limit_s, started)
