@@ -40,6 +40,7 @@ from swarm.integrity.requesters import HEAVY_CLIP_SCALE
 from swarm.integrity.weights import WeightsRing
 from swarm.run.local import make_optimizer
 from swarm.run.models import EVAL_BATCH_MAX, build_stage, eval_batch, loss_fn, stage_input_spec, target_spec
+from swarm.run.optim_light import step_of
 from swarm.run.optim_state import load_optimizer_tensors, optimizer_tensors
 from swarm.run.runconfig import RunConfig
 from swarm.pipeline.staleness import StalenessWindow, StepSize
@@ -98,7 +99,7 @@ class StageWorker:
         self.lock = threading.RLock()  # held while computing or updating: snapshots are never half-updated
         self.simulated_step_s = simulated_step_s()
         self._step_hooks: list[Callable[[StepInfo], None]] = []
-        self._update: Callable[[], None] = self.optimizer.step
+        self._update: Callable[[], None] = step_of(self.optimizer)  # optimizer.step, minus its dynamo import
         self._custom_rule = False  # an edge mode's rule: guarded for finiteness, its move not step-bounded
         # a sick copy serves nothing (SickCopy) until it heals
         self.health = HealthMonitor(run.integrity, chance_loss=math.log(self._num_outputs()))
@@ -402,7 +403,7 @@ class StageWorker:
         *is* the optimizer (swarm/averaging/edges.py). The gradients it sees are clipped, and a step that
         would leave anything non-finite is undone (swarm/integrity/guard.py), as for the optimizer."""
         with self.lock:
-            self._update = rule if rule is not None else self.optimizer.step
+            self._update = rule if rule is not None else step_of(self.optimizer)
             self._custom_rule = rule is not None
 
     @torch.no_grad()

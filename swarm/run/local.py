@@ -42,6 +42,9 @@ def make_optimizer(params: Iterable[nn.Parameter], opt: OptimizerConfig) -> torc
     Adam's default per-tensor loop takes 69 ms a step, its fused kernel 13 ms; SGD with momentum 15 -> 8 ms
     (benchmarks/README.md, issue 29). A volunteer lends that CPU; the one-process yardstick uses this same function.
     """
+    from swarm.run.optim_light import lighten
+
+    lighten()  # no torch._dynamo import for the constructor's add_param_group (swarm/run/optim_light.py)
     params = list(params)
     fused = _fusable(params)
     if opt.name == "sgd":

@@ -41,12 +41,17 @@ LEAVE_ANNOUNCE_TIMEOUT_S = 10.0  # on quit, the last record waits this long for 
 
 
 def _warm_optimizer_imports() -> None:
-    """Import ``torch._dynamo`` in the background while the DHT starts and the identity's work is checked.
+    """Where torch.optim cannot be used without ``torch._dynamo`` (swarm/run/optim_light.py: a torch laid out
+    otherwise than the ones it knows), import it in the background while the DHT starts.
 
-    torch.optim imports it at an optimizer's first ``state_dict``, ``zero_grad`` or ``step`` (to wrap them), and
-    that import is ~2 s of CPU (sympy, torch.fx, torch.distributed), which held up "building layerN" before every
-    first announce (`benchmarks.join`: start_training 2.1 s of a 5.4 s join). A daemon thread: a node stopped
-    meanwhile exits without waiting for it; a failure here only means the import happens later, where it used to."""
+    torch.optim imports it at an optimizer's construction and at every ``step`` (to wrap them), and that import is
+    1-2 s of CPU (sympy, torch.fx, torch.distributed), which held up "building layerN" before every first announce
+    (`benchmarks.join`: start_training 2.1 s of a 5.4 s join). A daemon thread: a node stopped meanwhile exits
+    without waiting for it; a failure here only means the import happens later, where it used to."""
+    from swarm.run.optim_light import lighten
+
+    if lighten():  # no import at all: a second of CPU saved at every start
+        return
 
     def load() -> None:
         try:
