@@ -107,6 +107,21 @@ def test_a_snapshot_that_keeps_getting_sick_gives_way_to_the_one_before():
     worker.health.mark_sick("test")
     healer.heal()
     assert all(torch.equal(t, start[k]) for k, t in worker.module.state_dict().items())
+    # the one before is kept as weights only (8 bytes a parameter less with Adam): its optimizer starts afresh
+    assert not worker.optimizer.state
+
+
+def test_the_snapshot_before_the_last_keeps_weights_only():
+    worker = StageWorker(_run(), 0)
+    healer = Healer(worker, notify=lambda *a: None)
+    x = torch.randn(8, 64)
+    for i in range(3):  # momentum buffers exist
+        worker.forward(f"m{i}", x)
+        worker.backward(f"m{i}", 1e-3 * torch.randn(8, 16), None, None)
+    healer.take_snapshot()
+    healer.take_snapshot()
+    assert healer._snapshot.optimizer and healer._previous.optimizer is None
+    assert set(healer._previous.params) == set(worker.module.state_dict())
 
 
 

@@ -43,8 +43,8 @@ class StepGuard:
         self.optimizer = optimizer
         self.max_step_ratio = max_step_ratio
         self._param_buffers: list[torch.Tensor] = []
-        self._state_buffers: list[torch.Tensor] = []
-        self._deltas: list[torch.Tensor] = []
+        self._state_buffers: list[torch.Tensor] = []  # Adam's: only during a full step (1 in 50), freed after
+        self._scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # one tensor's move at a time
         self._verified_state: list[weakref.ref] = []  # the state tensors last found finite (a load replaces them)
         self.refused = 0
         self.scaled_steps = 0
@@ -91,8 +91,10 @@ class StepGuard:
         finite = all(math.isfinite(m) for m in moves) or _all_finite(params)  # a move can overflow: look closer
         if not finite or (not fast and not _all_finite(after_state)):
             self._restore(params, old, before_state, had_state)
+            self._release_state_buffers()
             self.refused += 1
             raise StepRefused("this update would make the copy non-finite: not applied")
+        self._release_state_buffers()
         self._verified_state = [weakref.ref(t) for t in after_state]
         if not bound_steps or not params:
             return GuardResult(tensors_scaled=0)
@@ -107,15 +109,28 @@ class StepGuard:
         return bool(state) and len(state) == len(self._verified_state) and \
             all(ref() is t for ref, t in zip(self._verified_state, state))
 
+    def _release_state_buffers(self) -> None:
+        """An Adam copy's full steps are 1 in FULL_CHECK_EVERY_STEPS: its state copy (8 bytes a parameter) is not
+        kept between them. Other optimizers copy their state every step and keep the buffers (no allocation)."""
+        if type(self.optimizer) in (torch.optim.Adam, torch.optim.AdamW):
+            self._state_buffers = []
+
+    def _delta(self, new: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+        """``new - before`` in a scratch buffer the size of the stage's largest tensor (not a copy of every tensor:
+        4 bytes a parameter), overwritten by the next call."""
+        key = (new.dtype, new.device)
+        scratch = self._scratch.get(key)
+        if scratch is None or scratch.numel() < new.numel():
+            scratch = self._scratch[key] = torch.empty(max(p.numel() for p in self.module.parameters()),
+                                                       dtype=new.dtype, device=new.device)
+        return torch.sub(new, before, out=scratch[: new.numel()].view(new.shape))
+
     def _moves(self, params: list[torch.Tensor], old: list[torch.Tensor]) -> list[float]:
-        """Each tensor's move ``||new - old||``, into buffers kept from step to step (no allocation once warm).
-        With ``old`` finite, a move is finite exactly when the new tensor is (or the norm overflowed)."""
-        if len(self._deltas) != len(params) or any(d.shape != p.shape or d.dtype != p.dtype
-                                                   for d, p in zip(self._deltas, params)):
-            self._deltas = [torch.empty_like(p) for p in params]
-        for new, before, delta in zip(params, old, self._deltas):
-            torch.sub(new, before, out=delta)
-        return torch.stack(torch._foreach_norm(self._deltas)).double().tolist() if params else []
+        """Each tensor's move ``||new - old||``, one tensor at a time through one scratch buffer (each norm is
+        computed before the next difference overwrites it: the same stream). With ``old`` finite, a move is finite
+        exactly when the new tensor is (or the norm overflowed)."""
+        norms = [torch.linalg.vector_norm(self._delta(new, before)) for new, before in zip(params, old)]
+        return torch.stack(norms).double().tolist() if norms else []
 
     def _restore(self, params: list[torch.Tensor], old: list[torch.Tensor], before_state: list[torch.Tensor],
                  had_state: dict[int, bool]) -> None:
@@ -132,11 +147,11 @@ class StepGuard:
                      moves: list[float]) -> int:
         floor = typical_tensor_norm(old_norms)
         scaled = 0
-        for param, before, delta, old_norm, move in zip(params, old, self._deltas, old_norms, moves):
+        for param, before, old_norm, move in zip(params, old, old_norms, moves):
             limit = step_bound(old_norm, floor, self.max_step_ratio)
             if move > limit > 0:
-                if math.isfinite(move):  # before + delta * limit / move, in one pass
-                    torch.add(before, delta, alpha=limit / move, out=param)
+                if math.isfinite(move):  # before + delta * limit / move
+                    torch.add(before, self._delta(param, before), alpha=limit / move, out=param)
                 else:  # an overflowing move has no usable direction: the tensor stays where it was
                     param.copy_(before)
                 scaled += 1

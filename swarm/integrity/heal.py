@@ -30,7 +30,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -97,7 +97,9 @@ class Healer:
         self._scale = 1.0
         self._ceiling = 1.0  # the scale never rises above this (lowered by each heal, recovering slowly)
         self._ceiling_steps = 0
-        self._previous = None  # the good snapshot before the last: the fallback when the last keeps getting sick
+        # the good snapshot before the last, weights only (8 bytes a parameter less for Adam): the fallback when the
+        # last keeps getting sick, restored with a fresh optimizer state (its moments were of the copy it replaces)
+        self._previous = None
         self._restores = 0  # of the current snapshot
         self._status = HealStatus()
         self._healing = False
@@ -115,7 +117,7 @@ class Healer:
             if self.collapsed():
                 return
             if self._snapshot is not None and self._restores == 0:  # one restored since is no longer "good"
-                self._previous = self._snapshot
+                self._previous = replace(self._snapshot, optimizer=None)
             self._snapshot = self.worker.capture(include_optimizer=True)
             self._restores = 0
             self.health.set_baseline(norm)
@@ -158,6 +160,8 @@ class Healer:
                 # of a copy that has trained (a trained copy reset to its seed lost everything it learnt)
                 self._snapshot, self._previous, self._restores = self._previous, None, 0
             self.worker.restore(self._snapshot)
+            if self._snapshot.optimizer is None:  # the fallback, kept without its moments: Adam starts afresh
+                self.worker.optimizer.state.clear()
             self._ceiling = lowered_ceiling(self._ceiling, self._scale, self.cfg.heal_lr_scale)
             self._ceiling_steps = 0
             scale = lowered_scale(self._scale, self.cfg.heal_lr_scale)

@@ -2,7 +2,8 @@
 
 A stage server holds, per parameter: the float32 weight (4 bytes), its gradient (4), the optimizer's state
 (Adam/AdamW: 8; SGD with momentum: 4) and the step guard's copy of weights and optimizer state
-(swarm/integrity/guard.py: an update that would go non-finite is undone from it). Per micro-batch in flight
+(swarm/integrity/guard.py: an update that would go non-finite is undone from it; Adam's state is copied one step in
+50 and freed after, counted here since a peak is what must fit). Per micro-batch in flight
 (a forward's graph waits in the activation cache for its backward; the last stage runs forward and backward
 at once, so one) it holds the tensors autograd saved: counted per token and per decoder layer for llama from
 what each op keeps (llama.py), in bf16 where autocast computes in bf16, plus under bf16 autocast the bf16
@@ -102,3 +103,61 @@ def stage_memory(run: RunConfig, index: int, cuda: bool = True) -> StageMemory:
         micro_batches=1 if index == model.stages - 1 else in_flight,
         overhead_bytes=CUDA_OVERHEAD_BYTES if cuda else 0,
     )
+
+
+# ----- host memory (every run kind): what a stage server keeps beside its live copy
+
+
+@dataclass(frozen=True, slots=True)
+class HostMemory:
+    """Host bytes a stage server holds for stage ``index``, by what the code keeps (tests/test_memory.py measures the
+    tensors a trained stage actually holds against it). On a GPU the live copy and the guard's live on the device
+    (``stage_memory``); the snapshots and the referee's ring are host memory wherever the stage computes."""
+
+    index: int
+    params: int
+    live_bytes: int  # float32 weights, gradients and the optimizer's state (on the GPU for a CUDA stage)
+    guard_bytes: int  # the step guard's copy of the weights (and SGD's momentum), its one-tensor scratch
+    guard_peak_bytes: int  # + Adam's state, copied 1 step in 50 (swarm/integrity/guard.py) and freed after
+    snapshot_bytes: int  # healing: the last good snapshot with optimizer state, the one before it as weights only
+    ring_bytes: int  # committed versions a referee may ask for (swarm/integrity/weights.py), at their bound
+
+    @property
+    def total_bytes(self) -> int:
+        return self.live_bytes + self.guard_bytes + self.snapshot_bytes + self.ring_bytes
+
+    @property
+    def per_param(self) -> float:
+        return self.total_bytes / self.params if self.params else 0.0
+
+
+def host_memory(run: RunConfig, index: int) -> HostMemory:
+    """What stage ``index`` of ``run`` keeps in float32 on a CPU volunteer (healing, receipts and the ring on)."""
+    from swarm.integrity.weights import RING_COPIES, RING_MIN_BYTES
+
+    params, largest = _param_counts(run.model, index)
+    floats = OPTIMIZER_STATE_FLOATS[run.optimizer.name]
+    if run.optimizer.name == "sgd" and run.optimizer.momentum == 0:
+        floats = 0
+    weights = FLOAT32_BYTES * params
+    optimizer = floats * weights
+    adam = run.optimizer.name in ("adam", "adamw")
+    guard = weights + FLOAT32_BYTES * largest + (0 if adam else optimizer)
+    return HostMemory(
+        index=index, params=params, live_bytes=2 * weights + optimizer, guard_bytes=guard,
+        guard_peak_bytes=guard + (optimizer if adam else 0), snapshot_bytes=2 * weights + optimizer,
+        ring_bytes=max(RING_MIN_BYTES, int(RING_COPIES * weights)),
+    )
+
+
+def _param_counts(model: ModelConfig, index: int) -> tuple[int, int]:
+    """(parameters of stage ``index``, of its largest tensor)."""
+    if model.kind == "llama":
+        width = model.d_model
+        largest = max(model.vocab_size * width if index in (0, model.stages - 1) else 0,
+                      model.llama_ffn_dim * width, width * width)
+        return stage_params(model, index), largest
+    from swarm.run.models import build_stage  # an MLP: small, built in milliseconds
+
+    tensors = [p.numel() for p in build_stage(model, index).parameters()]
+    return sum(tensors), max(tensors, default=0)

@@ -323,10 +323,13 @@ def gpu_checks(requested: str) -> list[Check]:
 
 
 def memory_checks(run: Any, requested: str) -> list[Check]:
-    """Llama runs: each stage's GPU memory from the config (weights, gradients, optimizer state, the guard's copy,
-    activations of the micro-batches in flight, CUDA's own) against the GPU's free memory where there is one."""
+    """Every run: the host memory each stage keeps (swarm/run/memory.py ``host_memory``: the live copy on a CPU, the
+    guard's copy, healing's snapshots, the referee's weight versions) against the RAM available. Llama runs also:
+    each stage's GPU memory from the config (weights, gradients, optimizer state, the guard's copy, activations of
+    the micro-batches in flight, CUDA's own) against the GPU's free memory where there is one."""
+    checks = host_memory_checks(run, requested)
     if run.model.kind != "llama":
-        return []
+        return checks
     import torch
 
     from swarm.run.memory import stage_memory
@@ -337,7 +340,6 @@ def memory_checks(run: Any, requested: str) -> list[Check]:
         free = torch.cuda.mem_get_info(index or 0)[0]
     precision = "bf16 autocast" if run.model.mixed_precision == "bf16" else "float32"
     section = f"GPU memory a stage needs ({precision}, batch {run.training.batch_size} x {run.model.seq_len} tokens)"
-    checks = []
     for index in range(run.model.stages):
         need, on_cpu = stage_memory(run, index), stage_memory(run, index, cuda=False)
         detail = (f"{need.total_bytes / GIB:.2f} GiB: {need.params / 1e6:.1f} M parameters, weights + gradients "
@@ -353,4 +355,30 @@ def memory_checks(run: Any, requested: str) -> list[Check]:
             checks.append(Check(section, f"layer{index}", WARN, f"{detail}; more than the {free / GIB:.1f} GiB free: "
                                 "set model.activation_checkpointing or a smaller training.batch_size / in_flight "
                                 "(a new run), or join with another GPU"))
+    return checks
+
+
+def host_memory_checks(run: Any, requested: str) -> list[Check]:
+    """Per stage, the host bytes its server keeps (by what the code keeps; tests/test_memory.py measures it)."""
+    import psutil
+    import torch
+
+    from swarm.run.memory import host_memory
+
+    gpu = requested != "cpu" and torch.cuda.is_available()
+    available = psutil.virtual_memory().available
+    section = "Host memory a stage keeps (" + ("on the GPU's host: snapshots and weight versions" if gpu else
+                                               "live copy, guard, snapshots and weight versions, float32") + ")"
+    checks = []
+    for index in range(run.model.stages):
+        need = host_memory(run, index)
+        host = need.snapshot_bytes + need.ring_bytes if gpu else need.total_bytes
+        detail = (f"{host / MIB:,.0f} MiB: {need.params / 1e6:.2f} M parameters, {host / need.params:.0f} bytes each"
+                  f" (live copy {need.live_bytes / MIB:,.0f}" + ("" if not gpu else " on the GPU") +
+                  f", guard {need.guard_bytes / MIB:,.0f} (+{(need.guard_peak_bytes - need.guard_bytes) / MIB:,.0f} "
+                  f"one step in 50), snapshots {need.snapshot_bytes / MIB:,.0f}, weight versions "
+                  f"{need.ring_bytes / MIB:,.0f})")
+        status = OK if host <= available else WARN
+        checks.append(Check(section, f"layer{index}", status, detail + ("" if status == OK else
+                            f"; more than the {available / GIB:.1f} GiB available: join a swarm of another layer")))
     return checks
