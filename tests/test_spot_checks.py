@@ -291,3 +291,38 @@ def test_an_upheld_lone_peers_sampled_hops_are_refereed_within_the_referees_budg
     assert referee.judged == (2 if has_time else 1)
     assert checker.referee_skipped == (0 if has_time else 1) and checker.refereed_alone == referee.judged
     assert checker.credit.get("solo") == referee.judged
+
+
+def test_a_lane_waiting_for_a_newcomers_verdict_says_so():
+    """A newcomer's first sampled hop waits for the referee in the lane's path: fetching a large stage's weights
+    over a slow link takes tens of seconds, and a run whose lanes all wait must say why (seen on a GPU: "no sample
+    trained for 38 s: the layer0 drivers do not say why")."""
+    import asyncio
+
+    from swarm.pipeline import spot_checks
+    from swarm.pipeline.spot_checks import SpotChecker
+
+    class _Blockage:
+        def __init__(self):
+            self.reasons = []
+
+        def set(self, reason):
+            self.reasons.append(reason)
+
+    class _Slow(_BudgetReferee):
+        async def judge(self, *args):
+            await asyncio.sleep(0.35)
+            return await super().judge(*args)
+
+    out = torch.randn(8, 4)
+    hops = _Hops({"newcomer-peer": out})
+    hops.blockage = _Blockage()
+    checker = SpotChecker(hops, share=1.0, referee=_Slow(True))
+    original, spot_checks.REFEREE_SAY_S = spot_checks.REFEREE_SAY_S, 0.1
+    try:
+        asyncio.run(checker.after_forward(1, torch.zeros(8, 4), {}, None, "newcomer-peer", out))
+    finally:
+        spot_checks.REFEREE_SAY_S = original
+    assert hops.blockage.reasons and all(r.startswith("referee: recomputing a hop of layer1 peer") for r in
+                                          hops.blockage.reasons)
+    assert checker.credit.get("newcomer-peer") == 1  # upheld all the same

@@ -49,6 +49,7 @@ from swarm.pipeline.routing import BAD_REPLY_BAN_S
 logger = logging.getLogger(__name__)
 
 SIMILARITIES_KEPT = 200
+REFEREE_SAY_S = 1.0  # a lane waiting this long for a newcomer's verdict says so (hops.Blockage: if nothing flows)
 MAX_BACKGROUND_REFEREES = 4  # sampled hops of established peers refereed off the lanes' path at once
 UNSHOWN_IN_ROW = 3  # sampled hops in a row whose weights a peer did not show before it is backed off
 
@@ -205,7 +206,17 @@ class SpotChecker:
                 task.add_done_callback(self._background.discard)
             return
         self.refereed_alone += 1
-        await self._referee_alone_verdict(k, tensors, claim)
+        verdict = asyncio.ensure_future(self._referee_alone_verdict(k, tensors, claim))
+        try:
+            while not (await asyncio.wait({verdict}, timeout=REFEREE_SAY_S))[0]:
+                # the lane waits for a fetch of the stage's weights (a large stage over a slow link: tens of seconds):
+                # said if nothing else flows meanwhile (any micro-batch that completes clears it)
+                self.hops.blockage.set(f"referee: recomputing a hop of layer{k} peer {claim.peer[-8:]} (new to us) "
+                                       "from the weights it committed to, before its outputs are used")
+        finally:
+            if not verdict.done():
+                verdict.cancel()
+        verdict.result()
 
     def _alone_verdict(self, k: int, claim: Claim, verdict: Verdict) -> None:
         if verdict.outcome == HOLDS:
