@@ -114,3 +114,11 @@ def test_referee_benchmark_quick_prices_the_weights_digest():
         figures = report[name]
         assert figures["step_ms"] > 0 and figures["commit_ms"] > 0, figures
         assert report[f"digest_share_{name}"] == pytest.approx(figures["commit_ms"] / figures["step_ms"], rel=0.01)
+
+
+def test_versus_benchmark_quick_trains_one_process_and_hivemind_peers_to_the_target():
+    report = _quick("benchmarks.versus", None)
+    for way in ("one_process", "hivemind"):
+        assert report[way]["seconds_to_target"] is not None, report[way]
+        _positive(report[way], ("samples", "cpu_s", "samples_per_cpu_s"))
+    _positive(report, ("hivemind_time_vs_one_process", "hivemind_cpu_efficiency_vs_one_process"))
