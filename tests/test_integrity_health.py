@@ -196,3 +196,31 @@ def test_a_norm_that_creeps_up_snapshot_after_snapshot_is_caught():
         honest.set_baseline(10.0 + step * 0.5)
         honest.observe_param_norm(10.5 + step * 0.5)
     assert not honest.sick
+
+
+def test_heals_a_convicted_peer_caused_give_the_step_size_back():
+    """issue 40, item 6: a copy that healed because a liar's tensors reached it (garbage activations from upstream,
+    ascent gradients from downstream) does not keep a lowered step size for the liar's fault: once the liar is
+    convicted (swarm/pipeline/convictions.py), the heals of the last FORGIVE_WINDOW_S are given back. Older ones,
+    and a copy that never healed, keep what they have."""
+    import time
+
+    from swarm.integrity.heal import FORGIVE_WINDOW_S
+
+    said = []
+    worker = StageWorker(_run(heal_steps=3, heal_lr_scale=0.5), 1)
+    healer = Healer(worker, notify=lambda *a: said.append(a))
+    healer.take_snapshot()
+    assert healer.forgive("QmLiar") is None  # nothing to give back
+    for _ in range(2):
+        worker.health.mark_sick("test")
+        healer.heal()
+    assert worker.optimizer.param_groups[0]["lr"] == pytest.approx(0.05 * 0.25)
+    text = healer.forgive("QmLiar0000")
+    assert text and "2 heal(s)" in text and said[-1][1] == "forgiven"
+    assert worker.optimizer.param_groups[0]["lr"] == pytest.approx(0.05) and healer.status().lr_scale == 1.0
+    assert healer.forgive("QmLiar0000") is None  # given back once
+    worker.health.mark_sick("test")
+    healer.heal()  # a heal long before the conviction: this copy's own
+    assert healer.forgive("QmOther", now=time.time() + FORGIVE_WINDOW_S + 1) is None
+    assert worker.optimizer.param_groups[0]["lr"] == pytest.approx(0.05 * 0.5)

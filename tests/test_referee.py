@@ -310,6 +310,27 @@ def test_a_conviction_is_rechecked_and_a_false_one_costs_its_sender():
     assert not reply.get("ok") and struck[-1] == "QmForger" and banned == ["QmSigner"]
 
 
+def test_a_stage_peers_desk_bans_the_proven_convict_and_tells_its_healer():
+    """desk_for (what a stage peer runs): the proven convict struck past the ban threshold in the gate's book, and
+    ``on_convicted`` told (the healer gives back the heals the convict caused: swarm/integrity/heal.py forgive)."""
+    from swarm.pipeline.convictions import desk_for
+
+    class _Gate:
+        def __init__(self):
+            self.strikes = []
+            self.book = type("Book", (), {"banned": staticmethod(lambda peer, now: False)})()
+
+        def strike(self, peer, why, strikes=1.0):
+            self.strikes.append((peer, strikes))
+
+    told, gate = [], _Gate()
+    key, (tensors, meta) = _evidence(-1.0)
+    desk = desk_for(RUN, _Keys(key), gate, on_convicted=told.append)
+    _, reply = asyncio.run(desk.receive("QmAccuser", tensors, meta))
+    assert reply.get("ok") and told == ["QmSigner"]
+    assert gate.strikes == [("QmSigner", 2 * RUN.integrity.ban_strikes)]
+
+
 def test_a_transformer_stage_shows_its_dozens_of_tensors_and_is_upheld():
     """A message carries at most 8 tensors: a charlm stage has 12-16, so a version travels one flat tensor per dtype
     (weights_rpc.pack). Before, every charlm hop a referee sampled was 'unshown' and dropped (84 lost in a minute)."""

@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 CHECK_EVERY_STEPS = 10  # parameter-norm check period (a pass over the parameters)
 WATCH_PERIOD_S = 0.25  # how often the loop looks for a sick copy
 CEILING_RECOVERY = 10  # the step-size ceiling rises once per this many heal_steps of healthy updates
+FORGIVE_WINDOW_S = 120.0  # heals this recent are given back when a peer whose tensors we used is convicted
+MAX_HEALS_KEPT = 16
 RESTORES_BEFORE_FALLBACK = 2  # a snapshot restored this often without a newer one: the next heal restores the one before
 # The step size never falls below this power of heal_lr_scale (0.3**3 = 0.027x the run's): measured, 33 heals in a
 # row took a copy's scale to 5.6e-18x, a stage frozen for good while it said it trained.
@@ -103,6 +105,9 @@ class Healer:
         self._restores = 0  # of the current snapshot
         self._status = HealStatus()
         self._healing = False
+        # (wall time, scale, ceiling) before each recent heal: a heal later found to be a convicted peer's doing
+        # gives its step size back (``forgive``)
+        self._heals: list[tuple[float, float, float]] = []
 
     # ----- compute thread
     def take_snapshot(self) -> None:
@@ -162,6 +167,8 @@ class Healer:
             self.worker.restore(self._snapshot)
             if self._snapshot.optimizer is None:  # the fallback, kept without its moments: Adam starts afresh
                 self.worker.optimizer.state.clear()
+            self._heals = [h for h in self._heals if time.time() - h[0] < FORGIVE_WINDOW_S][-MAX_HEALS_KEPT:]
+            self._heals.append((time.time(), self._scale, self._ceiling))
             self._ceiling = lowered_ceiling(self._ceiling, self._scale, self.cfg.heal_lr_scale)
             self._ceiling_steps = 0
             scale = lowered_scale(self._scale, self.cfg.heal_lr_scale)
@@ -172,6 +179,29 @@ class Healer:
         return (f"healed: {reason}; restored the last good copy (clock {self._snapshot.clock:.0f}); step size now "
                 f"{scale:.2g}x the run's, recovering every {self.cfg.heal_steps} healthy updates up to "
                 f"{self._ceiling:.2g}x")
+
+    def forgive(self, signer: str, now: float | None = None) -> str | None:
+        """``signer`` was convicted (its tensors did not follow from its weights: swarm/pipeline/convictions.py):
+        the heals of the last FORGIVE_WINDOW_S were likely its doing, not this copy's, so the step size and its
+        ceiling go back to what they were before the first of them (the restored weights stay: the snapshot was
+        good). Said, and returned; None when there was nothing to give back. Called on the event loop."""
+        now = time.time() if now is None else now
+        with self.worker.lock:
+            recent = [h for h in self._heals if now - h[0] < FORGIVE_WINDOW_S]
+            self._heals = []
+            if not recent:
+                return None
+            _, scale, ceiling = recent[0]
+            if scale <= self._scale and ceiling <= self._ceiling:
+                return None
+            self._ceiling = max(self._ceiling, ceiling)
+            self._ceiling_steps = 0
+            self._healthy_steps = 0
+            self._set_lr_scale(max(self._scale, min(scale, self._ceiling)))
+        text = (f"{len(recent)} heal(s) of the last {FORGIVE_WINDOW_S:.0f} s are put down to peer {signer[-8:]}, "
+                f"convicted of sending tensors its weights do not give: step size back to {self._scale:.2g}x")
+        self.notify("info", "forgiven", text)
+        return text
 
     def _set_lr_scale(self, scale: float) -> None:
         self._scale = scale

@@ -137,9 +137,10 @@ class ConvictionDesk:
         return self._modules[k]
 
 
-def desk_for(run: Any, keys: Any, gate: Any) -> ConvictionDesk:
+def desk_for(run: Any, keys: Any, gate: Any, on_convicted: Any = None) -> ConvictionDesk:
     """A stage peer's desk: a proven convict is struck twice the ban threshold in ``gate``'s book (banned, and every
-    tensor it signs is bad_author here), a false accuser once; targets loaded on the first conviction that needs them."""
+    tensor it signs is bad_author here), a false accuser once; targets loaded on the first conviction that needs them.
+    ``on_convicted(signer)`` is told of each proven convict (the healer: heals it caused are given back)."""
     strikes = 2 * run.integrity.ban_strikes
     loaded: dict[str, Any] = {}
 
@@ -150,7 +151,12 @@ def desk_for(run: Any, keys: Any, gate: Any) -> ConvictionDesk:
             loaded["y"] = (await asyncio.to_thread(load_dataset, run.data, run.model)).y_train
         return loaded["y"]
 
-    desk = ConvictionDesk(run, keys, lambda signer, reason: gate.strike(signer, reason, strikes), gate.strike, labels)
+    def ban(signer: str, reason: str) -> None:
+        gate.strike(signer, reason, strikes)
+        if on_convicted is not None:
+            on_convicted(signer)
+
+    desk = ConvictionDesk(run, keys, ban, gate.strike, labels)
     desk.banned = lambda peer: gate.book.banned(peer, time.monotonic())
     return desk
 
