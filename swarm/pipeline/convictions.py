@@ -56,8 +56,9 @@ class ConvictionDesk:
     """A stage's side: checks a conviction it is sent and bans the convict on proof (``ban``), strikes a false
     accuser (``strike``). ``labels()``: the train split's targets (a coroutine: loaded on first need)."""
 
-    def __init__(self, run: Any, keys: Any, ban: Any, strike: Any, labels: Any):
+    def __init__(self, run: Any, keys: Any, ban: Any, strike: Any, labels: Any, device: str = "cpu"):
         self.run = run
+        self.device = device  # where a convict's hop is recomputed: this stage's device (a GPU-sized stage on its GPU)
         self.run_id = run.run_id
         self.keys = keys
         self.ban = ban
@@ -119,6 +120,7 @@ class ConvictionDesk:
         targets = (await self.labels())[ids.long()] if last else None
         module = self._module(receipt.stage)
         recomputed = await asyncio.to_thread(recompute, self.run.model, module, receipt.op, weights, [x], targets)
+        # (off the event loop, beside the compute thread: a conviction is rare, and MAX_PENDING bounds a flood)
         finding = compare(claim, recomputed, tolerance_for(receipt.op, self.run.training.codec))
         if finding.holds:
             return False, f"its claim follows from its weights ({finding.describe()})"
@@ -133,11 +135,11 @@ class ConvictionDesk:
         if k not in self._modules:
             from swarm.run.models import build_stage
 
-            self._modules[k] = build_stage(self.run.model, k)
+            self._modules[k] = build_stage(self.run.model, k).to(self.device)
         return self._modules[k]
 
 
-def desk_for(run: Any, keys: Any, gate: Any, on_convicted: Any = None) -> ConvictionDesk:
+def desk_for(run: Any, keys: Any, gate: Any, on_convicted: Any = None, device: str = "cpu") -> ConvictionDesk:
     """A stage peer's desk: a proven convict is struck twice the ban threshold in ``gate``'s book (banned, and every
     tensor it signs is bad_author here), a false accuser once; targets loaded on the first conviction that needs them.
     ``on_convicted(signer)`` is told of each proven convict (the healer: heals it caused are given back)."""
@@ -156,7 +158,7 @@ def desk_for(run: Any, keys: Any, gate: Any, on_convicted: Any = None) -> Convic
         if on_convicted is not None:
             on_convicted(signer)
 
-    desk = ConvictionDesk(run, keys, ban, gate.strike, labels)
+    desk = ConvictionDesk(run, keys, ban, gate.strike, labels, device)
     desk.banned = lambda peer: gate.book.banned(peer, time.monotonic())
     return desk
 

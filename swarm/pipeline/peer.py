@@ -117,7 +117,8 @@ class SwarmPeer:
             def forgive(signer: str) -> None:  # on the compute thread, where heals and steps change the step size
                 asyncio.get_running_loop().run_in_executor(executor, healer.forgive, signer)
 
-            self._servicer.convictions = desk_for(self.run, self.keys, self.gate, on_convicted=forgive)
+            self._servicer.convictions = desk_for(self.run, self.keys, self.gate, on_convicted=forgive,
+                                                  device=self.device)
         if self.index == 1:  # a share of the stage-0 outputs we are sent, recomputed by other layer0 peers
             from swarm.pipeline.stage0_checks import Stage0Checker
 
