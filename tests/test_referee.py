@@ -86,6 +86,9 @@ def test_the_ring_is_bounded_in_bytes_and_time_and_keeps_the_current_version():
 
 
 def test_honest_hops_reproduce_exactly_a_backward_through_an_older_forward_too():
+    # seeded: the last check needs the 8 updates to move some ReLU mask, which an unseeded draw once did not (seen
+    # once in ~30 runs: the approximate recomputation was then exact too)
+    torch.manual_seed(7)
     worker, module = StageWorker(RUN, 1), build_stage(RUN.model, 1)
     x = torch.randn(8, HIDDEN).relu()
     y = worker.forward("mb", x)
