@@ -40,28 +40,6 @@ LEAVE_DRAIN_S = 5.0  # on quit, in-flight backward passes get this long to finis
 LEAVE_ANNOUNCE_TIMEOUT_S = 10.0  # on quit, the last record waits this long for a DHT peer (none may be left)
 
 
-def _warm_optimizer_imports() -> None:
-    """Where torch.optim cannot be used without ``torch._dynamo`` (swarm/run/optim_light.py: a torch laid out
-    otherwise than the ones it knows), import it in the background while the DHT starts.
-
-    torch.optim imports it at an optimizer's construction and at every ``step`` (to wrap them), and that import is
-    1-2 s of CPU (sympy, torch.fx, torch.distributed), which held up "building layerN" before every first announce
-    (`benchmarks.join`: start_training 2.1 s of a 5.4 s join). A daemon thread: a node stopped meanwhile exits
-    without waiting for it; a failure here only means the import happens later, where it used to."""
-    from swarm.run.optim_light import lighten
-
-    if lighten():  # no import at all: a second of CPU saved at every start
-        return
-
-    def load() -> None:
-        try:
-            import torch._dynamo  # noqa: F401
-        except Exception:  # noqa: BLE001 - the real import later says what is wrong
-            logger.debug("warming torch._dynamo failed", exc_info=True)
-
-    threading.Thread(target=load, name="warm-imports", daemon=True).start()
-
-
 class Part(Protocol):
     """One named part of a serving node, ticked once per loop and closed on leave."""
 
@@ -213,6 +191,7 @@ class Node:
         from swarm.dht.dht import (DHTStartError, IdentityInUse, claim_identity, make_validators, receipt_seed,
                                     visible_maddrs)
         from swarm.dht.nodedht import start_node_dht
+        from swarm.run.optim_light import without_dynamo
         from swarm.dht.membership import Membership, least_served_swarm, publish_run
 
         if self._stop.is_set():  # stopped while the libraries loaded
@@ -230,7 +209,7 @@ class Node:
         emit(f"starting the DHT (bootstrap: {', '.join(options.initial_peers)})", kind="joining")
         validators = make_validators(run.run_id, run.swarm_names, identity_path)
         self._receipt_seed = receipt_seed(identity_path, run.run_id)
-        _warm_optimizer_imports()  # while the DHT starts (mostly waiting on p2pd and the network)
+        without_dynamo()  # torch.optim without torch._dynamo, or its import warmed while the DHT starts
         try:
             self.dht = start_node_dht(self._dht_settings(identity_path), validators)  # in this process
         except DHTStartError as exc:
