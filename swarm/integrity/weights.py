@@ -97,8 +97,9 @@ class WeightsRing:
                 spare[name].copy_(t.detach())
             tensors = spare
             self.recycled += 1
-        else:
-            tensors = {name: t.detach().to("cpu", copy=True) for name, t in state.items()}
+        else:  # page-locked beside a GPU: its copies to the host run at the bus's speed, and this buffer is reused
+            tensors = {name: torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda).copy_(t.detach())
+                       for name, t in state.items()}
         digest = weights_digest(tensors)
         entry = Version(version, digest, tensors, tensors_bytes(tensors), now)
         with self._lock:
