@@ -83,6 +83,9 @@ def _attacks() -> dict[str, Attack]:
         Attack("pair_middle_ascent", "signed_server", "ascent_gradient", swarm="layer1"),
         Attack("two_keys_last_ascent", "signed_server", "ascent_gradient", swarm="layer2", identities=2),
         Attack("two_keys_middle_ascent", "signed_server", "ascent_gradient", swarm="layer1", identities=2),
+        # weights trained to harm, computed from honestly: every recomputation holds; the loss through it does not
+        Attack("pair_middle_harm", "signed_server", "trained_to_harm", swarm="layer1"),
+        Attack("two_keys_middle_harm", "signed_server", "trained_to_harm", swarm="layer1", identities=2),
         *(Attack(f"poison_{p}", "poison", p, per_swarm=2) for p in ("nan", "x1000", "same_norm")),
         # a registered driver that signs made-up stage-0 outputs as its own (tests/hostile.py made_up_activations):
         # two honest drivers are there to recompute them (stage-0 spot checks, swarm/pipeline/stage0_checks.py)

@@ -7,7 +7,10 @@ with its own key, so drivers and the next stages accept its tensors as its own, 
 - ``lying_eval``: trains honestly, but every evaluation it answers says 100 % accuracy and zero loss;
 - ``ascent_gradient``: trains honestly, but every input gradient it returns (training, and the recomputations a
   driver's spot check asks of it) points the other way, at the honest norm: plausible, signed, and gradient ascent
-  for every stage upstream.
+  for every stage upstream;
+- ``trained_to_harm``: computes everything honestly from its own weights (every recomputation a referee makes holds),
+  but trains them by gradient ascent: its copy gets worse with every update, and so does the loss of whatever goes
+  through it (swarm/pipeline/route_losses.py is what sees it).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 
 import torch
 
-TWISTS = ("huge_gradient", "lying_eval", "ascent_gradient")
+TWISTS = ("huge_gradient", "lying_eval", "ascent_gradient", "trained_to_harm")
 HUGE_VALUE = 9.9e5
 
 
@@ -108,5 +111,15 @@ def _twist(worker: Any, twist: str) -> None:
             return loss, -grad
 
         worker.forward_backward, worker.backward, worker.input_gradient = ascent_fb, ascent_bw, ascent_check
+    elif twist == "trained_to_harm":
+        optimizer = worker.optimizer
+
+        def ascent_update() -> None:
+            for param in worker.module.parameters():
+                if param.grad is not None:
+                    param.grad.neg_()
+            optimizer.step()
+
+        worker.set_update_rule(ascent_update)
     elif twist == "lying_eval":
         worker.evaluate = lambda x, y: (0.0, len(y), len(y))

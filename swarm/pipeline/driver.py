@@ -51,6 +51,7 @@ from swarm.pipeline.keybook import KeyBook
 from swarm.pipeline.replies import Vouch
 from swarm.pipeline.routing import BAD_REPLY_BAN_S, HopPolicy, SwarmRouter, backoff_s
 from swarm.pipeline.driver_eval import evaluate
+from swarm.pipeline.route_losses import RouteLosses
 from swarm.pipeline.referee import Referee
 from swarm.pipeline.spot_checks import SpotChecker
 from swarm.pipeline.stage0_replicas import ids_bytes
@@ -112,6 +113,11 @@ class PipelineDriver:
         self.referee = None if os.environ.get("VOLUNTEER_REFEREE") == "0" else \
             Referee(run, p2p, self.hops.namespaces, None, dataset, call=call, device=worker.device)
         self.spot = SpotChecker(self.hops, share=run.integrity.spot_share, seed=seed, referee=self.referee)
+        # what each copy's weights do to the loss of what went through it (chance: ln of the model's outputs)
+        outputs = run.model.num_classes if run.model.kind == "mlp" else run.model.vocab_size
+        # VOLUNTEER_ROUTE_LOSSES=0: no holds on the loss through a copy (benchmarks.adversary measures both ways)
+        self.route_losses = None if os.environ.get("VOLUNTEER_ROUTE_LOSSES") == "0" else \
+            RouteLosses(math.log(max(2, outputs)))
         for router in self.routers.values():  # newcomers together get a bounded share of each swarm's hops
             router.established = self.spot.established
         self.peer_tag = peer_tag
@@ -258,7 +264,19 @@ class PipelineDriver:
             self._avoid_author(exc)
             raise HopGivenUp(str(exc)) from None
         await self._own(self.worker.backward, mb, grad, x, loss)
+        self._judge_routes(served_by, loss)
         return loss
+
+    def _judge_routes(self, served_by: dict[int, str], loss: float) -> None:
+        """Copies whose weights give a far higher loss than their swarm's other copies are held off
+        (swarm/pipeline/route_losses.py: weights trained to harm pass every recomputation, not this)."""
+        if self.route_losses is None:
+            return
+        for harmful in self.route_losses.record(served_by, loss):
+            self.routers[f"layer{harmful.stage}"].failure(harmful.peer, time.monotonic(), min_ban_s=harmful.hold_s,
+                                                          convicted=True)
+            self.notify("warning", f"layer{harmful.stage} peer {harmful.peer[-8:]}: {harmful.describe()}; not "
+                                   f"using it for {harmful.hold_s:.0f} s")
 
     async def _backward_hop(self, k: int, mb: str, grad: torch.Tensor, receipt: Receipt, x: torch.Tensor,
                             forwards: dict[int, Receipt], peer: str, loss: float,

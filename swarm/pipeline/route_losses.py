@@ -1,0 +1,116 @@
+"""Weights trained to harm, seen in the loss of the micro-batches routed through them (issue 40, item 3).
+
+A copy that trains itself to do harm (gradient ascent, flipped labels) and then computes honestly from its own
+weights passes every recomputation: its claims follow from the weights it committed to. What gives it away is what
+those weights do to the run's loss. A driver sends micro-batches of one data stream through every copy of a swarm
+it routes to, so the loss of the micro-batches that went through copy p, against the loss of those that went
+through its other copies at the same time, measures p's weights (Gauntlet's idea, scoring a peer by the loss its
+contribution gives, on the data the driver was training on anyway: no extra compute, no extra traffic).
+
+Each completed micro-batch's loss is kept per swarm and per peer that served it (the last ``WINDOW`` within
+``MAX_AGE_S``), and copies are compared *pairwise in time*: each loss through p beside the loss through q nearest in
+time (within ``PAIR_S``: the driver's lanes interleave the copies), so that the fall of the loss over a run does not
+favour whichever copy served later. Peer p is held off when, over ``MIN_PAIRS`` pairs at least, the median of its
+loss over q's is ``RATIO`` or more *and* the median difference is ``ABS_MARGIN_SHARE`` of the chance loss (ln of the
+outputs) or more. The absolute margin is what honest copies do not cross: measured on digits with 2 copies per
+swarm, honest copies near convergence (train losses of 0.01-0.05) differ 1.5-1.9x in ratio but by hundredths of a
+nat, and comparing windows not paired in time held two honest copies off in the run's first seconds; a copy trained
+to harm moves its loss towards chance and beyond, nats away. A hold, not a conviction (a copy can be worse by
+accident: a bad snapshot, a fresh copy), doubling while it repeats, its losses cleared so that it is measured afresh
+when it serves again. What it cannot see: a swarm with one copy (nothing to compare), and a last stage that reports a
+false loss (its gradients are refereed; the loss it reports is not).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass
+
+WINDOW = 32
+MIN_PAIRS = 12
+PAIR_S = 2.0
+MAX_AGE_S = 60.0
+RATIO = 1.5
+ABS_MARGIN_SHARE = 0.25  # of the chance loss: digits 0.58 nats, a 2048-token vocabulary 1.9
+HOLD_S = 60.0
+MAX_HOLD_S = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class Harmful:
+    stage: int
+    peer: str
+    ratio: float  # median of its loss over the other copy's, paired in time
+    excess: float  # median difference, nats
+    rival: str
+    hold_s: float
+
+    def describe(self) -> str:
+        return (f"micro-batches through its copy come back with {self.ratio:.1f}x the loss (+{self.excess:.2f} nats) "
+                f"of those through peer {self.rival[-8:]}'s at the same time")
+
+
+class RouteLosses:
+    def __init__(self, chance_loss: float, clock=time.monotonic):
+        self.clock = clock
+        self.abs_margin = ABS_MARGIN_SHARE * chance_loss
+        self._losses: dict[tuple[int, str], deque[tuple[float, float]]] = {}  # (time, loss)
+        self._holds: dict[str, int] = {}  # peer -> times held off
+        self.held = 0
+
+    def record(self, served_by: dict[int, str], loss: float) -> list[Harmful]:
+        """One completed micro-batch: the peer that served each stage, and its loss. Returns the copies to hold off."""
+        if not math.isfinite(loss) or loss < 0:
+            return []
+        now = self.clock()
+        for k, peer in served_by.items():
+            self._losses.setdefault((k, peer), deque(maxlen=WINDOW)).append((now, loss))
+        return [verdict for k in sorted(set(served_by)) if (verdict := self._judge(k, now)) is not None]
+
+    def _judge(self, k: int, now: float) -> Harmful | None:
+        windows = {}
+        for (stage, peer), window in list(self._losses.items()):
+            if stage != k:
+                continue
+            while window and now - window[0][0] > MAX_AGE_S:
+                window.popleft()
+            if not window:
+                del self._losses[(stage, peer)]
+            elif len(window) >= MIN_PAIRS:
+                windows[peer] = list(window)
+        found = None
+        for peer, mine in windows.items():
+            for rival, theirs in windows.items():
+                if rival == peer:
+                    continue
+                pairs = _paired(mine, theirs)
+                if len(pairs) < MIN_PAIRS:
+                    continue
+                ratio = statistics.median(a / max(b, 1e-9) for a, b in pairs)
+                excess = statistics.median(a - b for a, b in pairs)
+                if ratio >= RATIO and excess >= self.abs_margin and (found is None or ratio > found[1]):
+                    found = (peer, ratio, excess, rival)
+        if found is None:
+            return None
+        peer, ratio, excess, rival = found
+        times = self._holds.get(peer, 0)
+        if len(self._holds) > 4096:
+            self._holds.clear()
+        self._holds[peer] = times + 1
+        self._losses.pop((k, peer), None)  # measured afresh when it serves again
+        self.held += 1
+        return Harmful(k, peer, ratio, excess, rival, min(MAX_HOLD_S, HOLD_S * 2**times))
+
+
+def _paired(mine: list[tuple[float, float]], theirs: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Each of my losses beside the other copy's nearest in time, within PAIR_S (both lists in time order)."""
+    pairs, j = [], 0
+    for t, loss in mine:
+        while j + 1 < len(theirs) and abs(theirs[j + 1][0] - t) <= abs(theirs[j][0] - t):
+            j += 1
+        if abs(theirs[j][0] - t) <= PAIR_S:
+            pairs.append((loss, theirs[j][1]))
+    return pairs

@@ -1,0 +1,95 @@
+"""Weights trained to harm (swarm/pipeline/route_losses.py): a copy that computes honestly from weights that do harm
+passes every recomputation; the loss of the micro-batches routed through it gives it away, and it is held off.
+Honest copies are not, nor is a copy judged on losses from another time of the run."""
+
+from __future__ import annotations
+
+import torch
+
+from fake_stages import FakeSwarm, drive, honest
+from swarm.pipeline.route_losses import MIN_PAIRS, RouteLosses
+from swarm.run.models import stage_output_spec
+from swarm.run.runconfig import RunConfig
+
+RUN = RunConfig.model_validate({
+    "name": "routeloss", "model": {"stages": 3, "hidden_dim": 16}, "training": {"batch_size": 8, "in_flight": 2},
+    "timeouts": {"rpc_s": 30},
+})
+
+
+def _harmful(run: RunConfig, k: int):
+    """Plausible activations of weights that do harm: the next stage's loss through them is three times higher."""
+    good = honest(run, k)
+
+    def answer(op, tensors, meta):
+        if op in ("forward", "infer"):
+            good(op, tensors, meta)
+            shape = tuple(d or tensors[0].shape[0] for d in stage_output_spec(run.model, k).shape)
+            return [torch.full(shape, 0.3)], {"ok": True}
+        return good(op, tensors, meta)
+
+    return answer
+
+
+def _last_judging_its_input(run: RunConfig, k: int):
+    """A last stage whose loss depends on what it is given (as a real one's does)."""
+    good = honest(run, k)
+
+    def answer(op, tensors, meta):
+        out, reply = good(op, tensors, meta)
+        if op.startswith("forward_backward"):
+            reply = {**reply, "loss": 0.5 if float(tensors[0].float().mean()) < 0.2 else 1.5}
+        return out, reply
+
+    return answer
+
+
+async def _no_spot_checks(driver):
+    driver.spot.share = 0.0  # what is measured here is the route losses alone
+
+
+def test_a_copy_whose_weights_do_harm_is_held_off_by_the_loss_through_it():
+    fake = FakeSwarm({"layer1": {"good": honest(RUN, 1), "harm": _harmful(RUN, 1)},
+                      "layer2": {"last": _last_judging_its_input(RUN, 2)}})
+    driver = drive(RUN, fake, seconds=2.0, during=_no_spot_checks, min_microbatches=4 * MIN_PAIRS)
+    assert driver.route_losses.held >= 1
+    assert driver.routers["layer1"].peers["harm"].banned_until > 0
+    assert driver.routers["layer1"].peers["good"].banned_until == 0
+    last_second = [c for c in fake.calls_to("harm", "forward") if c[4] > fake.calls[-1][4] - 0.5]
+    assert not last_second, "the harmful copy is not routed to once held off"
+    assert driver.stats.lost == 0
+
+
+def test_honest_copies_are_not_held_off():
+    fake = FakeSwarm({"layer1": {"a": honest(RUN, 1), "b": honest(RUN, 1)},
+                      "layer2": {"last": _last_judging_its_input(RUN, 2)}})
+    driver = drive(RUN, fake, seconds=1.5, during=_no_spot_checks, min_microbatches=4 * MIN_PAIRS)
+    assert driver.route_losses.held == 0
+    assert all(stats.banned_until == 0 for stats in driver.routers["layer1"].peers.values())
+
+
+def test_the_loss_falling_over_time_does_not_count_against_a_copy():
+    """Each loss is divided by the running loss of the time: a copy that served early in the run, when the loss was
+    high, is not worse than one that served later; copies near convergence whose tiny losses differ 2x in ratio but by
+    hundredths of a nat are not either."""
+    t = [0.0]
+    routes = RouteLosses(chance_loss=2.3, clock=lambda: t[0])
+    verdicts = []
+    for i in range(80):  # the loss falls 2.3 -> 0.3; 'early' serves the first half, 'late' the second
+        t[0] += 0.5
+        loss = 2.3 - 2.0 * i / 80
+        verdicts += routes.record({1: "early" if i < 40 else "late"}, loss)
+        if i >= 40 and i % 2:  # then both serve
+            verdicts += routes.record({1: "early"}, loss)
+    assert not verdicts
+    for i in range(100):  # near convergence: 0.01 against 0.02, twice the loss, a hundredth of a nat
+        t[0] += 0.1
+        verdicts += routes.record({1: "early"}, 0.01) + routes.record({1: "late"}, 0.02)
+    assert not verdicts
+    # and a copy at three times the others' loss, at the same time, is held off, longer each time it repeats
+    holds = []
+    for i in range(200):
+        t[0] += 0.1
+        for peer, loss in (("fine", 0.4), ("bad", 1.2)):
+            holds += [v.hold_s for v in routes.record({1: peer}, loss) if v.peer == "bad"]
+    assert holds[:2] == [60.0, 120.0]
