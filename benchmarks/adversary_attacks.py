@@ -85,6 +85,7 @@ def _attacks() -> dict[str, Attack]:
         Attack("two_keys_middle_ascent", "signed_server", "ascent_gradient", swarm="layer1", identities=2),
         # weights trained to harm, computed from honestly: every recomputation holds; the loss through it does not
         Attack("pair_middle_harm", "signed_server", "trained_to_harm", swarm="layer1"),
+        Attack("pair_last_harm", "signed_server", "trained_to_harm", swarm="layer2"),
         Attack("two_keys_middle_harm", "signed_server", "trained_to_harm", swarm="layer1", identities=2),
         *(Attack(f"poison_{p}", "poison", p, per_swarm=2) for p in ("nan", "x1000", "same_norm")),
         # a registered driver that signs made-up stage-0 outputs as its own (tests/hostile.py made_up_activations):
