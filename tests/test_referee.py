@@ -440,5 +440,9 @@ def test_the_referees_busy_share_over_the_last_minute():
         # (the window from now - 2.5: 1.5 s of the first, [now - 4, now - 1], and 0.5 s of the second)
         assert referee.busy_share(now + referee_module.BUSY_WINDOW_S - 2.5) == pytest.approx(
             2.0 / referee_module.BUSY_WINDOW_S)
+        # a peer that shows nothing costs the budget nothing (stalling must not spend it for other liars)
+        kept = len(referee._busy)
+        verdict = asyncio.run(referee.judge(1, "forward", [torch.zeros(8, HIDDEN)], torch.zeros(8, HIDDEN), None, "QmP"))
+        assert verdict.outcome == UNSHOWN and len(referee._busy) == kept
     finally:
         referee.close()

@@ -49,6 +49,7 @@ WEIGHTS_KEPT_COPIES = 4  # ... and at most this many copies of the stage's bytes
 # weights for every sampled hop would take a home link's whole uplink (weights change every step, so a fetch is
 # rarely shared). A slow link thus checks a large stage less often, never stalls for it.
 SAMPLED_BUSY_SHARE = 0.1
+RECOMPUTE_ALLOWANCE_S = 2.0
 BUSY_WINDOW_S = 60.0
 CONVICTIONS_KEPT = 256
 
@@ -136,10 +137,13 @@ class Referee:
             return Verdict(NOT_REPRODUCIBLE, peer, why="dropout: a training op's random mask cannot be replayed")
         self.refereed += 1
         began = time.monotonic()
-        try:
-            return await self._judge(k, op, tensors, claim, receipt, peer)
-        finally:
-            self._busy.append((time.monotonic(), time.monotonic() - began))
+        verdict = await self._judge(k, op, tensors, claim, receipt, peer)
+        if verdict.outcome != UNSHOWN:
+            # what a judgement costs us, at most what its size would take on a home link: a peer that shows its
+            # weights slowly, or not at all, must not spend the budget that keeps other peers' hops checked
+            expected = FETCH_BASE_S + self._bytes(k) / FETCH_BYTES_PER_S + RECOMPUTE_ALLOWANCE_S
+            self._busy.append((time.monotonic(), min(time.monotonic() - began, expected)))
+        return verdict
 
     async def _judge(self, k: int, op: str, tensors: list[torch.Tensor], claim: torch.Tensor, receipt: Receipt | None,
                      peer: str) -> Verdict:

@@ -196,7 +196,9 @@ class SpotChecker:
             # waited half a second came back 29 updates stale at its stage 0, against 12 at most without it). A lie
             # found later still convicts it and routes every later hop around it. A stranger's first sampled hop
             # waits for its verdict: a liar from its first hop is dropped there.
-            if not self.referee.has_time():  # its budget (referee.SAMPLED_BUSY_SHARE): this hop passes unchecked
+            if not self.referee.has_time() and not self._unshown_in_row.get(claim.peer):
+                # its budget (referee.SAMPLED_BUSY_SHARE): this hop passes unchecked; never a peer that did not show
+                # its weights last time (stalling must not buy it unchecked hops)
                 self.referee_skipped += 1
                 return
             self.refereed_alone += 1
