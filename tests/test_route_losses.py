@@ -55,8 +55,9 @@ def test_a_copy_whose_weights_do_harm_is_held_off_by_the_loss_through_it():
     assert driver.route_losses.held >= 1
     assert driver.routers["layer1"].peers["harm"].banned_until > 0
     assert driver.routers["layer1"].peers["good"].banned_until == 0
-    last_second = [c for c in fake.calls_to("harm", "forward") if c[4] > fake.calls[-1][4] - 0.5]
-    assert not last_second, "the harmful copy is not routed to once held off"
+    held_at = driver.routers["layer1"].peers["harm"].banned_until - 60.0  # its first hold: 60 s
+    late = [c for c in fake.calls_to("harm", "forward") if c[4] > held_at + 0.5]  # (lanes already sent: 0.5 s)
+    assert not late, "the harmful copy is not routed to once held off"
     assert driver.stats.lost == 0
 
 
@@ -93,3 +94,21 @@ def test_the_loss_falling_over_time_does_not_count_against_a_copy():
         for peer, loss in (("fine", 0.4), ("bad", 1.2)):
             holds += [v.hold_s for v in routes.record({1: peer}, loss) if v.peer == "bad"]
     assert holds[:2] == [60.0, 120.0]
+
+
+def test_fresh_keys_reporting_losses_cannot_get_an_established_copy_held_off():
+    """The losses come from the last stage, which may lie (and hold many keys): a copy is held off only against a
+    rival with as much validated work as it has, so fresh keys cannot frame an established honest copy."""
+    t = [0.0]
+    credit = {"honest": 8, "sybil": 0}
+    routes = RouteLosses(chance_loss=2.3, clock=lambda: t[0], standing=credit.get)
+    verdicts = []
+    for _ in range(100):  # the lying last stage reports 3x the loss for whatever went through the honest copy
+        t[0] += 0.1
+        verdicts += routes.record({1: "honest"}, 1.5) + routes.record({1: "sybil"}, 0.5)
+    assert not verdicts
+    credit["sybil"] = 8  # a rival with as much standing is believed
+    for _ in range(30):
+        t[0] += 0.1
+        verdicts += routes.record({1: "honest"}, 1.5) + routes.record({1: "sybil"}, 0.5)
+    assert verdicts and {v.peer for v in verdicts} == {"honest"}

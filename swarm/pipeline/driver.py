@@ -117,7 +117,7 @@ class PipelineDriver:
         outputs = run.model.num_classes if run.model.kind == "mlp" else run.model.vocab_size
         # VOLUNTEER_ROUTE_LOSSES=0: no holds on the loss through a copy (benchmarks.adversary measures both ways)
         self.route_losses = None if os.environ.get("VOLUNTEER_ROUTE_LOSSES") == "0" else \
-            RouteLosses(math.log(max(2, outputs)))
+            RouteLosses(math.log(max(2, outputs)), standing=self.spot.book.get)
         for router in self.routers.values():  # newcomers together get a bounded share of each swarm's hops
             router.established = self.spot.established
         self.peer_tag = peer_tag

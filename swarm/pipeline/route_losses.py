@@ -54,8 +54,12 @@ class Harmful:
 
 
 class RouteLosses:
-    def __init__(self, chance_loss: float, clock=time.monotonic):
+    def __init__(self, chance_loss: float, clock=time.monotonic, standing=lambda peer: 0):
+        """``standing(peer)``: its validated work (the driver's credit book). A copy is held off only against a rival
+        with at least as much: the losses come from the last stage, which may lie, and fresh keys there reporting
+        low losses for their own middle copy must not make an established honest copy the one held off."""
         self.clock = clock
+        self.standing = standing
         self.abs_margin = ABS_MARGIN_SHARE * chance_loss
         self._losses: dict[tuple[int, str], deque[tuple[float, float]]] = {}  # (time, loss)
         self._holds: dict[str, int] = {}  # peer -> times held off
@@ -87,7 +91,7 @@ class RouteLosses:
                 if rival == peer:
                     continue
                 pairs = _paired(mine, theirs)
-                if len(pairs) < MIN_PAIRS:
+                if len(pairs) < MIN_PAIRS or self.standing(rival) < self.standing(peer):
                     continue
                 ratio = statistics.median(a / max(b, 1e-9) for a, b in pairs)
                 excess = statistics.median(a - b for a, b in pairs)
