@@ -169,7 +169,7 @@ def _pipeline(run_file: Path, target: dict[str, Any], args: Any) -> dict[str, An
 
 def _hivemind(run_file: Path, target: dict[str, Any], args: Any) -> dict[str, Any]:
     procs: list[subprocess.Popen] = []
-    reached, samples, final = None, {}, None
+    reached, samples, final, maddr = None, {}, None, ""
     stop_file = run_file.parent / "stop-hivemind"
     with _Children() as cpu:
         launched = time.monotonic()

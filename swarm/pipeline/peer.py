@@ -1,12 +1,11 @@
 """A peer's training runtime: its stage worker served over RPC, and (on layer0) the driver and evaluator.
 
-Runs an asyncio loop on its own thread, with a replica of the DHT's P2P daemon connection; compute
-happens on one separate thread (torch is not re-entrant-friendly and one stage wants one core).
-The node (volunteer/node/) feeds it the swarms' records and reads ``metrics()``; every method
-here is safe to call from the node's thread. Every peer also serves its layer's parameters
-(swarm/averaging/params_rpc.py) and keeps its copy close to the swarm's (swarm/averaging): a
-newcomer downloads its layer in ``start(sync_from=...)`` before it serves or drives anything.
-"""
+Runs an asyncio loop on its own thread, with a replica of the DHT's P2P daemon connection; compute happens on one
+separate thread (torch is not re-entrant-friendly and one stage wants one core). The node (volunteer/node/) feeds
+it the swarms' records and reads ``metrics()``; every method here is safe to call from the node's thread. Every
+peer also serves its layer's parameters (swarm/averaging/params_rpc.py) and keeps its copy close to the swarm's
+(swarm/averaging): a newcomer downloads its layer in ``start(sync_from=...)`` before it serves or drives anything.
+What it checks of what it is sent beside its gate: swarm/pipeline/peer_checks.py."""
 
 from __future__ import annotations
 
@@ -21,6 +20,7 @@ from typing import Any
 
 from swarm.dht.records import MemberRecord, dialable
 from swarm.run.runconfig import EDGE_MODES, RunConfig
+from swarm.pipeline.peer_checks import attach_checks, prefetch_keys
 from swarm.pipeline.peer_eval import Evaluations
 from swarm.pipeline.peer_metrics import PeerMetrics, collect_metrics
 from swarm.pipeline.peer_views import HELD_MEMORY_VIEWS, HeldShards  # noqa: F401  (HELD_MEMORY_VIEWS re-exported)
@@ -109,23 +109,7 @@ class SwarmPeer:
             traffic=self.traffic, gate=self.gate,
             desk=ReceiptDesk(self.run.run_id, self.index, self.receipt_key, self.keys),
         )
-        if self.index > 0:  # referees' convictions, re-checked before we refuse the convict's tensors
-            from swarm.pipeline.convictions import desk_for
-
-            healer, executor = self.healer, self.executor
-
-            def forgive(signer: str) -> None:  # on the compute thread, where heals and steps change the step size
-                asyncio.get_running_loop().run_in_executor(executor, healer.forgive, signer)
-
-            self._servicer.convictions = desk_for(self.run, self.keys, self.gate, on_convicted=forgive,
-                                                  device=self.device)
-        if self.index == 1:  # a share of the stage-0 outputs we are sent, recomputed by other layer0 peers
-            from swarm.pipeline.stage0_checks import Stage0Checker
-
-            gate = self.gate
-            self._servicer.spot0 = Stage0Checker(self.run, self.p2p, self.keys, lambda: list(gate.view.current),
-                                                 gate.strike, share=self.run.integrity.spot_share,
-                                                 device=self.device)
+        attach_checks(self)  # convictions re-checked, stage 0's outputs recomputed (swarm/pipeline/peer_checks.py)
         await self._servicer.add_p2p_handlers(self.p2p, namespace=stage_namespace(self.run.run_id, self.swarm))
         from swarm.dht.reachability import DialBackServicer, namespace
 
@@ -274,17 +258,13 @@ class SwarmPeer:
             for part in (self.allreduce, self.edges, self.averaging):
                 if part is not None:
                     await part.close()
-            for servicer in (self._edge_servicer, self._params_servicer):
+            for servicer in (self._edge_servicer, self._params_servicer, self._servicer):
                 if servicer is not None and self.p2p is not None:
                     try:
                         await servicer.remove_p2p_handlers(self.p2p, namespace=stage_namespace(self.run.run_id, self.swarm))
                     except Exception as exc:
                         logger.debug("removing %s: %s", servicer.__class__.__name__, exc)
             if self._servicer is not None and self.p2p is not None:
-                try:
-                    await self._servicer.remove_p2p_handlers(self.p2p, namespace=stage_namespace(self.run.run_id, self.swarm))
-                except Exception as exc:
-                    logger.debug("removing handlers: %s", exc)
                 # sessions others hold with this stage end while the loop runs (a coroutine left pending is closed
                 # later by the garbage collector, on a stopped loop, and says so on stderr)
                 await self._servicer.end_sessions(TEARDOWN_TASKS_S)
@@ -387,7 +367,7 @@ class SwarmPeer:
             self._loop.call_soon_threadsafe(self.edges.set_records, mine if cut_off else list(views.get(self.swarm, [])))
         if self.averaging is not None:
             self._loop.call_soon_threadsafe(self.averaging.set_views, dict(views))
-        self._prefetch_keys(views)
+        prefetch_keys(self, views)
         replicas = self._servicer.replicas if self._servicer is not None else None
         if replicas is not None:  # who may ask our stage 0 to recompute: the online layer1 peers
             callers = [r.peer_id for r in every.get("layer1", []) if r.state == "online"]
@@ -405,18 +385,6 @@ class SwarmPeer:
             self.driver.cover_shards(unheld)
 
         self._loop.call_soon_threadsafe(apply)
-
-    def _prefetch_keys(self, views: dict[str, list[MemberRecord]]) -> None:
-        """The receipt keys of the swarms whose receipts we check (ours, the one before, the one after), fetched
-        while their peers are alive (swarm/pipeline/keybook.py)."""
-        if self._servicer is None or self.index == 0:
-            return
-        for k in (self.index - 1, self.index, self.index + 1):
-            if k < 1 or k >= self.run.model.stages:  # stage 0's receipts are signed by the requester itself
-                continue
-            name = f"layer{k}"
-            ids = [r.peer_id for r in views.get(name, []) if r.state != "offline"]
-            self._loop.call_soon_threadsafe(self.keys.prefetch, ids, name)
 
     def set_shard(self, shard: int) -> None:
         """layer0: drive our micro-batches from another shard (the next views recompute the coverage)."""

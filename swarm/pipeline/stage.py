@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -41,44 +40,29 @@ from swarm.integrity.weights import WeightsRing
 from swarm.run.local import make_optimizer
 from swarm.run.models import EVAL_BATCH_MAX, build_stage, eval_batch, loss_fn, stage_input_spec, target_spec
 from swarm.run.optim_light import step_of
-from swarm.run.optim_state import load_optimizer_tensors, optimizer_tensors
 from swarm.run.runconfig import RunConfig
 from swarm.pipeline.staleness import StalenessWindow, StepSize
-from swarm.pipeline.stage_stats import StageStats, StepInfo, UpdateReport, WorkerState
+from swarm.pipeline.stage_state import StageState
+from swarm.pipeline.stage_stats import (  # noqa: F401  (the errors and SIMULATED_STEP_ENV re-exported for callers)
+    SIMULATED_STEP_ENV,
+    AbsurdGradient,
+    InputOutOfRange,
+    NeedInput,
+    StageStats,
+    StepInfo,
+    UpdateReport,
+    WorkerState,
+    simulated_step_s,
+)
 from swarm.pipeline.wire import WireError, check_tensor, peak_abs
 
 logger = logging.getLogger(__name__)
 
 EVAL_BATCH = EVAL_BATCH_MAX  # the most a chunk may hold (a language model's is smaller: models.eval_batch)
 EMIT_FRACTION = 0.5  # of timeouts.reply_max_abs: the largest value a stage's reply carries
-SIMULATED_STEP_ENV = "VOLUNTEER_SIMULATED_STEP_S"
 
 
-def simulated_step_s() -> float:
-    """Benchmarks only: pretend each forward/backward runs on an accelerator that takes this long.
-
-    The compute thread sleeps (holding the stage, so one micro-batch at a time), which lets a 2-core
-    machine measure how throughput scales with peers per swarm when the CPU is not the limit.
-    """
-    try:
-        return max(0.0, float(os.environ.get(SIMULATED_STEP_ENV, "0")))
-    except ValueError:
-        return 0.0
-
-
-class AbsurdGradient(WireError):
-    """A remote output gradient whose update would be clipped to nothing (its signer's fault): never applied."""
-
-
-class InputOutOfRange(WireError):
-    """The request's input (not this copy) makes outputs too large to send."""
-
-
-class NeedInput(Exception):
-    """Backward reached a peer that has no saved activations for this micro-batch: resend with the input."""
-
-
-class StageWorker:
+class StageWorker(StageState):
     def __init__(self, run: RunConfig, index: int, device: str = "cpu"):
         self.run = run
         self.index = index
@@ -378,21 +362,6 @@ class StageWorker:
         if self.simulated_step_s:
             time.sleep(self.simulated_step_s * steps)
 
-    # ----- state
-    def state_snapshot(self) -> dict[str, torch.Tensor]:
-        """A consistent copy of the parameters (never half-updated)."""
-        with self.lock:
-            return {name: tensor.detach().cpu().clone() for name, tensor in self.module.state_dict().items()}
-
-    def capture(self, include_optimizer: bool = False) -> WorkerState:
-        """Parameters with the clock, loss EMA and version they belong to, taken together under the lock."""
-        with self.lock:
-            return WorkerState(
-                params=self.state_snapshot(),
-                optimizer=optimizer_tensors(self.module, self.optimizer) if include_optimizer else None,
-                clock=self.stats.clock, loss_ema=self.stats.loss_ema, param_version=self.stats.param_version,
-            )
-
     def add_step_hook(self, hook: Callable[[StepInfo], None]) -> None:
         self._step_hooks.append(hook)
 
@@ -405,34 +374,3 @@ class StageWorker:
         with self.lock:
             self._update = rule if rule is not None else step_of(self.optimizer)
             self._custom_rule = rule is not None
-
-    @torch.no_grad()
-    def mix_in(self, received: Mapping[str, torch.Tensor], factor: float, peer_clock: float) -> None:
-        """``p <- factor * received + (1 - factor) * p`` in place, and the clock merged the same way.
-
-        In place, so the optimizer keeps its references and cached forward graphs stay valid.
-        ``received`` must already be checked (names, shapes, dtypes: swarm/averaging/checks.py).
-        """
-        if not 0.0 <= factor <= 1.0:
-            raise ValueError(f"interpolation factor must be within [0, 1], got {factor}")
-        with self.lock:
-            for name, tensor in self.module.state_dict().items():
-                other = received[name].to(tensor.device)
-                if tensor.is_floating_point():
-                    tensor.lerp_(other.to(tensor.dtype), factor)
-                elif factor >= 0.5:
-                    tensor.copy_(other)
-            self.stats.clock = factor * peer_clock + (1.0 - factor) * self.stats.clock
-            self.stats.param_version += 1
-
-    @torch.no_grad()
-    def restore(self, state: WorkerState) -> None:
-        """Make ``state`` our copy (in place), with its optimizer state when it carries one."""
-        with self.lock:
-            for name, tensor in self.module.state_dict().items():
-                tensor.copy_(state.params[name].to(tensor.device, tensor.dtype))
-            if state.optimizer is not None:
-                load_optimizer_tensors(self.module, self.optimizer, state.optimizer)
-            self.stats.clock = state.clock
-            self.stats.loss_ema = state.loss_ema
-            self.stats.param_version += 1

@@ -12,6 +12,7 @@ data and counters, with no model, optimizer or bound in them.
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from collections import deque
@@ -20,6 +21,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
+from swarm.pipeline.wire import WireError
 
 LOSS_EMA_ALPHA = 0.1
 THROUGHPUT_WINDOW_S = 10.0
@@ -116,3 +119,31 @@ class StageStats:
                 return 0.0
             span = max(now - self._window[0][0], 1.0)
             return sum(n for _, n in self._window) / span
+
+
+# ----- what a stage worker raises, and its benchmarks' simulated accelerator
+SIMULATED_STEP_ENV = "VOLUNTEER_SIMULATED_STEP_S"
+
+
+def simulated_step_s() -> float:
+    """Benchmarks only: pretend each forward/backward runs on an accelerator that takes this long.
+
+    The compute thread sleeps (holding the stage, so one micro-batch at a time), which lets a 2-core
+    machine measure how throughput scales with peers per swarm when the CPU is not the limit.
+    """
+    try:
+        return max(0.0, float(os.environ.get(SIMULATED_STEP_ENV, "0")))
+    except ValueError:
+        return 0.0
+
+
+class AbsurdGradient(WireError):
+    """A remote output gradient whose update would be clipped to nothing (its signer's fault): never applied."""
+
+
+class InputOutOfRange(WireError):
+    """The request's input (not this copy) makes outputs too large to send."""
+
+
+class NeedInput(Exception):
+    """Backward reached a peer that has no saved activations for this micro-batch: resend with the input."""

@@ -11,7 +11,7 @@ import logging
 import threading
 from collections import deque
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 from volunteer.snapshot import Event, EventLevel, EventListener, NodeSnapshot, SnapshotListener
 
@@ -67,3 +67,12 @@ class Board:
         for event in history:
             on_event(event)
         on_snapshot(current)
+
+
+class Part(Protocol):
+    """One named part of a serving node (volunteer/node/core.py), ticked once per loop and closed on leave; each
+    publishes through the board."""
+
+    def tick(self, now_s: float) -> None: ...  # now_s: time.monotonic()
+
+    def close(self) -> None: ...

@@ -18,10 +18,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Protocol
+from typing import Any
 
 from volunteer.node.announcer import Announcer
-from volunteer.node.board import Board
+from volunteer.node.board import Board, Part
 from volunteer.node.checkpoints import Checkpoints
 from volunteer.node.commands import Commands
 from volunteer.node.completion import Completion
@@ -38,14 +38,6 @@ logger = logging.getLogger(__name__)
 TICK_S = 1.0  # snapshot refresh; the DHT heartbeat is slower (timeouts.heartbeat_s)
 LEAVE_DRAIN_S = 5.0  # on quit, in-flight backward passes get this long to finish
 LEAVE_ANNOUNCE_TIMEOUT_S = 10.0  # on quit, the last record waits this long for a DHT peer (none may be left)
-
-
-class Part(Protocol):
-    """One named part of a serving node, ticked once per loop and closed on leave."""
-
-    def tick(self, now_s: float) -> None: ...  # now_s: time.monotonic()
-
-    def close(self) -> None: ...
 
 
 class Node:
