@@ -35,6 +35,7 @@ PAIR_S = 2.0
 MAX_AGE_S = 60.0
 RATIO = 1.5
 ABS_MARGIN_SHARE = 0.25  # of the chance loss: digits 0.58 nats, a 2048-token vocabulary 1.9
+JUDGE_EVERY_S = 1.0  # a swarm's copies compared at most this often (pairs of n copies cost n^2 x WINDOW: many keys)
 HOLD_S = 60.0
 MAX_HOLD_S = 3600.0
 
@@ -63,6 +64,7 @@ class RouteLosses:
         self.abs_margin = ABS_MARGIN_SHARE * chance_loss
         self._losses: dict[tuple[int, str], deque[tuple[float, float]]] = {}  # (time, loss)
         self._holds: dict[str, int] = {}  # peer -> times held off
+        self._judged_at: dict[int, float] = {}  # stage -> when its copies were last compared
         self.held = 0
 
     def record(self, served_by: dict[int, str], loss: float) -> list[Harmful]:
@@ -72,7 +74,13 @@ class RouteLosses:
         now = self.clock()
         for k, peer in served_by.items():
             self._losses.setdefault((k, peer), deque(maxlen=WINDOW)).append((now, loss))
-        return [verdict for k in sorted(set(served_by)) if (verdict := self._judge(k, now)) is not None]
+        verdicts = []
+        for k in sorted(set(served_by)):
+            if now - self._judged_at.get(k, float("-inf")) >= JUDGE_EVERY_S:
+                self._judged_at[k] = now
+                if (verdict := self._judge(k, now)) is not None:
+                    verdicts.append(verdict)
+        return verdicts
 
     def _judge(self, k: int, now: float) -> Harmful | None:
         windows = {}
