@@ -13,6 +13,7 @@ from swarm.integrity.health import HealthMonitor, SickCopy, loss_exploded, norm_
 from swarm.run.runconfig import IntegrityConfig, RunConfig
 from swarm.pipeline.stage import StageWorker
 from swarm.pipeline.wire import WireError
+from swarm.run.models import stage_input_spec
 
 
 def _run(**integrity) -> RunConfig:
@@ -83,7 +84,7 @@ def test_a_copy_with_non_finite_weights_refuses_work_and_heals_from_its_snapshot
     worker = StageWorker(_run(), 1)
     healer = Healer(worker, notify=lambda *a: None)
     healer.take_snapshot()
-    good = {k: v.clone() for k, v in worker.module.state_dict().items()}
+    good = {k: v.to(torch.bfloat16).float() for k, v in worker.module.state_dict().items()}  # kept in bfloat16
     x = torch.randn(4, 128)
     _poison(worker)
     with pytest.raises(SickCopy):
@@ -139,7 +140,7 @@ def test_diverging_parameters_are_noticed_within_the_check_period():
         healer.on_step(None)
     assert worker.health.sick and "parameter norm" in worker.health.sick_reason
     healer.heal()
-    assert param_norm(worker.module) == pytest.approx(baseline)
+    assert param_norm(worker.module) == pytest.approx(baseline, rel=1e-3)  # the snapshot is kept in bfloat16
 
 
 def test_the_watch_task_heals_and_reports():
@@ -224,3 +225,52 @@ def test_heals_a_convicted_peer_caused_give_the_step_size_back():
     healer.heal()  # a heal long before the conviction: this copy's own
     assert healer.forgive("QmOther", now=time.time() + FORGIVE_WINDOW_S + 1) is None
     assert worker.optimizer.param_groups[0]["lr"] == pytest.approx(0.05 * 0.5)
+
+
+def test_a_restore_from_the_bfloat16_snapshot_trains_on_like_one_from_an_exact_copy(monkeypatch):
+    """issue 42: healing keeps its snapshots in bfloat16 (weights and Adam's moments; 6 bytes a parameter instead of
+    12). Proven safe here: a trained last stage of digits (Adam) restored from it loses under 1 % of its loss on a
+    held-out batch to the rounding, and after 100 more identical updates it is within 2 % of a twin restored from
+    an exact float32 snapshot (measured: 1e-5 and 1e-5 of the loss)."""
+    import swarm.integrity.heal as heal
+    from volunteer.config import load_run
+
+    run, _ = load_run("digits-mlp")
+    index = run.model.stages - 1
+    gen = torch.Generator().manual_seed(3)
+    width = stage_input_spec(run.model, index).shape[-1]
+    teacher = torch.randn(width, run.model.num_classes, generator=gen)
+
+    def batch(n: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(n, width, generator=gen)
+        return x, (x @ teacher).argmax(dim=1)
+
+    twins = [StageWorker(run, index), StageWorker(run, index)]
+    twins[1].restore(twins[0].capture(include_optimizer=True))
+    for i in range(150):
+        x, y = batch()
+        for worker in twins:
+            worker.forward_backward(f"a{i}", x, y)
+    held_x, held_y = batch(512)
+
+    def held_loss(worker: StageWorker) -> float:
+        with torch.no_grad():
+            return float(torch.nn.functional.cross_entropy(worker.module(held_x), held_y))
+
+    trained = held_loss(twins[0])
+    healers = [Healer(worker, notify=lambda *a: None) for worker in twins]
+    healers[0].take_snapshot()  # bfloat16
+    monkeypatch.setattr(heal, "SNAPSHOT_DTYPE", torch.float32)
+    healers[1].take_snapshot()  # exact
+    assert healers[0]._snapshot.params[next(iter(healers[0]._snapshot.params))].dtype == torch.bfloat16
+    for worker, healer in zip(twins, healers):
+        _poison(worker)
+        healer.heal()
+    assert abs(held_loss(twins[1]) - trained) < 1e-6  # the exact snapshot restores exactly
+    assert abs(held_loss(twins[0]) / trained - 1) < 0.01
+    for i in range(100):
+        x, y = batch()
+        for worker in twins:
+            worker.forward_backward(f"b{i}", x, y)
+    bf16, exact = held_loss(twins[0]), held_loss(twins[1])
+    assert bf16 < trained and abs(bf16 / exact - 1) < 0.02, (trained, bf16, exact)

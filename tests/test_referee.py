@@ -14,7 +14,7 @@ import torch
 
 from swarm.integrity.receipts import NO_WEIGHTS, ReceiptKey
 from swarm.integrity.recompute import compare, recompute, tolerance_for
-from swarm.integrity.weights import WeightsRing, weights_digest
+from swarm.integrity.weights import WeightsRing, committed_bytes, weights_digest
 from swarm.pipeline.referee import CONVICTED, HOLDS, UNSHOWN, Referee
 from swarm.pipeline.stage import StageWorker
 from swarm.pipeline.stage_rpc import refusal_error
@@ -69,7 +69,7 @@ def test_a_stage_commits_each_version_once_and_keeps_it_for_its_receipts():
 
 def test_the_ring_is_bounded_in_bytes_and_time_and_keeps_the_current_version():
     module = build_stage(RUN.model, 1)
-    size = sum(t.numel() * t.element_size() for t in module.state_dict().values())
+    size = committed_bytes(module.state_dict())
     ring = WeightsRing(max_bytes=3 * size, keep_s=10.0)
     digests = []
     for version in range(6):
@@ -87,7 +87,7 @@ def test_a_full_ring_reuses_the_oldest_versions_buffers_but_never_ones_a_door_is
     commit for a 100 MB stage here); a version whose tensors someone outside the ring holds (a door packing them for
     a referee) is never overwritten: it would show weights that do not hash to the digest signed."""
     module = build_stage(RUN.model, 1)
-    size = sum(t.numel() * t.element_size() for t in module.state_dict().values())
+    size = committed_bytes(module.state_dict())
     ring = WeightsRing(max_bytes=2 * size, keep_s=100.0)
     digests = []
     for version in range(3):

@@ -15,17 +15,21 @@ from swarm.run.optim_state import load_optimizer_tensors, optimizer_tensors
 class StageState:
     """Mixed into StageWorker: needs ``lock``, ``module``, ``optimizer`` and ``stats``."""
 
-    def state_snapshot(self) -> dict[str, torch.Tensor]:
-        """A consistent copy of the parameters (never half-updated)."""
+    def state_snapshot(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """A consistent copy of the parameters (never half-updated); ``dtype``: floating tensors in it."""
         with self.lock:
-            return {name: tensor.detach().cpu().clone() for name, tensor in self.module.state_dict().items()}
+            return {name: tensor.detach().to("cpu", dtype if dtype is not None and tensor.is_floating_point()
+                                              else tensor.dtype, copy=True)
+                    for name, tensor in self.module.state_dict().items()}
 
-    def capture(self, include_optimizer: bool = False) -> WorkerState:
-        """Parameters with the clock, loss EMA and version they belong to, taken together under the lock."""
+    def capture(self, include_optimizer: bool = False, dtype: torch.dtype | None = None) -> WorkerState:
+        """Parameters with the clock, loss EMA and version they belong to, taken together under the lock. ``dtype``
+        (healing's bfloat16 snapshot): the floating parameters and the optimizer's moments kept in it."""
         with self.lock:
             return WorkerState(
-                params=self.state_snapshot(),
-                optimizer=optimizer_tensors(self.module, self.optimizer) if include_optimizer else None,
+                params=self.state_snapshot(dtype),
+                optimizer=optimizer_tensors(self.module, self.optimizer, dtype or torch.float32)
+                if include_optimizer else None,
                 clock=self.stats.clock, loss_ema=self.stats.loss_ema, param_version=self.stats.param_version,
             )
 

@@ -120,19 +120,35 @@ class HostMemory:
     guard_bytes: int  # the step guard's copy of the weights (and SGD's momentum), its one-tensor scratch
     guard_peak_bytes: int  # + Adam's state, copied 1 step in 50 (swarm/integrity/guard.py) and freed after
     snapshot_bytes: int  # healing: the last good snapshot with optimizer state, the one before it as weights only
-    ring_bytes: int  # committed versions a referee may ask for (swarm/integrity/weights.py), at their bound
+    # (bfloat16: swarm/integrity/heal.py SNAPSHOT_DTYPE)
+    ring_bytes: int  # committed (bfloat16) versions a referee may ask for (swarm/integrity/weights.py), at their bound
 
     @property
     def total_bytes(self) -> int:
         return self.live_bytes + self.guard_bytes + self.snapshot_bytes + self.ring_bytes
 
     @property
+    def fixed_bytes(self) -> int:
+        """What does not grow with the stage: the ring's floor (RING_MIN_BYTES) beyond its RING_COPIES copies."""
+        from swarm.integrity.weights import RING_MIN_BYTES
+
+        return max(0, RING_MIN_BYTES - self.ring_copies_bytes) if self.ring_bytes == RING_MIN_BYTES else 0
+
+    @property
+    def ring_copies_bytes(self) -> int:
+        from swarm.integrity.weights import RING_COPIES
+
+        return int(RING_COPIES * FLOAT32_BYTES * self.params) // 2
+
+    @property
     def per_param(self) -> float:
-        return self.total_bytes / self.params if self.params else 0.0
+        """Bytes per stage parameter beyond ``fixed_bytes``."""
+        return (self.total_bytes - self.fixed_bytes) / self.params if self.params else 0.0
 
 
 def host_memory(run: RunConfig, index: int) -> HostMemory:
-    """What stage ``index`` of ``run`` keeps in float32 on a CPU volunteer (healing, receipts and the ring on)."""
+    """What stage ``index`` of ``run`` keeps on a CPU volunteer (healing, receipts and the ring on): the live copy and
+    the guard's in float32, snapshots and committed versions in bfloat16."""
     from swarm.integrity.weights import RING_COPIES, RING_MIN_BYTES
 
     params, largest = _param_counts(run.model, index)
@@ -145,8 +161,8 @@ def host_memory(run: RunConfig, index: int) -> HostMemory:
     guard = weights + FLOAT32_BYTES * largest + (0 if adam else optimizer)
     return HostMemory(
         index=index, params=params, live_bytes=2 * weights + optimizer, guard_bytes=guard,
-        guard_peak_bytes=guard + (optimizer if adam else 0), snapshot_bytes=2 * weights + optimizer,
-        ring_bytes=max(RING_MIN_BYTES, int(RING_COPIES * weights)),
+        guard_peak_bytes=guard + (optimizer if adam else 0), snapshot_bytes=(2 * weights + optimizer) // 2,
+        ring_bytes=max(RING_MIN_BYTES, int(RING_COPIES * weights) // 2),
     )
 
 

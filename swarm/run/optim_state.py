@@ -16,13 +16,16 @@ import torch
 from torch import nn
 
 
-def optimizer_tensors(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """A float32 CPU copy of the per-parameter optimizer state (empty before the first step)."""
+def optimizer_tensors(module: nn.Module, optimizer: torch.optim.Optimizer,
+                      moments: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """A float32 CPU copy of the per-parameter optimizer state (empty before the first step); ``moments`` (e.g.
+    bfloat16 for a healing snapshot) is the dtype of every state tensor but the step count, which stays exact."""
     out: dict[str, torch.Tensor] = {}
     for name, param in module.named_parameters():
         for key, value in optimizer.state.get(param, {}).items():
             if isinstance(value, torch.Tensor):
-                out[f"{name}/{key}"] = value.detach().to("cpu", torch.float32).clone()
+                dtype = torch.float32 if key == "step" else moments
+                out[f"{name}/{key}"] = value.detach().to("cpu", dtype, copy=True)
             elif isinstance(value, (int, float)):
                 out[f"{name}/{key}"] = torch.tensor(float(value))
     return out
