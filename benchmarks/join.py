@@ -1,6 +1,6 @@
 """How long a volunteer takes to join, how fast a swarm's records are read, and where `volunteer status` spends its time.
 
-    python -m benchmarks.join --json [--runs 5] [--peers 16] [--reads 40] [--quick]
+    python -m benchmarks.join --json [--runs 5] [--peers 16] [--reads 40] [--quick] [--load 14]
 
 prints one JSON object (progress goes to stderr). Every figure comes with a baseline measured in
 the same run, because absolute times on a shared 2-core machine drift:
@@ -15,6 +15,10 @@ the same run, because absolute times on a shared 2-core machine drift:
   Baselines, run back to back with each join: ``python -c "import hivemind, torch"`` (the floor of
   any command) and a bare ``hivemind.DHT`` process that starts, stores one value and is seen by the
   same reader; ``join_vs_*`` are medians of the per-round ratios.
+- ``--load N``: N busy-loop processes at the join's own priority (a busy laptop, or the many processes of a test
+  run) spin through the joins and their baselines; ``loaded.loadavg_1m`` says the load they made. A volunteer that
+  keeps its default low priority would yield to them: the benchmark (like the tests) sets
+  ``VOLUNTEER_LOW_PRIORITY=0``, so this is the case of a machine busy with work of equal standing.
 - ``get_swarm_ms``: ``Membership.read`` latency of a swarm with ``--peers`` announcing peers
   (in-process DHTs, one identity each) over that of a swarm with 1 peer, in the same DHT, split into
   the DHT get and the parsing of the records; ``read_all`` reads every swarm of the run at once.
@@ -78,9 +82,37 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.runs, args.peers, args.reads, args.status_runs, args.warmup = 1, 2, 5, 1, False
     started = time.monotonic()
-    with Fleet(prefix="volunteer-bench-join-") as fleet:
-        report = _benchmark(fleet, args)
+    with Fleet(prefix="volunteer-bench-join-") as fleet, Burners(args.load) as burners:
+        report = _benchmark(fleet, args, burners)
     return finish(report, "join", started, args)
+
+
+class Burners:
+    """``count`` processes that spin on a CPU each until the context ends (killed, never left behind)."""
+
+    def __init__(self, count: int):
+        self.count = count
+        self.procs: list[subprocess.Popen] = []
+        self.loads: list[float] = []
+
+    def __enter__(self) -> Burners:
+        for _ in range(self.count):
+            self.procs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        if self.count:
+            say(f"{self.count} busy-loop processes started; letting the load settle for 20 s")
+            time.sleep(20.0)
+        return self
+
+    def sample(self) -> None:
+        if self.count and hasattr(os, "getloadavg"):
+            self.loads.append(os.getloadavg()[0])
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.procs:
+            proc.kill()
+        for proc in self.procs:
+            proc.wait(timeout=10)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -91,12 +123,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--status-runs", type=int, default=3, help="`volunteer status` runs (plain and instrumented)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="skip the discarded first round (it warms the page cache)")
+    parser.add_argument("--load", type=int, default=0,
+                        help="busy-loop processes spinning through the joins (14 on 2 cores: a load of ~15)")
     parser.add_argument("--quick", action="store_true",
                         help="1 instrumented join, 2 peers, 5 reads, 1 instrumented status: a smoke test")
     return parser
 
 
-def _benchmark(fleet: Fleet, args: argparse.Namespace) -> dict[str, Any]:
+def _benchmark(fleet: Fleet, args: argparse.Namespace, burners: Burners) -> dict[str, Any]:
     from hivemind.dht.crypto import RSASignatureValidator
 
     say(f"starting a bootstrap peer (work dir {fleet.workdir})")
@@ -109,6 +143,7 @@ def _benchmark(fleet: Fleet, args: argparse.Namespace) -> dict[str, Any]:
         imports_i = _time_import()
         bare_i = _bare_join(fleet, reader, maddr, f"bare{i}")
         join_i = _join_once(fleet, maddr, reader, f"join{i}", probe=args.quick)
+        burners.sample()
         say(f"{label}: join {join_i['total_s']:.2f} s, bare DHT {bare_i['total_s']:.2f} s, import {imports_i:.2f} s")
         if not (args.warmup and i == 0):
             joins.append(join_i)
@@ -145,6 +180,7 @@ def _benchmark(fleet: Fleet, args: argparse.Namespace) -> dict[str, Any]:
         **get_report,
         **status_report,
         "status_vs_import": ratio(status_report["status_s"], import_s),
+        "loaded": {"busy_processes": args.load, "loadavg_1m": [round(v, 1) for v in burners.loads]},
         "machine": machine_notes(),
     }
 
