@@ -106,21 +106,6 @@ def test_the_gpu_check_runs_without_a_gpu_and_says_what_it_skipped(capsys):
     assert [s["stage"] for s in report["stages"]] == [0, 1] and all(s["tokens_per_s"] > 0 for s in report["stages"])
 
 
-def _held_bytes(worker, healer) -> int:
-    """Bytes of the distinct tensor storages a stage server keeps beside its activations: the live copy and its
-    gradients, the optimizer's state, the guard's buffers, healing's snapshots, the referee's ring."""
-    tensors = [*worker.module.parameters(), *(p.grad for p in worker.module.parameters() if p.grad is not None)]
-    tensors += [v for state in worker.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
-    guard = worker.guard
-    tensors += [*guard._param_buffers, *guard._state_buffers, *guard._scratch.values()]
-    for snapshot in (healer._snapshot, healer._previous):
-        if snapshot is not None:
-            tensors += [*snapshot.params.values(), *(snapshot.optimizer or {}).values()]
-    tensors += [t for version in worker.ring._versions.values() for t in version.tensors.values()]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values())
-
-
 @pytest.mark.parametrize("name", ["llm-tiny", "digits-mlp"])
 def test_host_bytes_per_stage_parameter_are_what_the_estimate_says(name):
     """issue 42: what a trained stage holds (healing's two snapshots, the ring at its bound, the guard) within 10 %
@@ -130,7 +115,7 @@ def test_host_bytes_per_stage_parameter_are_what_the_estimate_says(name):
     kept in bfloat16."""
     from swarm.integrity.heal import Healer
     from swarm.pipeline.stage import StageWorker
-    from swarm.run.memory import host_memory
+    from swarm.run.memory import held_bytes, host_memory
     from swarm.run.models import stage_output_spec, target_spec
 
     run, _ = load_run(name)
@@ -150,7 +135,7 @@ def test_host_bytes_per_stage_parameter_are_what_the_estimate_says(name):
         if i in (3, steps - 3):
             healer.take_snapshot()
     expected = host_memory(run, index)
-    held = _held_bytes(worker, healer)
+    held = held_bytes(worker, healer)
     assert abs(held / expected.total_bytes - 1) <= 0.10, (held, expected)
     if expected.params >= 500_000:
         assert expected.per_param <= 38 and (held - expected.fixed_bytes) / expected.params <= 38

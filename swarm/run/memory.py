@@ -15,6 +15,7 @@ the allocator's slack, which ``CUDA_OVERHEAD_BYTES`` stands for.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from swarm.run.runconfig import ModelConfig, RunConfig
 
@@ -177,3 +178,22 @@ def _param_counts(model: ModelConfig, index: int) -> tuple[int, int]:
 
     tensors = [p.numel() for p in build_stage(model, index).parameters()]
     return sum(tensors), max(tensors, default=0)
+
+
+def held_bytes(worker: Any, healer: Any = None) -> int:
+    """Bytes of the distinct tensor storages a stage server (a StageWorker, its Healer) keeps beside its activations:
+    the live copy and its gradients, the optimizer's state, the guard's buffers, healing's snapshots, the referee's
+    ring. What ``host_memory`` estimates (tests/test_memory.py, benchmarks/footprint.py)."""
+    import torch
+
+    params = list(worker.module.parameters())
+    tensors = [*params, *(p.grad for p in params if p.grad is not None)]
+    tensors += [v for state in worker.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    guard = worker.guard
+    tensors += [*guard._param_buffers, *guard._state_buffers, *guard._scratch.values()]
+    for snapshot in (() if healer is None else (healer._snapshot, healer._previous)):
+        if snapshot is not None:
+            tensors += [*snapshot.params.values(), *(snapshot.optimizer or {}).values()]
+    tensors += [t for version in worker.ring._versions.values() for t in version.tensors.values()]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
