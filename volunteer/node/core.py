@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Any
 
+from volunteer.heap import HeapTrimmer
 from volunteer.node.announcer import Announcer
 from volunteer.node.board import Board, Part
 from volunteer.node.checkpoints import Checkpoints
@@ -68,7 +69,7 @@ class Node:
         self.rebalancer = Rebalancer(self)
         self.reachability = Reachability(self)
         self.parts: list[Part] = [self.commands, self.governors, self.health, self.checkpoints, self.contribution,
-                                  self.completion, self.rebalancer, self.reachability, self.announcer]
+                                  self.completion, self.rebalancer, self.reachability, self.announcer, HeapTrimmer()]
         self._stop = threading.Event()
         self._stopped = threading.Event()
         self._wake = threading.Event()

@@ -54,6 +54,9 @@ def run_join(args: argparse.Namespace) -> int:
 
     watchdog, shutdown = setup_process(args.verbose)
     _lower_priority(prefs.resources.low_priority)  # before the node's threads and DHT process: they inherit it
+    from volunteer.heap import limit_arenas
+
+    limit_arenas()  # before the node's threads: each would take an arena of its own (volunteer/heap.py)
     from volunteer.node import Node, NodeOptions
 
     from volunteer.logfile import open_session_log
