@@ -71,7 +71,7 @@ def host_bytes(name: str) -> dict[str, Any]:
     from swarm.integrity.heal import Healer
     from swarm.pipeline.stage import StageWorker
     from swarm.run.memory import held_bytes, host_memory
-    from swarm.run.models import stage_input_spec, stage_output_spec, target_spec
+    from swarm.run.models import stage_input_spec, target_spec
     from volunteer.config import load_run
 
     run, _ = load_run(name)

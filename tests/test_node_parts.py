@@ -196,7 +196,7 @@ def test_a_new_part_is_ticked_in_order_and_its_state_reaches_the_snapshot(tmp_pa
         part.tick = (lambda name, tick: lambda now_s: (log.append(name), tick(now_s)))(type(part).__name__, part.tick)
     node.parts.insert(node.parts.index(node.announcer), HealthGuard(node, log))
     node._serve()  # no DHT: announces are no-ops; the guard stops the loop after one round
-    assert log == ["Commands", "Governors", "Health", "Checkpoints", "Contribution", "Completion", "Rebalancer", "Reachability", "guard",
+    assert log == ["Commands", "Governors", "HeapTrimmer", "Health", "Checkpoints", "Contribution", "Completion", "Rebalancer", "Reachability", "guard",
                    "Announcer"]
     snap = node.snapshot()
     assert snap.state == PAUSED and snap.reason == "healing: loss exploded"

@@ -68,8 +68,8 @@ class Node:
         self.completion = Completion(self)
         self.rebalancer = Rebalancer(self)
         self.reachability = Reachability(self)
-        self.parts: list[Part] = [self.commands, self.governors, self.health, self.checkpoints, self.contribution,
-                                  self.completion, self.rebalancer, self.reachability, self.announcer, HeapTrimmer()]
+        self.parts: list[Part] = [self.commands, self.governors, HeapTrimmer(), self.health, self.checkpoints,
+                                  self.contribution, self.completion, self.rebalancer, self.reachability, self.announcer]
         self._stop = threading.Event()
         self._stopped = threading.Event()
         self._wake = threading.Event()
