@@ -97,7 +97,10 @@ class Burners:
 
     def __enter__(self) -> Burners:
         for _ in range(self.count):
-            self.procs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"],
+            # each in a session of its own, as the volunteers are: with the kernel's autogroup scheduling (on by
+            # default on desktops) processes of one session share one slice, and 14 burners in ours made a load of
+            # 15 that slowed `import torch` 10x and the join (its own session) not at all
+            self.procs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True,
                                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         if self.count:
             say(f"{self.count} busy-loop processes started; letting the load settle for 20 s")
