@@ -12,8 +12,9 @@ prints one JSON object (progress on stderr):
   fixed floor), ``fixed_mib`` and ``measured_vs_estimate``. Stages are built and trained in this process (a few
   updates each, batch 2); llm-small's stages have 25-27 M parameters.
 - ``volunteers``: per run in ``--runs``, a real swarm on loopback (a bootstrap peer, one `volunteer join` per
-  stage), training for ``--train-s`` after every volunteer is online; then the layer1 volunteer's RSS and PSS
-  (``/proc/PID/smaps_rollup``; anonymous and file-backed), against a process that did ``import torch, hivemind``
+  stage), training for ``--train-s`` after every volunteer is online; the layer1 volunteer's RSS (the median of
+  samples every 0.5 s over the second half, and their range: it moves by ~100 MiB within a second) and, at the end, PSS
+  (``/proc/PID/smaps_rollup``; anonymous and file-backed; its peak, VmHWM), against a process that did ``import torch, hivemind``
   and waits, measured in the same run (``floor_rss_mib``). ``over_floor_mib`` is the goal's left side and
   ``allowance_mib`` its right (100 MiB + 24 bytes per stage parameter). Also each volunteer's CPU seconds from
   spawn to its "online in" event (``cpu_to_online_s``, the python process alone: its p2pd and DHT helpers are
@@ -114,13 +115,15 @@ def host_bytes(name: str) -> dict[str, Any]:
 
 
 def memory_kib(pid: int) -> dict[str, int]:
-    """smaps_rollup of one process in KiB: Rss, Pss, Anonymous (0s once it is gone)."""
+    """smaps_rollup of one process in KiB: Rss, Pss, Anonymous, and VmHWM (its peak RSS) from status; 0s once gone."""
     try:
         text = (Path("/proc") / str(pid) / "smaps_rollup").read_text()
+        status = (Path("/proc") / str(pid) / "status").read_text()
     except OSError:
-        return {"Rss": 0, "Pss": 0, "Anonymous": 0}
+        return {"Rss": 0, "Pss": 0, "Anonymous": 0, "VmHWM": 0}
     fields = {line.split(":")[0]: int(line.split()[1]) for line in text.splitlines()[1:] if line.endswith("kB")}
-    return {key: fields.get(key, 0) for key in ("Rss", "Pss", "Anonymous")}
+    peak = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0)
+    return {**{key: fields.get(key, 0) for key in ("Rss", "Pss", "Anonymous")}, "VmHWM": peak}
 
 
 def _floor(fleet: Fleet) -> dict[str, float]:
@@ -168,25 +171,31 @@ def volunteer_memory(fleet: Fleet, name: str, train_s: float) -> dict[str, Any]:
         all_online_s = time.monotonic() - started
         say(f"volunteers: {name}: all online after {all_online_s:.1f} s; training {train_s:.0f} s")
         deadline = time.monotonic() + train_s
+        samples = []  # layer1's RSS every 0.5 s over the second half of the training (its working set moves a lot)
         while time.monotonic() < deadline:
             for proc in procs.values():
                 proc.check_running()
+            if deadline - time.monotonic() < train_s / 2:
+                samples.append(memory_kib(procs["layer1"].pid)["Rss"] / 1024)
             time.sleep(0.5)
         layer1 = procs["layer1"]
         kib = memory_kib(layer1.pid)
+        samples.append(kib["Rss"] / 1024)
         helpers = {pid: memory_kib(pid)["Rss"] / 1024 for pid in tagged_pids(fleet.tag)
                    if pid not in {p.pid for p in procs.values()} and pid != bootstrap.pid}
     finally:
         fleet.stop([procs["layer0"]])
         fleet.stop([p for swarm, p in procs.items() if swarm != "layer0"] + [bootstrap])
     params = host_memory(run, 1).params
-    rss = kib["Rss"] / 1024
+    rss = median(samples)
     allowance = ALLOWANCE_FIXED_MIB + ALLOWANCE_PER_PARAM * params / MIB
     return {
         "layer1_params": params,
-        "layer1_rss_mib": round(rss, 1),
+        "layer1_rss_mib": round(rss, 1),  # the median of the samples
+        "layer1_rss_range_mib": [round(min(samples), 1), round(max(samples), 1)],
         "layer1_pss_mib": round(kib["Pss"] / 1024, 1),
         "layer1_anon_mib": round(kib["Anonymous"] / 1024, 1),
+        "layer1_peak_rss_mib": round(kib["VmHWM"] / 1024, 1),
         "floor_rss_mib": round(floor["rss_mib"], 1),
         "floor_anon_mib": round(floor["anon_mib"], 1),
         "over_floor_mib": round(rss - floor["rss_mib"], 1),

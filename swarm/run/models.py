@@ -90,7 +90,10 @@ def target_spec(model: ModelConfig, batch_size: int | None = None) -> TensorSpec
 
 # ----- evaluation chunks
 EVAL_BATCH_MAX = 512
-EVAL_BYTES_MAX = 128 << 20  # float32 activations (or logits) of one evaluation chunk, so a large LM fits a GPU
+# float32 activations (or logits) of one evaluation chunk, so a large LM fits a GPU and a small one's volunteer does not
+# double its RSS to evaluate: at 128 MiB an llm-tiny last stage held 256 sequences' logits and their log-softmax at
+# once (256 MiB; issue 42)
+EVAL_BYTES_MAX = 32 << 20
 
 
 def eval_batch(model: ModelConfig, wide: bool = False) -> int:
