@@ -90,7 +90,32 @@ def summarize_run(samples: list[Sample], attack_at: float, attack_s: float, afte
         "killed": bool(stalled or (final_accuracy is not None and final_accuracy <= KILLED_ACCURACY)),
         "samples": len(samples),
         "curve": [(s.trained, s.true_accuracy) for s in samples if s.true_accuracy is not None],
+        "time_curve": [(s.t, s.true_accuracy) for s in samples if s.true_accuracy is not None],
+        "attack_at": attack_at,
     }
+
+
+RECOVERY_MARGIN = 0.02
+
+
+def recovery_s(run: dict[str, Any], base: dict[str, Any], margin: float = RECOVERY_MARGIN) -> float | None:
+    """Seconds from the attack's start until the attacked run's true accuracy is back within ``margin`` of the clean
+    run's at the same time and stays there (issue 40 item 6); 0 when it never fell that far, None when it never came
+    back. The clean run's accuracy at time t is its newest sample at or before t."""
+    curve, clean = run.get("time_curve") or [], base.get("time_curve") or []
+    attack_at = run.get("attack_at", 0.0)
+    if not curve or not clean:
+        return None
+
+    def clean_at(t: float) -> float | None:
+        earlier = [acc for at, acc in clean if at <= t]
+        return earlier[-1] if earlier else None
+
+    behind = [t for t, acc in curve if t >= attack_at and clean_at(t) is not None and acc < clean_at(t) - margin]
+    if not behind:
+        return 0.0
+    after = [t for t, _ in curve if t > behind[-1]]
+    return round(after[0] - attack_at, 1) if after else None
 
 
 def equal_samples_ratio(run: dict[str, Any], base: dict[str, Any]) -> float | None:
@@ -119,6 +144,7 @@ def summary(results: dict[str, dict[str, Any]], clean: dict[tuple, dict[str, Any
         run["accuracy_ratio_during"], run["accuracy_ratio_after"] = during, after
         run["throughput_ratio_during"] = _ratio(run["rate_during"], base["rate_during"])
         run["accuracy_ratio_equal_samples"] = equal_samples_ratio(run, base)
+        run["recovery_s"] = recovery_s(run, base)
         ratios = [r for r in (during, after) if r is not None]
         report[f"{name}_accuracy_ratio"] = min(ratios) if ratios else None
     refusals = {n: r.get("refused_after_s") for n, r in results.items() if "refused_after_s" in r}
@@ -135,6 +161,7 @@ def summary(results: dict[str, dict[str, Any]], clean: dict[tuple, dict[str, Any
     report["stale_eval_unlabelled"] = any(v > 2 * EVAL_EVERY_S for v in stale.values())
     report["stale_eval_unlabelled_s"] = stale
     report["equal_samples_ratio"] = {n: r["accuracy_ratio_equal_samples"] for n, r in results.items()}
+    report["recovery_s"] = {n: r["recovery_s"] for n, r in results.items()}
     report["attacks"] = results
     report["clean"] = {"-".join(map(str, k)): v for k, v in clean.items()}
     return report

@@ -266,3 +266,20 @@ def test_a_slowed_run_is_also_compared_at_equal_samples():
     slowed = {"curve": [(500, 0.3), (3000, 0.76)]}  # a third of the samples in the same time
     assert equal_samples_ratio(slowed, clean) == pytest.approx(0.76 / 0.8)
     assert equal_samples_ratio({"curve": [(20000, 0.9)]}, clean) is None  # the clean run never trained as many
+
+
+def test_the_benchmark_says_how_long_a_run_took_to_be_back_beside_the_clean_one():
+    """issue 40 item 6: seconds from the attack's start until the attacked run is within 0.02 of the clean run's
+    accuracy at the same time and stays there."""
+    from benchmarks.adversary_metrics import Sample, recovery_s, summarize_run
+
+    def run(accuracies: list[float]) -> dict:
+        series = [Sample(t=5.0 * i, trained=100 * i, lost=0, drivers=1, true_accuracy=a, published_accuracy=a,
+                         published_labelled=True) for i, a in enumerate(accuracies)]
+        return summarize_run(series, attack_at=20.0, attack_s=20.0, after_s=20.0)
+
+    clean = run([0.5, 0.8, 0.9, 0.92, 0.93, 0.94, 0.94, 0.95, 0.95, 0.95, 0.95, 0.95])
+    assert recovery_s(run([0.5, 0.8, 0.9, 0.92, 0.925, 0.93, 0.94, 0.95, 0.95, 0.95, 0.95, 0.95]), clean) == 0.0
+    hurt = run([0.5, 0.8, 0.9, 0.92, 0.6, 0.3, 0.7, 0.9, 0.94, 0.95, 0.95, 0.95])  # behind at t = 20..35, back at 40
+    assert recovery_s(hurt, clean) == pytest.approx(20.0)
+    assert recovery_s(run([0.5, 0.8, 0.9, 0.92, 0.6, 0.3, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]), clean) is None
