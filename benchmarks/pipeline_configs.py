@@ -5,7 +5,7 @@ For each run of ``configs/runs`` named (digits-mlp, charlm): one ``volunteer joi
 the run's own model, data, optimizer, batch and ``in_flight``, with evaluation and averaging left out (a
 2 s heartbeat, no evaluation: what is measured is training). Its samples per CPU-second (every process of
 the swarm, p2pd and DHT included) over those of the same model, optimizer and batches trained in one
-process on one thread (``benchmarks.pipeline._LocalLoop``, in slices before and after): ``cpu_efficiency_<run>``.
+process on one thread (``benchmarks.pipeline_swarm.LocalLoop``, in slices before and after): ``cpu_efficiency_<run>``.
 The samples per second of both are reported too (``<run>.pipeline`` / ``<run>.local``), and the swarm's CPU
 per micro-batch by process kind.
 """
@@ -20,6 +20,7 @@ import yaml
 
 from benchmarks.common import load_run_config, median, ratio, say, write_run
 from benchmarks.fleet import Fleet
+from benchmarks.pipeline_swarm import START_TIMEOUT_S, LocalLoop, join_all, measure, stop_in_order, wait_training
 
 RUNS_DIR = Path(__file__).resolve().parents[1] / "configs" / "runs"
 NO_EVALUATION_S = 1e6
@@ -50,7 +51,6 @@ def training_only(name: str, heartbeat_s: float) -> dict[str, Any]:
 
 
 def configs(fleet: Fleet, maddr: str, reader: Any, s: ConfigSettings) -> dict[str, Any]:
-    from benchmarks import pipeline
     from swarm.dht.membership import Membership
 
     report: dict[str, Any] = {}
@@ -59,16 +59,16 @@ def configs(fleet: Fleet, maddr: str, reader: Any, s: ConfigSettings) -> dict[st
         run = load_run_config(run_path)
         stages = run.model.stages
         say(f"configs: {name}: one process, 1 thread, then {stages} stages")
-        loop = pipeline._LocalLoop(run, s.local_warmup_batches)
+        loop = LocalLoop(run, s.local_warmup_batches)
         slices = loop.alternate((1,), s.local_slices, s.local_slice_s)
-        procs = pipeline._join_all(fleet, run_path, maddr, stages, 1, name)
+        procs = join_all(fleet, run_path, maddr, stages, 1, name)
         flat = [p for group in procs.values() for p in group]
         membership = Membership(reader, run, b"")
         try:
-            pipeline._wait_training(membership, stages, 1, flat, pipeline.START_TIMEOUT_S)
-            swarm = pipeline._measure(fleet, membership, flat, s.warmup_s, s.window_s)
+            wait_training(membership, stages, 1, flat, START_TIMEOUT_S)
+            swarm = measure(fleet, membership, flat, s.warmup_s, s.window_s)
         finally:
-            pipeline._stop_in_order(fleet, procs)
+            stop_in_order(fleet, procs)
         slices += loop.alternate((1,), s.local_slices, s.local_slice_s)
         local_cpu = median([x["samples_per_cpu_s"] for x in slices])
         batch = run.training.batch_size

@@ -42,3 +42,91 @@ def test_the_scan_sees_lazy_imports(tmp_path):
     module = tmp_path / "lazy.py"
     module.write_text("def f():\n    from tui.app import run_dashboard\n    import volunteer_cli.main\n")
     assert {name for name, _ in _imported_packages(module)} == {"tui", "volunteer_cli"}
+
+
+PACKAGES = ("swarm", "volunteer", "volunteer_cli", "tui", "benchmarks")
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """module -> the modules of this project it imports, lazily or not; imports under ``if TYPE_CHECKING:`` never run
+    and are left out (a type-only reference is no circle)."""
+    modules = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+            modules[name] = path
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and
+                       "TYPE_CHECKING" in ast.unparse(node.test) for part in node.body for n in ast.walk(part)}
+        deps = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.Import):
+                deps.update(resolve(alias.name) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                deps.update(resolve(f"{node.module}.{alias.name}") or resolve(node.module) for alias in node.names)
+        # a package's __init__ and its own modules are one unit
+        graph[name] = {d for d in deps if d and d != name and not d.startswith(name + ".")
+                       and not name.startswith(d + ".")}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, on_stack, stack, out, counter = {}, {}, set(), [], [], [0]
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter[0]
+                    counter[0] += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    out.append(sorted(component))
+    return out
+
+
+def test_no_import_circle():
+    """issue 41, item 6: no two modules import each other, directly or around a loop, even lazily (driver <->
+    driver_eval, run/data <-> run/tokens, benchmarks/pipeline <-> pipeline_configs and the stage RPC's client <->
+    server were; a lazy import hid each one)."""
+    assert _circles(_module_graph()) == []
+
+
+def test_the_circle_scan_finds_a_lazy_loop():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _circles(graph) == [["a", "b", "c"]]

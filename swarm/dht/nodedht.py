@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -30,7 +31,9 @@ from swarm.dht.lightdht import SYNC_CALL_S, LightDHT, _p2pd_in_group
 logger = logging.getLogger(__name__)
 
 REPLICAS_REFRESH_S = 30.0  # how long a key's nearest nodes, once found, take our record without a new search
-REJOIN_S = 15.0  # how often a node checks that it is still connected to its bootstrap peers (one local p2pd call)
+# how often a node checks that it is still connected to its bootstrap peers (one local p2pd call);
+# VOLUNTEER_REJOIN_S shortens it for a test of a bootstrap peer's restart (its own time scale: 15 s of a 60 s test)
+REJOIN_S = float(os.environ.get("VOLUNTEER_REJOIN_S", "") or 15.0)
 REJOIN_MAX_S = 240.0  # the longest wait between checks of a bootstrap peer found reachable but not connected
 REJOIN_DIAL_S = 10.0  # a dial (and ping) of a bootstrap peer that does not answer is given up after this
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -16,8 +16,9 @@ from swarm.integrity.receipts import ids_digest
 from swarm.pipeline.hops import HopGivenUp, NeedInputReply, Refused
 from swarm.run.models import eval_batch
 
-if TYPE_CHECKING:
-    from swarm.pipeline.driver import PipelineDriver
+# ``driver`` below is the PipelineDriver (swarm/pipeline/driver.py) that calls in: it imports this module, so this one
+# does not import it, even for types (no import circle)
+PipelineDriver = Any
 
 logger = logging.getLogger(__name__)
 

@@ -126,10 +126,10 @@ class SwarmPeer:
         from hivemind.p2p import PeerID
         from hivemind.proto import runtime_pb2
 
-        from swarm.pipeline.stage_rpc import StageServicer
+        from swarm.pipeline.stage_client import StageRPC
         from swarm.pipeline.wire import unpack_metadata
 
-        stub = StageServicer.get_stub(self.p2p, PeerID.from_base58(peer_id),
+        stub = StageRPC.get_stub(self.p2p, PeerID.from_base58(peer_id),
                                       namespace=stage_namespace(self.run.run_id, swarm))
         reply = await stub.rpc_receipt_key(runtime_pb2.ExpertRequest())
         key = unpack_metadata(reply.metadata).get("key")

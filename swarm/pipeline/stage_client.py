@@ -1,23 +1,19 @@
-"""The client side of the stage RPCs (swarm/pipeline/stage_rpc.py): one call to a stage peer, on a session, a unary
-message or a stream by size, and the StageError of a refusal."""
+"""The client side of the stage RPCs (swarm/pipeline/stage_rpc.py): their signatures (``StageRPC``), one call to a
+stage peer, on a session, a unary message or a stream by size, and the StageError of a refusal."""
 
 from __future__ import annotations
-# StageError and StageServicer are imported where they are used: stage_rpc re-exports this module (no import circle)
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, AsyncIterator  # typing's, not collections.abc's: hivemind reads `hint._name` to detect streams
 
 import torch
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
 from swarm.pipeline import sessions
 from swarm.pipeline.sessions import SESSION_LIMIT_BYTES, open_session, session_for
 from swarm.pipeline.traffic import Traffic
-if TYPE_CHECKING:
-    from swarm.pipeline.stage_rpc import StageError
-
 from swarm.pipeline.wire import (
     DEFAULT_RANK,
     UNARY_LIMIT_BYTES,
@@ -32,15 +28,49 @@ from swarm.pipeline.wire import (
 )
 
 
+class StageRPC(ServicerBase):
+    """The stage RPCs as they travel: their names and protobuf types, which is all a stub needs. The server
+    (swarm/pipeline/stage_rpc.py ``StageServicer``) implements them; a client builds its stub from this class, so
+    calling a stage does not import the server (no import circle). The handles keep the name they have had on the
+    wire since the first version (``StageServicer.rpc_call``...), whichever class asks."""
+
+    WIRE_NAME = "StageServicer"
+
+    @classmethod
+    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
+        handle = f"{cls.WIRE_NAME}.{method_name}"
+        return handle if namespace is None else f"{namespace}::{handle}"
+
+    async def rpc_call(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        raise NotImplementedError
+
+    async def rpc_call_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
+                              context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        raise NotImplementedError
+
+    async def rpc_session(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
+                          context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        raise NotImplementedError
+
+    async def rpc_receipt_key(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        raise NotImplementedError
+
+
+class StageError(RuntimeError):
+    """A hop failed at the remote peer; ``code`` says whether another peer can take it."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
 async def call_stage(p2p: Any, peer_id: str, namespace: str, op: str, tensors: list[torch.Tensor], meta: dict,
                      *, timeout_s: float, codec: str, max_bytes: int, expect_bytes: int = 0,
                      traffic: Traffic | None = None, rank: int = DEFAULT_RANK,
                      ) -> tuple[list[torch.Tensor], dict, float]:
     """One hop: (tensors, reply metadata, seconds). Raises StageError (with ``retry_after_s``), WireError for a
     malformed reply, or a transport error/timeout. The reply's contents are checked by swarm/pipeline/replies.py."""
-    from swarm.pipeline.stage_rpc import StageError, StageServicer
-
-    stub = StageServicer.get_stub(p2p, PeerID.from_base58(peer_id), namespace=namespace)
+    stub = StageRPC.get_stub(p2p, PeerID.from_base58(peer_id), namespace=namespace)
     serialized = await encode_off_loop(tensors, codec, rank)
     metadata = pack_metadata({**meta, "op": op})
     sent = buffer_bytes(serialized)
@@ -49,7 +79,7 @@ async def call_stage(p2p: Any, peer_id: str, namespace: str, op: str, tensors: l
     if sessions.ENABLED and max(sent, expect_bytes) < SESSION_LIMIT_BYTES:
         session = open_session(p2p, peer_id, namespace) or \
             await asyncio.wait_for(session_for(p2p, peer_id, namespace,
-                                               StageServicer._get_handle_name(namespace, "rpc_session")), timeout_s)
+                                               StageRPC._get_handle_name(namespace, "rpc_session")), timeout_s)
     if session is not None:
         left_s = max(timeout_s - (time.perf_counter() - started), 0.001)
         out_serialized, reply_meta = await session.call([as_proto(t) for t in serialized], metadata, left_s)
@@ -79,8 +109,6 @@ async def call_stage(p2p: Any, peer_id: str, namespace: str, op: str, tensors: l
 def refusal_error(reply_meta: dict) -> StageError:
     """The StageError of a refusal, with its ``retry_after_s`` (a float, or None when absent or unusable).
     Every field is a stranger's: code and text are cut short, a bad retry_after_s is ignored."""
-    from swarm.pipeline.stage_rpc import StageError
-
     code = reply_meta.get("code", "error")
     error = StageError(code[:32] if isinstance(code, str) and code else "error", str(reply_meta.get("error", ""))[:300])
     retry_after_s = reply_meta.get("retry_after_s")

@@ -49,7 +49,7 @@ from dataclasses import replace
 from typing import Any, AsyncIterator  # typing's, not collections.abc's: hivemind reads `hint._name` to detect streams
 
 import torch
-from hivemind.p2p import P2PContext, ServicerBase
+from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
 from swarm.integrity.health import SickCopy
@@ -58,6 +58,7 @@ from swarm.pipeline.fair_queue import FairQueue
 from swarm.pipeline.stage import NeedInput, StageWorker
 from swarm.pipeline.stage0_replicas import ReplicaService
 from swarm.pipeline.stage0_rpc import Stage0Ops, Stage0Refused
+from swarm.pipeline.stage_client import StageError, StageRPC, call_stage, refusal_error  # noqa: F401 (re-exported)
 from swarm.pipeline import sessions
 from swarm.pipeline.sessions import serve_session
 from swarm.pipeline.stage_gate import SERVED_OPS, UPDATE_OPS, Outcome, StageGate
@@ -91,15 +92,7 @@ def stage_namespace(run_id: str, swarm: str) -> str:
     return f"{run_id}.{swarm}"
 
 
-class StageError(RuntimeError):
-    """A hop failed at the remote peer; ``code`` says whether another peer can take it."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(f"{code}: {message}")
-        self.code = code
-
-
-class StageServicer(Stage0Ops, ServicerBase):
+class StageServicer(Stage0Ops, StageRPC):
     """Serves one stage worker. Built with no arguments it only lends its signatures to stubs."""
 
     def __init__(self, worker: StageWorker | None = None, executor: Executor | None = None, *, max_bytes: int = 0,
@@ -310,6 +303,3 @@ def make_servicer(worker: StageWorker, executor: Executor, *, max_bytes: int, co
     return StageServicer(worker, executor, max_bytes=max_bytes, codec=codec, rank=rank, is_accepting=is_accepting,
                          traffic=traffic, gate=gate, desk=desk)
 
-
-# ----- client: swarm/pipeline/stage_client.py (re-exported here, where callers have always found it)
-from swarm.pipeline.stage_client import call_stage, refusal_error  # noqa: E402,F401

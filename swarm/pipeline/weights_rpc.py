@@ -76,7 +76,7 @@ async def fetch_weights(p2p: Any, peer: str, namespace: str, digest: bytes, *, e
     ``busy`` door is asked again after its retry_after_s (busy is no reason to give a verdict up), within
     ``timeout_s`` in all. Raises StageError (``weights_gone``, ``busy``...), WireError for a malformed reply, or a
     transport error or timeout."""
-    from swarm.pipeline.stage_rpc import call_stage
+    from swarm.pipeline.stage_client import call_stage
 
     call = call or call_stage
     max_bytes = max(int(expect_bytes * 1.25) + 2**20, 8 * 2**20)

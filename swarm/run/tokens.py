@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from swarm.run.data import Dataset, check_corpus, read_corpus
+from swarm.run.dataset import Dataset, check_corpus, read_corpus
 from swarm.run.runconfig import DataConfig, ModelConfig
 
 TOKEN_FILES = ("train.bin", "val.bin", "test.bin")
