@@ -22,12 +22,13 @@ def swarm(tmp_path: Path):
 # The modules that start the most processes, heaviest first. `make test` runs the suite on two pytest-xdist
 # workers, one module at a time each (--dist loadfile, so a module's swarm is started once): starting the
 # long modules first keeps one worker from finishing them alone at the end. Measured with --durations=0.
-HEAVY_FIRST = (  # per-module totals of a full run (--durations, 2026-11-26, load 4-5): 160 s ... 10 s
-    "test_pipeline", "test_benchmarks_smoke", "test_benchmarks_pipeline_smoke", "test_adversary", "test_nat",
-    "test_llm_swarm", "test_foundation", "test_netlab", "test_run_end", "test_edges_swarm", "test_averaging_swarm",
-    "test_ctl", "test_rebalance_swarm", "test_averaging_train", "test_tui_e2e", "test_driver_swarm",
-    "test_health_page", "test_lm_cli", "test_status_fast", "test_startup_interrupt", "test_driver_hops",
-    "test_doctor", "test_ecl_updates", "test_memory",
+HEAVY_FIRST = (  # per-module totals of a full run (junit times, 2026-11-28, load 2-4): 108 s ... 10 s
+    "test_foundation", "test_benchmarks_smoke", "test_pipeline", "test_nat", "test_benchmarks_pipeline_smoke",
+    "test_netlab", "test_adversary", "test_edges_swarm", "test_ctl", "test_llm_swarm", "test_rebalance_swarm",
+    "test_averaging_swarm", "test_driver_hops", "test_stage0_spot_swarm", "test_run_end", "test_driver_swarm",
+    "test_join_preflight", "test_doctor", "test_lm_cli", "test_spot_checks", "test_averaging_train",
+    "test_startup_interrupt", "test_tui_e2e", "test_run_alarms", "test_ecl_updates", "test_tui_app",
+    "test_health_page", "test_local", "test_codecs_swarm", "test_referee_swarm", "test_blame_swarm", "test_status_fast",
 )
 
 

@@ -5,7 +5,8 @@ Map:
 - stage_stats.py what a stage counts and hands out: StageStats, StepInfo, UpdateReport, WorkerState
 - activations.py saved forward graphs, bounded, an equal share per driver
 - staleness.py   staleness of updates (window: mean, p95, max) and the staleness-aware step size
-- stage_rpc.py   the stage RPCs (server and client call); stage_gate.py: who may ask, fair share, bans
+- stage_rpc.py   the stage RPCs' server; stage_gate.py: who may ask, fair share, bans
+- stage_client.py  the client: the RPCs' signatures (StageRPC, the stub's source), one call, StageError
 - sessions.py    stage calls on one long-lived stream per peer: call ids, replies in any order, failures per call
 - stage_receipts.py the stage's side of receipts: what a request's receipts vouch for, whom a wrong tensor blames
 - keybook.py     whose receipt key is whose: the keys of the peers whose receipts we check

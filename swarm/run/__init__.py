@@ -9,9 +9,11 @@ Map:
 - models.py      building the stages of a model from the run config
 - llama.py       model.kind llama: Llama blocks in plain torch, state dicts named as transformers' LlamaForCausalLM
 - hf_export.py   a llama run's stages as a folder transformers loads (config.json, model.safetensors), and back
-- memory.py      the GPU memory a llama stage needs, from the run config alone (volunteer doctor)
+- memory.py      the GPU memory a llama stage needs and the host memory every stage keeps, from the run config
+                 alone (volunteer doctor), and what a built stage holds (held_bytes)
 - generation.py  sampling text from an exported folder with our own modules (volunteer generate)
 - tokenizer.py   the byte-level BPE tokenizer (the tokenizers library), pinned by its sha256
+- dataset.py     the Dataset a run trains on, and reading and pinning a text corpus (below data.py and tokens.py)
 - data.py        data sets, train/test split and shards (IID or label-skewed), rarest-first shard choice
 - tokens.py      token data of llama runs: windows of (memory-mapped) token arrays by sample id; nanoGPT's layout
 - text_cache.py  data.source text_files: a folder of .txt / .jsonl tokenized once into a cache beside it
