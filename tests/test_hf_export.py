@@ -102,7 +102,9 @@ def test_evaluation_chunks_keep_a_large_vocabularys_logits_bounded():
     from swarm.run.models import EVAL_BATCH_MAX, EVAL_BYTES_MAX, eval_batch
 
     big = MODEL.model_copy(update={"vocab_size": 32768, "seq_len": 1024, "d_model": 768, "n_heads": 12})
-    assert eval_batch(big, wide=True) * 1024 * 32768 * 4 <= EVAL_BYTES_MAX
+    one_sequence = 1024 * 32768 * 4  # 128 MiB of logits: a chunk never holds less than one sequence
+    assert eval_batch(big, wide=True) * one_sequence <= max(EVAL_BYTES_MAX, one_sequence)
+    assert eval_batch(big.model_copy(update={"seq_len": 64}), wide=True) * 64 * 32768 * 4 <= EVAL_BYTES_MAX
     assert eval_batch(big) > eval_batch(big, wide=True) >= 1
     assert eval_batch(ModelConfig(kind="mlp")) == EVAL_BATCH_MAX
     assert eval_batch(ModelConfig(kind="transformer"), wide=True) == EVAL_BATCH_MAX, "charlm keeps its chunks"
