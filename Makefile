@@ -41,7 +41,7 @@ demo: bytecode
 # the second worker fills the idle half of a 2-core machine (9 min 50 s -> 7 min 13 s at load 2-5). PYTEST_ARGS adds options.
 PYTEST_WORKERS ?= 2
 test: bytecode
-	$(PY) -m pytest -q --timeout=600 -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(PY) -m pytest -q --timeout=600 -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 bench: install
 	$(PY) -m benchmarks.join --json

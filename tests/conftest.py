@@ -20,8 +20,10 @@ def swarm(tmp_path: Path):
 
 
 # The modules that start the most processes, heaviest first. `make test` runs the suite on two pytest-xdist
-# workers, one module at a time each (--dist loadfile, so a module's swarm is started once): starting the
-# long modules first keeps one worker from finishing them alone at the end. Measured with --durations=0.
+# workers, one module at a time each (--dist loadfile, so a module's swarm is started once). pytest-xdist then
+# reorders modules by their count of tests (its default --loadscope-reorder), so this order only breaks its ties:
+# with --no-loadscope-reorder the heaviest did start first, and the suite took as long (561 s against 565: it is
+# CPU-bound, 1.7 of 2 cores busy, and heavy modules side by side ran slower), so the default stays.
 HEAVY_FIRST = (  # per-module totals of a full run (junit times, 2026-11-28, load 2-4): 108 s ... 10 s
     "test_foundation", "test_benchmarks_smoke", "test_pipeline", "test_nat", "test_benchmarks_pipeline_smoke",
     "test_netlab", "test_adversary", "test_edges_swarm", "test_ctl", "test_llm_swarm", "test_rebalance_swarm",
