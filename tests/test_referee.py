@@ -382,6 +382,13 @@ def test_a_transformer_stage_shows_its_dozens_of_tensors_and_is_upheld():
         executor.shutdown()
     flats, layout = pack(worker.weights_for(digest))
     assert len(flats) <= 4 and weights_digest(unpack(flats, layout)) == digest
+    # through the wire as a door sends them: exact, and the committed bfloat16 at 2 bytes a value
+    from swarm.pipeline.wire import decode_tensors, encode_tensors
+
+    sent = encode_tensors(flats, "float32")
+    values = sum(t.numel() for t in worker.module.state_dict().values())
+    assert sum(len(t.buffer) for t in sent) <= 2 * values + 1024
+    assert weights_digest(unpack(decode_tensors(sent, 2**30), layout)) == digest
     for bad in ({**layout, "shapes": layout["shapes"][:-1]}, {**layout, "dtypes": ["uint8"] * len(layout["names"])},
                 {**layout, "shapes": [[10**9]] * len(layout["names"])}, {**layout, "names": "x"}):
         with pytest.raises(WireError):

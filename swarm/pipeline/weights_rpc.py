@@ -1,7 +1,8 @@
 """The ``weights`` op: a signer shows the weights it committed to in a receipt, for a referee to recompute the hop.
 
 Request metadata ``{"op": "weights", "digest": <16 bytes>}``, no tensors; reply: the tensors of that version in
-name order, in float32 on the wire whatever the run's codec (a recomputation needs the exact weights), and
+name order, exactly as committed whatever the run's codec (a recomputation needs the exact weights: floating ones in
+bfloat16, sent as their bits in one float16 tensor), and
 ``{"ok": true, "names": [...]}``; or ``weights_gone`` (that version was dropped from the ring: it is older than
 ``weights.KEEP_S`` or the ring's memory bound) or ``busy`` (the door's rate). Unsigned: the digest the receipt signed
 is the proof, the referee hashes what it received (a mismatch is the signer's lie, swarm/pipeline/referee.py).
@@ -111,7 +112,10 @@ def pack(tensors: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], dict]:
     for dtype in PACKED_DTYPES:
         parts = [tensors[n].detach().reshape(-1) for n, d in zip(names, dtypes) if d == dtype]
         if parts:
-            flats.append(torch.cat(parts) if len(parts) > 1 else parts[0].clone())
+            flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+            # bfloat16 travels as its bits in a float16 tensor: 2 bytes a value, where hivemind sends bfloat16 as
+            # float32 (its legacy default); a committed version is bfloat16, so a referee's fetch halves
+            flats.append(flat.view(torch.float16) if dtype == "bfloat16" else flat)
     return flats, {"names": names, "shapes": [list(tensors[n].shape) for n in names], "dtypes": dtypes}
 
 
@@ -129,6 +133,8 @@ def unpack(flats: list[torch.Tensor], meta: dict) -> dict[str, torch.Tensor]:
         raise WireError("weights: one flat tensor per dtype, please")
     out: dict[str, torch.Tensor] = {}
     for dtype, flat in zip(present, flats):
+        if dtype == "bfloat16" and flat.dtype == torch.float16 and flat.dim() == 1:
+            flat = flat.view(torch.bfloat16)  # its bits (pack)
         if str(flat.dtype).removeprefix("torch.") != dtype or flat.dim() != 1:
             raise WireError(f"weights: the {dtype} part is not a flat {dtype} tensor")
         offset = 0
