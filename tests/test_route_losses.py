@@ -112,3 +112,24 @@ def test_fresh_keys_reporting_losses_cannot_get_an_established_copy_held_off():
         t[0] += 0.1
         verdicts += routes.record({1: "honest"}, 1.5) + routes.record({1: "sybil"}, 0.5)
     assert verdicts and {v.peer for v in verdicts} == {"honest"}
+
+
+def test_a_lying_last_stage_cannot_frame_a_middle_copy_beside_an_honest_last_stage():
+    """issue 40: a last-stage peer can tell whose activations it was given (the receipts) and report 3x the loss for
+    one middle copy's micro-batches. Losses are compared witness by witness: the honest last-stage copy, which sees
+    both middle copies do as well, vetoes the hold. A copy that does harm is seen by both witnesses and held off."""
+    t = [0.0]
+    routes = RouteLosses(chance_loss=2.3, clock=lambda: t[0])
+    verdicts = []
+    for _ in range(60):
+        t[0] += 0.1
+        verdicts += routes.record({1: "victim"}, 1.5, witness="liar") + routes.record({1: "rival"}, 0.5, witness="liar")
+        verdicts += routes.record({1: "victim"}, 0.5, witness="honest") + routes.record({1: "rival"}, 0.5,
+                                                                                         witness="honest")
+    assert not verdicts and routes.disputed > 0
+    for _ in range(60):  # now the copy does harm: both witnesses see it
+        t[0] += 0.1
+        verdicts += routes.record({1: "victim"}, 1.5, witness="liar") + routes.record({1: "rival"}, 0.5, witness="liar")
+        verdicts += routes.record({1: "victim"}, 1.5, witness="honest") + routes.record({1: "rival"}, 0.5,
+                                                                                         witness="honest")
+    assert verdicts and {v.peer for v in verdicts} == {"victim"}

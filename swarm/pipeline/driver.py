@@ -274,8 +274,9 @@ class PipelineDriver:
             return
         # middle stages only: a last stage's copies were compared too, and in benchmarks.adversary pair_last_harm that
         # brought a 6 s stall and 2 bans of honest peers, where without the comparison the run held (1.002 of clean)
-        middle = {k: peer for k, peer in served_by.items() if k < self.run.model.stages - 1}
-        for harmful in self.route_losses.record(middle, loss):
+        last = self.run.model.stages - 1
+        middle = {k: peer for k, peer in served_by.items() if k < last}
+        for harmful in self.route_losses.record(middle, loss, witness=served_by.get(last, "")):
             self.routers[f"layer{harmful.stage}"].failure(harmful.peer, time.monotonic(), min_ban_s=harmful.hold_s,
                                                           convicted=True)
             self.notify("warning", f"layer{harmful.stage} peer {harmful.peer[-8:]}: {harmful.describe()}; not "

@@ -19,6 +19,16 @@ to harm moves its loss towards chance and beyond, nats away. A hold, not a convi
 accident: a bad snapshot, a fresh copy), doubling while it repeats, its losses cleared so that it is measured afresh
 when it serves again. What it cannot see: a swarm with one copy (nothing to compare), and a last stage that reports a
 false loss (its gradients are refereed; the loss it reports is not).
+
+Every loss is a claim of the last-stage peer that computed it (the *witness*), and a lying last stage can report
+higher losses for whatever came through one middle copy (the receipts tell it whose activations it was given) and
+frame it. So copies are compared witness by witness: p's losses are paired only with q's reported by the same
+last-stage peer, and p is held off only if every witness that saw enough of both (``VETO_PAIRS``) finds it worse:
+one honest last-stage copy beside the framer vetoes it. With one last-stage peer it is the only witness (and could
+report any loss it likes for the whole run anyway). The price, in the other direction: a lying witness can also veto
+the hold of a copy that does harm (it reports normal losses for it); pooled, as before, it pulled the median down
+the same way. Which witness lies is for a referee that recomputes the loss to settle (the receipt does not bind the
+loss yet); until then a disagreement is counted (``disputed``) and the honest copy is not punished.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ from dataclasses import dataclass
 
 WINDOW = 32
 MIN_PAIRS = 12
+VETO_PAIRS = 6  # a witness that saw this many pairs and finds p no worse vetoes holding it off
 PAIR_S = 2.0
 MAX_AGE_S = 60.0
 RATIO = 1.5
@@ -62,18 +73,20 @@ class RouteLosses:
         self.clock = clock
         self.standing = standing
         self.abs_margin = ABS_MARGIN_SHARE * chance_loss
-        self._losses: dict[tuple[int, str], deque[tuple[float, float]]] = {}  # (time, loss)
+        self._losses: dict[tuple[int, str], deque[tuple[float, float, str]]] = {}  # (time, loss, witness)
         self._holds: dict[str, int] = {}  # peer -> times held off
         self._judged_at: dict[int, float] = {}  # stage -> when its copies were last compared
         self.held = 0
+        self.disputed = 0  # holds vetoed by a witness that saw the same copies do no harm
 
-    def record(self, served_by: dict[int, str], loss: float) -> list[Harmful]:
-        """One completed micro-batch: the peer that served each stage, and its loss. Returns the copies to hold off."""
+    def record(self, served_by: dict[int, str], loss: float, witness: str = "") -> list[Harmful]:
+        """One completed micro-batch: the peer that served each (middle) stage, its loss and the last-stage peer that
+        reported it. Returns the copies to hold off."""
         if not math.isfinite(loss) or loss < 0:
             return []
         now = self.clock()
         for k, peer in served_by.items():
-            self._losses.setdefault((k, peer), deque(maxlen=WINDOW)).append((now, loss))
+            self._losses.setdefault((k, peer), deque(maxlen=WINDOW)).append((now, loss, witness))
         verdicts = []
         for k in sorted(set(served_by)):
             if now - self._judged_at.get(k, float("-inf")) >= JUDGE_EVERY_S:
@@ -98,13 +111,11 @@ class RouteLosses:
             for rival, theirs in windows.items():
                 if rival == peer:
                     continue
-                pairs = _paired(mine, theirs)
-                if len(pairs) < MIN_PAIRS or self.standing(rival) < self.standing(peer):
+                if self.standing(rival) < self.standing(peer):
                     continue
-                ratio = statistics.median(a / max(b, 1e-9) for a, b in pairs)
-                excess = statistics.median(a - b for a, b in pairs)
-                if ratio >= RATIO and excess >= self.abs_margin and (found is None or ratio > found[1]):
-                    found = (peer, ratio, excess, rival)
+                verdict = self._compare(mine, theirs)
+                if verdict is not None and (found is None or verdict[0] > found[1]):
+                    found = (peer, *verdict, rival)
         if found is None:
             return None
         peer, ratio, excess, rival = found
@@ -116,9 +127,35 @@ class RouteLosses:
         self.held += 1
         return Harmful(k, peer, ratio, excess, rival, min(MAX_HOLD_S, HOLD_S * 2**times))
 
+    def _compare(self, mine: list[tuple[float, float, str]],
+                 theirs: list[tuple[float, float, str]]) -> tuple[float, float] | None:
+        """(ratio, excess) of my losses over the rival's when they show harm, witness by witness: enough pairs in all
+        (MIN_PAIRS) from witnesses that each find me worse, and no witness with VETO_PAIRS pairs that does not."""
+        harmful: list[tuple[float, float]] = []
+        vetoed = False
+        for witness in sorted({w for _, _, w in mine}):
+            pairs = _paired([(t, v) for t, v, w in mine if w == witness], [(t, v) for t, v, w in theirs if w == witness])
+            if not pairs:
+                continue
+            ratio = statistics.median(a / max(b, 1e-9) for a, b in pairs)
+            excess = statistics.median(a - b for a, b in pairs)
+            if ratio >= RATIO and excess >= self.abs_margin:
+                harmful += pairs
+            elif len(pairs) >= VETO_PAIRS:
+                vetoed = True  # a witness that saw enough finds me no worse
+        if vetoed:
+            if len(harmful) >= MIN_PAIRS:  # the last stage's copies disagree on the same two copies: one of them lies
+                self.disputed += 1
+            return None
+        if len(harmful) < MIN_PAIRS:
+            return None
+        return statistics.median(a / max(b, 1e-9) for a, b in harmful), statistics.median(a - b for a, b in harmful)
+
 
 def _paired(mine: list[tuple[float, float]], theirs: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """Each of my losses beside the other copy's nearest in time, within PAIR_S (both lists in time order)."""
+    if not theirs:
+        return []
     pairs, j = [], 0
     for t, loss in mine:
         while j + 1 < len(theirs) and abs(theirs[j + 1][0] - t) <= abs(theirs[j][0] - t):
