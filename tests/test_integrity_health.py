@@ -274,3 +274,35 @@ def test_a_restore_from_the_bfloat16_snapshot_trains_on_like_one_from_an_exact_c
             worker.forward_backward(f"b{i}", x, y)
     bf16, exact = held_loss(twins[0]), held_loss(twins[1])
     assert bf16 < trained and abs(bf16 / exact - 1) < 0.02, (trained, bf16, exact)
+
+
+def test_a_loss_that_restores_do_not_cure_is_put_down_to_the_inputs_not_healed_forever():
+    """Measured (benchmarks.adversary pair_middle_harm): once a copy trained to harm was held off, the honest last
+    stage's loss stayed exploded (stage 0 had adapted to the harmful copy) and it healed every 2 s for the rest of the
+    run, serving nothing: each restore kept the per-driver EMA that had made it sick, so the first loss after it made
+    it sick again. Now a heal judges every driver afresh after its warm-up, and a loss still exploded after
+    LOSS_HEALS_MAX restores of good copies is the inputs' doing: the copy serves on and says so."""
+    from swarm.integrity.health import LOSS_HEALS_MAX, LOSS_WARMUP_UPDATES
+
+    worker = StageWorker(_run(), 2)
+    healer = Healer(worker, notify=lambda *a: None)
+    health = worker.health
+    for _ in range(LOSS_WARMUP_UPDATES + 5):
+        health.observe_local_loss(0.1, "driver")
+    healer.take_snapshot()  # a good copy, with its loss EMA of 0.1 as the baseline
+    heals = 0
+    for _ in range(LOSS_HEALS_MAX + 3):
+        for i in range(LOSS_WARMUP_UPDATES + 5):  # the inputs went bad upstream: every loss is high
+            health.observe_local_loss(5.0, "driver")
+            if health.sick:
+                assert heals == 0 or i >= LOSS_WARMUP_UPDATES - 1, "sick again before judged afresh after a heal"
+                healer.heal()
+                heals += 1
+                break
+    assert heals == LOSS_HEALS_MAX and not health.sick and health.upstream_losses >= 1
+    assert health.notice and "inputs changed upstream" in health.notice
+    healer.take_snapshot()  # a good snapshot later: loss explosions are judged again
+    health.notice = None
+    for _ in range(LOSS_WARMUP_UPDATES + 40):
+        health.observe_local_loss(500.0, "driver")
+    assert health.sick

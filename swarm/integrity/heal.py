@@ -226,6 +226,9 @@ class Healer:
         loop = asyncio.get_running_loop()
         while stop is None or not stop.is_set():
             await asyncio.sleep(WATCH_PERIOD_S)
+            notice, self.health.notice = self.health.notice, None
+            if notice:  # a loss that restores did not cure: the inputs' doing (health.py LOSS_HEALS_MAX)
+                self.notify("warning", "upstream", notice)
             reason = self.health.sick_reason
             if reason is None or self._healing:
                 continue

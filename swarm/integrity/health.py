@@ -33,6 +33,12 @@ NORM_EXPLODE_RATIO = 10.0  # sick when ||params|| exceeds this many times the sm
 # snapshot (measured: 10.5 -> 398 under a stranger's ascent) never exceeded 10x the *last* one. The reference is the
 # smallest norm among this many recent good snapshots: a slow drift past 10x is caught too.
 NORM_HISTORY_SNAPSHOTS = 16
+# A loss that explodes again after this many restores of good copies in a row (no snapshot taken between) is not
+# this copy's doing: its inputs changed upstream (measured, benchmarks.adversary pair_middle_harm: a copy trained to
+# harm fed the last stage, the driver's stage 0 adapted to it, and once it was held off the honest last stage healed
+# every 2 s for the rest of the run, refusing all work: a 33 s stall, the run counted killed). The copy then
+# serves on and takes the new loss as its baseline; its own weights are what it restored, and were good.
+LOSS_HEALS_MAX = 3
 LOSS_EMA_ALPHA = 0.1
 LOSS_WARMUP_UPDATES = 20  # a loss EMA over fewer updates is not yet a signal
 LOSS_OWNER_RECENT_S = 30.0  # a driver's loss EMA counts while it sent a micro-batch within this long
@@ -139,6 +145,9 @@ class HealthMonitor:
         self.loss_ema: float | None = None  # of the losses computed here (last stage only)
         self._losses_seen = 0
         self._owner_losses: dict[str, tuple[float, int, float]] = {}  # driver -> (loss EMA, losses, last seen)
+        self._loss_heals = 0  # heals for an exploded loss since the last good snapshot
+        self.upstream_losses = 0  # exploded losses taken as the inputs' doing (LOSS_HEALS_MAX), not healed
+        self.notice: str | None = None  # said once by the healer (heal.py), then cleared
         self.times_sick = 0
         self.live_ema: float | None = None  # stage 0: the share of its output features that vary, own batches
         self.live_peak: float | None = None  # ... the highest that EMA has been
@@ -195,7 +204,18 @@ class HealthMonitor:
         baseline = self.baseline.loss_ema if self.baseline is not None else None
         ratio = self.cfg.loss_explode_ratio
         if loss_exploded(lowest, baseline, ratio, self.chance_loss):
+            if self.sick:  # already healing
+                return
             limit = loss_limit(baseline, ratio, self.chance_loss)
+            if self._loss_heals >= LOSS_HEALS_MAX and math.isfinite(lowest):
+                self.upstream_losses += 1
+                self.baseline = Baseline(param_norm=self.baseline.param_norm if self.baseline else float("nan"),
+                                         loss_ema=lowest)
+                self.notice = (f"the loss EMA {lowest:.3g} stays past its limit ({limit:.3g}) after {self._loss_heals} "
+                               f"restores of good copies: its inputs changed upstream, not this copy; serving on, "
+                               f"with {lowest:.3g} as the loss to compare with until the next good snapshot")
+                return
+            self._loss_heals += 1
             self.mark_sick(f"the loss EMA {lowest:.3g} exploded (the limit is {limit:.3g})"
                            + (f" for all {len(judged)} drivers" if len(judged) > 1 else ""))
 
@@ -242,6 +262,7 @@ class HealthMonitor:
         """A good snapshot was taken: the signals compare against it (and the norm against the recent ones) from now
         on."""
         self.baseline = Baseline(param_norm=param_norm, loss_ema=self.loss_ema if self._losses_seen else None)
+        self._loss_heals = 0
         if math.isfinite(param_norm) and param_norm > 0:
             self._norms.append(param_norm)
 
@@ -250,4 +271,7 @@ class HealthMonitor:
             self._reason = None
         self.loss_ema = self.baseline.loss_ema if self.baseline is not None else None
         self._losses_seen = 0
+        # every driver's loss is judged afresh, after its warm-up: kept, the EMA that made it sick made the restored
+        # copy sick again on its first loss (a heal every 2 s, no work served between)
+        self._owner_losses.clear()
         self._collapsed_forwards = 0
