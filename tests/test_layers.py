@@ -124,7 +124,11 @@ def test_no_import_circle():
     """issue 41, item 6: no two modules import each other, directly or around a loop, even lazily (driver <->
     driver_eval, run/data <-> run/tokens, benchmarks/pipeline <-> pipeline_configs and the stage RPC's client <->
     server were; a lazy import hid each one)."""
-    assert _circles(_module_graph()) == []
+    graph = _module_graph()
+    # the scan sees what it must: a lazy import inside a function, and not a type-only one
+    assert "swarm.run.tokens" in graph["swarm.run.data"]
+    assert "volunteer.node.core" not in graph["volunteer.node.governors"]
+    assert _circles(graph) == []
 
 
 def test_the_circle_scan_finds_a_lazy_loop():

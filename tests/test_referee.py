@@ -67,15 +67,21 @@ def test_a_stage_commits_each_version_once_and_keeps_it_for_its_receipts():
     assert worker.weights_for(digest) is not None  # the older version is still shown
 
 
+def _commit_versions(ring: WeightsRing, module: torch.nn.Module, versions: range) -> list[bytes]:
+    """Each version: the weights moved a little, then committed at time = version. Their digests."""
+    digests = []
+    for version in versions:
+        with torch.no_grad():
+            next(module.parameters()).add_(0.01)
+        digests.append(ring.commit(module, version, now=float(version))[1])
+    return digests
+
+
 def test_the_ring_is_bounded_in_bytes_and_time_and_keeps_the_current_version():
     module = build_stage(RUN.model, 1)
     size = committed_bytes(module.state_dict())
     ring = WeightsRing(max_bytes=3 * size, keep_s=10.0)
-    digests = []
-    for version in range(6):
-        with torch.no_grad():
-            next(module.parameters()).add_(0.01)
-        digests.append(ring.commit(module, version, now=float(version))[1])
+    digests = _commit_versions(ring, module, range(6))
     assert len(ring) == 3 and ring.held_bytes <= 3 * size and ring.evicted == 3
     assert ring.get(digests[0], now=5.0) is None and ring.get(digests[-1], now=5.0) is not None
     assert ring.get(digests[-1], now=1000.0) is not None  # the current version outlives keep_s
@@ -89,17 +95,10 @@ def test_a_full_ring_reuses_the_oldest_versions_buffers_but_never_ones_a_door_is
     module = build_stage(RUN.model, 1)
     size = committed_bytes(module.state_dict())
     ring = WeightsRing(max_bytes=2 * size, keep_s=100.0)
-    digests = []
-    for version in range(3):
-        with torch.no_grad():
-            next(module.parameters()).add_(0.01)
-        digests.append(ring.commit(module, version, now=float(version))[1])
+    digests = _commit_versions(ring, module, range(3))
     assert ring.recycled == 1 and len(ring) == 2  # the third took the first one's buffers
     shown = ring.get(digests[1], now=3.0).tensors  # a door holds the oldest kept version's tensors
-    for version in range(3, 5):
-        with torch.no_grad():
-            next(module.parameters()).add_(0.01)
-        digests.append(ring.commit(module, version, now=float(version))[1])
+    digests += _commit_versions(ring, module, range(3, 5))
     assert weights_digest(shown) == digests[1]  # what was being shown was not overwritten
     assert ring.recycled == 2  # only the version nobody held was reused
     for digest in digests:

@@ -24,33 +24,29 @@ TRIM_EVERY_S = 10.0
 ARENAS = 2
 M_ARENA_MAX = -8  # mallopt's parameter number (malloc.h)
 
-_libc = None
+_LIBC: list = []  # the C library once loaded (None where it cannot be)
 
 
-def _malloc_trim():
-    global _libc
-    if _libc is None:
+def _libc_function(name: str):
+    """glibc's ``name`` (malloc_trim, mallopt), or None elsewhere (macOS, musl): loaded once."""
+    if not _LIBC:
         try:
-            lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _libc = lib.malloc_trim if hasattr(lib, "malloc_trim") else False
-        except OSError:
-            _libc = False
-    return _libc or None
+            _LIBC.append(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"))
+        except OSError as exc:
+            logger.debug("no C library to load: %s", exc)
+            _LIBC.append(None)
+    return getattr(_LIBC[0], name, None) if _LIBC[0] is not None else None
 
 
 def limit_arenas(arenas: int = ARENAS) -> bool:
     """Cap glibc's malloc arenas (call before threads start); False where the C library cannot."""
-    try:
-        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(lib.mallopt(M_ARENA_MAX, arenas)) if hasattr(lib, "mallopt") else False
-    except (OSError, AttributeError) as exc:
-        logger.debug("mallopt: %s", exc)
-        return False
+    mallopt = _libc_function("mallopt")
+    return bool(mallopt(M_ARENA_MAX, arenas)) if mallopt is not None else False
 
 
 def trim_heap() -> bool:
     """Return freed heap memory to the OS now; False where the C library cannot."""
-    trim = _malloc_trim()
+    trim = _libc_function("malloc_trim")
     if trim is None:
         return False
     try:

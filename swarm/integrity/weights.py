@@ -60,7 +60,7 @@ def committed_dtype(tensor: torch.Tensor) -> torch.dtype:
 
 def committed_bytes(tensors: dict[str, torch.Tensor]) -> int:
     """Bytes of one committed copy of ``tensors`` (a version in the ring)."""
-    return sum(t.numel() * torch.empty((), dtype=committed_dtype(t)).element_size() for t in tensors.values())
+    return sum(t.numel() * committed_dtype(t).itemsize for t in tensors.values())
 
 
 def committed_copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
