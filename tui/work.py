@@ -98,6 +98,8 @@ def figures_table(snapshot: NodeSnapshot) -> Table:
                                                                  snapshot.staleness_max), " updates"))
     if snapshot.spot_checked:  # outputs of other peers this node had recomputed and compared
         grid.add_row("checks", format_checks(snapshot.spot_checked, snapshot.spot_caught, snapshot.spot_outweighed))
+    if snapshot.data_plane:  # layer0: stage to stage, or relayed by this driver (and why)
+        grid.add_row("transfer", snapshot.data_plane)
     grid.add_row("device", short_device(snapshot.device))
     grid.add_row("cpu, ram", f"{snapshot.cpu_percent:.0f}%, {format_bytes(snapshot.memory_bytes)}")
     if snapshot.gpu_memory_bytes is not None:

@@ -162,6 +162,8 @@ class NodeSnapshot:
     spot_checked: int = 0
     spot_caught: int = 0
     spot_outweighed: int = 0
+    # layer0: how its micro-batches travel ("stage to stage 96% · 2 peers relayed now"; "" elsewhere)
+    data_plane: str = ""
     # staleness of this copy's recent updates (updates applied between a micro-batch's forward and its
     # backward here); None before the first update
     staleness_mean: float | None = None

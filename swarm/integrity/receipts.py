@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-RECEIPT_FORMAT = 2  # 2: receipts commit to the signer's weights (a format-1 peer is refused as malformed)
+RECEIPT_FORMAT = 3  # 2: receipts commit to the signer's weights; 3: a last stage's also to its loss (older: malformed)
 DIGEST_BYTES = 16
 SIGNATURE_BYTES = 64
 PUBLIC_KEY_BYTES = 32
@@ -37,6 +37,7 @@ CHECK_OPS = frozenset({"forward_backward_check", "backward_check"})
 OPS = frozenset({"forward", "backward", "forward_backward", "infer", "evaluate"}) | CHECK_OPS
 GRADIENT_OPS = frozenset({"backward", "forward_backward"})
 NO_WEIGHTS = b"\0" * 16  # a receipt of no stage computation (a driver's own stage 0 before it has committed)
+NO_FIGURES = b"\0" * 16  # a receipt that reports no figure beside its tensor
 
 
 class ReceiptError(ValueError):
@@ -73,6 +74,12 @@ def figures_digest(loss_sum: float, correct: int, count: int) -> bytes:
     return digest(f"eval|{float(loss_sum)!r}|{int(correct)}|{int(count)}".encode())
 
 
+def loss_digest(loss: float) -> bytes:
+    """What a last stage's forward_backward receipt signs beside its gradient: the loss it reports, exactly as it
+    travels (the driver judges copies by it, and in a push every stage above relays it: swarm/pipeline/push.py)."""
+    return digest(f"loss|{float(loss)!r}".encode())
+
+
 @dataclass(slots=True, frozen=True)
 class Receipt:
     run_id: str
@@ -89,37 +96,38 @@ class Receipt:
     # a backward's input gradient runs through the activations its forward computed, with an older version's
     # weights (swarm/pipeline/stage.py): their digest; the same as ``weights`` for every other op
     forward_weights: bytes = NO_WEIGHTS
+    figures: bytes = NO_FIGURES  # loss_digest of the loss a forward_backward reports (NO_FIGURES for other ops)
 
     def body(self) -> bytes:
         """The signed bytes: every field but the signature, unambiguous (lengths are fixed or prefixed)."""
         parts = [str(RECEIPT_FORMAT), self.run_id, self.mb, self.op, str(self.stage), str(self.version), self.signer]
         text = "\x1f".join(f"{len(p)}:{p}" for p in parts).encode()
-        return text + b"\x1e" + self.input + self.output + self.ids + self.weights + self.forward_weights
+        return text + b"\x1e" + self.input + self.output + self.ids + self.weights + self.forward_weights + self.figures
 
     def to_wire(self) -> list[Any]:
         return [RECEIPT_FORMAT, self.run_id, self.mb, self.op, self.stage, self.version, self.input, self.output,
-                self.ids, self.weights, self.forward_weights, self.signer, self.signature]
+                self.ids, self.weights, self.forward_weights, self.figures, self.signer, self.signature]
 
     @classmethod
     def from_wire(cls, raw: Any) -> Receipt:
         """Parse a stranger's receipt; anything malformed is a ReceiptError (never another exception)."""
-        if not isinstance(raw, (list, tuple)) or len(raw) != 13 or raw[0] != RECEIPT_FORMAT:
+        if not isinstance(raw, (list, tuple)) or len(raw) != 14 or raw[0] != RECEIPT_FORMAT:
             raise ReceiptError("malformed receipt")
-        _, run_id, mb, op, stage, version, inp, out, ids, weights, forward_weights, signer, signature = raw
+        _, run_id, mb, op, stage, version, inp, out, ids, weights, forward_weights, figures, signer, signature = raw
         for text in (run_id, mb, op, signer):
             if not isinstance(text, str) or not 0 < len(text) <= MAX_TEXT_CHARS:
                 raise ReceiptError("malformed receipt: a text field")
         for number in (stage, version):
             if not isinstance(number, int) or isinstance(number, bool) or not 0 <= number < 2**62:
                 raise ReceiptError("malformed receipt: a number field")
-        for blob in (inp, out, ids, weights, forward_weights):
+        for blob in (inp, out, ids, weights, forward_weights, figures):
             if not isinstance(blob, bytes) or len(blob) != DIGEST_BYTES:
                 raise ReceiptError("malformed receipt: a digest")
         if not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES:
             raise ReceiptError("malformed receipt: the signature")
         if op not in OPS:
             raise ReceiptError(f"malformed receipt: unknown op {op[:32]!r}")
-        return cls(run_id, mb, op, stage, version, inp, out, ids, signer, signature, weights, forward_weights)
+        return cls(run_id, mb, op, stage, version, inp, out, ids, signer, signature, weights, forward_weights, figures)
 
 
 def parse_all(raw: Any, count: int) -> list[Receipt]:
@@ -141,12 +149,13 @@ class ReceiptKey:
         self.public = self._key.public_key().public_bytes_raw()
 
     def sign(self, run_id: str, mb: str, op: str, stage: int, version: int, input: bytes, output: bytes,
-             ids: bytes, weights: bytes = NO_WEIGHTS, forward_weights: bytes | None = None) -> Receipt:
+             ids: bytes, weights: bytes = NO_WEIGHTS, forward_weights: bytes | None = None,
+             figures: bytes = NO_FIGURES) -> Receipt:
         forward_weights = weights if forward_weights is None else forward_weights
         unsigned = Receipt(run_id, mb, op, stage, max(0, int(version)), input, output, ids, self.peer_id,
-                           weights=weights, forward_weights=forward_weights)
+                           weights=weights, forward_weights=forward_weights, figures=figures)
         return Receipt(run_id, mb, op, stage, unsigned.version, input, output, ids, self.peer_id,
-                       self._key.sign(unsigned.body()), weights, forward_weights)
+                       self._key.sign(unsigned.body()), weights, forward_weights, figures)
 
 
 def signature_valid(receipt: Receipt, public_key: bytes) -> bool:

@@ -47,7 +47,9 @@ from swarm.pipeline.hops import (  # noqa: F401  (DriverStats, DriverStopped, Ho
 )
 from swarm.integrity.health import SickCopy
 from swarm.integrity.receipts import Receipt, ReceiptKey, ids_digest, tensor_digest
+from swarm.pipeline import push_driver
 from swarm.pipeline.keybook import KeyBook
+from swarm.pipeline.push_driver import Pusher
 from swarm.pipeline.replies import Vouch
 from swarm.pipeline.routing import BAD_REPLY_BAN_S, HopPolicy, SwarmRouter, backoff_s
 from swarm.pipeline.driver_eval import evaluate
@@ -76,6 +78,7 @@ REFUSED_BACKOFF_BASE_S = 0.2
 # holds what disagreed with a stage's), and backs off this little: the refusal is about views, not load.
 COVER_HOLD_S = 30.0
 SICK_POLL_S = 0.5
+LANE_BUG_PAUSE_S = 0.1
 
 
 class PipelineDriver:
@@ -120,6 +123,7 @@ class PipelineDriver:
             RouteLosses(math.log(max(2, outputs)), standing=self.spot.book.get)
         for router in self.routers.values():  # newcomers together get a bounded share of each swarm's hops
             router.established = self.spot.established
+        self.pusher = Pusher(self) if push_driver.ENABLED and run.model.stages > 1 else None
         self.peer_tag = peer_tag
         self._ids = itertools.count()
         self._running = asyncio.Event()
@@ -180,6 +184,8 @@ class PipelineDriver:
             for lane in lanes:
                 lane.cancel()
             self.spot.cancel_background()
+            if self.pusher is not None:
+                self.pusher.cancel()
             if self.referee is not None:
                 self.referee.close()
 
@@ -201,6 +207,7 @@ class PipelineDriver:
                 await self._refused(exc)
             except Exception as exc:
                 self._lane_bug(exc)
+                await asyncio.sleep(LANE_BUG_PAUSE_S)  # a bug that fails every micro-batch must not spin the lane
 
     async def train_microbatch(self, x: torch.Tensor, ids: torch.Tensor) -> float:
         """One micro-batch (inputs and train-split sample ids) through every stage and back; returns its loss.
@@ -240,7 +247,19 @@ class PipelineDriver:
         ids_d = ids_digest(ids)
         h, committed = await self._own(self._forward_committed, mb, x)
         forwards = {0: self._sign_own(mb, "forward", h, ids_d, committed)}  # stage -> the receipt of its forward
-        for k in range(1, stages - 1):
+        start = 1
+        # stages hand the tensors to each other (swarm/pipeline/push_driver.py); None: this micro-batch is relayed
+        pushed = await self.pusher.push(mb, h, ids, ids_d, forwards[0]) if self.pusher is not None else None
+        if pushed is not None:
+            served_by.update(pushed.served_by)
+            forwards.update(pushed.forwards)
+            if pushed.grad is not None:
+                inputs.update(pushed.inputs)
+                return await self._backward_from(mb, x, pushed.back_from, pushed.grad, pushed.grad_receipt,
+                                                 pushed.loss, inputs, forwards, served_by, ids_d)
+            inputs[1] = h  # a push failed part-way: relayed on from the stage after the last that answered
+            start, h = pushed.partial_at + 1, pushed.h
+        for k in range(start, stages - 1):
             inputs[k] = h
             meta, vouch = self._meta(mb, forwards[k - 1]), self._vouch(mb, forwards[k - 1], ids_d)
             if k == 1:  # stage 1 may have other layer0 peers recompute our stage 0 from them (stage0_checks.py)
@@ -257,8 +276,19 @@ class PipelineDriver:
         try:
             await self.spot.after_gradient(last, "forward_backward_check", [h, ids], last_meta, last_vouch,
                                            served_by[last], grad, receipt)
-            for k in range(stages - 2, 0, -1):
-                grad, receipt = await self._backward_hop(k, mb, grad, receipt, inputs[k], forwards, served_by[k],
+        except Refused as exc:  # the last stage has applied its update: this micro-batch is half done, lost
+            self._avoid_author(exc)
+            raise HopGivenUp(str(exc)) from None
+        return await self._backward_from(mb, x, stages - 2, grad, receipt, loss, inputs, forwards, served_by, ids_d)
+
+    async def _backward_from(self, mb: str, x: torch.Tensor, k: int, grad: torch.Tensor, receipt: Receipt | None,
+                             loss: float, inputs: dict[int, torch.Tensor], forwards: dict[int, Receipt],
+                             served_by: dict[int, str], ids_d: bytes) -> float:
+        """The backward relayed from stage ``k`` (``grad``: the gradient of its output, ``receipt`` its signer's) up
+        to our own stage 0; the micro-batch's loss."""
+        try:
+            for k in range(k, 0, -1):
+                grad, receipt = await self._backward_hop(k, mb, grad, receipt, inputs.get(k), forwards, served_by[k],
                                                          loss, ids_d)
         except Refused as exc:  # the last stage has applied its update: this micro-batch is half done, lost
             self._avoid_author(exc)
@@ -282,7 +312,7 @@ class PipelineDriver:
             self.notify("warning", f"layer{harmful.stage} peer {harmful.peer[-8:]}: {harmful.describe()}; not "
                                    f"using it for {harmful.hold_s:.0f} s")
 
-    async def _backward_hop(self, k: int, mb: str, grad: torch.Tensor, receipt: Receipt, x: torch.Tensor,
+    async def _backward_hop(self, k: int, mb: str, grad: torch.Tensor, receipt: Receipt, x: torch.Tensor | None,
                             forwards: dict[int, Receipt], peer: str, loss: float,
                             ids_d: bytes) -> tuple[torch.Tensor, Receipt]:
         """Backward goes to the peer that ran the forward (it reuses its activations), else anywhere with the input
@@ -293,8 +323,12 @@ class PipelineDriver:
             (grad_in,), reply, _ = await self.hops.hop(k, "backward", [grad], {**self._meta(mb, receipt), "loss": loss},
                                                        only=peer, vouch=vouch)
         except (HopGivenUp, NeedInputReply):
+            if x is None:  # a pushed hop's input never came here: only the peer that ran its forward can do it
+                raise HopGivenUp(f"backward at layer{k}: peer {peer[-8:]} holds the only copy of its input") from None
             (grad_in,), reply, peer = await self.hops.hop(k, "backward", [grad, x], chain, vouch=vouch)
-        await self.spot.after_gradient(k, "backward_check", [grad, x], chain, vouch, peer, grad_in, reply["receipt"])
+        if x is not None:
+            await self.spot.after_gradient(k, "backward_check", [grad, x], chain, vouch, peer, grad_in,
+                                           reply["receipt"])
         return grad_in, reply["receipt"]
 
     def _forward_committed(self, mb: str, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, bytes]]:

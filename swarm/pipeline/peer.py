@@ -110,6 +110,10 @@ class SwarmPeer:
             desk=ReceiptDesk(self.run.run_id, self.index, self.receipt_key, self.keys),
         )
         attach_checks(self)  # convictions re-checked, stage 0's outputs recomputed (swarm/pipeline/peer_checks.py)
+        if self.index > 0:  # micro-batches pushed to us, and on by us (swarm/pipeline/push.py)
+            from swarm.pipeline.push import PushServer
+
+            self._servicer.push = PushServer(self.p2p, self.run, self.keys, traffic=self.traffic)
         await self._servicer.add_p2p_handlers(self.p2p, namespace=stage_namespace(self.run.run_id, self.swarm))
         from swarm.dht.reachability import DialBackServicer, namespace
 

@@ -62,6 +62,8 @@ class PeerMetrics:
     spot_checked: int = 0
     spot_caught: int = 0
     spot_outweighed: int = 0
+    # layer0: how its micro-batches travel (stage to stage, or relayed by the driver): push_driver.Pusher.describe
+    data_plane: str = ""
 
 
 def collect_metrics(worker: StageWorker, traffic: Traffic, in_flight: int, heal: HealStatus | None, driver: Any,
@@ -88,7 +90,8 @@ def collect_metrics(worker: StageWorker, traffic: Traffic, in_flight: int, heal:
     if driver is None:
         return PeerMetrics(**common)
     d = driver.stats
-    return PeerMetrics(**common, sent=d.sent, trained=d.trained, lost=d.lost, refused=d.refused,
+    pusher = getattr(driver, "pusher", None)
+    return PeerMetrics(**common, data_plane=pusher.describe() if pusher is not None else "", sent=d.sent, trained=d.trained, lost=d.lost, refused=d.refused,
                        waiting_for=d.waiting_for, blocked_reason=d.blocked_reason, test_accuracy=d.eval_accuracy,
                        test_loss=d.eval_loss, eval_samples=d.eval_at_samples, eval_at=evaluations.at,
                        eval_version=evaluations.version)

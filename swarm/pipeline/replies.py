@@ -21,6 +21,7 @@ from swarm.integrity.receipts import (
     Receipt,
     ReceiptError,
     figures_digest,
+    loss_digest,
     mismatch,
     signature_valid,
     tensor_digest,
@@ -125,6 +126,8 @@ def check_receipt(k: int, op: str, vouch: Vouch, peer: str, tensors: list[torch.
                                        ids=vouch.ids, signer=peer))
     if problem is not None:
         raise BadReply(f"{op} reply: its receipt does not hold: {problem}")
+    if op in ("forward_backward", "forward_backward_check") and receipt.figures != loss_digest(meta["loss"]):
+        raise BadReply(f"{op} reply: its receipt does not sign the loss it reports")
     if key is None or not signature_valid(receipt, key):
         raise BadReply(f"{op} reply: its receipt is not signed with the key it sent")
     return receipt

@@ -96,14 +96,16 @@ class SpotChecker:
         return self.book.credit
 
     async def after_forward(self, k: int, x: torch.Tensor, meta: dict, vouch: Vouch, primary: str,
-                            out: torch.Tensor, receipt: Receipt | None = None) -> None:
+                            out: torch.Tensor, receipt: Receipt | None = None, *, drawn: bool = False) -> None:
         """Maybe replicate the forward hop that ``primary`` served (``receipt``: its reply's, which commits to its
-        weights); raises Refused when ``primary`` is caught."""
+        weights); raises Refused when ``primary`` is caught. ``drawn``: the hop was drawn for a check already (a
+        pushed hop, checked after the fact: swarm/pipeline/push_driver.py)."""
         await self._maybe_replicate(k, "infer", [x], meta, vouch, primary, out, ACTIVATIONS,
-                                    Claim(primary, out, receipt, "forward"))
+                                    Claim(primary, out, receipt, "forward"), drawn)
 
     async def after_gradient(self, k: int, op: str, tensors: list[torch.Tensor], meta: dict, vouch: Vouch,
-                             primary: str, grad_in: torch.Tensor, receipt: Receipt | None = None) -> None:
+                             primary: str, grad_in: torch.Tensor, receipt: Receipt | None = None, *,
+                             drawn: bool = False) -> None:
         """Maybe replicate the gradient hop that ``primary`` served (the last stage's forward_backward: ``op``
         forward_backward_check, ``tensors`` [x, ids]; another stage's backward: backward_check, [g, x], ``meta`` with
         the receipts of g, x and primary's forward);
@@ -111,12 +113,13 @@ class SpotChecker:
         anyone upstream is the wrong input gradient, and the peer that computed it from our traffic."""
         primary_op = "forward_backward" if op == "forward_backward_check" else "backward"
         await self._maybe_replicate(k, op, tensors, meta, vouch, primary, grad_in, GRADIENTS,
-                                    Claim(primary, grad_in, receipt, primary_op))
+                                    Claim(primary, grad_in, receipt, primary_op), drawn)
 
     async def _maybe_replicate(self, k: int, op: str, tensors: list[torch.Tensor], meta: dict, vouch: Vouch,
-                               primary: str, out: torch.Tensor, bounds: Bounds, claim: Claim) -> None:
+                               primary: str, out: torch.Tensor, bounds: Bounds, claim: Claim,
+                               drawn: bool = False) -> None:
         router = self.hops.routers[f"layer{k}"]
-        if self.share <= 0 or self.rng.random() >= self.share_for(primary):
+        if not drawn and (self.share <= 0 or self.rng.random() >= self.share_for(primary)):
             return
         other = self._usable(router, exclude=[primary, *self._cannot[op]]) if len(router.peers) >= 2 else None
         refereed = self.referee is not None and self.referee.can_judge(claim.op)  # not a training op with dropout

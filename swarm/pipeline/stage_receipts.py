@@ -36,8 +36,10 @@ from swarm.integrity.receipts import (
     Receipt,
     ReceiptError,
     ReceiptKey,
+    NO_FIGURES,
     figures_digest,
     ids_digest,
+    loss_digest,
     mismatch,
     parse_all,
     signature_valid,
@@ -188,12 +190,14 @@ class ReceiptDesk:
     # ----- the reply
     def sign(self, requester: str, op: str, vouched: Vouched, out: list[Any], version: int,
              figures: tuple[float, int, int] | None = None, weights: bytes = NO_WEIGHTS,
-             forward_weights: bytes | None = None) -> list[Any]:
+             forward_weights: bytes | None = None, loss: float | None = None) -> list[Any]:
         """The receipt of our reply (wire form), committed to ``weights`` (the digest of the parameters the op ran
-        with, at ``version``); a forward's output digest is kept for its backward."""
+        with, at ``version``) and, with ``loss`` (a last stage's forward_backward), to the loss it reports; a
+        forward's output digest is kept for its backward."""
         output = figures_digest(*figures) if figures is not None else tensor_digest(out[0]) if out else b"\0" * 16
         receipt = self.key.sign(self.run_id, vouched.mb, op, self.stage, version, vouched.input or b"\0" * 16,
-                                output, vouched.ids or b"\0" * 16, weights, forward_weights)
+                                output, vouched.ids or b"\0" * 16, weights, forward_weights,
+                                NO_FIGURES if loss is None else loss_digest(loss))
         if op == "forward":
             self.emitted[(requester, vouched.mb)] = Emitted(vouched.input, output, vouched.ids)
             mine = self._emitted_by.setdefault(requester, deque())

@@ -65,6 +65,7 @@ from swarm.pipeline.stage_gate import SERVED_OPS, UPDATE_OPS, Outcome, StageGate
 from swarm.pipeline.stage_ops import ContentError, Request, check_op_here, dispatch  # noqa: F401  (dispatch re-exported)
 from swarm.pipeline.stage_receipts import NeedChain, ReceiptDesk, ReceiptRefusal, Vouched
 from swarm.pipeline.convictions import CONVICTION_OP
+from swarm.pipeline.push import PUSH_OPS, SHOW_OP
 from swarm.pipeline.weights_rpc import WEIGHTS_OP, WeightsDoor
 from swarm.pipeline.traffic import Traffic  # noqa: F401  (re-exported: the RPC modules count their bytes in it)
 from swarm.pipeline.wire import (
@@ -84,8 +85,9 @@ from swarm.pipeline.wire import (
 logger = logging.getLogger(__name__)
 
 COMMITTED_KEY = "_committed"  # in _run's reply, never on the wire: popped before signing
+LOSS_OPS = frozenset({"forward_backward", "forward_backward_check"})  # their receipts sign the loss they report
 NEW_WORK_OPS = frozenset({"forward", "forward_backward", "infer", "evaluate", "forward_backward_check",
-                          "backward_check"})
+                          "backward_check"}) | PUSH_OPS
 
 
 def stage_namespace(run_id: str, swarm: str) -> str:
@@ -114,6 +116,7 @@ class StageServicer(Stage0Ops, StageRPC):
         self.session_tasks: set[asyncio.Task] = set()  # hivemind's tasks that run our sessions (ended at a stop)
         self.shown = WeightsDoor()  # the committed weights a referee asks to see (swarm/pipeline/weights_rpc.py)
         self.convictions: Any = None  # a ConvictionDesk: referees' evidence re-checked here (convictions.py)
+        self.push: Any = None  # a PushServer: micro-batches pushed to us and on by us (push.py)
 
     async def rpc_call(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         tensors, meta = await self._one_message(request, context)
@@ -189,20 +192,41 @@ class StageServicer(Stage0Ops, StageRPC):
                                                       meta)
             except WireError as exc:
                 return [], _refusal("rejected", str(exc))
-        if not isinstance(op, str) or op not in SERVED_OPS:
+        if op == SHOW_OP and self.push is not None:  # a driver asks what a pushed hop of its micro-batch carried
+            return self.push.show(requester, meta)
+        if not isinstance(op, str) or op not in SERVED_OPS | PUSH_OPS:
             if self.gate is not None:
                 self.gate.strike(requester, "a request with an unknown op")
             return [], _refusal("rejected", f"unknown op {str(op)[:40]!r}")
         if op in NEW_WORK_OPS and not self.is_accepting():
             return [], _refusal("paused", "this peer is paused and takes no new work")
+        if op in PUSH_OPS:
+            if self.push is None:
+                return [], _refusal("rejected", "this peer does not take pushed micro-batches")
+            return await self.push.serve(self, requester, op, meta, serialized)
         if op == "infer" and self.replicas is not None and self.worker is not None and self.worker.index == 0:
             return await self._serve_replica(requester, serialized, meta)
         if self.gate is not None:
             refusal = await self.gate.admit(requester, op)
             if refusal is not None:
                 return [], _refusal(refusal.code, refusal.error, refusal.retry_after_s)
+        out, reply, outcome = await self.admitted(requester, requester, op, meta, serialized)
+        if self.gate is not None:
+            self.gate.settle(requester, outcome)
+        return out, reply
+
+    async def admitted(self, requester: str, sender: str, op: str, meta: dict, serialized: list[Any],
+                       ) -> tuple[list[Any], dict, Outcome]:
+        """An admitted request: checked, run, signed. ``requester``: the driver whose micro-batch it is (its fair share,
+        its shards, the owner of the saved activations); ``sender``: the peer it came from (the requester itself, or
+        the stage before us that pushed it: swarm/pipeline/push.py). The Outcome is the caller's to settle: a strike
+        for a malformed request lands on its sender, never on a driver whose micro-batch a stage pushed."""
         outcome = Outcome()
         vouched = Vouched()
+
+        def strike(text: str) -> Outcome:  # the request's form is its sender's doing
+            return Outcome(strike=text) if sender == requester else Outcome(author=sender, author_strike=text)
+
         try:
             check_op_here(self.worker, op)
             tensors = decode_tensors(serialized, self.max_bytes, coded=True)
@@ -210,7 +234,7 @@ class StageServicer(Stage0Ops, StageRPC):
                 vouched = await self.desk.check(requester, op, meta, tensors)
                 refusal = self._banned_author(vouched)
                 if refusal is not None:
-                    return [], refusal
+                    return [], refusal, outcome
             check = self._start_stage0_check(requester, op, meta, tensors, vouched)
             if check is not None and op == "forward_backward":  # it applies the update: the verdict comes first
                 await self._stage0_verdict(check, requester, None)
@@ -224,39 +248,38 @@ class StageServicer(Stage0Ops, StageRPC):
             # could be any of them, so it is nobody's strike (the step bound has already held the update).
             outcome = replace(outcome, author=vouched.applied_author) if op == "backward" else \
                 replace(outcome, clip_scale=1.0)
-            return await self._signed(requester, op, vouched, out, reply, committed)
+            out, reply = await self._signed(requester, op, vouched, out, reply, committed)
+            return out, reply, outcome
         except Stage0Refused as exc:  # its author is already struck, by the check itself
-            return [], _refusal("spot_check", str(exc))
+            return [], _refusal("spot_check", str(exc)), outcome
         except NeedInput:
-            return [], _refusal("need_input", "no saved activations here: send the input")
+            return [], _refusal("need_input", "no saved activations here: send the input"), outcome
         except NeedChain:
-            return [], _refusal("need_input", "no saved activations here: send the input and its receipts")
+            return [], _refusal("need_input", "no saved activations here: send the input and its receipts"), outcome
         except ReceiptRefusal as exc:
             if exc.strike:
-                logger.warning("refused a request from %s: %s: %s", requester[-8:], exc.code, exc)
-                outcome = Outcome(strike=f"{exc.code}: {str(exc)[:120]}")
-            return [], _refusal(exc.code, str(exc), exc.retry_after_s)
+                logger.warning("refused a request from %s: %s: %s", sender[-8:], exc.code, exc)
+                outcome = strike(f"{exc.code}: {str(exc)[:120]}")
+            return [], _refusal(exc.code, str(exc), exc.retry_after_s), outcome
         except SickCopy as exc:
-            return [], _refusal("healing", f"this copy is sick and healing ({exc}): ask another peer")
+            return [], _refusal("healing", f"this copy is sick and healing ({exc}): ask another peer"), outcome
         except WrongShard as exc:
-            # a shard closed only by our grace view: the driver's read may have missed the same record
+            # a shard closed only by our grace view: the driver's read may have missed the same record (the sample
+            # ids are the driver's, signed in its stage-0 receipt, whoever brought them)
             outcome = Outcome() if exc.excusable else Outcome(strike="sample ids outside its shards")
-            return [], _refusal("wrong_shard", str(exc))
+            return [], _refusal("wrong_shard", str(exc)), outcome
         except ContentError as exc:  # a tensor whose receipt holds: its signer computed it wrong
-            author = vouched.authors.get(exc.index, "") or requester
-            logger.warning("rejected a tensor computed by %s (relayed by %s): %s", author[-8:], requester[-8:], exc)
+            author = vouched.authors.get(exc.index, "") or sender
+            logger.warning("rejected a tensor computed by %s (relayed by %s): %s", author[-8:], sender[-8:], exc)
             if author == requester:
                 outcome = Outcome(strike=f"rejected: {str(exc)[:120]}")
             else:
                 outcome = Outcome(author=author, author_strike=f"sent a wrong tensor: {str(exc)[:120]}")
-            return [], {**_refusal("rejected" if author == requester else "bad_author", str(exc)), "author": author}
+            code = "rejected" if author in (requester, sender) else "bad_author"
+            return [], {**_refusal(code, str(exc)), "author": author}, outcome
         except (WireError, ValueError, TypeError) as exc:  # StepRefused is a ValueError: nothing was applied
-            logger.warning("rejected a request from %s: %s", requester[-8:], exc)
-            outcome = Outcome(strike=f"rejected: {str(exc)[:120]}")
-            return [], _refusal("rejected", str(exc))
-        finally:
-            if self.gate is not None:
-                self.gate.settle(requester, outcome)
+            logger.warning("rejected a request from %s: %s", sender[-8:], exc)
+            return [], _refusal("rejected", str(exc)), strike(f"rejected: {str(exc)[:120]}")
 
     def _banned_author(self, vouched: Vouched) -> dict | None:
         """A tensor computed by a peer this stage has banned is refused, whoever relays it (no strike on the relay)."""
@@ -280,7 +303,8 @@ class StageServicer(Stage0Ops, StageRPC):
             version, weights, forward_weights = committed if committed is not None else \
                 (*self.worker.committed, self.worker.forward_weights)
             reply = {**reply, "rk": self.desk.key.public,
-                     "rc": self.desk.sign(requester, op, vouched, serialized, version, figures, weights, forward_weights)}
+                     "rc": self.desk.sign(requester, op, vouched, serialized, version, figures, weights, forward_weights,
+                                          reply.get("loss") if op in LOSS_OPS else None)}
         return serialized, reply
 
 

@@ -172,6 +172,7 @@ class Announcer:
             bytes_in=m.bytes_in, bytes_out=m.bytes_out, gpu_memory_bytes=gpu_memory_bytes(node.peer.device),
             heals=m.heals, eval_every_s=node.run.training.eval_every_s,
             spot_checked=m.spot_checked, spot_caught=m.spot_caught, spot_outweighed=m.spot_outweighed,
+            data_plane=m.data_plane,
             staleness_mean=None if m.staleness_mean is None else round(m.staleness_mean, 2),
             staleness_p95=m.staleness_p95, staleness_max=m.staleness_max,
         )

@@ -1,0 +1,474 @@
+"""Stage-to-stage transfer, the driver's side (issue 41): one micro-batch pushed down the route it chose.
+
+The driver chooses a peer of every stage (``SwarmRouter.choose``, as for relayed hops) and sends stage 1 its stage-0
+output with the route (swarm/pipeline/push.py says what each stage does). It gets back stage 1's input gradient and
+the trail of 2L-1 receipts (the forwards of stages 1..L-1, the last stage's forward_backward, the backwards of stages
+L-1..1), checks every one (signer, stage, op, micro-batch, sample ids, each input the output before it, the
+signature with the key the driver has of that peer, the last stage's loss) and applies its stage-0 backward. Nothing
+in the trail is taken on the word of the peer that relayed it.
+
+Which micro-batches are pushed: those whose every peer has validated work here (``SpotChecker.established``; any
+peer while spot checks are off) and whose receipt key the driver holds. A newcomer's hops are relayed: its first
+sampled hop is checked before anything downstream uses its output, as before. A peer that failed a push, could not
+show what a pushed hop carried, or does not know the push ops (an older client) is relayed for a while.
+
+Spot checks after the fact: each hop of a pushed micro-batch is drawn for a check as a relayed one is (``share_for``);
+for a drawn hop the driver asks its peer what it received and sent (``show``), checks those tensors against the
+receipts, and runs the same check as for a relayed hop (a second copy, or the referee) in the background. A peer
+cannot tell a checked hop from another when it computes it. A liar caught there is convicted and routed around as
+in a relayed check; the micro-batch it served has gone on (as with a background referee).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from swarm.integrity.receipts import Receipt, ReceiptError, loss_digest, mismatch, Expect, signature_valid, \
+    tensor_digest
+from swarm.pipeline.hops import HopGivenUp
+from swarm.pipeline.push import BROKEN_CODE, LOST_CODE, PUSH_FORWARD, PUSH_LAST, SHOW_OP
+from swarm.pipeline.replies import BadReply, Vouch, check_reply_tensor
+from swarm.pipeline.stage0_replicas import ids_bytes
+from swarm.pipeline.stage_client import StageError
+from swarm.pipeline.wire import WireError, payload_of
+from swarm.run.models import stage_input_spec, stage_output_spec
+
+logger = logging.getLogger(__name__)
+
+# VOLUNTEER_DATA_PLANE=relay: the driver carries every tensor, as before this round (benchmarks compare both)
+ENABLED = os.environ.get("VOLUNTEER_DATA_PLANE", "push") != "relay"
+TIMING_OP = "push"  # the routers' service times of pushed hops (each hop's share of the chain's round trip)
+AVOID_S = 60.0  # a peer whose push failed is relayed this long
+UNSHOWN_AVOID_S = 300.0  # ... one that did not show a checked hop's tensors UNSHOWN_IN_ROW times running
+UNSHOWN_IN_ROW = 3
+MAX_CHECKS = 4  # pushed hops checked in the background at once
+SHOW_TIMEOUT_S = 10.0
+RECOVER_TIMEOUT_S = 5.0  # each peer's answer to a recovery's show (a dead peer on loopback fails at once)
+
+
+@dataclass(slots=True)
+class Pushed:
+    """What came back: a full micro-batch (``grad`` and ``loss``), or a partial one the driver relays on from
+    stage ``partial_at`` + 1 (``h``: that stage's input)."""
+
+    served_by: dict[int, str] = field(default_factory=dict)
+    forwards: dict[int, Receipt] = field(default_factory=dict)
+    grad: torch.Tensor | None = None
+    loss: float | None = None
+    partial_at: int = 0
+    h: torch.Tensor | None = None
+    # recovered after a broken push with the last stage's update applied: the backward relayed on from stage
+    # ``back_from`` (``grad`` and its receipt ``grad_receipt``: the gradient of that stage's output), ``inputs`` the
+    # inputs the driver could get of the stages before it (a backward elsewhere needs its input)
+    back_from: int = 0
+    grad_receipt: Receipt | None = None
+    inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class TrailError(ValueError):
+    pass
+
+
+class Pusher:
+    def __init__(self, driver: Any):
+        self.driver = driver
+        self.hops = driver.hops
+        self.run = driver.run
+        self.stages = self.run.model.stages
+        self.avoid: dict[str, float] = {}  # peer -> relayed until
+        self.cannot: set[str] = set()  # peers that do not know the push ops
+        self.unshown: dict[str, int] = {}
+        self._checks: set[asyncio.Task] = set()
+        self._said: set[tuple[str, str]] = set()
+        self.pushed = 0
+        self.partial = 0
+        self.relayed = 0  # micro-batches relayed because a peer of their route may not be pushed through
+        self.checked = 0  # pushed hops checked after the fact
+        self.unshown_total = 0
+        self.recovered = 0  # broken pushes resumed by relay from what the route held
+
+    # ----- the route
+    def route(self) -> list[str] | None:
+        """A peer of every stage 1..L that may be pushed through, or None (relay this micro-batch)."""
+        now = time.monotonic()
+        spot, keys = self.driver.spot, self.driver.keys
+        route = []
+        for k in range(1, self.stages):
+            peer = self.hops.routers[f"layer{k}"].choose(now, hop=True)
+            if peer is None or peer in self.cannot or self.avoid.get(peer, 0.0) > now or keys.known(peer) is None or \
+                    (spot.share > 0 and not spot.established(peer)):
+                self.relayed += 1
+                return None
+            route.append(peer)
+        return route
+
+    # ----- one micro-batch
+    async def push(self, mb: str, h: torch.Tensor, ids: torch.Tensor, ids_d: bytes, r0: Receipt) -> Pushed | None:
+        """Push ``mb`` down a route; None when it is not pushed (the driver relays it from the start). Raises
+        HopGivenUp when it was lost (a stage applied its update and the rest cannot follow)."""
+        route = self.route()
+        if route is None:
+            return None
+        training, last = self.run.training, self.stages - 1
+        routers = [self.hops.routers[f"layer{k}"] for k in range(1, self.stages)]
+        hop_s = [router.timeout_s(TIMING_OP, peer) for router, peer in zip(routers, route)]
+        meta = {"mb": mb, "rc": [r0.to_wire()], "chain": [], "rk": self.driver.receipt_key.public,
+                "ids": ids_bytes(ids), "route": route[1:], "hop_s": hop_s[1:]}
+        tensors = [h, ids] if last == 1 else [h]
+        for router, peer in zip(routers, route):
+            router.begin(peer)
+        try:
+            out, reply, elapsed = await self.hops.call(
+                self.hops.p2p, route[0], self.hops.namespaces["layer1"], PUSH_LAST if last == 1 else PUSH_FORWARD,
+                tensors, meta, timeout_s=sum(hop_s), codec=training.codec, rank=training.wire_rank,
+                max_bytes=int(training.max_payload_mb * 2**20), traffic=self.hops.traffic)
+        except StageError as exc:
+            if exc.code == LOST_CODE:
+                raise HopGivenUp(f"pushed micro-batch lost: {exc}") from None
+            if exc.code == BROKEN_CODE:  # a stage down the route got no answer from the next
+                return await self._recover(mb, route, h, ids, ids_d, r0, str(exc))
+            if exc.code == "rejected" and ("unknown op" in str(exc) or "pushed" in str(exc)):
+                self.cannot.add(route[0])  # an older client: relayed from now on
+            return None  # stage 1 refused it at its door: nothing ran, the relay meets the refusal and acts on it
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # no answer in time, a cut stream: ask the route what happened
+            routers[0].failure(route[0], time.monotonic())
+            return await self._recover(mb, route, h, ids, ids_d, r0, f"{exc.__class__.__name__}: {exc}")
+        finally:
+            for router, peer in zip(routers, route):
+                router.end(peer)
+        batch = int(h.shape[0])
+        try:
+            if reply.get("partial") is True:
+                return self._partial(mb, out, reply, route, ids_d, r0, batch)
+            pushed = self._full(mb, out, reply, route, ids, ids_d, r0, batch)
+        except (TrailError, BadReply, ReceiptError, WireError) as exc:
+            self.avoid[route[0]] = time.monotonic() + AVOID_S
+            logger.warning("a pushed micro-batch came back through layer1 peer %s with a trail that does not hold "
+                           "(%s): lost; that peer is relayed for %.0f s", route[0][-8:], exc, AVOID_S)
+            raise HopGivenUp(f"pushed micro-batch {mb}: {exc}") from None
+        for router, peer in zip(routers, route):
+            router.success(peer, elapsed / len(route), TIMING_OP)
+        self.pushed += 1
+        return pushed
+
+    def _full(self, mb: str, out: list[torch.Tensor], reply: dict, route: list[str], ids: torch.Tensor, ids_d: bytes,
+              r0: Receipt, batch: int) -> Pushed:
+        last = self.stages - 1
+        if len(out) != 1:
+            raise TrailError(f"a pushed micro-batch's reply carries {len(out)} tensors")
+        grad = check_reply_tensor(out[0], stage_input_spec(self.run.model, 1, batch),
+                                  self.run.timeouts.reply_max_abs, "push reply")
+        loss = reply.get("loss")
+        if not isinstance(loss, (int, float)) or isinstance(loss, bool) or not math.isfinite(loss) or loss < 0:
+            raise TrailError(f"loss {str(loss)[:40]} is not a finite non-negative number")
+        trail = self._receipts(reply.get("trail"), 2 * last - 1)
+        forwards = self._forwards(trail[:last], route, mb, ids_d, r0)
+        final = trail[last - 1]
+        if final.figures != loss_digest(loss):
+            raise TrailError("the last stage's receipt does not sign the loss that came back")
+        backwards = {}
+        for i, receipt in enumerate(trail[last:]):
+            k = last - 1 - i
+            self._holds(receipt, Expect(self.run.run_id, k, frozenset({"backward"}), receipt.output, mb=mb,
+                                        input=forwards[k - 1].output, ids=ids_d, signer=route[k - 1]))
+            backwards[k] = receipt
+        if tensor_digest(payload_of(grad)) != (backwards[1].output if last > 1 else final.output):
+            raise TrailError("the gradient is not the one stage 1 signed")
+        served_by = dict(enumerate(route, 1))
+        self._check_later(mb, route, forwards, backwards, ids, ids_d, float(loss), batch)
+        return Pushed(served_by=served_by, forwards=forwards, grad=grad, loss=float(loss))
+
+    def _partial(self, mb: str, out: list[torch.Tensor], reply: dict, route: list[str], ids_d: bytes, r0: Receipt,
+                 batch: int) -> Pushed:
+        raw = reply.get("trail")
+        if not isinstance(raw, list) or not 1 <= len(raw) < self.stages - 1 or len(out) != 1:
+            raise TrailError("a partial reply without its trail and output")
+        trail = self._receipts(raw, len(raw))
+        forwards = self._forwards(trail, route, mb, ids_d, r0)
+        m = len(trail)
+        h = check_reply_tensor(out[0], stage_output_spec(self.run.model, m, batch), self.run.timeouts.reply_max_abs,
+                               "push reply")
+        if tensor_digest(payload_of(h)) != forwards[m].output:
+            raise TrailError(f"the output is not the one layer{m} signed")
+        failed = reply.get("push_failed")
+        peer = failed.get("peer") if isinstance(failed, dict) else None
+        if isinstance(peer, str) and peer in route:
+            self.avoid[peer] = time.monotonic() + AVOID_S  # relayed to for a while; judged by its own hops there
+            self._say(route[m - 1], peer, f"layer{m} peer {route[m - 1][-8:]} could not push to layer{m + 1} peer "
+                      f"{peer[-8:]} ({str(failed.get('error', ''))[:120]}): that peer is relayed for {AVOID_S:.0f} s")
+        self.partial += 1
+        return Pushed(served_by={k: route[k - 1] for k in range(1, m + 1)}, forwards=forwards, partial_at=m, h=h)
+
+    # ----- a broken push: what the route holds
+    async def _recover(self, mb: str, route: list[str], h0: torch.Tensor, ids: torch.Tensor, ids_d: bytes,
+                       r0: Receipt, why: str) -> Pushed | None:
+        """A push that got no answer somewhere down the route (a peer died or is unreachable): ask every peer of the
+        route what it kept of ``mb`` (``show``: tensors and receipts, each checked against the signed chain), then
+        resume by relay from the furthest point that is known: the backward from the deepest stage whose backward
+        is known done, if the last stage's update is known applied, else the forward from the deepest output known.
+        A peer that is dead takes its update with it; a peer that is only slow may still finish (as a relayed hop
+        that times out may). Raises HopGivenUp when nothing can be resumed without applying an update twice."""
+        for peer in route:
+            self.avoid[peer] = time.monotonic() + AVOID_S
+        self._say(route[0], "broken", f"a push along the route {'/'.join(p[-8:] for p in route)} broke ({why[:120]}): "
+                  f"those peers are relayed for {AVOID_S:.0f} s")
+        batch, last, model = int(h0.shape[0]), self.stages - 1, self.run.model
+        shows = await asyncio.gather(*(self._fetch(mb, k, peer) for k, peer in enumerate(route, 1)))
+        fwd: dict[int, Receipt] = {0: r0}
+        ys: dict[int, torch.Tensor] = {0: h0}
+        loss: float | None = None
+        for k, peer in enumerate(route, 1):  # the forward chain, as far as it is known
+            here, after = shows[k - 1], shows[k] if k < last else None
+            receipt = _receipt(here, "rc_y" if k < last else "rc_gx") or (_receipt(after, "rc_x") if after else None)
+            op = "forward_backward" if k == last else "forward"
+            if receipt is None or not self._follows(receipt, k, op, mb, fwd[k - 1].output, ids_d, peer):
+                break
+            fwd[k] = receipt
+            if k < last:
+                y = _tensor(here, "y", receipt.output, stage_output_spec(model, k, batch), self.run) or \
+                    (_tensor(after, "x", receipt.output, stage_output_spec(model, k, batch), self.run) if after else None)
+                if y is None:
+                    break
+                ys[k] = y
+            else:
+                shown_loss = here.get("loss") if here else None
+                if isinstance(shown_loss, float) and math.isfinite(shown_loss) and receipt.figures == loss_digest(shown_loss):
+                    loss = shown_loss
+        served_by = {k: fwd[k].signer for k in fwd if k}
+        inputs = {k: ys[k - 1] for k in range(1, last + 1) if k - 1 in ys}
+        if last not in fwd or loss is None:  # the last stage's update is not known applied: the forward goes on
+            m = max(k for k in ys)
+            self.partial += 1
+            if m == 0:
+                return None
+            return Pushed(served_by=served_by, forwards={k: fwd[k] for k in range(1, m + 1)}, partial_at=m, h=ys[m])
+        grad = _tensor(shows[last - 1], "gx", fwd[last].output, stage_input_spec(model, last, batch), self.run) or \
+            (_tensor(shows[last - 2], "g", fwd[last].output, stage_input_spec(model, last, batch), self.run)
+             if last > 1 else None)
+        if grad is None:
+            raise HopGivenUp(f"pushed micro-batch {mb}: the last stage applied it and its gradient cannot be had")
+        receipt = fwd[last]
+        k = last - 1
+        while k >= 1:  # the backwards known done, from the last stage up
+            here, below = shows[k - 1], shows[k - 2] if k > 1 else None
+            bwd = _receipt(here, "rc_gx") or (_receipt(below, "rc_g") if below else None)
+            if bwd is None or not self._follows(bwd, k, "backward", mb, fwd[k - 1].output, ids_d, route[k - 1]):
+                break
+            spec = stage_input_spec(model, k, batch)
+            g = _tensor(here, "gx", bwd.output, spec, self.run) or (_tensor(below, "g", bwd.output, spec, self.run)
+                                                                     if below else None)
+            if g is None:
+                break
+            grad, receipt, k = g, bwd, k - 1
+        self.recovered += 1
+        return Pushed(served_by=served_by, forwards=fwd, grad=grad, loss=loss, back_from=k, grad_receipt=receipt,
+                      inputs=inputs)
+
+    async def _fetch(self, mb: str, k: int, peer: str) -> dict[str, Any] | None:
+        """``peer``'s ``show`` of ``mb`` at stage ``k``: its reply metadata with the tensors by name, or None."""
+        training = self.run.training
+        try:
+            out, reply, _ = await self.hops.call(
+                self.hops.p2p, peer, self.hops.namespaces[f"layer{k}"], SHOW_OP, [], {"mb": mb},
+                timeout_s=RECOVER_TIMEOUT_S, codec=training.codec, rank=training.wire_rank,
+                max_bytes=int(training.max_payload_mb * 2**20), traffic=self.hops.traffic)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            return None
+        have = reply.get("have")
+        if not isinstance(have, list) or len(have) != len(out):
+            return None
+        return {**reply, "tensors": dict(zip(have, out))}
+
+    def _follows(self, receipt: Receipt, k: int, op: str, mb: str, input: bytes, ids_d: bytes, peer: str) -> bool:
+        try:
+            self._holds(receipt, Expect(self.run.run_id, k, frozenset({op}), receipt.output, mb=mb, input=input,
+                                        ids=ids_d, signer=peer))
+            return True
+        except TrailError:
+            return False
+
+    # ----- the trail
+    def _receipts(self, raw: Any, count: int) -> list[Receipt]:
+        if not isinstance(raw, list) or len(raw) != count:
+            raise TrailError(f"expected a trail of {count} receipts")
+        return [Receipt.from_wire(item) for item in raw]
+
+    def _forwards(self, trail: list[Receipt], route: list[str], mb: str, ids_d: bytes,
+                  r0: Receipt) -> dict[int, Receipt]:
+        """Stage -> its forward's receipt (the last stage's forward_backward), each following the one before."""
+        forwards = {0: r0}
+        last = self.stages - 1
+        for k, receipt in enumerate(trail, 1):
+            op = "forward_backward" if k == last else "forward"
+            self._holds(receipt, Expect(self.run.run_id, k, frozenset({op}), receipt.output, mb=mb,
+                                        input=forwards[k - 1].output, ids=ids_d, signer=route[k - 1]))
+            forwards[k] = receipt
+        return forwards
+
+    def _holds(self, receipt: Receipt, expect: Expect) -> None:
+        problem = mismatch(receipt, expect)
+        if problem is not None:
+            raise TrailError(f"layer{expect.stage}'s receipt: {problem}")
+        key = self.driver.keys.known(receipt.signer)
+        if key is None or not signature_valid(receipt, key):
+            raise TrailError(f"layer{expect.stage}'s receipt does not verify with its signer's key")
+
+    # ----- spot checks after the fact
+    def _check_later(self, mb: str, route: list[str], forwards: dict[int, Receipt], backwards: dict[int, Receipt],
+                     ids: torch.Tensor, ids_d: bytes, loss: float, batch: int) -> None:
+        spot = self.driver.spot
+        if spot.share <= 0:
+            return
+        last = self.stages - 1
+        for k, peer in enumerate(route, 1):
+            share = spot.share_for(peer)
+            forward = k < last and spot.rng.random() < share
+            gradient = spot.rng.random() < share
+            if not (forward or gradient):
+                continue
+            if len(self._checks) >= MAX_CHECKS:
+                spot.referee_skipped += 1
+                continue
+            task = asyncio.ensure_future(self._check(mb, k, peer, forwards, backwards, ids, ids_d, loss, batch,
+                                                     forward, gradient))
+            self._checks.add(task)
+            task.add_done_callback(self._checks.discard)
+
+    async def _check(self, mb: str, k: int, peer: str, forwards: dict[int, Receipt], backwards: dict[int, Receipt],
+                     ids: torch.Tensor, ids_d: bytes, loss: float, batch: int, forward: bool, gradient: bool) -> None:
+        try:
+            shown = await self._show(mb, k, peer, forwards, backwards, batch)
+            if shown is None:
+                return
+            await self._recheck(mb, k, peer, shown, forwards, backwards, ids, ids_d, loss, forward, gradient)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # Refused: the peer was caught (convicted or held off already); a bug: never a lane's
+            if exc.__class__.__name__ != "Refused":
+                logger.exception("a check of a pushed hop failed")
+
+    async def _show(self, mb: str, k: int, peer: str, forwards: dict[int, Receipt], backwards: dict[int, Receipt],
+                    batch: int) -> dict[str, torch.Tensor] | None:
+        """What ``peer`` received and sent at hop ``k`` of ``mb``, each checked against its receipt; None (and the
+        peer's misses counted) when it cannot show them."""
+        last = self.stages - 1
+        model, bound = self.run.model, self.run.timeouts.reply_max_abs
+        digests = {"x": forwards[k - 1].output, "gx": (backwards[k] if k < last else forwards[last]).output}
+        specs = {"x": stage_input_spec(model, k, batch), "gx": stage_input_spec(model, k, batch)}
+        if k < last:
+            digests["y"] = forwards[k].output
+            digests["g"] = (backwards[k + 1] if k + 1 < last else forwards[last]).output
+            specs["y"] = specs["g"] = stage_output_spec(model, k, batch)
+        training = self.run.training
+        try:
+            out, reply, _ = await self.hops.call(
+                self.hops.p2p, peer, self.hops.namespaces[f"layer{k}"], SHOW_OP, [], {"mb": mb},
+                timeout_s=SHOW_TIMEOUT_S, codec=training.codec, rank=training.wire_rank,
+                max_bytes=int(training.max_payload_mb * 2**20), traffic=self.hops.traffic)
+            have = reply.get("have")
+            if not isinstance(have, list) or sorted(have) != sorted(digests) or len(out) != len(have):
+                raise TrailError(f"it showed {str(have)[:60]}")
+            shown = {}
+            for name, tensor in zip(have, out):
+                tensor = check_reply_tensor(tensor, specs[name], bound, f"shown {name}")
+                if tensor_digest(payload_of(tensor)) != digests[name]:
+                    raise TrailError(f"its {name} is not the tensor its receipt names")
+                shown[name] = tensor
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.unshown_total += 1
+            misses = self.unshown.get(peer, 0) + 1
+            self.unshown[peer] = misses
+            logger.info("layer%d peer %s did not show a pushed hop drawn for a check (%s)", k, peer[-8:], exc)
+            if misses >= UNSHOWN_IN_ROW:
+                self.unshown.pop(peer, None)
+                self.avoid[peer] = time.monotonic() + UNSHOWN_AVOID_S
+                logger.warning("layer%d peer %s showed none of its last %d pushed hops drawn for a check: its hops "
+                               "are relayed (and checked before use) for %.0f s", k, peer[-8:], UNSHOWN_IN_ROW,
+                               UNSHOWN_AVOID_S)
+            return None
+        self.unshown.pop(peer, None)
+        return shown
+
+    async def _recheck(self, mb: str, k: int, peer: str, shown: dict[str, torch.Tensor],
+                       forwards: dict[int, Receipt], backwards: dict[int, Receipt], ids: torch.Tensor, ids_d: bytes,
+                       loss: float, forward: bool, gradient: bool) -> None:
+        """The check a relayed hop gets (swarm/pipeline/spot_checks.py), on what the peer showed."""
+        driver, spot, last = self.driver, self.driver.spot, self.stages - 1
+        vouch = Vouch(self.run.run_id, mb, forwards[k - 1].output, ids_d)
+        meta = driver._meta(mb, forwards[k - 1])
+        if k == 1:
+            meta["ids"] = ids_bytes(ids)
+        self.checked += 1
+        if forward and k < last:
+            await spot.after_forward(k, shown["x"], meta, vouch, peer, shown["y"], forwards[k], drawn=True)
+        if not gradient:
+            return
+        if k == last:
+            await spot.after_gradient(k, "forward_backward_check", [shown["x"], ids], meta, vouch, peer, shown["gx"],
+                                      forwards[k], drawn=True)
+            return
+        g_receipt = backwards[k + 1] if k + 1 < last else forwards[last]
+        chain = {**driver._meta(mb, g_receipt, forwards[k - 1], forwards[k]), "loss": loss}
+        await spot.after_gradient(k, "backward_check", [shown["g"], shown["x"]], chain, vouch, peer, shown["gx"],
+                                  backwards[k], drawn=True)
+
+    def _say(self, a: str, b: str, text: str) -> None:
+        if (a, b) not in self._said:
+            self._said.add((a, b))
+            logger.info(text)
+            self.driver.notify("info", text)
+
+    def describe(self) -> str:
+        """How this driver's micro-batches travel, for its user: 'stage to stage 96% · 2 peers relayed now'."""
+        total = self.pushed + self.relayed + self.partial + self.recovered
+        if not total:
+            return ""
+        now = time.monotonic()
+        text = f"stage to stage {100 * self.pushed / total:.0f}%"
+        avoided = sum(1 for until in self.avoid.values() if until > now) + len(self.cannot)
+        if avoided:
+            text += f" · {avoided} peer{'s' if avoided != 1 else ''} relayed now"
+        return text
+
+    def cancel(self) -> None:
+        for task in list(self._checks):
+            task.cancel()
+
+    def stats(self) -> dict[str, int]:
+        return {"pushed": self.pushed, "partial": self.partial, "recovered": self.recovered, "relayed": self.relayed, "checked": self.checked,
+                "unshown": self.unshown_total, "avoided": sum(1 for t in self.avoid.values() if t > time.monotonic())}
+
+
+def _receipt(shown: dict[str, Any] | None, name: str) -> Receipt | None:
+    if not shown or name not in shown:
+        return None
+    try:
+        return Receipt.from_wire(shown[name])
+    except ReceiptError:
+        return None
+
+
+def _tensor(shown: dict[str, Any] | None, name: str, digest: bytes, spec: Any, run: Any) -> torch.Tensor | None:
+    """A shown tensor, if it is the one ``digest`` names and it passes the reply checks."""
+    tensor = (shown or {}).get("tensors", {}).get(name)
+    if tensor is None:
+        return None
+    try:
+        tensor = check_reply_tensor(tensor, spec, run.timeouts.reply_max_abs, f"shown {name}")
+    except BadReply:
+        return None
+    return tensor if tensor_digest(payload_of(tensor)) == digest else None

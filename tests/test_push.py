@@ -1,0 +1,223 @@
+"""Stage-to-stage transfer against real stage servers over P2P (swarm/pipeline/push.py): a micro-batch pushed from
+layer1 to layer2 trains both and comes back with a trail every link of which holds; its hops can be shown to its
+driver only; a chain that names another driver is refused without a strike on that driver; a next stage that refuses
+the push leaves the micro-batch to the driver's relay (partial), one that cannot be reached is said (push_broken)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from receipting import relay_meta, stage0_meta
+from swarm.dht.dht import DHTSettings, fresh_p2p, shutdown_dht, start_dht
+from swarm.dht.records import MemberRecord
+from swarm.integrity.receipts import Receipt, ReceiptKey, ids_digest, loss_digest, tensor_digest
+from swarm.pipeline.peer import SwarmPeer
+from swarm.pipeline.push import BROKEN_CODE, PUSH_FORWARD, PUSH_LAST, SHOW_OP, Outbox, parse_push
+from swarm.pipeline.stage0_replicas import ids_bytes
+from swarm.pipeline.stage_rpc import StageError, call_stage, stage_namespace
+from swarm.pipeline.wire import Payload, WireError, payload_of
+from swarm.run.data import load_dataset, make_shards
+from swarm.run.runconfig import RunConfig
+from swarm.pipeline.stage import StageWorker
+
+RUN = RunConfig.model_validate({
+    "name": "pushed",
+    "model": {"stages": 3, "hidden_dim": 32},
+    "optimizer": {"name": "sgd", "lr": 0.05},
+    "training": {"batch_size": 8},
+    "timeouts": {"rpc_s": 10},
+})
+
+
+@pytest.fixture(scope="module")
+def stages():
+    dhts, peers = [], []
+    try:
+        driver = start_dht(DHTSettings(), [])
+        dhts.append(driver)
+        maddrs = [str(m) for m in driver.get_visible_maddrs()]
+        other = start_dht(DHTSettings(initial_peers=maddrs), [])
+        dhts.append(other)
+        for k in (1, 2):
+            dht = start_dht(DHTSettings(initial_peers=maddrs), [])
+            dhts.append(dht)
+            peer = SwarmPeer(RUN, dht, f"layer{k}")
+            peer.start()
+            peers.append(peer)
+        _allow(peers, [driver, other])
+        yield driver, other, peers
+    finally:
+        for peer in peers:
+            peer.stop()
+        for dht in dhts:
+            shutdown_dht(dht)
+
+
+def _allow(peers, drivers) -> None:
+    records = [MemberRecord(str(d.peer_id), "online", "test", 0.0, 0.0, shard=s) for s, d in enumerate(drivers)]
+
+    async def allow(peer):
+        peer.gate.set_drivers(records)
+
+    for peer in peers:
+        asyncio.run_coroutine_threadsafe(allow(peer), peer._loop).result(5)
+
+
+async def _call(p2p, peer, op, tensors, meta):
+    return await call_stage(p2p, str(peer.dht.peer_id), stage_namespace(RUN.run_id, peer.swarm), op, tensors, meta,
+                            timeout_s=10, codec="float32", max_bytes=2**24)
+
+
+def _batch(tag: str):
+    dataset = load_dataset(RUN.data, RUN.model)
+    shards = make_shards(dataset.y_train, RUN.data, dataset.num_classes)
+    ids = torch.as_tensor(shards[0][:8], dtype=torch.int64)
+    return dataset.x_train[ids], ids
+
+
+async def _relayed(p2p, key, layer1, layer2, worker0, x, ids, mb):
+    """One micro-batch the old way: both stages learn the driver's key from its own requests."""
+    h0 = worker0.forward(mb, x)
+    (h1,), m1, _ = await _call(p2p, layer1, "forward", [h0], stage0_meta(key, RUN.run_id, mb, h0, ids))
+    (g1,), m2, _ = await _call(p2p, layer2, "forward_backward", [h1, ids], relay_meta(key, mb, m1["rc"]))
+    await _call(p2p, layer1, "backward", [g1], {**relay_meta(key, mb, m2["rc"]), "loss": m2["loss"]})
+
+
+def _push_meta(key, mb, h0, ids, route):
+    meta = stage0_meta(key, RUN.run_id, mb, h0, ids)
+    return {**meta, "chain": [], "route": [str(p.dht.peer_id) for p in route], "hop_s": [5.0] * len(route)}
+
+
+def test_a_pushed_microbatch_trains_both_stages_and_its_trail_holds(stages):
+    driver, other, (layer1, layer2) = stages
+    x, ids = _batch("p")
+
+    async def main():
+        p2p, p2p_other = await fresh_p2p(driver), await fresh_p2p(other)
+        key = ReceiptKey(str(p2p.peer_id))
+        worker0 = StageWorker(RUN, 0)
+        try:
+            await _relayed(p2p, key, layer1, layer2, worker0, x, ids, "warm")
+            versions = [layer1.worker.stats.param_version, layer2.worker.stats.param_version]
+            h0 = worker0.forward("p1", x)
+            meta = _push_meta(key, "p1", h0, ids, [layer2])
+            r0 = Receipt.from_wire(meta["rc"][0])
+            (g0,), reply, _ = await _call(p2p, layer1, PUSH_FORWARD, [h0], meta)
+            after = [layer1.worker.stats.param_version, layer2.worker.stats.param_version]
+            shown, show_meta, _ = await _call(p2p, layer1, SHOW_OP, [], {"mb": "p1"})
+            with pytest.raises(StageError) as refused:  # only the micro-batch's own driver may look
+                await _call(p2p_other, layer1, SHOW_OP, [], {"mb": "p1"})
+            return r0, g0, reply, versions, after, shown, show_meta, refused.value.code
+        finally:
+            await p2p.shutdown()
+            await p2p_other.shutdown()
+
+    r0, g0, reply, versions, after, shown, show_meta, refused = asyncio.run(main())
+    assert after == [v + 1 for v in versions], "each stage applied the pushed micro-batch once"
+    f1, last, b1 = (Receipt.from_wire(raw) for raw in reply["trail"])
+    one, two = str(layer1.dht.peer_id), str(layer2.dht.peer_id)
+    assert (f1.op, f1.stage, f1.signer, f1.input) == ("forward", 1, one, r0.output)
+    assert (last.op, last.stage, last.signer, last.input) == ("forward_backward", 2, two, f1.output)
+    assert (b1.op, b1.stage, b1.signer, b1.input) == ("backward", 1, one, r0.output)
+    assert all(r.ids == ids_digest(ids) and r.mb == "p1" for r in (f1, last, b1))
+    assert last.figures == loss_digest(reply["loss"]), "the last stage signed the loss that came back"
+    assert tensor_digest(payload_of(g0)) == b1.output
+    assert show_meta["have"] == ["x", "y", "g", "gx"] and refused == "gone"
+    digests = [tensor_digest(payload_of(t)) for t in shown]
+    assert digests == [r0.output, f1.output, last.output, b1.output], "shown: what travelled, as signed"
+
+
+def test_a_chain_that_names_another_driver_is_refused_and_that_driver_is_not_struck(stages):
+    """A peer pushes to layer2 in the honest driver's name with a stage-0 receipt it signed itself: refused."""
+    driver, other, (layer1, layer2) = stages
+    x, ids = _batch("f")
+
+    async def main():
+        p2p, p2p_other = await fresh_p2p(driver), await fresh_p2p(other)
+        honest_key = ReceiptKey(str(p2p.peer_id))
+        try:
+            await _relayed(p2p, honest_key, layer1, layer2, StageWorker(RUN, 0), x, ids, "warm2")
+            version = layer2.worker.stats.param_version
+            forger = ReceiptKey(str(p2p.peer_id))  # the honest driver's peer id, another key
+            h = torch.randn(8, 32)
+            ids_d = ids_digest(ids)
+            r0 = forger.sign(RUN.run_id, "f1", "forward", 0, 0, ids_d, b"\1" * 16, ids_d)
+            own = ReceiptKey(str(p2p_other.peer_id))
+            from swarm.pipeline.wire import serialize_once
+
+            r1 = own.sign(RUN.run_id, "f1", "forward", 1, 0, r0.output, tensor_digest(serialize_once(h)), ids_d)
+            meta = {"mb": "f1", "rc": [r1.to_wire()], "chain": [r0.to_wire()], "rk": own.public, "ids": ids_bytes(ids),
+                    "route": [], "hop_s": []}
+            with pytest.raises(StageError) as refused:
+                await _call(p2p_other, layer2, PUSH_LAST, [h, ids], meta)
+            return refused.value, version
+        finally:
+            await p2p.shutdown()
+            await p2p_other.shutdown()
+
+    refusal, version = asyncio.run(main())
+    assert refusal.code == "bad_receipt" and "driver" in str(refusal)
+    assert layer2.worker.stats.param_version == version
+    assert layer2.gate.book._book[str(driver.peer_id)].score == 0.0, "no strike on the driver whose name was used"
+
+
+def test_a_refused_push_leaves_the_microbatch_to_the_relay_and_an_unreachable_one_is_said(stages):
+    driver, other, (layer1, layer2) = stages
+    x, ids = _batch("r")
+
+    async def main():
+        p2p = await fresh_p2p(driver)
+        key = ReceiptKey(str(p2p.peer_id))
+        worker0 = StageWorker(RUN, 0)
+        try:
+            await _relayed(p2p, key, layer1, layer2, worker0, x, ids, "warm3")
+            for _ in range(2):  # out of layer2's last two views: it refuses the push at its door (unknown_driver)
+                _allow([layer2], [other])
+            h0 = worker0.forward("r1", x)
+            (y1,), partial, _ = await _call(p2p, layer1, PUSH_FORWARD, [h0], _push_meta(key, "r1", h0, ids, [layer2]))
+            _allow([layer2], [driver, other])
+            # the relay takes it from there: layer2 by hand, then layer1's backward from its saved activations
+            (g1,), m2, _ = await _call(p2p, layer2, "forward_backward", [y1, ids], relay_meta(key, "r1", partial["trail"][0]))
+            (g0,), _, _ = await _call(p2p, layer1, "backward", [g1], {**relay_meta(key, "r1", m2["rc"]), "loss": m2["loss"]})
+            # a route whose next peer cannot be reached: said, and nothing applied above
+            h0 = worker0.forward("r2", x)
+            meta = {**_push_meta(key, "r2", h0, ids, [layer2]), "route": [str(other.peer_id)]}
+            with pytest.raises(StageError) as broken:
+                await _call(p2p, layer1, PUSH_FORWARD, [h0], meta)
+            return y1, partial, g0, broken.value.code
+        finally:
+            await p2p.shutdown()
+
+    y1, partial, g0, broken = asyncio.run(main())
+    assert partial["partial"] is True and partial["push_failed"]["peer"] == str(layer2.dht.peer_id)
+    assert tensor_digest(payload_of(y1)) == Receipt.from_wire(partial["trail"][0]).output
+    assert g0.shape == (8, 32) and bool(torch.isfinite(g0).all())
+    assert broken == BROKEN_CODE
+
+
+def test_a_push_with_malformed_fields_is_refused_with_the_field_named():
+    base = {"mb": "m", "ids": ids_bytes(torch.arange(4)), "chain": [], "route": ["p"], "hop_s": [1.0], "rc": []}
+    for field, value, said in (("ids", b"\0" * 7, "ids"), ("chain", [1], "chain"), ("route", [], "route"),
+                               ("hop_s", [float("nan")], "hop_s"), ("hop_s", [1e6], "hop_s"), ("mb", "", "micro-batch")):
+        with pytest.raises(WireError, match=said):
+            parse_push({**base, field: value}, 1, 3)
+
+
+def test_the_outbox_is_bounded_by_count_bytes_and_age():
+    def item(n: int) -> Payload:
+        return Payload(dtype="float32", size=[n // 4], compression=0, buffer=memoryview(bytes(n)))
+
+    box = Outbox(ttl_s=60, per_driver=2, max_bytes=1000)
+    for i in range(3):
+        box.put("d", f"m{i}", x=item(100))
+    assert box.get("d", "m0") is None and box.get("d", "m2") is not None  # a driver's oldest goes past its count
+    box.put("e", "big", x=item(900))
+    assert box.get("d", "m1") is None and box.get("e", "big") is not None  # past the bytes, the oldest go
+    box.put("e", "big", rc_x=["r"], loss=0.5)  # receipts and figures beside the tensors
+    assert set(box.get("e", "big")) == {"x", "rc_x", "loss"}
+    old = Outbox(ttl_s=0.0)
+    old.put("d", "m", x=item(10))
+    assert old.get("d", "m") is None
