@@ -200,7 +200,7 @@ def _run_path(run: str, fleet: Fleet, heartbeat_s: float, in_flight: int | str |
 def _cell(run: str, link: Link | None, cell: Cell) -> dict[str, Any]:
     """One swarm, its throughput measured. The lab (if any) outlives the fleet: processes stop before their hosts go."""
     with Lab([link] * (_stages(run) + 1)) if link else nullcontext() as lab, \
-            Fleet(prefix=f"volunteer-bench-wan-{run}-") as fleet:
+            Fleet(prefix=f"volunteer-bench-wan-{run}-", keep_workdir=bool(os.environ.get("VOLUNTEER_BENCH_KEEP"))) as fleet:
         run_path, config = _run_path(run, fleet, cell.heartbeat_s, cell.in_flight, cell.codec,
                                      cell.wire_rank)
         stages = config.model.stages

@@ -35,6 +35,7 @@ import torch
 
 from swarm.run.data import Dataset, MicroBatches
 from swarm.pipeline.depth import DepthController
+from swarm.pipeline.driver_failures import COVER_HOLD_S, LaneFailures  # noqa: F401  (COVER_HOLD_S re-exported)
 from swarm.pipeline.hops import (  # noqa: F401  (DriverStats, DriverStopped, HopGivenUp: re-exported for callers)
     Blockage,
     CallStage,
@@ -51,7 +52,7 @@ from swarm.pipeline import push_driver
 from swarm.pipeline.keybook import KeyBook
 from swarm.pipeline.push_driver import Pusher
 from swarm.pipeline.replies import Vouch
-from swarm.pipeline.routing import BAD_REPLY_BAN_S, HopPolicy, SwarmRouter, backoff_s
+from swarm.pipeline.routing import HopPolicy, SwarmRouter
 from swarm.pipeline.driver_eval import evaluate
 from swarm.pipeline.route_losses import RouteLosses
 from swarm.pipeline.referee import Referee
@@ -73,15 +74,11 @@ def lanes_cap(run: RunConfig) -> int:
     return max(1, min(run.training.in_flight_max, run.integrity.max_in_flight_per_requester))
 
 
-REFUSED_BACKOFF_BASE_S = 0.2
-# After a ``wrong_shard`` refusal the driver trains on its own shard only for this long (its view of who
-# holds what disagreed with a stage's), and backs off this little: the refusal is about views, not load.
-COVER_HOLD_S = 30.0
 SICK_POLL_S = 0.5
 LANE_BUG_PAUSE_S = 0.1
 
 
-class PipelineDriver:
+class PipelineDriver(LaneFailures):
     def __init__(self, run: RunConfig, worker: StageWorker, p2p: Any, executor: Executor, dataset: Dataset,
                  shards: list[Any], own_shard: int, *, peer_tag: str, seed: int = 0, traffic: Traffic | None = None,
                  notify: Callable[[str, str], None] | None = None, call: CallStage = call_stage,
@@ -349,16 +346,6 @@ class PipelineDriver:
     def _vouch(self, mb: str, previous: Receipt, ids_d: bytes) -> Vouch:
         return Vouch(self.run_id, mb, previous.output, ids_d)
 
-    def _avoid_author(self, exc: Refused) -> None:
-        """A stage refused a tensor we relayed because its author is banned there: we stop using that peer too."""
-        if exc.code != "bad_author" or not exc.author:
-            return
-        for name, router in self.routers.items():
-            if exc.author in router.peers:
-                ban_s = router.failure(exc.author, time.monotonic(), min_ban_s=BAD_REPLY_BAN_S, convicted=True)
-                logger.warning("%s peer %s computed a tensor a stage refused; not using it for %.0f s", name,
-                               exc.author[-8:], ban_s)
-
     async def _own(self, fn: Callable, *args: Any) -> Any:
         """Our own stage-0 worker; while its copy is sick, wait for it to heal and retry (nothing is lost)."""
         loop = asyncio.get_running_loop()
@@ -392,36 +379,6 @@ class PipelineDriver:
         if self._depth_changed is not None:
             woken, self._depth_changed = self._depth_changed, asyncio.Event()
             woken.set()
-
-    async def _refused(self, exc: Refused) -> None:
-        """A stage refused a micro-batch: count it, say why, back off (exponential, capped)."""
-        self.stats.refused += 1
-        self.blockage.set(exc.reason)
-        if exc.code in ("bad_author", "spot_check"):  # not our doing: its author is routed around, no backoff
-            self._avoid_author(exc)
-            return
-        if exc.code == "unknown_signer":  # a peer that computed part of this micro-batch is gone: the next one passes
-            await asyncio.sleep(REFUSED_BACKOFF_BASE_S)
-            return
-        if exc.code == "wrong_shard":
-            logger.info("a micro-batch was refused as outside our shards (%s); training on our own shard only "
-                        "for %.0f s", exc.reason, COVER_HOLD_S)
-            if time.monotonic() >= self._cover_hold_until:
-                self._cover_hold_until = time.monotonic() + COVER_HOLD_S
-                self.cover_shards(())
-            await asyncio.sleep(REFUSED_BACKOFF_BASE_S)
-            return
-        self._refused_streak += 1
-        await asyncio.sleep(backoff_s(self._refused_streak, REFUSED_BACKOFF_BASE_S,
-                                      self.run.timeouts.reject_backoff_max_s))
-
-    def _lane_bug(self, exc: Exception) -> None:
-        self.stats.lost += 1
-        kind = exc.__class__.__name__
-        if kind not in self._bugs_seen:
-            self._bugs_seen.add(kind)
-            logger.exception("a micro-batch failed unexpectedly; the lane goes on (further %s are not logged)", kind)
-            self.notify("error", f"a micro-batch failed ({kind}: {exc}); the driver goes on")
 
     # ----- evaluation (swarm/pipeline/driver_eval.py)
     async def evaluate(self) -> tuple[float | None, float]:

@@ -109,11 +109,7 @@ class SwarmPeer:
             traffic=self.traffic, gate=self.gate,
             desk=ReceiptDesk(self.run.run_id, self.index, self.receipt_key, self.keys),
         )
-        attach_checks(self)  # convictions re-checked, stage 0's outputs recomputed (swarm/pipeline/peer_checks.py)
-        if self.index > 0:  # micro-batches pushed to us, and on by us (swarm/pipeline/push.py)
-            from swarm.pipeline.push import PushServer
-
-            self._servicer.push = PushServer(self.p2p, self.run, self.keys, traffic=self.traffic)
+        attach_checks(self)  # convictions re-checked, stage 0's outputs recomputed, pushes (swarm/pipeline/peer_checks.py)
         await self._servicer.add_p2p_handlers(self.p2p, namespace=stage_namespace(self.run.run_id, self.swarm))
         from swarm.dht.reachability import DialBackServicer, namespace
 

@@ -1,6 +1,6 @@
 """What a stage peer checks of what it is sent, beside its gate (swarm/pipeline/peer.py): referees' convictions,
 re-checked before it refuses the convict's tensors (and its healer told, so heals the convict caused are given
-back); at stage 1, a share of the stage-0 outputs it is sent, recomputed by other layer0 peers; and the receipt keys
+back); micro-batches pushed stage to stage (push.py); at stage 1, a share of the stage-0 outputs it is sent, recomputed by other layer0 peers; and the receipt keys
 of the swarms whose receipts it checks, fetched while their peers are alive."""
 
 from __future__ import annotations
@@ -20,6 +20,10 @@ def attach_checks(peer: Any) -> None:
             asyncio.get_running_loop().run_in_executor(executor, healer.forgive, signer)
 
         peer._servicer.convictions = desk_for(peer.run, peer.keys, peer.gate, on_convicted=forgive, device=peer.device)
+        from swarm.pipeline.push import PushServer
+
+        # micro-batches pushed to us by the stage before (or the driver) and on by us (swarm/pipeline/push.py)
+        peer._servicer.push = PushServer(peer.p2p, peer.run, peer.keys, traffic=peer.traffic)
     if peer.index == 1:
         from swarm.pipeline.stage0_checks import Stage0Checker
 

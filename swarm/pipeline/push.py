@@ -309,13 +309,16 @@ class PushServer:
                      "push_failed": {"peer": nxt, "error": why[:200]}}, None
 
     def show(self, requester: str, meta: dict) -> tuple[list, dict]:
-        """What a pushed hop of the requester's own micro-batch received and sent (only its driver may ask)."""
+        """What a pushed hop of the requester's own micro-batch received and sent (only its driver may ask); metadata
+        ``want``: which of them (default all), and every receipt kept with them."""
         mb = meta.get("mb")
         kept = self.outbox.get(requester, mb) if isinstance(mb, str) else None
         if not kept:
             return [], refusal_meta("gone", "nothing kept of that micro-batch here (too old, or not yours)")
         self.shown += 1
-        names = [name for name in SHOWN if name in kept]
+        want = meta.get("want")
+        wanted = set(want) if isinstance(want, list) and all(isinstance(n, str) for n in want) else set(SHOWN)
+        names = [name for name in SHOWN if name in kept and name in wanted]
         return [kept[name] for name in names], {"ok": True, "have": names, "loss": kept.get("loss"),
                                                 **{name: kept[name] for name in RECEIPTS if name in kept}}
 

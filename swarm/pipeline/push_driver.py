@@ -7,9 +7,10 @@ L-1..1), checks every one (signer, stage, op, micro-batch, sample ids, each inpu
 signature with the key the driver has of that peer, the last stage's loss) and applies its stage-0 backward. Nothing
 in the trail is taken on the word of the peer that relayed it.
 
-Which micro-batches are pushed: those whose every peer has validated work here (``SpotChecker.established``; any
-peer while spot checks are off) and whose receipt key the driver holds. A newcomer's hops are relayed: its first
-sampled hop is checked before anything downstream uses its output, as before. A peer that failed a push, could not
+Which micro-batches are pushed: those whose every peer has had a hop upheld by a check here (its credit in
+``SpotChecker.book``; any peer while spot checks are off) and whose receipt key the driver holds. A stranger's hops
+are relayed until then: its first sampled hop is checked before anything downstream uses its output, as before; from
+then on a relayed hop's check runs in the background too (spot_checks.py), as a pushed hop's does. A peer that failed a push, could not
 show what a pushed hop carried, or does not know the push ops (an older client) is relayed for a while.
 
 Spot checks after the fact: each hop of a pushed micro-batch is drawn for a check as a relayed one is (``share_for``);
@@ -26,7 +27,6 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,10 +34,13 @@ import torch
 from swarm.integrity.receipts import Receipt, ReceiptError, loss_digest, mismatch, Expect, signature_valid, \
     tensor_digest
 from swarm.pipeline.hops import HopGivenUp
-from swarm.pipeline.push import BROKEN_CODE, LOST_CODE, PUSH_FORWARD, PUSH_LAST, SHOW_OP
-from swarm.pipeline.replies import BadReply, Vouch, check_reply_tensor
+from swarm.pipeline.push import BROKEN_CODE, LOST_CODE, PUSH_FORWARD, PUSH_LAST
+from swarm.pipeline.replies import BadReply, check_reply_tensor
 from swarm.pipeline.stage0_replicas import ids_bytes
 from swarm.pipeline.stage_client import StageError
+from swarm.pipeline.push_checks import PushChecks
+from swarm.pipeline.push_trail import AVOID_S, Pushed, TrailError
+from swarm.pipeline.push_recovery import PushRecovery
 from swarm.pipeline.wire import WireError, payload_of
 from swarm.run.models import stage_input_spec, stage_output_spec
 
@@ -46,38 +49,9 @@ logger = logging.getLogger(__name__)
 # VOLUNTEER_DATA_PLANE=relay: the driver carries every tensor, as before this round (benchmarks compare both)
 ENABLED = os.environ.get("VOLUNTEER_DATA_PLANE", "push") != "relay"
 TIMING_OP = "push"  # the routers' service times of pushed hops (each hop's share of the chain's round trip)
-AVOID_S = 60.0  # a peer whose push failed is relayed this long
-UNSHOWN_AVOID_S = 300.0  # ... one that did not show a checked hop's tensors UNSHOWN_IN_ROW times running
-UNSHOWN_IN_ROW = 3
-MAX_CHECKS = 4  # pushed hops checked in the background at once
-SHOW_TIMEOUT_S = 10.0
-RECOVER_TIMEOUT_S = 5.0  # each peer's answer to a recovery's show (a dead peer on loopback fails at once)
 
 
-@dataclass(slots=True)
-class Pushed:
-    """What came back: a full micro-batch (``grad`` and ``loss``), or a partial one the driver relays on from
-    stage ``partial_at`` + 1 (``h``: that stage's input)."""
-
-    served_by: dict[int, str] = field(default_factory=dict)
-    forwards: dict[int, Receipt] = field(default_factory=dict)
-    grad: torch.Tensor | None = None
-    loss: float | None = None
-    partial_at: int = 0
-    h: torch.Tensor | None = None
-    # recovered after a broken push with the last stage's update applied: the backward relayed on from stage
-    # ``back_from`` (``grad`` and its receipt ``grad_receipt``: the gradient of that stage's output), ``inputs`` the
-    # inputs the driver could get of the stages before it (a backward elsewhere needs its input)
-    back_from: int = 0
-    grad_receipt: Receipt | None = None
-    inputs: dict[int, torch.Tensor] = field(default_factory=dict)
-
-
-class TrailError(ValueError):
-    pass
-
-
-class Pusher:
+class Pusher(PushRecovery, PushChecks):
     def __init__(self, driver: Any):
         self.driver = driver
         self.hops = driver.hops
@@ -104,7 +78,7 @@ class Pusher:
         for k in range(1, self.stages):
             peer = self.hops.routers[f"layer{k}"].choose(now, hop=True)
             if peer is None or peer in self.cannot or self.avoid.get(peer, 0.0) > now or keys.known(peer) is None or \
-                    (spot.share > 0 and not spot.established(peer)):
+                    (spot.share > 0 and spot.book.get(peer) <= 0):
                 self.relayed += 1
                 return None
             route.append(peer)
@@ -209,96 +183,6 @@ class Pusher:
         self.partial += 1
         return Pushed(served_by={k: route[k - 1] for k in range(1, m + 1)}, forwards=forwards, partial_at=m, h=h)
 
-    # ----- a broken push: what the route holds
-    async def _recover(self, mb: str, route: list[str], h0: torch.Tensor, ids: torch.Tensor, ids_d: bytes,
-                       r0: Receipt, why: str) -> Pushed | None:
-        """A push that got no answer somewhere down the route (a peer died or is unreachable): ask every peer of the
-        route what it kept of ``mb`` (``show``: tensors and receipts, each checked against the signed chain), then
-        resume by relay from the furthest point that is known: the backward from the deepest stage whose backward
-        is known done, if the last stage's update is known applied, else the forward from the deepest output known.
-        A peer that is dead takes its update with it; a peer that is only slow may still finish (as a relayed hop
-        that times out may). Raises HopGivenUp when nothing can be resumed without applying an update twice."""
-        for peer in route:
-            self.avoid[peer] = time.monotonic() + AVOID_S
-        self._say(route[0], "broken", f"a push along the route {'/'.join(p[-8:] for p in route)} broke ({why[:120]}): "
-                  f"those peers are relayed for {AVOID_S:.0f} s")
-        batch, last, model = int(h0.shape[0]), self.stages - 1, self.run.model
-        shows = await asyncio.gather(*(self._fetch(mb, k, peer) for k, peer in enumerate(route, 1)))
-        fwd: dict[int, Receipt] = {0: r0}
-        ys: dict[int, torch.Tensor] = {0: h0}
-        loss: float | None = None
-        for k, peer in enumerate(route, 1):  # the forward chain, as far as it is known
-            here, after = shows[k - 1], shows[k] if k < last else None
-            receipt = _receipt(here, "rc_y" if k < last else "rc_gx") or (_receipt(after, "rc_x") if after else None)
-            op = "forward_backward" if k == last else "forward"
-            if receipt is None or not self._follows(receipt, k, op, mb, fwd[k - 1].output, ids_d, peer):
-                break
-            fwd[k] = receipt
-            if k < last:
-                y = _tensor(here, "y", receipt.output, stage_output_spec(model, k, batch), self.run) or \
-                    (_tensor(after, "x", receipt.output, stage_output_spec(model, k, batch), self.run) if after else None)
-                if y is None:
-                    break
-                ys[k] = y
-            else:
-                shown_loss = here.get("loss") if here else None
-                if isinstance(shown_loss, float) and math.isfinite(shown_loss) and receipt.figures == loss_digest(shown_loss):
-                    loss = shown_loss
-        served_by = {k: fwd[k].signer for k in fwd if k}
-        inputs = {k: ys[k - 1] for k in range(1, last + 1) if k - 1 in ys}
-        if last not in fwd or loss is None:  # the last stage's update is not known applied: the forward goes on
-            m = max(k for k in ys)
-            self.partial += 1
-            if m == 0:
-                return None
-            return Pushed(served_by=served_by, forwards={k: fwd[k] for k in range(1, m + 1)}, partial_at=m, h=ys[m])
-        grad = _tensor(shows[last - 1], "gx", fwd[last].output, stage_input_spec(model, last, batch), self.run) or \
-            (_tensor(shows[last - 2], "g", fwd[last].output, stage_input_spec(model, last, batch), self.run)
-             if last > 1 else None)
-        if grad is None:
-            raise HopGivenUp(f"pushed micro-batch {mb}: the last stage applied it and its gradient cannot be had")
-        receipt = fwd[last]
-        k = last - 1
-        while k >= 1:  # the backwards known done, from the last stage up
-            here, below = shows[k - 1], shows[k - 2] if k > 1 else None
-            bwd = _receipt(here, "rc_gx") or (_receipt(below, "rc_g") if below else None)
-            if bwd is None or not self._follows(bwd, k, "backward", mb, fwd[k - 1].output, ids_d, route[k - 1]):
-                break
-            spec = stage_input_spec(model, k, batch)
-            g = _tensor(here, "gx", bwd.output, spec, self.run) or (_tensor(below, "g", bwd.output, spec, self.run)
-                                                                     if below else None)
-            if g is None:
-                break
-            grad, receipt, k = g, bwd, k - 1
-        self.recovered += 1
-        return Pushed(served_by=served_by, forwards=fwd, grad=grad, loss=loss, back_from=k, grad_receipt=receipt,
-                      inputs=inputs)
-
-    async def _fetch(self, mb: str, k: int, peer: str) -> dict[str, Any] | None:
-        """``peer``'s ``show`` of ``mb`` at stage ``k``: its reply metadata with the tensors by name, or None."""
-        training = self.run.training
-        try:
-            out, reply, _ = await self.hops.call(
-                self.hops.p2p, peer, self.hops.namespaces[f"layer{k}"], SHOW_OP, [], {"mb": mb},
-                timeout_s=RECOVER_TIMEOUT_S, codec=training.codec, rank=training.wire_rank,
-                max_bytes=int(training.max_payload_mb * 2**20), traffic=self.hops.traffic)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            return None
-        have = reply.get("have")
-        if not isinstance(have, list) or len(have) != len(out):
-            return None
-        return {**reply, "tensors": dict(zip(have, out))}
-
-    def _follows(self, receipt: Receipt, k: int, op: str, mb: str, input: bytes, ids_d: bytes, peer: str) -> bool:
-        try:
-            self._holds(receipt, Expect(self.run.run_id, k, frozenset({op}), receipt.output, mb=mb, input=input,
-                                        ids=ids_d, signer=peer))
-            return True
-        except TrailError:
-            return False
-
     # ----- the trail
     def _receipts(self, raw: Any, count: int) -> list[Receipt]:
         if not isinstance(raw, list) or len(raw) != count:
@@ -324,107 +208,6 @@ class Pusher:
         key = self.driver.keys.known(receipt.signer)
         if key is None or not signature_valid(receipt, key):
             raise TrailError(f"layer{expect.stage}'s receipt does not verify with its signer's key")
-
-    # ----- spot checks after the fact
-    def _check_later(self, mb: str, route: list[str], forwards: dict[int, Receipt], backwards: dict[int, Receipt],
-                     ids: torch.Tensor, ids_d: bytes, loss: float, batch: int) -> None:
-        spot = self.driver.spot
-        if spot.share <= 0:
-            return
-        last = self.stages - 1
-        for k, peer in enumerate(route, 1):
-            share = spot.share_for(peer)
-            forward = k < last and spot.rng.random() < share
-            gradient = spot.rng.random() < share
-            if not (forward or gradient):
-                continue
-            if len(self._checks) >= MAX_CHECKS:
-                spot.referee_skipped += 1
-                continue
-            task = asyncio.ensure_future(self._check(mb, k, peer, forwards, backwards, ids, ids_d, loss, batch,
-                                                     forward, gradient))
-            self._checks.add(task)
-            task.add_done_callback(self._checks.discard)
-
-    async def _check(self, mb: str, k: int, peer: str, forwards: dict[int, Receipt], backwards: dict[int, Receipt],
-                     ids: torch.Tensor, ids_d: bytes, loss: float, batch: int, forward: bool, gradient: bool) -> None:
-        try:
-            shown = await self._show(mb, k, peer, forwards, backwards, batch)
-            if shown is None:
-                return
-            await self._recheck(mb, k, peer, shown, forwards, backwards, ids, ids_d, loss, forward, gradient)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # Refused: the peer was caught (convicted or held off already); a bug: never a lane's
-            if exc.__class__.__name__ != "Refused":
-                logger.exception("a check of a pushed hop failed")
-
-    async def _show(self, mb: str, k: int, peer: str, forwards: dict[int, Receipt], backwards: dict[int, Receipt],
-                    batch: int) -> dict[str, torch.Tensor] | None:
-        """What ``peer`` received and sent at hop ``k`` of ``mb``, each checked against its receipt; None (and the
-        peer's misses counted) when it cannot show them."""
-        last = self.stages - 1
-        model, bound = self.run.model, self.run.timeouts.reply_max_abs
-        digests = {"x": forwards[k - 1].output, "gx": (backwards[k] if k < last else forwards[last]).output}
-        specs = {"x": stage_input_spec(model, k, batch), "gx": stage_input_spec(model, k, batch)}
-        if k < last:
-            digests["y"] = forwards[k].output
-            digests["g"] = (backwards[k + 1] if k + 1 < last else forwards[last]).output
-            specs["y"] = specs["g"] = stage_output_spec(model, k, batch)
-        training = self.run.training
-        try:
-            out, reply, _ = await self.hops.call(
-                self.hops.p2p, peer, self.hops.namespaces[f"layer{k}"], SHOW_OP, [], {"mb": mb},
-                timeout_s=SHOW_TIMEOUT_S, codec=training.codec, rank=training.wire_rank,
-                max_bytes=int(training.max_payload_mb * 2**20), traffic=self.hops.traffic)
-            have = reply.get("have")
-            if not isinstance(have, list) or sorted(have) != sorted(digests) or len(out) != len(have):
-                raise TrailError(f"it showed {str(have)[:60]}")
-            shown = {}
-            for name, tensor in zip(have, out):
-                tensor = check_reply_tensor(tensor, specs[name], bound, f"shown {name}")
-                if tensor_digest(payload_of(tensor)) != digests[name]:
-                    raise TrailError(f"its {name} is not the tensor its receipt names")
-                shown[name] = tensor
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            self.unshown_total += 1
-            misses = self.unshown.get(peer, 0) + 1
-            self.unshown[peer] = misses
-            logger.info("layer%d peer %s did not show a pushed hop drawn for a check (%s)", k, peer[-8:], exc)
-            if misses >= UNSHOWN_IN_ROW:
-                self.unshown.pop(peer, None)
-                self.avoid[peer] = time.monotonic() + UNSHOWN_AVOID_S
-                logger.warning("layer%d peer %s showed none of its last %d pushed hops drawn for a check: its hops "
-                               "are relayed (and checked before use) for %.0f s", k, peer[-8:], UNSHOWN_IN_ROW,
-                               UNSHOWN_AVOID_S)
-            return None
-        self.unshown.pop(peer, None)
-        return shown
-
-    async def _recheck(self, mb: str, k: int, peer: str, shown: dict[str, torch.Tensor],
-                       forwards: dict[int, Receipt], backwards: dict[int, Receipt], ids: torch.Tensor, ids_d: bytes,
-                       loss: float, forward: bool, gradient: bool) -> None:
-        """The check a relayed hop gets (swarm/pipeline/spot_checks.py), on what the peer showed."""
-        driver, spot, last = self.driver, self.driver.spot, self.stages - 1
-        vouch = Vouch(self.run.run_id, mb, forwards[k - 1].output, ids_d)
-        meta = driver._meta(mb, forwards[k - 1])
-        if k == 1:
-            meta["ids"] = ids_bytes(ids)
-        self.checked += 1
-        if forward and k < last:
-            await spot.after_forward(k, shown["x"], meta, vouch, peer, shown["y"], forwards[k], drawn=True)
-        if not gradient:
-            return
-        if k == last:
-            await spot.after_gradient(k, "forward_backward_check", [shown["x"], ids], meta, vouch, peer, shown["gx"],
-                                      forwards[k], drawn=True)
-            return
-        g_receipt = backwards[k + 1] if k + 1 < last else forwards[last]
-        chain = {**driver._meta(mb, g_receipt, forwards[k - 1], forwards[k]), "loss": loss}
-        await spot.after_gradient(k, "backward_check", [shown["g"], shown["x"]], chain, vouch, peer, shown["gx"],
-                                  backwards[k], drawn=True)
 
     def _say(self, a: str, b: str, text: str) -> None:
         if (a, b) not in self._said:
@@ -452,23 +235,3 @@ class Pusher:
         return {"pushed": self.pushed, "partial": self.partial, "recovered": self.recovered, "relayed": self.relayed, "checked": self.checked,
                 "unshown": self.unshown_total, "avoided": sum(1 for t in self.avoid.values() if t > time.monotonic())}
 
-
-def _receipt(shown: dict[str, Any] | None, name: str) -> Receipt | None:
-    if not shown or name not in shown:
-        return None
-    try:
-        return Receipt.from_wire(shown[name])
-    except ReceiptError:
-        return None
-
-
-def _tensor(shown: dict[str, Any] | None, name: str, digest: bytes, spec: Any, run: Any) -> torch.Tensor | None:
-    """A shown tensor, if it is the one ``digest`` names and it passes the reply checks."""
-    tensor = (shown or {}).get("tensors", {}).get(name)
-    if tensor is None:
-        return None
-    try:
-        tensor = check_reply_tensor(tensor, spec, run.timeouts.reply_max_abs, f"shown {name}")
-    except BadReply:
-        return None
-    return tensor if tensor_digest(payload_of(tensor)) == digest else None
