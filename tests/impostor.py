@@ -54,8 +54,9 @@ class StageServicer(stage_rpc.StageServicer):
             op = meta["op"]
             figures = (reply["loss_sum"], reply["correct"], reply["count"]) if op == "evaluate" else None
             version, weights = reply.pop("committed")
+            loss = reply.get("loss") if op in ("forward_backward", "forward_backward_check") else None
             reply = {**reply, "rc": self.impostor.desk.sign(str(context.remote_id), op, vouched, items, version, figures,
-                                                           weights), "rk": self.impostor.desk.key.public}
+                                                           weights, loss=loss), "rk": self.impostor.desk.key.public}
         return items, reply
 
 
@@ -112,6 +113,8 @@ class Impostor:
             self._stop.wait(self.run.timeouts.heartbeat_s)
 
     async def answer(self, tensors: list[torch.Tensor], meta: dict) -> tuple[list[torch.Tensor], dict]:
+        if meta.get("op") in ("push_forward", "push_forward_backward", "show"):  # as a client from before pushes
+            return [], {"ok": False, "code": "rejected", "error": f"unknown op {meta.get('op')!r}"}
         self.requests += 1
         if self.mode == "black_hole":
             await asyncio.Event().wait()  # accepted, never answered

@@ -42,7 +42,7 @@ from swarm.integrity.receipts import Receipt, ReceiptError, ids_digest, parse_al
 from swarm.pipeline.keybook import KEY_PATIENCE_S
 from swarm.pipeline.replies import BadReply, Vouch, check_receipt, check_reply
 from swarm.pipeline.stage0_replicas import ids_from_meta
-from swarm.pipeline.stage_client import StageError, call_stage
+from swarm.pipeline.stage_client import StageError, call_stage, stage_namespace
 from swarm.pipeline.wire import WireError, payload_of, refusal_meta
 
 logger = logging.getLogger(__name__)
@@ -154,8 +154,6 @@ class PushServer:
     """A stage's pushes: served for the stage before it (or the driver, at stage 1), sent on to the stage after it."""
 
     def __init__(self, p2p: Any, run: Any, keys: Any, *, traffic: Any = None, call: Any = call_stage):
-        from swarm.pipeline.stage_rpc import stage_namespace
-
         self.p2p = p2p
         self.run = run
         self.run_id = run.run_id

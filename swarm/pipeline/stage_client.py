@@ -28,6 +28,11 @@ from swarm.pipeline.wire import (
 )
 
 
+def stage_namespace(run_id: str, swarm: str) -> str:
+    """The P2P namespace of a swarm's stage RPCs."""
+    return f"{run_id}.{swarm}"
+
+
 class StageRPC(ServicerBase):
     """The stage RPCs as they travel: their names and protobuf types, which is all a stub needs. The server
     (swarm/pipeline/stage_rpc.py ``StageServicer``) implements them; a client builds its stub from this class, so

@@ -58,7 +58,13 @@ from swarm.pipeline.fair_queue import FairQueue
 from swarm.pipeline.stage import NeedInput, StageWorker
 from swarm.pipeline.stage0_replicas import ReplicaService
 from swarm.pipeline.stage0_rpc import Stage0Ops, Stage0Refused
-from swarm.pipeline.stage_client import StageError, StageRPC, call_stage, refusal_error  # noqa: F401 (re-exported)
+from swarm.pipeline.stage_client import (  # noqa: F401 (re-exported)
+    StageError,
+    StageRPC,
+    call_stage,
+    refusal_error,
+    stage_namespace,
+)
 from swarm.pipeline import sessions
 from swarm.pipeline.sessions import serve_session
 from swarm.pipeline.stage_gate import SERVED_OPS, UPDATE_OPS, Outcome, StageGate
@@ -88,10 +94,6 @@ COMMITTED_KEY = "_committed"  # in _run's reply, never on the wire: popped befor
 LOSS_OPS = frozenset({"forward_backward", "forward_backward_check"})  # their receipts sign the loss they report
 NEW_WORK_OPS = frozenset({"forward", "forward_backward", "infer", "evaluate", "forward_backward_check",
                           "backward_check"}) | PUSH_OPS
-
-
-def stage_namespace(run_id: str, swarm: str) -> str:
-    return f"{run_id}.{swarm}"
 
 
 class StageServicer(Stage0Ops, StageRPC):
