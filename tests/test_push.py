@@ -221,3 +221,61 @@ def test_the_outbox_is_bounded_by_count_bytes_and_age():
     old = Outbox(ttl_s=0.0)
     old.put("d", "m", x=item(10))
     assert old.get("d", "m") is None
+
+
+def test_a_broken_push_resumes_from_what_the_route_kept(stages):
+    """The driver's recovery (swarm/pipeline/push_recovery.py) on what real stages show after a pushed micro-batch:
+    everything kept -> nothing left but our own backward; layer1 gone -> its backward is relayed from layer2's
+    gradient (with our stage-0 output as its input); layer2 gone too -> its update is gone with it, and the forward is
+    relayed on from layer1's output."""
+    from types import SimpleNamespace
+
+    from swarm.pipeline.keybook import KeyBook
+    from swarm.pipeline.push_driver import Pusher
+
+    driver, other, (layer1, layer2) = stages
+    x, ids = _batch("k")
+
+    async def main():
+        p2p = await fresh_p2p(driver)
+        key = ReceiptKey(str(p2p.peer_id))
+        worker0 = StageWorker(RUN, 0)
+        try:
+            await _relayed(p2p, key, layer1, layer2, worker0, x, ids, "warm4")
+            h0 = worker0.forward("k1", x)
+            meta = _push_meta(key, "k1", h0, ids, [layer2])
+            (g0,), _, _ = await _call(p2p, layer1, PUSH_FORWARD, [h0], meta)
+            shows = []
+            for peer in (layer1, layer2):
+                out, reply, _ = await _call(p2p, peer, SHOW_OP, [], {"mb": "k1"})
+                shows.append({**reply, "tensors": dict(zip(reply["have"], out))})
+            return h0, Receipt.from_wire(meta["rc"][0]), g0, shows
+        finally:
+            await p2p.shutdown()
+
+    h0, r0, g0, shows = asyncio.run(main())
+    keys = KeyBook()
+    for peer in (layer1, layer2):
+        keys.learn(str(peer.dht.peer_id), peer.receipt_key.public)
+    stub = SimpleNamespace(run=RUN, keys=keys, notify=lambda *a: None,
+                           hops=SimpleNamespace(run=RUN, routers={}, namespaces={}, p2p=None, call=None, traffic=None))
+    pusher = Pusher(stub)
+    route = [str(layer1.dht.peer_id), str(layer2.dht.peer_id)]
+
+    def recover(kept):
+        async def fetch(mb, k, peer, batch):
+            return kept[k - 1]
+
+        pusher._fetch = fetch
+        return asyncio.run(pusher._recover("k1", route, h0, ids, ids_digest(ids), r0, "test"))
+
+    whole = recover(shows)
+    assert whole.back_from == 0 and torch.equal(whole.grad, g0) and whole.loss is not None
+    no_layer1 = recover([None, shows[1]])
+    assert no_layer1.back_from == 1 and no_layer1.served_by == {1: route[0], 2: route[1]}
+    assert tensor_digest(payload_of(no_layer1.grad)) == no_layer1.grad_receipt.output == no_layer1.forwards[2].output
+    assert torch.equal(no_layer1.inputs[1], h0)
+    no_layer2 = recover([shows[0], None])
+    assert no_layer2.grad is None and no_layer2.partial_at == 1 and no_layer2.forwards[1].signer == route[0]
+    assert tensor_digest(payload_of(no_layer2.h)) == no_layer2.forwards[1].output
+    assert recover([None, None]) is None, "nothing known past our own stage 0: relayed from the start"

@@ -52,14 +52,14 @@ class PushRecovery:
                 break
             fwd[k] = receipt
             if k < last:
-                y = _tensor(here, "y", receipt.output, stage_output_spec(model, k, batch), self.run) or \
-                    (_tensor(after, "x", receipt.output, stage_output_spec(model, k, batch), self.run) if after else None)
+                y = _tensor([(here, "y"), (after, "x")], receipt.output, stage_output_spec(model, k, batch), self.run)
                 if y is None:
                     break
                 ys[k] = y
             else:
                 shown_loss = here.get("loss") if here else None
-                if isinstance(shown_loss, float) and math.isfinite(shown_loss) and receipt.figures == loss_digest(shown_loss):
+                if isinstance(shown_loss, float) and math.isfinite(shown_loss) and \
+                        receipt.figures == loss_digest(shown_loss):
                     loss = shown_loss
         served_by = {k: fwd[k].signer for k in fwd if k}
         inputs = {k: ys[k - 1] for k in range(1, last + 1) if k - 1 in ys}
@@ -69,9 +69,8 @@ class PushRecovery:
             if m == 0:
                 return None
             return Pushed(served_by=served_by, forwards={k: fwd[k] for k in range(1, m + 1)}, partial_at=m, h=ys[m])
-        grad = _tensor(shows[last - 1], "gx", fwd[last].output, stage_input_spec(model, last, batch), self.run) or \
-            (_tensor(shows[last - 2], "g", fwd[last].output, stage_input_spec(model, last, batch), self.run)
-             if last > 1 else None)
+        grad = _tensor([(shows[last - 1], "gx"), (shows[last - 2] if last > 1 else None, "g")], fwd[last].output,
+                       stage_input_spec(model, last, batch), self.run)
         if grad is None:
             raise HopGivenUp(f"pushed micro-batch {mb}: the last stage applied it and its gradient cannot be had")
         receipt = fwd[last]
@@ -82,8 +81,7 @@ class PushRecovery:
             if bwd is None or not self._follows(bwd, k, "backward", mb, fwd[k - 1].output, ids_d, route[k - 1]):
                 break
             spec = stage_input_spec(model, k, batch)
-            g = _tensor(here, "gx", bwd.output, spec, self.run) or (_tensor(below, "g", bwd.output, spec, self.run)
-                                                                     if below else None)
+            g = _tensor([(here, "gx"), (below, "g")], bwd.output, spec, self.run)
             if g is None:
                 break
             grad, receipt, k = g, bwd, k - 1
@@ -134,13 +132,18 @@ def _receipt(shown: dict[str, Any] | None, name: str) -> Receipt | None:
         return None
 
 
-def _tensor(shown: dict[str, Any] | None, name: str, digest: bytes, spec: Any, run: Any) -> torch.Tensor | None:
-    """A shown tensor, if it is the one ``digest`` names and it passes the reply checks."""
-    tensor = (shown or {}).get("tensors", {}).get(name)
-    if tensor is None:
-        return None
-    try:
-        tensor = check_reply_tensor(tensor, spec, run.timeouts.reply_max_abs, f"shown {name}")
-    except BadReply:
-        return None
-    return tensor if tensor_digest(payload_of(tensor)) == digest else None
+def _tensor(candidates: list[tuple[dict[str, Any] | None, str]], digest: bytes, spec: Any,
+            run: Any) -> torch.Tensor | None:
+    """The first shown tensor of ``candidates`` ((a peer's show, a name)) that is the one ``digest`` names and passes
+    the reply checks, or None."""
+    for shown, name in candidates:
+        tensor = (shown or {}).get("tensors", {}).get(name)
+        if tensor is None:
+            continue
+        try:
+            tensor = check_reply_tensor(tensor, spec, run.timeouts.reply_max_abs, f"shown {name}")
+        except BadReply:
+            continue
+        if tensor_digest(payload_of(tensor)) == digest:
+            return tensor
+    return None
