@@ -13,7 +13,7 @@ import torch
 from receipting import relay_meta, stage0_meta
 from swarm.dht.dht import DHTSettings, fresh_p2p, shutdown_dht, start_dht
 from swarm.dht.records import MemberRecord
-from swarm.integrity.receipts import Receipt, ReceiptKey, ids_digest, loss_digest, tensor_digest
+from swarm.integrity.receipts import Receipt, ReceiptKey, ids_digest, loss_digest, route_digest, tensor_digest
 from swarm.pipeline.peer import SwarmPeer
 from swarm.pipeline.push import BROKEN_CODE, PUSH_FORWARD, PUSH_LAST, SHOW_OP, Outbox, parse_push
 from swarm.pipeline.stage0_replicas import ids_bytes
@@ -87,8 +87,11 @@ async def _relayed(p2p, key, layer1, layer2, worker0, x, ids, mb):
 
 
 def _push_meta(key, mb, h0, ids, route):
+    """What a driver sends stage 1: its stage-0 output's receipt and the route it chose (every stage's peer), signed."""
     meta = stage0_meta(key, RUN.run_id, mb, h0, ids)
-    return {**meta, "chain": [], "route": [str(p.dht.peer_id) for p in route], "hop_s": [5.0] * len(route)}
+    peers = [str(p) if isinstance(p, str) else str(p.dht.peer_id) for p in route]
+    return {**meta, "chain": [], "route": peers, "hop_s": [5.0] * len(peers),
+            "route_sig": key.sign_bytes(route_digest(RUN.run_id, mb, peers))}
 
 
 def test_a_pushed_microbatch_trains_both_stages_and_its_trail_holds(stages):
@@ -103,7 +106,7 @@ def test_a_pushed_microbatch_trains_both_stages_and_its_trail_holds(stages):
             await _relayed(p2p, key, layer1, layer2, worker0, x, ids, "warm")
             versions = [layer1.worker.stats.param_version, layer2.worker.stats.param_version]
             h0 = worker0.forward("p1", x)
-            meta = _push_meta(key, "p1", h0, ids, [layer2])
+            meta = _push_meta(key, "p1", h0, ids, [layer1, layer2])
             r0 = Receipt.from_wire(meta["rc"][0])
             (g0,), reply, _ = await _call(p2p, layer1, PUSH_FORWARD, [h0], meta)
             after = [layer1.worker.stats.param_version, layer2.worker.stats.param_version]
@@ -131,7 +134,9 @@ def test_a_pushed_microbatch_trains_both_stages_and_its_trail_holds(stages):
 
 
 def test_a_chain_that_names_another_driver_is_refused_and_that_driver_is_not_struck(stages):
-    """A peer pushes to layer2 in the honest driver's name with a stage-0 receipt it signed itself: refused."""
+    """A peer pushes to layer2 in the honest driver's name with a stage-0 receipt it signed itself: refused; so is
+    one that pushes on the driver's genuine receipt and route where the route names another peer before layer2 (a
+    stage cannot spend an established driver's share with activations of its own)."""
     driver, other, (layer1, layer2) = stages
     x, ids = _batch("f")
 
@@ -149,17 +154,28 @@ def test_a_chain_that_names_another_driver_is_refused_and_that_driver_is_not_str
             from swarm.pipeline.wire import serialize_once
 
             r1 = own.sign(RUN.run_id, "f1", "forward", 1, 0, r0.output, tensor_digest(serialize_once(h)), ids_d)
+            route = [str(p2p_other.peer_id), str(layer2.dht.peer_id)]
             meta = {"mb": "f1", "rc": [r1.to_wire()], "chain": [r0.to_wire()], "rk": own.public, "ids": ids_bytes(ids),
-                    "route": [], "hop_s": []}
+                    "route": route, "hop_s": [5.0, 5.0],
+                    "route_sig": forger.sign_bytes(route_digest(RUN.run_id, "f1", route))}
             with pytest.raises(StageError) as refused:
                 await _call(p2p_other, layer2, PUSH_LAST, [h, ids], meta)
-            return refused.value, version
+            # the driver's own stage-0 receipt and route, pushed on by a peer the route does not name before layer2
+            h0 = StageWorker(RUN, 0).forward("f2", x)
+            real = _push_meta(honest_key, "f2", h0, ids, [layer1, layer2])
+            r0 = Receipt.from_wire(real["rc"][0])
+            r1 = own.sign(RUN.run_id, "f2", "forward", 1, 0, r0.output, tensor_digest(serialize_once(h)), ids_d)
+            stolen = {**real, "rc": [r1.to_wire()], "chain": [r0.to_wire()], "rk": own.public}
+            with pytest.raises(StageError) as off_route:
+                await _call(p2p_other, layer2, PUSH_LAST, [h, ids], stolen)
+            return refused.value, version, off_route.value
         finally:
             await p2p.shutdown()
             await p2p_other.shutdown()
 
-    refusal, version = asyncio.run(main())
+    refusal, version, off_route = asyncio.run(main())
     assert refusal.code == "bad_receipt" and "driver" in str(refusal)
+    assert off_route.code == "bad_receipt" and "route" in str(off_route)
     assert layer2.worker.stats.param_version == version
     assert layer2.gate.book._book[str(driver.peer_id)].score == 0.0, "no strike on the driver whose name was used"
 
@@ -177,14 +193,14 @@ def test_a_refused_push_leaves_the_microbatch_to_the_relay_and_an_unreachable_on
             for _ in range(2):  # out of layer2's last two views: it refuses the push at its door (unknown_driver)
                 _allow([layer2], [other])
             h0 = worker0.forward("r1", x)
-            (y1,), partial, _ = await _call(p2p, layer1, PUSH_FORWARD, [h0], _push_meta(key, "r1", h0, ids, [layer2]))
+            (y1,), partial, _ = await _call(p2p, layer1, PUSH_FORWARD, [h0], _push_meta(key, "r1", h0, ids, [layer1, layer2]))
             _allow([layer2], [driver, other])
             # the relay takes it from there: layer2 by hand, then layer1's backward from its saved activations
             (g1,), m2, _ = await _call(p2p, layer2, "forward_backward", [y1, ids], relay_meta(key, "r1", partial["trail"][0]))
             (g0,), _, _ = await _call(p2p, layer1, "backward", [g1], {**relay_meta(key, "r1", m2["rc"]), "loss": m2["loss"]})
             # a route whose next peer cannot be reached: said, and nothing applied above
             h0 = worker0.forward("r2", x)
-            meta = {**_push_meta(key, "r2", h0, ids, [layer2]), "route": [str(other.peer_id)]}
+            meta = _push_meta(key, "r2", h0, ids, [layer1, str(other.peer_id)])
             with pytest.raises(StageError) as broken:
                 await _call(p2p, layer1, PUSH_FORWARD, [h0], meta)
             return y1, partial, g0, broken.value.code
@@ -199,9 +215,11 @@ def test_a_refused_push_leaves_the_microbatch_to_the_relay_and_an_unreachable_on
 
 
 def test_a_push_with_malformed_fields_is_refused_with_the_field_named():
-    base = {"mb": "m", "ids": ids_bytes(torch.arange(4)), "chain": [], "route": ["p"], "hop_s": [1.0], "rc": []}
-    for field, value, said in (("ids", b"\0" * 7, "ids"), ("chain", [1], "chain"), ("route", [], "route"),
-                               ("hop_s", [float("nan")], "hop_s"), ("hop_s", [1e6], "hop_s"), ("mb", "", "micro-batch")):
+    base = {"mb": "m", "ids": ids_bytes(torch.arange(4)), "chain": [], "route": ["p", "q"], "hop_s": [1.0, 1.0],
+            "rc": [], "route_sig": b"s" * 64}
+    for field, value, said in (("ids", b"\0" * 7, "ids"), ("chain", [1], "chain"), ("route", ["p"], "route"),
+                               ("hop_s", [float("nan"), 1.0], "hop_s"), ("hop_s", [1e6, 1.0], "hop_s"),
+                               ("mb", "", "micro-batch"), ("route_sig", None, "route_sig")):
         with pytest.raises(WireError, match=said):
             parse_push({**base, field: value}, 1, 3)
 
@@ -243,7 +261,7 @@ def test_a_broken_push_resumes_from_what_the_route_kept(stages):
         try:
             await _relayed(p2p, key, layer1, layer2, worker0, x, ids, "warm4")
             h0 = worker0.forward("k1", x)
-            meta = _push_meta(key, "k1", h0, ids, [layer2])
+            meta = _push_meta(key, "k1", h0, ids, [layer1, layer2])
             (g0,), _, _ = await _call(p2p, layer1, PUSH_FORWARD, [h0], meta)
             shows = []
             for peer in (layer1, layer2):

@@ -80,6 +80,11 @@ def loss_digest(loss: float) -> bytes:
     return digest(f"loss|{float(loss)!r}".encode())
 
 
+def route_digest(run_id: str, mb: str, route: list[str]) -> bytes:
+    """What a driver signs when it pushes a micro-batch (swarm/pipeline/push.py): the peers it chose, in order."""
+    return digest("\x1f".join(["route", run_id, mb, *route]).encode())
+
+
 @dataclass(slots=True, frozen=True)
 class Receipt:
     run_id: str
@@ -148,6 +153,10 @@ class ReceiptKey:
         self._key = Ed25519PrivateKey.from_private_bytes(seed) if seed is not None else Ed25519PrivateKey.generate()
         self.public = self._key.public_key().public_bytes_raw()
 
+    def sign_bytes(self, data: bytes) -> bytes:
+        """A signature of ``data`` itself (a route digest: route_digest)."""
+        return self._key.sign(data)
+
     def sign(self, run_id: str, mb: str, op: str, stage: int, version: int, input: bytes, output: bytes,
              ids: bytes, weights: bytes = NO_WEIGHTS, forward_weights: bytes | None = None,
              figures: bytes = NO_FIGURES) -> Receipt:
@@ -156,6 +165,21 @@ class ReceiptKey:
                            weights=weights, forward_weights=forward_weights, figures=figures)
         return Receipt(run_id, mb, op, stage, unsigned.version, input, output, ids, self.peer_id,
                        self._key.sign(unsigned.body()), weights, forward_weights, figures)
+
+
+def bytes_signature_valid(data: bytes, signature: Any, public_key: bytes | None) -> bool:
+    """``signature`` (ReceiptKey.sign_bytes) of ``data`` by the holder of ``public_key``."""
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    if not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES or public_key is None or \
+            len(public_key) != PUBLIC_KEY_BYTES:
+        return False
+    try:
+        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, data)
+        return True
+    except (InvalidSignature, ValueError):
+        return False
 
 
 def signature_valid(receipt: Receipt, public_key: bytes) -> bool:

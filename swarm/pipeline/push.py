@@ -1,7 +1,8 @@
 """Stage-to-stage transfer, the stage's side (issue 41): a stage pushes its output straight to the next stage's peer.
 
 The driver still chooses every hop's peer. It sends stage 1 a ``push_forward``: its stage-0 output with its receipt,
-the sample ids and the route (the peers of stages 2..L it chose). Stage k then
+the sample ids and the route (the peers of stages 1..L it chose, signed by it: a stage serves a push only from the
+peer the route names before it, and only where the route names it). Stage k then
 1. checks the request as it checks any forward (its receipt, swarm/pipeline/stage_receipts.py) and runs it for the
    driver whose micro-batch it is (that driver's fair share, shards and saved activations): the driver is the signer
    of the chain's stage-0 receipt, which stage k checks with the driver's own key (a stage cannot spend a driver's
@@ -38,7 +39,15 @@ from typing import Any
 
 import torch
 
-from swarm.integrity.receipts import Receipt, ReceiptError, ids_digest, parse_all, signature_valid
+from swarm.integrity.receipts import (
+    Receipt,
+    ReceiptError,
+    bytes_signature_valid,
+    ids_digest,
+    parse_all,
+    route_digest,
+    signature_valid,
+)
 from swarm.pipeline.keybook import KEY_PATIENCE_S
 from swarm.pipeline.replies import BadReply, Vouch, check_receipt, check_reply
 from swarm.pipeline.stage0_replicas import ids_from_meta
@@ -70,8 +79,9 @@ class PushRequest:
     ids: torch.Tensor
     rc: Receipt  # the receipt of our input
     chain: list[Receipt]  # the receipts before it, from the driver's stage 0
-    route: list[str]  # the peers of the stages after us, in order
+    route: list[str]  # the peers of stages 1..L the driver chose, in order (signed: route_sig)
     hop_s: list[float]  # their time budgets (forward and backward each)
+    route_sig: bytes = b""
     raw_chain: list[Any] = field(default_factory=list)
 
 
@@ -88,11 +98,14 @@ def parse_push(meta: dict, stage: int, stages: int) -> PushRequest:
     raw_chain, route, hop_s = meta.get("chain"), meta.get("route"), meta.get("hop_s")
     if not isinstance(raw_chain, list) or len(raw_chain) != stage - 1:
         raise WireError(f"a push to stage {stage} carries the {stage - 1} receipt(s) before its input's in 'chain'")
-    after = stages - 1 - stage
-    if not isinstance(route, list) or len(route) != after or \
+    hops = stages - 1
+    if not isinstance(route, list) or len(route) != hops or \
             not all(isinstance(p, str) and 0 < len(p) <= 128 for p in route):
-        raise WireError(f"a push to stage {stage} names the {after} peer(s) after it in 'route'")
-    if not isinstance(hop_s, list) or len(hop_s) != after or \
+        raise WireError(f"a push names the {hops} peers of stages 1..{hops} in 'route'")
+    route_sig = meta.get("route_sig")
+    if not isinstance(route_sig, bytes) or not 0 < len(route_sig) <= 128:
+        raise WireError("a push carries its driver's signature of the route in 'route_sig'")
+    if not isinstance(hop_s, list) or len(hop_s) != hops or \
             not all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and 0 < t
                     for t in hop_s) or sum(hop_s) > MAX_PUSH_S:
         raise WireError("'hop_s': a positive time budget per peer of the route")
@@ -101,7 +114,7 @@ def parse_push(meta: dict, stage: int, stages: int) -> PushRequest:
         chain = [Receipt.from_wire(raw) for raw in raw_chain]
     except ReceiptError as exc:
         raise WireError(f"push: {exc}") from None
-    return PushRequest(mb, ids, rc, chain, list(route), [float(t) for t in hop_s], raw_chain)
+    return PushRequest(mb, ids, rc, chain, list(route), [float(t) for t in hop_s], route_sig, raw_chain)
 
 
 class Outbox:
@@ -184,7 +197,8 @@ class PushServer:
             return [], refusal_meta("rejected", str(exc))
         self.keys.learn(sender, meta.get("rk"))  # the sender's own key, over its own connection
         driver = sender if k == 1 else request.chain[0].signer if request.chain else ""
-        refusal = await self._check_chain(request, k, sender, driver)
+        refusal = await self._check_chain(request, k, sender, driver,
+                                          servicer.desk.key.peer_id if servicer.desk is not None else "")
         if refusal is not None:
             return [], refusal
         gate = servicer.gate
@@ -214,7 +228,7 @@ class PushServer:
             elif gate is not None:
                 gate.book.finished(driver)
 
-    async def _check_chain(self, request: PushRequest, k: int, sender: str, driver: str) -> dict | None:
+    async def _check_chain(self, request: PushRequest, k: int, sender: str, driver: str, me: str) -> dict | None:
         """The chain from the driver's stage 0 to our input: one micro-batch, one set of ids, every link, the last
         signer the sender, the first the driver (its signature checked with its own key). None when it holds."""
         ids_d = ids_digest(request.ids)
@@ -230,34 +244,37 @@ class PushServer:
                 return refusal_meta("bad_receipt", problem)
         if request.rc.signer != sender:
             return refusal_meta("bad_receipt", "a push carries its sender's own output")
-        if k == 1:
-            return None  # the driver itself: the desk checks its receipt with the key it sends
-        key = await self.keys.key(driver, "layer0")
+        if request.route[k - 1] != me or (k > 1 and request.route[k - 2] != sender):
+            return refusal_meta("bad_receipt", "this push is not on its driver's route (another peer, or another sender)")
+        key = self.keys.known(driver) if k == 1 else await self.keys.key(driver, "layer0")
         if key is None:
             wait_s = self.keys.wait_s(driver)
             if wait_s is not None:
                 return refusal_meta("key_pending", f"getting the receipt key of driver {driver[-8:]}", wait_s)
             return refusal_meta("unknown_signer", f"cannot get the receipt key of driver {driver[-8:]} "
                                 f"({KEY_PATIENCE_S:.0f} s)")
-        if not signature_valid(request.chain[0], key):
+        if k > 1 and not signature_valid(request.chain[0], key):
             return refusal_meta("bad_receipt", f"the stage-0 receipt does not verify with driver {driver[-8:]}'s key")
+        if not bytes_signature_valid(route_digest(self.run_id, request.mb, request.route), request.route_sig, key):
+            return refusal_meta("bad_receipt", f"the route is not signed by driver {driver[-8:]}")
         return None
 
     async def _push_on(self, servicer: Any, request: PushRequest, driver: str, y: Any,
                        reply: dict) -> tuple[list, dict, Any]:
         """Push our output to the next peer; our backward on what comes back. (out, reply, the backward's outcome)."""
         k = servicer.worker.index
-        nxt, last_next = request.route[0], len(request.route) == 1
+        nxt, last_next = request.route[k], k + 1 == len(request.route)
         mine = reply["rc"]
         down_meta = {"mb": request.mb, "rc": [mine], "chain": [*request.raw_chain, _wire(request.rc)],
                      "rk": servicer.desk.key.public if servicer.desk is not None else b"",
-                     "ids": _ids_raw(request.ids), "route": request.route[1:], "hop_s": request.hop_s[1:]}
+                     "ids": _ids_raw(request.ids), "route": request.route, "hop_s": request.hop_s,
+                     "route_sig": request.route_sig}
         tensors = [_carrier(y), request.ids] if last_next else [_carrier(y)]
         training = self.run.training
         try:
             out, down, _ = await self.call(
                 self.p2p, nxt, self.namespaces[k + 1], PUSH_LAST if last_next else PUSH_FORWARD, tensors, down_meta,
-                timeout_s=sum(request.hop_s), codec=training.codec, rank=training.wire_rank,
+                timeout_s=sum(request.hop_s[k:]), codec=training.codec, rank=training.wire_rank,
                 max_bytes=int(training.max_payload_mb * 2**20), traffic=self.traffic)
         except StageError as exc:
             if exc.code in (LOST_CODE, BROKEN_CODE):  # said further down: passed up as it is

@@ -31,8 +31,16 @@ from typing import Any
 
 import torch
 
-from swarm.integrity.receipts import Receipt, ReceiptError, loss_digest, mismatch, Expect, signature_valid, \
-    tensor_digest
+from swarm.integrity.receipts import (
+    Expect,
+    Receipt,
+    ReceiptError,
+    loss_digest,
+    mismatch,
+    route_digest,
+    signature_valid,
+    tensor_digest,
+)
 from swarm.pipeline.hops import HopGivenUp
 from swarm.pipeline.push import BROKEN_CODE, LOST_CODE, PUSH_FORWARD, PUSH_LAST
 from swarm.pipeline.replies import BadReply, check_reply_tensor
@@ -95,7 +103,8 @@ class Pusher(PushRecovery, PushChecks):
         routers = [self.hops.routers[f"layer{k}"] for k in range(1, self.stages)]
         hop_s = [router.timeout_s(TIMING_OP, peer) for router, peer in zip(routers, route)]
         meta = {"mb": mb, "rc": [r0.to_wire()], "chain": [], "rk": self.driver.receipt_key.public,
-                "ids": ids_bytes(ids), "route": route[1:], "hop_s": hop_s[1:]}
+                "ids": ids_bytes(ids), "route": route, "hop_s": hop_s,
+                "route_sig": self.driver.receipt_key.sign_bytes(route_digest(self.run.run_id, mb, route))}
         tensors = [h, ids] if last == 1 else [h]
         for router, peer in zip(routers, route):
             router.begin(peer)
