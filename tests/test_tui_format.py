@@ -116,3 +116,18 @@ def test_spot_checks_are_shown_with_what_came_of_them() -> None:
     text = render_status({"state": "online", "spot_checked": 40, "spot_caught": 1, "spot_outweighed": 2})
     assert "spot checks 40 (1 caught, 2 not penalised: their accusers had less validated work)" in text
     assert "spot checks" not in render_status({"state": "online", "spot_checked": 0})
+
+
+def test_how_a_drivers_micro_batches_travel_is_said_where_it_drives():
+    """layer0's status and dashboard say how its micro-batches travel (stage to stage, or relayed by it, and why)."""
+    from swarm.pipeline.push_driver import Pusher
+    from volunteer_cli.commands.ctl import render_status
+
+    pusher = Pusher.__new__(Pusher)
+    pusher.pushed, pusher.relayed, pusher.partial, pusher.recovered = 96, 3, 1, 0
+    pusher.avoid, pusher.cannot = {"a": float("inf"), "b": 0.0}, {"c"}
+    assert pusher.describe() == "stage to stage 96% · 2 peers relayed now"
+    pusher.pushed = pusher.relayed = pusher.partial = 0
+    assert pusher.describe() == ""  # nothing driven yet: nothing said
+    assert "transfer stage to stage 96%" in render_status({"state": "online", "data_plane": "stage to stage 96%"})
+    assert "transfer" not in render_status({"state": "online", "data_plane": ""})
