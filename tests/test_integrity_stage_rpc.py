@@ -9,14 +9,12 @@ import torch
 
 from swarm.run.data import load_dataset, make_shards
 from swarm.integrity.guard import typical_tensor_norm
-from swarm.dht.dht import DHTSettings, fresh_p2p, shutdown_dht, start_dht
-from swarm.pipeline.peer import SwarmPeer
-from swarm.dht.records import MemberRecord
+from swarm.dht.dht import fresh_p2p
 from swarm.run.runconfig import RunConfig
 from swarm.pipeline.stage import StageWorker
 from swarm.integrity.receipts import ReceiptKey
 from swarm.pipeline.stage_rpc import StageError, call_stage, stage_namespace
-from receipting import relay_meta, stage0_meta
+from receipting import relay_meta, stage0_meta, stage_peers
 
 RUN = RunConfig.model_validate({
     "name": "hostile",
@@ -30,33 +28,8 @@ RUN = RunConfig.model_validate({
 
 @pytest.fixture(scope="module")
 def run_with_attacker():
-    dhts, peers = [], []
-    try:
-        honest = start_dht(DHTSettings(), [])
-        dhts.append(honest)
-        maddrs = [str(m) for m in honest.get_visible_maddrs()]
-        attacker = start_dht(DHTSettings(initial_peers=maddrs), [])
-        dhts.append(attacker)
-        for k in (1, 2):
-            dht = start_dht(DHTSettings(initial_peers=maddrs), [])
-            dhts.append(dht)
-            peer = SwarmPeer(RUN, dht, f"layer{k}")
-            peer.start()
-            peers.append(peer)
-        records = [MemberRecord(str(d.peer_id), "online", "test", 0.0, 0.0, shard=s)
-                   for d, s in ((honest, 0), (attacker, 1))]
-
-        async def allow(peer):
-            peer.gate.set_drivers(records)
-
-        for peer in peers:
-            asyncio.run_coroutine_threadsafe(allow(peer), peer._loop).result(5)
+    with stage_peers(RUN, 2, (1, 2)) as ((honest, attacker), peers):
         yield honest, attacker, peers
-    finally:
-        for peer in peers:
-            peer.stop()
-        for dht in dhts:
-            shutdown_dht(dht)
 
 
 async def _hop(p2p, peer, op, tensors, meta):

@@ -10,11 +10,9 @@ import asyncio
 import pytest
 import torch
 
-from receipting import relay_meta, stage0_meta
-from swarm.dht.dht import DHTSettings, fresh_p2p, shutdown_dht, start_dht
-from swarm.dht.records import MemberRecord
+from receipting import allow, relay_meta, stage0_meta, stage_peers
+from swarm.dht.dht import fresh_p2p
 from swarm.integrity.receipts import Receipt, ReceiptKey, ids_digest, loss_digest, route_digest, tensor_digest
-from swarm.pipeline.peer import SwarmPeer
 from swarm.pipeline.push import BROKEN_CODE, PUSH_FORWARD, PUSH_LAST, SHOW_OP, Outbox, parse_push
 from swarm.pipeline.stage0_replicas import ids_bytes
 from swarm.pipeline.stage_rpc import StageError, call_stage, stage_namespace
@@ -34,36 +32,8 @@ RUN = RunConfig.model_validate({
 
 @pytest.fixture(scope="module")
 def stages():
-    dhts, peers = [], []
-    try:
-        driver = start_dht(DHTSettings(), [])
-        dhts.append(driver)
-        maddrs = [str(m) for m in driver.get_visible_maddrs()]
-        other = start_dht(DHTSettings(initial_peers=maddrs), [])
-        dhts.append(other)
-        for k in (1, 2):
-            dht = start_dht(DHTSettings(initial_peers=maddrs), [])
-            dhts.append(dht)
-            peer = SwarmPeer(RUN, dht, f"layer{k}")
-            peer.start()
-            peers.append(peer)
-        _allow(peers, [driver, other])
+    with stage_peers(RUN, 2, (1, 2)) as ((driver, other), peers):
         yield driver, other, peers
-    finally:
-        for peer in peers:
-            peer.stop()
-        for dht in dhts:
-            shutdown_dht(dht)
-
-
-def _allow(peers, drivers) -> None:
-    records = [MemberRecord(str(d.peer_id), "online", "test", 0.0, 0.0, shard=s) for s, d in enumerate(drivers)]
-
-    async def allow(peer):
-        peer.gate.set_drivers(records)
-
-    for peer in peers:
-        asyncio.run_coroutine_threadsafe(allow(peer), peer._loop).result(5)
 
 
 async def _call(p2p, peer, op, tensors, meta):
@@ -191,10 +161,10 @@ def test_a_refused_push_leaves_the_microbatch_to_the_relay_and_an_unreachable_on
         try:
             await _relayed(p2p, key, layer1, layer2, worker0, x, ids, "warm3")
             for _ in range(2):  # out of layer2's last two views: it refuses the push at its door (unknown_driver)
-                _allow([layer2], [other])
+                allow([layer2], [other])
             h0 = worker0.forward("r1", x)
             (y1,), partial, _ = await _call(p2p, layer1, PUSH_FORWARD, [h0], _push_meta(key, "r1", h0, ids, [layer1, layer2]))
-            _allow([layer2], [driver, other])
+            allow([layer2], [driver, other])
             # the relay takes it from there: layer2 by hand, then layer1's backward from its saved activations
             (g1,), m2, _ = await _call(p2p, layer2, "forward_backward", [y1, ids], relay_meta(key, "r1", partial["trail"][0]))
             (g0,), _, _ = await _call(p2p, layer1, "backward", [g1], {**relay_meta(key, "r1", m2["rc"]), "loss": m2["loss"]})
