@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from receipting import allow, relay_meta, stage0_meta, stage_peers
-from swarm.dht.dht import fresh_p2p
+from swarm.dht.dht import DHTSettings, fresh_p2p, shutdown_dht, start_dht
 from swarm.integrity.receipts import Receipt, ReceiptKey, ids_digest, loss_digest, route_digest, tensor_digest
 from swarm.pipeline.push import BROKEN_CODE, PUSH_FORWARD, PUSH_LAST, SHOW_OP, Outbox, parse_push
 from swarm.pipeline.stage0_replicas import ids_bytes
@@ -151,6 +151,8 @@ def test_a_chain_that_names_another_driver_is_refused_and_that_driver_is_not_str
 
 
 def test_a_refused_push_leaves_the_microbatch_to_the_relay_and_an_unreachable_one_is_said(stages):
+    """Refused at the next stage's door, or the next peer not reachable at all: ``partial`` (the relay goes on from
+    here); a next peer that takes the push and does not answer it: ``push_broken`` (the driver recovers)."""
     driver, other, (layer1, layer2) = stages
     x, ids = _batch("r")
 
@@ -173,15 +175,23 @@ def test_a_refused_push_leaves_the_microbatch_to_the_relay_and_an_unreachable_on
             meta = _push_meta(key, "r2", h0, ids, [layer1, str(other.peer_id)])
             with pytest.raises(StageError) as broken:
                 await _call(p2p, layer1, PUSH_FORWARD, [h0], meta)
-            return y1, partial, g0, broken.value.code
+            # a next peer that cannot be dialled at all (gone): nothing was sent, so the relay takes it from here
+            h0 = worker0.forward("r3", x)
+            (y3,), unreached, _ = await _call(p2p, layer1, PUSH_FORWARD, [h0],
+                                              _push_meta(key, "r3", h0, ids, [layer1, gone]))
+            return y1, partial, g0, broken.value.code, unreached
         finally:
             await p2p.shutdown()
 
-    y1, partial, g0, broken = asyncio.run(main())
+    gone_dht = start_dht(DHTSettings(), [])
+    gone = str(gone_dht.peer_id)
+    shutdown_dht(gone_dht)
+    y1, partial, g0, broken, unreached = asyncio.run(main())
     assert partial["partial"] is True and partial["push_failed"]["peer"] == str(layer2.dht.peer_id)
     assert tensor_digest(payload_of(y1)) == Receipt.from_wire(partial["trail"][0]).output
     assert g0.shape == (8, 32) and bool(torch.isfinite(g0).all())
     assert broken == BROKEN_CODE
+    assert unreached["partial"] is True and unreached["push_failed"]["peer"] == gone
 
 
 def test_a_push_with_malformed_fields_is_refused_with_the_field_named():

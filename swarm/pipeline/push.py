@@ -51,6 +51,7 @@ from swarm.integrity.receipts import (
 from swarm.pipeline.keybook import KEY_PATIENCE_S
 from swarm.pipeline.replies import BadReply, Vouch, check_receipt, check_reply
 from swarm.pipeline.stage0_replicas import ids_from_meta
+from swarm.pipeline.sessions import SessionUnopened
 from swarm.pipeline.stage_client import StageError, call_stage, stage_namespace
 from swarm.pipeline.wire import WireError, payload_of, refusal_meta
 
@@ -281,6 +282,8 @@ class PushServer:
                 self.lost += exc.code == LOST_CODE
                 return [], refusal_meta(exc.code, str(exc)[:300]), None
             return self._partial(y, mine, nxt, str(exc))  # refused at its door: nothing ran there
+        except SessionUnopened as exc:  # never sent (the next peer cannot be reached from here: NAT, gone)
+            return self._partial(y, mine, nxt, str(exc))
         except Exception as exc:  # no answer: whatever ran downstream, its driver asks the route (recovery)
             logger.info("a push to %s got no answer (%s: %s): its driver recovers micro-batch %s", nxt[-8:],
                         exc.__class__.__name__, exc, request.mb)

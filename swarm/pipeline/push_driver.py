@@ -44,6 +44,7 @@ from swarm.integrity.receipts import (
 from swarm.pipeline.hops import HopGivenUp
 from swarm.pipeline.push import BROKEN_CODE, LOST_CODE, PUSH_FORWARD, PUSH_LAST
 from swarm.pipeline.replies import BadReply, check_reply_tensor
+from swarm.pipeline.sessions import SessionUnopened
 from swarm.pipeline.stage0_replicas import ids_bytes
 from swarm.pipeline.stage_client import StageError
 from swarm.pipeline.push_checks import PushChecks
@@ -123,6 +124,9 @@ class Pusher(PushRecovery, PushChecks):
             return None  # stage 1 refused it at its door: nothing ran, the relay meets the refusal and acts on it
         except asyncio.CancelledError:
             raise
+        except SessionUnopened:  # never sent: relayed from the start, and stage 1's peer judged by its relayed hop
+            self.avoid[route[0]] = time.monotonic() + AVOID_S
+            return None
         except Exception as exc:  # no answer in time, a cut stream: ask the route what happened
             routers[0].failure(route[0], time.monotonic())
             return await self._recover(mb, route, h, ids, ids_d, r0, f"{exc.__class__.__name__}: {exc}")

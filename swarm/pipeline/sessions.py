@@ -61,6 +61,10 @@ class SessionBroken(ConnectionError):
     """The session's stream ended or failed: the calls waiting on it were not answered."""
 
 
+class SessionUnopened(SessionBroken):
+    """No session could be had, so the call was never sent (a push falls back to the relay at once: push.py)."""
+
+
 # ----- client
 
 
@@ -100,7 +104,7 @@ class ClientSession:
             raise
         if self.closed:  # closed while opening
             self.writer.close()
-            raise SessionBroken("the session was closed while it opened")
+            raise SessionUnopened("the session was closed while it opened")
         self.reader = asyncio.create_task(self._read(reader), name=f"stage-session-{self.key[0][-8:]}")
         self.opened.set_result(True)
 
@@ -147,7 +151,7 @@ class ClientSession:
         from hivemind.p2p import P2P
 
         if self.closed:
-            raise SessionBroken("the session is closed")
+            raise SessionUnopened("the session is closed")
         self.next_id += 1
         cid = str(self.next_id)
         future = self.loop.create_future()
@@ -249,7 +253,7 @@ async def session_for(p2p: Any, peer_id: str, namespace: str, handle_name: str) 
             raise
         except Exception as exc:
             if NO_HANDLER not in str(exc):  # the peer cannot be reached: a unary call would dial it again in vain
-                raise SessionBroken(f"could not open a session: {exc.__class__.__name__}: {str(exc)[:200]}") from None
+                raise SessionUnopened(f"could not open a session: {exc.__class__.__name__}: {str(exc)[:200]}") from None
             unary_until[key] = now + NO_SESSION_S
             logger.info("%s serves no sessions (an older version): unary calls for %.0f s", peer_id[-8:],
                         NO_SESSION_S)
