@@ -452,3 +452,37 @@ def test_the_referees_busy_share_over_the_last_minute():
         assert verdict.outcome == UNSHOWN and len(referee._busy) == kept
     finally:
         referee.close()
+
+
+def test_a_last_stage_whose_signed_loss_does_not_follow_from_its_weights_is_convicted_but_not_announced():
+    """Format 3: a last stage's receipt signs the loss it reports. The referee recomputes that loss from the committed
+    weights too: the honest one holds (bfloat16 commitments move it by far less than the tolerance), one reported
+    1.5x (to have a middle copy held off by the loss through it, or to shield one) is convicted. The proof stays the
+    driver's: a neighbour's re-check recomputes tensors, not losses, so nothing is kept to announce."""
+    from swarm.integrity.receipts import loss_digest
+
+    dataset = load_dataset(RUN.data, RUN.model)
+    worker, key = StageWorker(RUN, 2), ReceiptKey("QmSigner")
+    _trained_last(worker)
+    ids = torch.arange(8)
+    x = torch.randn(8, HIDDEN, generator=torch.Generator().manual_seed(5)).relu()
+    worker._commit()  # the version the claim below runs with, kept in the ring for the referee
+    version, digest = worker.committed
+    loss, grad = worker.input_gradient(x, dataset.y_train[ids])
+
+    def receipt(reported: float):
+        return key.sign(RUN.run_id, "mb", "forward_backward", 2, version, b"i" * 16, b"o" * 16, b"d" * 16, digest,
+                        figures=loss_digest(reported))
+
+    referee, executor = _referee(_Door(worker))
+    try:
+        honest = asyncio.run(referee.judge(2, "forward_backward", [x, ids], grad, receipt(loss), "QmSigner", loss))
+        false = asyncio.run(referee.judge(2, "forward_backward", [x, ids], grad, receipt(1.5 * loss), "QmSigner",
+                                          1.5 * loss))
+        unsigned = asyncio.run(referee.judge(2, "forward_backward", [x, ids], grad, receipt(loss), "QmSigner",
+                                             1.5 * loss))  # a loss its receipt does not sign: not the signer's claim
+    finally:
+        executor.shutdown()
+    assert honest.outcome == HOLDS and unsigned.outcome == HOLDS
+    assert false.outcome == CONVICTED and "reported loss" in false.why, false
+    assert referee.stats()["false_losses"] == 1 and "QmSigner" not in referee.convictions

@@ -263,7 +263,7 @@ class _BudgetReferee:
     def has_time(self):
         return self.time
 
-    async def judge(self, k, op, tensors, claim, receipt, peer):
+    async def judge(self, k, op, tensors, claim, receipt, peer, loss=None):
         from swarm.pipeline.referee import HOLDS, Verdict
 
         self.judged += 1
@@ -310,7 +310,7 @@ def test_a_lane_waiting_for_a_newcomers_verdict_says_so():
             self.reasons.append(reason)
 
     class _Slow(_BudgetReferee):
-        async def judge(self, *args):
+        async def judge(self, *args, **kwargs):
             await asyncio.sleep(0.35)
             return await super().judge(*args)
 

@@ -138,6 +138,27 @@ def _recompute(model: ModelConfig, module: nn.Module, op: str, weights: dict[str
     raise ValueError(f"a referee does not recompute {op!r}")
 
 
+# A last stage's reported loss against the one recomputed from its committed weights: honest numerics (bfloat16
+# commitments, another device's kernels) move a loss by far less than 1 %; a loss reported to frame or shield a copy
+# (route losses, swarm/pipeline/route_losses.py, compare losses through copies tens of % apart) is far outside
+LOSS_ABS_TOLERANCE = 0.01
+LOSS_REL_TOLERANCE = 0.02
+
+
+def recompute_loss(model: ModelConfig, module: nn.Module, weights: dict[str, torch.Tensor], x: torch.Tensor,
+                   targets: torch.Tensor) -> float:
+    """The loss a last stage with ``weights`` computes on ``x`` and ``targets`` (training mode, as forward_backward)."""
+    device = _device_of(module)
+    state = _fitted(module.state_dict(), weights)
+    module.train(True)
+    with torch.no_grad():
+        return float(loss_fn(model, functional_call(module, state, (x.to(device),)), targets.to(device)))
+
+
+def loss_agrees(claimed: float, recomputed: float) -> bool:
+    return abs(claimed - recomputed) <= LOSS_ABS_TOLERANCE + LOSS_REL_TOLERANCE * abs(recomputed)
+
+
 def _fitted(expected: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if set(weights) != set(expected) or any(weights[n].shape != expected[n].shape for n in expected):
         raise ValueError("the weights shown are not a copy of this stage (names or shapes differ)")

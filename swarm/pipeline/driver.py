@@ -272,7 +272,7 @@ class PipelineDriver(LaneFailures):
         grad, receipt = reply_tensors[0], meta["receipt"]
         try:
             await self.spot.after_gradient(last, "forward_backward_check", [h, ids], last_meta, last_vouch,
-                                           served_by[last], grad, receipt)
+                                           served_by[last], grad, receipt, loss=loss)
         except Refused as exc:  # the last stage has applied its update: this micro-batch is half done, lost
             self._avoid_author(exc)
             raise HopGivenUp(str(exc)) from None

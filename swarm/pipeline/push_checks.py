@@ -127,7 +127,7 @@ class PushChecks:
             return
         if k == last:
             await spot.after_gradient(k, "forward_backward_check", [shown["x"], ids], meta, vouch, peer, shown["gx"],
-                                      forwards[k], drawn=True)
+                                      forwards[k], drawn=True, loss=loss)
             return
         g_receipt = backwards[k + 1] if k + 1 < last else forwards[last]
         chain = {**driver._meta(mb, g_receipt, forwards[k - 1], forwards[k]), "loss": loss}

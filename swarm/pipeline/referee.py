@@ -28,8 +28,17 @@ from typing import Any
 
 import torch
 
-from swarm.integrity.receipts import NO_WEIGHTS, Receipt
-from swarm.integrity.recompute import LAST_GRADIENT_OPS, REFEREED_OPS, Finding, compare, recompute, tolerance_for
+from swarm.integrity.receipts import NO_WEIGHTS, Receipt, loss_digest
+from swarm.integrity.recompute import (
+    LAST_GRADIENT_OPS,
+    REFEREED_OPS,
+    Finding,
+    compare,
+    loss_agrees,
+    recompute,
+    recompute_loss,
+    tolerance_for,
+)
 from swarm.integrity.weights import tensors_bytes, weights_digest
 from swarm.pipeline.weights_rpc import fetch_weights
 from swarm.run.models import build_stage
@@ -100,6 +109,7 @@ class Referee:
         self.convictions: OrderedDict[str, Conviction] = OrderedDict()
         self.refereed = 0
         self.held = 0
+        self.false_losses = 0  # last stages whose signed loss did not follow from their committed weights
         self.unshown = 0
         self.recompute_s = 0.0  # compute-thread seconds spent recomputing
         self.fetch_s = 0.0
@@ -123,21 +133,22 @@ class Referee:
     def stats(self) -> dict[str, Any]:
         return {"refereed": self.refereed, "held": self.held, "convicted": len(self.convictions),
                 "unshown": self.unshown, "recompute_s": round(self.recompute_s, 3), "fetches": self.fetches,
-                "fetch_s": round(self.fetch_s, 3)}
+                "fetch_s": round(self.fetch_s, 3), "false_losses": self.false_losses}
 
     def can_judge(self, op: str) -> bool:
         """Whether a claim of ``op`` can be recomputed at all (not a training op of a run with dropout)."""
         return op in REFEREED_OPS and (op == "infer" or _dropout(self.run.model) == 0)
 
     async def judge(self, k: int, op: str, tensors: list[torch.Tensor], claim: torch.Tensor, receipt: Receipt | None,
-                    peer: str) -> Verdict:
+                    peer: str, loss: float | None = None) -> Verdict:
         """Does ``claim`` (what ``peer`` returned for ``op`` at stage ``k`` on ``tensors``, the same tensors a spot
-        check sends: [x], [g, x] or [x, ids]) follow from the weights its ``receipt`` committed to?"""
+        check sends: [x], [g, x] or [x, ids]) follow from the weights its ``receipt`` committed to? With ``loss`` (a
+        last stage's, which its receipt signs: format 3), does that loss follow too?"""
         if _dropout(self.run.model) > 0 and op != "infer":
             return Verdict(NOT_REPRODUCIBLE, peer, why="dropout: a training op's random mask cannot be replayed")
         self.refereed += 1
         began = time.monotonic()
-        verdict = await self._judge(k, op, tensors, claim, receipt, peer)
+        verdict = await self._judge(k, op, tensors, claim, receipt, peer, loss)
         if verdict.outcome != UNSHOWN:
             # what a judgement costs us, at most what its size would take on a home link: a peer that shows its
             # weights slowly, or not at all, must not spend the budget that keeps other peers' hops checked
@@ -146,7 +157,7 @@ class Referee:
         return verdict
 
     async def _judge(self, k: int, op: str, tensors: list[torch.Tensor], claim: torch.Tensor, receipt: Receipt | None,
-                     peer: str) -> Verdict:
+                     peer: str, loss: float | None = None) -> Verdict:
         if receipt is None or op not in REFEREED_OPS or receipt.weights == NO_WEIGHTS or receipt.signer != peer:
             return self._unshown(peer, "its receipt commits to no weights")
         try:
@@ -177,6 +188,16 @@ class Referee:
             return self._convict(k, peer, receipt, tensors, claim,
                                  f"its {op} does not follow from the weights it committed to ({finding.describe()})",
                                  finding, weights)
+        if loss is not None and op in LAST_GRADIENT_OPS and receipt.figures == loss_digest(loss):
+            recomputed_loss = await asyncio.get_running_loop().run_in_executor(
+                self.executor, recompute_loss, self.run.model, self._module(k), weights, tensors[0], targets)
+            if not loss_agrees(loss, recomputed_loss):
+                # Proven to us, not shareable yet: a neighbour's re-check (convictions.py) recomputes tensors, not
+                # losses, so no evidence is kept to announce; the lie costs the signer our traffic and its standing
+                self.false_losses += 1
+                why = f"reported loss {loss:.4g} where its committed weights give {recomputed_loss:.4g}"
+                logger.warning("referee: layer%d peer %s convicted: %s", k, peer[-8:], why)
+                return Verdict(CONVICTED, peer, finding, why)
         self.held += 1
         logger.debug("referee at layer%d: %s of %s holds (%s)", k, op, peer[-8:], finding.describe())
         return Verdict(HOLDS, peer, finding)

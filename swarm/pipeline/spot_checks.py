@@ -62,6 +62,7 @@ class Claim:
     out: torch.Tensor
     receipt: Receipt | None
     op: str
+    loss: float | None = None  # a last stage's reported loss (its receipt signs it): the referee checks it too
 
 
 class SpotChecker:
@@ -105,7 +106,7 @@ class SpotChecker:
 
     async def after_gradient(self, k: int, op: str, tensors: list[torch.Tensor], meta: dict, vouch: Vouch,
                              primary: str, grad_in: torch.Tensor, receipt: Receipt | None = None, *,
-                             drawn: bool = False) -> None:
+                             drawn: bool = False, loss: float | None = None) -> None:
         """Maybe replicate the gradient hop that ``primary`` served (the last stage's forward_backward: ``op``
         forward_backward_check, ``tensors`` [x, ids]; another stage's backward: backward_check, [g, x], ``meta`` with
         the receipts of g, x and primary's forward);
@@ -113,7 +114,7 @@ class SpotChecker:
         anyone upstream is the wrong input gradient, and the peer that computed it from our traffic."""
         primary_op = "forward_backward" if op == "forward_backward_check" else "backward"
         await self._maybe_replicate(k, op, tensors, meta, vouch, primary, grad_in, GRADIENTS,
-                                    Claim(primary, grad_in, receipt, primary_op), drawn)
+                                    Claim(primary, grad_in, receipt, primary_op, loss), drawn)
 
     async def _maybe_replicate(self, k: int, op: str, tensors: list[torch.Tensor], meta: dict, vouch: Vouch,
                                primary: str, out: torch.Tensor, bounds: Bounds, claim: Claim,
@@ -257,7 +258,8 @@ class SpotChecker:
             logger.exception("a background referee failed")
 
     async def _referee_alone_verdict(self, k: int, tensors: list[torch.Tensor], claim: Claim) -> None:
-        verdict = await self.referee.judge(k, claim.op, tensors, claim.out, claim.receipt, claim.peer)
+        verdict = await self.referee.judge(k, claim.op, tensors, claim.out, claim.receipt, claim.peer,
+                                           loss=claim.loss)
         self._alone_verdict(k, claim, verdict)
 
     async def _referee_dispute(self, k: int, tensors: list[torch.Tensor], primary: Claim, other: Claim,
@@ -269,7 +271,8 @@ class SpotChecker:
             return False
         verdicts: dict[str, Verdict] = {}
         for claim in sorted((primary, other), key=lambda c: self.book.get(c.peer)):
-            verdict = await self.referee.judge(k, claim.op, tensors, claim.out, claim.receipt, claim.peer)
+            verdict = await self.referee.judge(k, claim.op, tensors, claim.out, claim.receipt, claim.peer,
+                                               loss=claim.loss)
             verdicts[claim.peer] = verdict
             if verdict.outcome == CONVICTED:
                 self._convict(k, verdict)
