@@ -246,7 +246,8 @@ class PushServer:
         if request.rc.signer != sender:
             return refusal_meta("bad_receipt", "a push carries its sender's own output")
         if request.route[k - 1] != me or (k > 1 and request.route[k - 2] != sender):
-            return refusal_meta("bad_receipt", "this push is not on its driver's route (another peer, or another sender)")
+            return refusal_meta("bad_receipt", "this push is not on its driver's route (another peer, or another "
+                                "sender)")
         key = self.keys.known(driver) if k == 1 else await self.keys.key(driver, "layer0")
         if key is None:
             wait_s = self.keys.wait_s(driver)
@@ -339,10 +340,6 @@ class PushServer:
         names = [name for name in SHOWN if name in kept and name in wanted]
         return [kept[name] for name in names], {"ok": True, "have": names, "loss": kept.get("loss"),
                                                 **{name: kept[name] for name in RECEIPTS if name in kept}}
-
-    def stats(self) -> dict[str, int]:
-        return {"pushed": self.pushed, "partial": self.partial, "lost": self.lost, "shown": self.shown,
-                "outbox": len(self.outbox)}
 
 
 def _size(item: Any) -> int:

@@ -81,7 +81,8 @@ class PushChecks:
         try:
             out, reply, _ = await self.hops.call(
                 self.hops.p2p, peer, self.hops.namespaces[f"layer{k}"], SHOW_OP, [],
-                {"mb": mb, "want": sorted(digests)}, timeout_s=SHOW_TIMEOUT_S, codec=training.codec, rank=training.wire_rank,
+                {"mb": mb, "want": sorted(digests)}, timeout_s=SHOW_TIMEOUT_S, codec=training.codec,
+                rank=training.wire_rank,
                 max_bytes=int(training.max_payload_mb * 2**20), traffic=self.hops.traffic,
                 expect_bytes=self._shown_bytes(k, batch))
             have = reply.get("have")

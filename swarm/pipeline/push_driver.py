@@ -10,8 +10,9 @@ in the trail is taken on the word of the peer that relayed it.
 Which micro-batches are pushed: those whose every peer has had a hop upheld by a check here (its credit in
 ``SpotChecker.book``; any peer while spot checks are off) and whose receipt key the driver holds. A stranger's hops
 are relayed until then: its first sampled hop is checked before anything downstream uses its output, as before; from
-then on a relayed hop's check runs in the background too (spot_checks.py), as a pushed hop's does. A peer that failed a push, could not
-show what a pushed hop carried, or does not know the push ops (an older client) is relayed for a while.
+then on a relayed hop's check runs in the background too (spot_checks.py), as a pushed hop's does. A peer that
+failed a push, could not show what a pushed hop carried, or does not know the push ops (an older client) is relayed
+for a while. The route is signed (a stage serves a push only where it names it, from the peer it names before).
 
 Spot checks after the fact: each hop of a pushed micro-batch is drawn for a check as a relayed one is (``share_for``);
 for a drawn hop the driver asks its peer what it received and sent (``show``), checks those tensors against the
@@ -244,7 +245,4 @@ class Pusher(PushRecovery, PushChecks):
         for task in list(self._checks):
             task.cancel()
 
-    def stats(self) -> dict[str, int]:
-        return {"pushed": self.pushed, "partial": self.partial, "recovered": self.recovered, "relayed": self.relayed, "checked": self.checked,
-                "unshown": self.unshown_total, "avoided": sum(1 for t in self.avoid.values() if t > time.monotonic())}
 
