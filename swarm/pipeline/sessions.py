@@ -172,6 +172,8 @@ class ClientSession:
             self.close(exc)
             raise SessionBroken(f"the session broke while sending: {exc}") from None
         finally:
+            if future.done() and not future.cancelled():
+                future.exception()  # the stream broke as this call was cancelled: its error is seen, not logged
             if self.waiting.pop(cid, None) is not None:  # a timeout, a cancelled hedge: its reply may still come
                 self.given_up += 1
             if self.retired and not self.waiting:
