@@ -208,6 +208,9 @@ class PushServer:
             if admitted is not None:
                 return [], refusal_meta(admitted.code, admitted.error, admitted.retry_after_s)
         outcome = None
+        # kept from its arrival, marked running: a driver recovering a broken push waits for what runs here (a stage
+        # that answers only once the recovery has moved on would apply its update twice: push_recovery.py)
+        self.outbox.put(driver, request.mb, x=serialized[0], rc_x=meta.get("rc")[0], running=True)
         try:
             out, reply, outcome = await servicer.admitted(driver, sender, "forward_backward" if last else "forward",
                                                           {"mb": request.mb, "rc": meta.get("rc"),
@@ -224,6 +227,7 @@ class PushServer:
                 outcome = backward
             return out, reply
         finally:
+            self.outbox.put(driver, request.mb, running=False)
             if gate is not None and outcome is not None:
                 gate.settle(driver, outcome)
             elif gate is not None:
@@ -339,6 +343,7 @@ class PushServer:
         wanted = set(want) if isinstance(want, list) and all(isinstance(n, str) for n in want) else set(SHOWN)
         names = [name for name in SHOWN if name in kept and name in wanted]
         return [kept[name] for name in names], {"ok": True, "have": names, "loss": kept.get("loss"),
+                                                "running": bool(kept.get("running")),
                                                 **{name: kept[name] for name in RECEIPTS if name in kept}}
 
 

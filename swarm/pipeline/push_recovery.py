@@ -23,6 +23,8 @@ from swarm.pipeline.push_trail import AVOID_S, Pushed, TrailError
 logger = logging.getLogger(__name__)
 
 RECOVER_TIMEOUT_S = 5.0  # each peer's answer to a recovery's show (a dead peer on loopback fails at once)
+RUNNING_POLL_S = 0.2  # a stage that says it still runs the micro-batch is asked again this often...
+RUNNING_WAIT_S = 30.0  # ... for at most this long (then what is known is used, as for a slow relayed hop)
 
 
 class PushRecovery:
@@ -41,6 +43,12 @@ class PushRecovery:
                   f"those peers are relayed for {AVOID_S:.0f} s")
         batch, last, model = int(h0.shape[0]), self.stages - 1, self.run.model
         shows = await asyncio.gather(*(self._fetch(mb, k, peer, batch) for k, peer in enumerate(route, 1)))
+        waited = 0.0
+        while any(show and show.get("running") for show in shows) and waited < RUNNING_WAIT_S:
+            # a stage still working on it (slow, not gone): what it applies must be known before anything is resent
+            await asyncio.sleep(RUNNING_POLL_S)
+            waited += RUNNING_POLL_S
+            shows = await asyncio.gather(*(self._fetch(mb, k, peer, batch) for k, peer in enumerate(route, 1)))
         fwd: dict[int, Receipt] = {0: r0}
         ys: dict[int, torch.Tensor] = {0: h0}
         loss: float | None = None
