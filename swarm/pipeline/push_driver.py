@@ -119,7 +119,7 @@ class Pusher(PushRecovery, PushChecks):
             if exc.code == LOST_CODE:
                 raise HopGivenUp(f"pushed micro-batch lost: {exc}") from None
             if exc.code == BROKEN_CODE:  # a stage down the route got no answer from the next
-                return await self._recover(mb, route, h, ids, ids_d, r0, str(exc))
+                return await self._recover(mb, route, h, ids, ids_d, r0, str(exc), sum(hop_s))
             if exc.code == "rejected" and ("unknown op" in str(exc) or "pushed" in str(exc)):
                 self.cannot.add(route[0])  # an older client: relayed from now on
             return None  # stage 1 refused it at its door: nothing ran, the relay meets the refusal and acts on it
@@ -130,7 +130,8 @@ class Pusher(PushRecovery, PushChecks):
             return None
         except Exception as exc:  # no answer in time, a cut stream: ask the route what happened
             routers[0].failure(route[0], time.monotonic())
-            return await self._recover(mb, route, h, ids, ids_d, r0, f"{exc.__class__.__name__}: {exc}")
+            return await self._recover(mb, route, h, ids, ids_d, r0, f"{exc.__class__.__name__}: {exc}",
+                                       sum(hop_s))
         finally:
             for router, peer in zip(routers, route):
                 router.end(peer)

@@ -30,7 +30,7 @@ RUNNING_WAIT_S = 30.0  # ... for at most this long (then what is known is used, 
 class PushRecovery:
     # ----- a broken push: what the route holds
     async def _recover(self, mb: str, route: list[str], h0: torch.Tensor, ids: torch.Tensor, ids_d: bytes,
-                       r0: Receipt, why: str) -> Pushed | None:
+                       r0: Receipt, why: str, budget_s: float = RUNNING_WAIT_S) -> Pushed | None:
         """A push that got no answer somewhere down the route (a peer died or is unreachable): ask every peer of the
         route what it kept of ``mb`` (``show``: tensors and receipts, each checked against the signed chain), then
         resume by relay from the furthest point that is known: the backward from the deepest stage whose backward
@@ -44,7 +44,9 @@ class PushRecovery:
         batch, last, model = int(h0.shape[0]), self.stages - 1, self.run.model
         shows = await asyncio.gather(*(self._fetch(mb, k, peer, batch) for k, peer in enumerate(route, 1)))
         waited = 0.0
-        while any(show and show.get("running") for show in shows) and waited < RUNNING_WAIT_S:
+        # no longer than the route's own time budget: an honest stage cannot still run it past that, and a stage that
+        # says "running" for ever must not hold the lane longer than a black hole would
+        while any(show and show.get("running") for show in shows) and waited < min(budget_s, RUNNING_WAIT_S):
             # a stage still working on it (slow, not gone): what it applies must be known before anything is resent
             await asyncio.sleep(RUNNING_POLL_S)
             waited += RUNNING_POLL_S
