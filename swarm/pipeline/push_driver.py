@@ -56,8 +56,8 @@ from swarm.run.models import stage_input_spec, stage_output_spec
 
 logger = logging.getLogger(__name__)
 
-# VOLUNTEER_DATA_PLANE=relay: the driver carries every tensor, as before this round (benchmarks compare both)
-ENABLED = os.environ.get("VOLUNTEER_DATA_PLANE", "push") != "relay"
+# VOLUNTEER_DATA_PLANE=push: stages hand tensors to each other; default relay (benchmarks compare both)
+ENABLED = os.environ.get("VOLUNTEER_DATA_PLANE", "relay") == "push"  # opt-in until a broken push never applies twice
 TIMING_OP = "push"  # the routers' service times of pushed hops (each hop's share of the chain's round trip)
 
 
