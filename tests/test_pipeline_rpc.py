@@ -157,6 +157,44 @@ def test_gradient_checks_recompute_the_gradients_a_stage_returns_and_apply_nothi
     assert c1["rc"] and c2["rc"]  # signed, as every reply
 
 
+def test_a_micro_batch_resent_to_a_stage_that_applied_it_is_refused_not_applied_twice(stage_servers):
+    """A driver that resends a hop whose answer it never got (a timeout, a broken push resumed by relay) must not make
+    a copy take two steps on one micro-batch: the second forward_backward or backward of the same micro-batch id is
+    refused with ``duplicate`` and applies nothing; a request that applied nothing (need_input) leaves the id free,
+    so the honest retry runs."""
+    dht0, peers = stage_servers
+    layer1, layer2 = peers
+
+    async def body(driver, p2p, dataset):
+        ids = torch.as_tensor(make_shards(dataset.y_train, RUN.data, dataset.num_classes)[0][16:24], dtype=torch.int64)
+        key = driver.receipt_key
+        h0 = driver.worker.forward("d", dataset.x_train[ids])
+        first = stage0_meta(key, RUN.run_id, "d", h0, ids)
+        with pytest.raises(StageError) as early:  # nothing saved here yet: applies nothing, claims nothing
+            await _hop(p2p, layer1, "backward", [torch.zeros(8, 32)], first)
+        (h1,), m1, _ = await _hop(p2p, layer1, "forward", [h0], first)
+        version2 = layer2.worker.stats.param_version
+        (g1,), meta, _ = await _hop(p2p, layer2, "forward_backward", [h1, ids], relay_meta(key, "d", m1["rc"]))
+        with pytest.raises(StageError) as again:
+            await _hop(p2p, layer2, "forward_backward", [h1, ids], relay_meta(key, "d", m1["rc"]))
+        assert layer2.worker.stats.param_version == version2 + 1, "a resent micro-batch was applied twice"
+        version1 = layer1.worker.stats.param_version
+        await _hop(p2p, layer1, "backward", [g1], {**relay_meta(key, "d", meta["rc"]), "loss": meta["loss"]})
+        assert layer1.worker.stats.param_version == version1 + 1, "the backward after a need_input must run"
+        # its saved activations are gone now: a resend carries its input and receipts (as after need_input)
+        chain = {**relay_meta(key, "d", meta["rc"], first["rc"][0], m1["rc"]), "loss": meta["loss"]}
+        with pytest.raises(StageError) as twice:
+            await _hop(p2p, layer1, "backward", [g1, h0], chain)
+        assert layer1.worker.stats.param_version == version1 + 1, "a resent backward was applied twice"
+        return early.value, again.value, twice.value
+
+    early, again, twice = _with_driver(dht0, peers, body)
+    assert early.code == "need_input"
+    assert again.code == "duplicate" and "already been applied" in str(again)
+    assert twice.code == "duplicate"
+    assert layer2._servicer.applied.refused >= 1
+
+
 @pytest.mark.parametrize(
     ("tensors", "meta", "expected"),
     [

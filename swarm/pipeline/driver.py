@@ -25,6 +25,7 @@ import itertools
 import logging
 import math
 import os
+import secrets
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -121,7 +122,9 @@ class PipelineDriver(LaneFailures):
         for router in self.routers.values():  # newcomers together get a bounded share of each swarm's hops
             router.established = self.spot.established
         self.pusher = Pusher(self) if push_driver.ENABLED and run.model.stages > 1 else None
-        self.peer_tag = peer_tag
+        # a micro-batch's id is unique per driver start: a stage refuses an update it has applied for an id already
+        # (swarm/pipeline/applied.py), and a restarted driver must not meet its old ids there
+        self.peer_tag = f"{peer_tag}-{secrets.token_hex(3)}"
         self._ids = itertools.count()
         self._running = asyncio.Event()
         self._running.set()

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from swarm.pipeline.replies import HEDGED_OPS, BadReply, Vouch, check_receipt, check_reply
+from swarm.pipeline.applied import DUPLICATE_CODE
 from swarm.pipeline.routing import BAD_REPLY_BAN_S, SwarmRouter, retry_delay_s
 from swarm.run.runconfig import RunConfig
 from swarm.pipeline.stage_rpc import StageError, Traffic, call_stage, stage_namespace
@@ -253,6 +254,8 @@ class HopCaller:
                 del self._key_pending_since[peer]  # nothing but key_pending for too long: a failing peer (below)
             if code == "need_input":
                 raise NeedInputReply(str(exc))
+            if code == DUPLICATE_CODE:  # it applied this micro-batch already (we resent it): its gradient is lost
+                raise HopGivenUp(f"{op} at {swarm} peer {peer[-8:]}: {exc}")
             if code in HOLD_CODES:
                 retry_after_s = getattr(exc, "retry_after_s", None)
                 router.hold(peer, now, retry_after_s if retry_after_s is not None else HOLD_DEFAULT_S)

@@ -48,6 +48,7 @@ from swarm.integrity.receipts import (
     route_digest,
     signature_valid,
 )
+from swarm.pipeline.applied import DUPLICATE_CODE
 from swarm.pipeline.keybook import KEY_PATIENCE_S
 from swarm.pipeline.replies import BadReply, Vouch, check_receipt, check_reply
 from swarm.pipeline.stage0_replicas import ids_from_meta
@@ -202,16 +203,17 @@ class PushServer:
                                           servicer.desk.key.peer_id if servicer.desk is not None else "")
         if refusal is not None:
             return [], refusal
-        gate = servicer.gate
-        if gate is not None:
-            admitted = await gate.admit(driver, "forward_backward" if last else "backward")
-            if admitted is not None:
-                return [], refusal_meta(admitted.code, admitted.error, admitted.retry_after_s)
-        outcome = None
-        # kept from its arrival, marked running: a driver recovering a broken push waits for what runs here (a stage
-        # that answers only once the recovery has moved on would apply its update twice: push_recovery.py)
+        # kept from here, marked running: a driver recovering a broken push waits for what runs here, and gives the
+        # micro-batch up rather than resend it while it still runs (push_recovery.py; a resend is refused: applied.py)
         self.outbox.put(driver, request.mb, x=serialized[0], rc_x=meta.get("rc")[0], running=True)
+        outcome = None
+        gate = servicer.gate
         try:
+            if gate is not None:
+                admitted = await gate.admit(driver, "forward_backward" if last else "backward")
+                if admitted is not None:
+                    gate = None  # no slot taken: nothing to settle
+                    return [], refusal_meta(admitted.code, admitted.error, admitted.retry_after_s)
             out, reply, outcome = await servicer.admitted(driver, sender, "forward_backward" if last else "forward",
                                                           {"mb": request.mb, "rc": meta.get("rc"),
                                                            "ids": meta.get("ids")}, serialized)
@@ -286,6 +288,9 @@ class PushServer:
             if exc.code in (LOST_CODE, BROKEN_CODE):  # said further down: passed up as it is
                 self.lost += exc.code == LOST_CODE
                 return [], refusal_meta(exc.code, str(exc)[:300]), None
+            if exc.code == DUPLICATE_CODE:  # the next peer applied it already (its driver resent it): lost
+                self.lost += 1
+                return [], refusal_meta(LOST_CODE, str(exc)[:300]), None
             return self._partial(y, mine, nxt, str(exc))  # refused at its door: nothing ran there
         except SessionUnopened as exc:  # never sent (the next peer cannot be reached from here: NAT, gone)
             return self._partial(y, mine, nxt, str(exc))

@@ -42,6 +42,7 @@ from swarm.integrity.receipts import (
     signature_valid,
     tensor_digest,
 )
+from swarm.pipeline.applied import DUPLICATE_CODE
 from swarm.pipeline.hops import HopGivenUp
 from swarm.pipeline.push import BROKEN_CODE, LOST_CODE, PUSH_FORWARD, PUSH_LAST
 from swarm.pipeline.replies import BadReply, check_reply_tensor
@@ -56,8 +57,8 @@ from swarm.run.models import stage_input_spec, stage_output_spec
 
 logger = logging.getLogger(__name__)
 
-# VOLUNTEER_DATA_PLANE=push: stages hand tensors to each other; default relay (benchmarks compare both)
-ENABLED = os.environ.get("VOLUNTEER_DATA_PLANE", "relay") == "push"  # opt-in until a broken push never applies twice
+# stages hand tensors to each other; VOLUNTEER_DATA_PLANE=relay keeps the relay (benchmarks compare both)
+ENABLED = os.environ.get("VOLUNTEER_DATA_PLANE", "push") != "relay"
 TIMING_OP = "push"  # the routers' service times of pushed hops (each hop's share of the chain's round trip)
 
 
@@ -116,7 +117,7 @@ class Pusher(PushRecovery, PushChecks):
                 tensors, meta, timeout_s=sum(hop_s), codec=training.codec, rank=training.wire_rank,
                 max_bytes=int(training.max_payload_mb * 2**20), traffic=self.hops.traffic)
         except StageError as exc:
-            if exc.code == LOST_CODE:
+            if exc.code in (LOST_CODE, DUPLICATE_CODE):
                 raise HopGivenUp(f"pushed micro-batch lost: {exc}") from None
             if exc.code == BROKEN_CODE:  # a stage down the route got no answer from the next
                 return await self._recover(mb, route, h, ids, ids_d, r0, str(exc), sum(hop_s))

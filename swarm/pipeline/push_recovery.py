@@ -75,6 +75,10 @@ class PushRecovery:
         inputs = {k: ys[k - 1] for k in range(1, last + 1) if k - 1 in ys}
         if last not in fwd or loss is None:  # the last stage's update is not known applied: the forward goes on
             m = max(k for k in ys)
+            running = [k for k in range(m + 1, last + 1) if shows[k - 1] and shows[k - 1].get("running")]
+            if running:  # still on its way there (slow, past its budget): a resend would meet it (applied.py)
+                raise HopGivenUp(f"pushed micro-batch {mb}: layer{running[-1]} peer {route[running[-1] - 1][-8:]} "
+                                 f"still runs it after {waited:.1f} s: given up, as a relayed hop that timed out")
             self.partial += 1
             if m == 0:
                 return None

@@ -54,6 +54,7 @@ from hivemind.proto import runtime_pb2
 
 from swarm.integrity.health import SickCopy
 from swarm.integrity.labels import WrongShard
+from swarm.pipeline.applied import DUPLICATE_CODE, AppliedLedger, Ran
 from swarm.pipeline.fair_queue import FairQueue
 from swarm.pipeline.stage import NeedInput, StageWorker
 from swarm.pipeline.stage0_replicas import ReplicaService
@@ -119,6 +120,7 @@ class StageServicer(Stage0Ops, StageRPC):
         self.shown = WeightsDoor()  # the committed weights a referee asks to see (swarm/pipeline/weights_rpc.py)
         self.convictions: Any = None  # a ConvictionDesk: referees' evidence re-checked here (convictions.py)
         self.push: Any = None  # a PushServer: micro-batches pushed to us and on by us (push.py)
+        self.applied = AppliedLedger()  # one update per micro-batch here, however often it arrives (applied.py)
 
     async def rpc_call(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         tensors, meta = await self._one_message(request, context)
@@ -229,6 +231,20 @@ class StageServicer(Stage0Ops, StageRPC):
         def strike(text: str) -> Outcome:  # the request's form is its sender's doing
             return Outcome(strike=text) if sender == requester else Outcome(author=sender, author_strike=text)
 
+        mb = meta.get("mb") if op in UPDATE_OPS else None
+        if isinstance(mb, str) and not self.applied.claim(requester, mb):  # one update per micro-batch (applied.py)
+            return [], _refusal(DUPLICATE_CODE, f"micro-batch {mb[:40]} has already been applied here: its gradient "
+                                "is lost, do not resend it"), outcome
+        ran = Ran()
+        try:
+            return await self._admitted(requester, sender, op, meta, serialized, vouched, strike, ran)
+        finally:
+            if isinstance(mb, str) and not ran.applied:
+                self.applied.release(requester, mb)
+
+    async def _admitted(self, requester: str, sender: str, op: str, meta: dict, serialized: list[Any],
+                        vouched: Vouched, strike: Callable[[str], Outcome], ran: Ran) -> tuple[list[Any], dict, Outcome]:
+        outcome = Outcome()
         try:
             check_op_here(self.worker, op)
             tensors = decode_tensors(serialized, self.max_bytes, coded=True)
@@ -242,6 +258,7 @@ class StageServicer(Stage0Ops, StageRPC):
                 await self._stage0_verdict(check, requester, None)
             request = Request(requester=requester, gate=self.gate)
             out, reply, outcome = await self.fair.run(requester, _run, self.worker, op, tensors, meta, request)
+            ran.applied = outcome.applied
             committed = reply.pop(COMMITTED_KEY, None)
             if check is not None and op == "forward":
                 await self._stage0_verdict(check, requester, meta.get("mb"))

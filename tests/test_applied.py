@@ -1,0 +1,28 @@
+"""One update per micro-batch per copy (swarm/pipeline/applied.py): the ledger's rule and its bounds."""
+
+from __future__ import annotations
+
+from swarm.pipeline.applied import AppliedLedger
+
+
+def test_a_claimed_micro_batch_is_refused_until_released_and_drivers_do_not_share_ids():
+    ledger = AppliedLedger()
+    assert ledger.claim("driverA", "m-1", now=0.0)
+    assert not ledger.claim("driverA", "m-1", now=1.0)  # the resend
+    assert ledger.claim("driverB", "m-1", now=1.0)  # another driver's id of the same spelling
+    ledger.release("driverA", "m-1")  # the op applied nothing (refused, need_input, healing)
+    assert ledger.claim("driverA", "m-1", now=2.0)
+    assert ledger.refused == 1 and len(ledger) == 2
+
+
+def test_the_ledger_is_bounded_by_age_per_driver_and_by_drivers():
+    ledger = AppliedLedger(per_driver=3, ttl_s=10.0, drivers=2)
+    for n in range(5):  # a flood of ids evicts only its own driver's oldest claims
+        assert ledger.claim("flooder", f"m-{n}", now=0.0)
+    assert len(ledger) == 3 and ledger.claim("flooder", "m-0", now=0.0)
+    assert ledger.claim("honest", "h-0", now=0.0)
+    assert not ledger.claim("honest", "h-0", now=9.0)
+    assert ledger.claim("honest", "h-0", now=20.0)  # past the age every resend arrives within
+    assert ledger.claim("third", "t-0", now=20.0)  # a third driver: the one idle longest is forgotten
+    assert ledger.claim("flooder", "m-4", now=20.0)
+    assert len(ledger._claims) == 2
