@@ -87,6 +87,10 @@ def _attacks() -> dict[str, Attack]:
         Attack("pair_middle_harm", "signed_server", "trained_to_harm", swarm="layer1"),
         Attack("pair_last_harm", "signed_server", "trained_to_harm", swarm="layer2"),
         Attack("two_keys_middle_harm", "signed_server", "trained_to_harm", swarm="layer1", identities=2),
+        # ... and a last stage that hides it behind the loss it signs (a quarter of the truth): its own route losses
+        # look better than the honest copy's; the referee recomputes the loss from its committed weights
+        Attack("pair_last_hidden_harm", "signed_server", "hidden_harm", swarm="layer2"),
+        Attack("two_keys_last_hidden_harm", "signed_server", "hidden_harm", swarm="layer2", identities=2),
         *(Attack(f"poison_{p}", "poison", p, per_swarm=2) for p in ("nan", "x1000", "same_norm")),
         # a registered driver that signs made-up stage-0 outputs as its own (tests/hostile.py made_up_activations):
         # two honest drivers are there to recompute them (stage-0 spot checks, swarm/pipeline/stage0_checks.py)

@@ -10,7 +10,10 @@ with its own key, so drivers and the next stages accept its tensors as its own, 
   for every stage upstream;
 - ``trained_to_harm``: computes everything honestly from its own weights (every recomputation a referee makes holds),
   but trains them by gradient ascent: its copy gets worse with every update, and so does the loss of whatever goes
-  through it (swarm/pipeline/route_losses.py is what sees it).
+  through it (swarm/pipeline/route_losses.py is what sees it);
+- ``hidden_harm``: ``trained_to_harm``, and a last stage that hides it: every loss it reports (and signs) is a
+  quarter of the one it computed, so the losses of the routes through it look better than through an honest copy
+  (only a referee that recomputes the loss from its committed weights sees the lie: swarm/pipeline/recompute.py).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 
 import torch
 
-TWISTS = ("huge_gradient", "lying_eval", "ascent_gradient", "trained_to_harm")
+TWISTS = ("huge_gradient", "lying_eval", "ascent_gradient", "trained_to_harm", "hidden_harm")
 HUGE_VALUE = 9.9e5
 
 
@@ -111,8 +114,20 @@ def _twist(worker: Any, twist: str) -> None:
             return loss, -grad
 
         worker.forward_backward, worker.backward, worker.input_gradient = ascent_fb, ascent_bw, ascent_check
-    elif twist == "trained_to_harm":
+    elif twist in ("trained_to_harm", "hidden_harm"):
         optimizer = worker.optimizer
+        if twist == "hidden_harm" and worker.is_last:
+            honest_fb, honest_check = worker.forward_backward, worker.input_gradient
+
+            def hiding_fb(mb, x, y, owner=""):
+                loss, grad = honest_fb(mb, x, y, owner=owner)
+                return loss / 4, grad
+
+            def hiding_check(x, y=None, grad_out=None):
+                loss, grad = honest_check(x, y, grad_out)
+                return (loss / 4 if loss is not None else None), grad
+
+            worker.forward_backward, worker.input_gradient = hiding_fb, hiding_check
 
         def ascent_update() -> None:
             for param in worker.module.parameters():

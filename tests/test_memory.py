@@ -138,4 +138,6 @@ def test_host_bytes_per_stage_parameter_are_what_the_estimate_says(name):
     held = held_bytes(worker, healer)
     assert abs(held / expected.total_bytes - 1) <= 0.10, (held, expected)
     if expected.params >= 500_000:
-        assert expected.per_param <= 38 and (held - expected.fixed_bytes) / expected.params <= 38
+        # 36 with bfloat16 commitments (session 13); exact ones (the referee's honest tail: swarm/integrity/weights.py)
+        # cost the ring's 4 copies 2 more bytes each
+        assert expected.per_param <= 46 and (held - expected.fixed_bytes) / expected.params <= 46

@@ -65,6 +65,18 @@ def test_bans_are_ignored_when_every_peer_is_banned():
     assert _router().choose(now=0.0) is None
 
 
+def test_a_convicted_peer_is_never_chosen_not_even_as_the_only_one():
+    """A lone convict's tensors are refused by its neighbours: routing through it applies updates nobody can use (a
+    full test run lost 6,831 micro-batches to a lone convicted last stage); the driver waits for another peer."""
+    router = _router("a")
+    router.failure("a", now=0.0, min_ban_s=3600.0, convicted=True)
+    assert router.choose(now=1.0) is None and router.convicted_only(1.0)
+    router.set_peers(["a", "b"])
+    router.failure("b", now=0.0)  # a failing peer beside it: still chosen (bans yield, convictions do not)
+    assert router.choose(now=1.0) == "b" and not router.convicted_only(1.0)
+    assert router.choose(now=3601.0) in {"a", "b"}
+
+
 def test_exclude_avoids_the_peer_that_just_failed_unless_it_is_the_only_one():
     router = _router("a", "b")
     assert router.choose(now=0.0, exclude=["a"]) == "b"

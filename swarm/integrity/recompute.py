@@ -138,8 +138,8 @@ def _recompute(model: ModelConfig, module: nn.Module, op: str, weights: dict[str
     raise ValueError(f"a referee does not recompute {op!r}")
 
 
-# A last stage's reported loss against the one recomputed from its committed weights: honest numerics (bfloat16
-# commitments, another device's kernels) move a loss by far less than 1 %; a loss reported to frame or shield a copy
+# A last stage's reported loss against the one recomputed from its committed weights: honest numerics (another
+# device's kernels, bf16 autocast) move a loss by far less than 1 %; a loss reported to frame or shield a copy
 # (route losses, swarm/pipeline/route_losses.py, compare losses through copies tens of % apart) is far outside
 LOSS_ABS_TOLERANCE = 0.01
 LOSS_REL_TOLERANCE = 0.02

@@ -3,12 +3,15 @@ recent versions its signer can be made to show.
 
 Every receipt a stage signs names the digest of the tensors it ran with (swarm/integrity/receipts.py ``weights``),
 so every hop is a checkable claim: *these* weights, on this input, give this output. The tensors committed to are
-the weights rounded to bfloat16 (``COMMIT_DTYPE``; integer tensors as they are): a version kept costs 2 bytes a
-parameter instead of 4, and hashing it half the time. A referee recomputes from the rounded weights (upcast to the
-stage's dtype), which is what bf16 autocast does to every matmul's weights on an accelerator anyway: honest hops
-reproduce at cosine > 0.9999 against a tolerance of 0.99 (tests/test_referee.py). What the rounding leaves a liar is
-to compute with weights that round to the committed ones: a relative change below 2**-9 per weight, inside the
-numerics every referee already allows. A referee that doubts the
+the weights exactly as the stage computed with them (``COMMIT_DTYPE`` None: a version kept costs 4 bytes a float32
+parameter). Session 13 committed them rounded to bfloat16 (2 bytes), on the reasoning that the rounding is what bf16
+autocast does to an accelerator's matmuls and that honest hops reproduced at cosine > 0.9999: the median, not the
+tail. A ReLU whose pre-activation lies within the rounding of zero flips its mask, and with it that sample's whole
+gradient: a trained digits last stage reproduced below the referee's 0.99 in 9 of 1,500 honest hops (worst 0.986),
+and in a full test run the referee convicted the only honest layer2 peer on such a hop (cosine 0.989); every
+micro-batch after it was lost. No cosine bound is safe against that (a flip on an influential sample can move the
+gradient anywhere), so the commitment is what was computed with, and an honest hop reproduces to float rounding.
+A referee that doubts the
 claim asks the signer for the weights of that digest and recomputes the hop (swarm/pipeline/referee.py; Verde's
 refereed delegation). The digest is computed once per version, when the first hop of that version is served, not
 per hop and not per update (an update nobody computes with is never hashed), and the tensors of that version are
@@ -30,10 +33,10 @@ from torch import nn
 
 from swarm.integrity.receipts import DIGEST_BYTES
 
-COMMIT_DTYPE = torch.bfloat16
+COMMIT_DTYPE: torch.dtype | None = None  # exact (module docstring: why not bfloat16)
 KEEP_S = 30.0  # a version is shown for at least this long after it was last served (memory permitting)
 RING_MIN_BYTES = 8 * 2**20  # a small stage keeps many versions (digits: ~120): a referee asks within a round trip or two
-RING_COPIES = 4.0  # a large one keeps at most this many (bfloat16) copies of its weights beside the live one: a referee asks
+RING_COPIES = 4.0  # a large one keeps at most this many (committed) copies of its weights beside the live one: a referee asks
 # for the version of a hop one round trip after it, and a backward's forward version is a pipeline round trip older
 # (a heavy 16 MiB stage at ~3 updates a second; with 2 copies a referee found its version gone)
 
@@ -54,8 +57,8 @@ def weights_digest(tensors: dict[str, torch.Tensor]) -> bytes:
 
 
 def committed_dtype(tensor: torch.Tensor) -> torch.dtype:
-    """The dtype a tensor is committed (hashed, kept, shown) in: floating tensors in COMMIT_DTYPE."""
-    return COMMIT_DTYPE if tensor.is_floating_point() else tensor.dtype
+    """The dtype a tensor is committed (hashed, kept, shown) in: its own, unless COMMIT_DTYPE rounds floating ones."""
+    return COMMIT_DTYPE if COMMIT_DTYPE is not None and tensor.is_floating_point() else tensor.dtype
 
 
 def committed_bytes(tensors: dict[str, torch.Tensor]) -> int:
@@ -64,7 +67,7 @@ def committed_bytes(tensors: dict[str, torch.Tensor]) -> int:
 
 
 def committed_copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``tensors`` as a commit holds them (on the CPU, floating ones rounded to COMMIT_DTYPE)."""
+    """``tensors`` as a commit holds them (a copy on the CPU, in ``committed_dtype``)."""
     return {name: t.detach().to("cpu", committed_dtype(t), copy=True) for name, t in tensors.items()}
 
 
@@ -104,7 +107,7 @@ class WeightsRing:
         return WeightsRing(max(RING_MIN_BYTES, int(RING_COPIES * size)), keep_s)
 
     def commit(self, module: nn.Module, version: int, now: float | None = None) -> tuple[int, bytes]:
-        """(version, digest) of ``module``'s weights now; keeps a (committed: bfloat16) copy of them under that digest."""
+        """(version, digest) of ``module``'s weights now; keeps a (committed) copy of them under that digest."""
         now = time.monotonic() if now is None else now
         state = module.state_dict()
         key = (version, tuple((t.data_ptr(), t._version) for t in state.values()))
@@ -116,7 +119,7 @@ class WeightsRing:
             spare = self._take_spare(now, committed_bytes(state))
         if spare is not None and _fits(spare, state):  # the oldest version's buffers, overwritten: no allocation
             for name, t in state.items():
-                spare[name].copy_(t.detach())  # rounds to bfloat16 (to nearest even, on any device)
+                spare[name].copy_(t.detach())
             tensors = spare
             self.recycled += 1
         else:  # page-locked beside a GPU: its copies to the host run at the bus's speed, and this buffer is reused

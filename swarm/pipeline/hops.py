@@ -338,6 +338,11 @@ class HopCaller:
     # ----- empty or unwilling swarms
     async def _wait_for_swarm(self, swarm: str, router: SwarmRouter, attempt: int) -> None:
         now = time.monotonic()
+        if router.convicted_only(now):  # nothing it computes can be used: no update applied for nothing
+            self.blockage.set(f"every {swarm} peer was convicted of a wrong tensor (proven by recomputation): "
+                              "waiting for another peer to join it")
+            await asyncio.sleep(HOLD_POLL_MAX_S)
+            return
         free_at = router.free_at()
         if free_at is not None:  # peers exist, every one asked us to come back later
             self.blockage.set(f"every {swarm} peer asks us to wait (busy, banned or does not know us yet)")

@@ -258,7 +258,8 @@ class Referee:
         self.convictions[peer] = Conviction(peer, k, receipt.to_wire(), list(tensors), claim, why, weights)
         while len(self.convictions) > CONVICTIONS_KEPT:
             self.convictions.popitem(last=False)
-        logger.warning("referee: layer%d peer %s convicted: %s", k, peer[-8:], why)
+        logger.warning("referee: layer%d peer %s convicted: %s (micro-batch %s, its version %d)", k, peer[-8:], why,
+                       receipt.mb, receipt.version)
         return Verdict(CONVICTED, peer, finding, why)
 
 

@@ -99,14 +99,17 @@ class SwarmRouter:
     # ----- choice
     def choose(self, now: float, exclude: Iterable[str] = (), *, hop: bool = False) -> str | None:
         """The peer expected to finish the hop soonest; None if there is none, or every one holds us off.
-        Bans are ignored if every peer that does not hold us off is banned. ``hop``: a training hop, whose share
-        going to newcomers is bounded (NEWCOMER_ROUTE_SHARE); spot checks and hedges choose freely."""
+        Bans are ignored if every peer that does not hold us off is banned, a conviction's never: a convicted
+        peer's tensors are refused by its neighbours too, so a lone convict would apply updates nobody can use (a full
+        test run lost 6,831 micro-batches that way); we wait instead (``convicted_only``). ``hop``: a training hop,
+        whose share going to newcomers is bounded (NEWCOMER_ROUTE_SHARE); spot checks and hedges choose freely."""
         excluded = set(exclude)
         free = [pid for pid, stats in self.peers.items() if stats.held_until <= now]
         candidates = [pid for pid in free if pid not in excluded] or free
-        if not candidates:
+        usable = [pid for pid in candidates if self.peers[pid].banned_until <= now] or \
+            [pid for pid in candidates if self.peers[pid].convicted_until <= now]
+        if not usable:
             return None
-        usable = [pid for pid in candidates if self.peers[pid].banned_until <= now] or candidates
         bounded = hop and self.established is not None
         if bounded:
             usable = self._newcomers_bounded(usable)
@@ -133,6 +136,10 @@ class SwarmRouter:
         if (sum(self.recent) + 1) / (len(self.recent) + 1) <= NEWCOMER_ROUTE_SHARE:
             return usable
         return seniors
+
+    def convicted_only(self, now: float) -> bool:
+        """Peers exist, and every one is convicted (proven to have computed a wrong tensor)."""
+        return bool(self.peers) and all(stats.convicted_until > now for stats in self.peers.values())
 
     def free_at(self) -> float | None:
         """When the first peer that holds us off takes us again (None: no peer, or one is free)."""

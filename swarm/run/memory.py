@@ -122,7 +122,7 @@ class HostMemory:
     guard_peak_bytes: int  # + Adam's state, copied 1 step in 50 (swarm/integrity/guard.py) and freed after
     snapshot_bytes: int  # healing: the last good snapshot with optimizer state, the one before it as weights only
     # (bfloat16: swarm/integrity/heal.py SNAPSHOT_DTYPE)
-    ring_bytes: int  # committed (bfloat16) versions a referee may ask for (swarm/integrity/weights.py), at their bound
+    ring_bytes: int  # committed (exact) versions a referee may ask for (swarm/integrity/weights.py), at their bound
 
     @property
     def total_bytes(self) -> int:
@@ -139,7 +139,7 @@ class HostMemory:
     def ring_copies_bytes(self) -> int:
         from swarm.integrity.weights import RING_COPIES
 
-        return int(RING_COPIES * FLOAT32_BYTES * self.params) // 2
+        return int(RING_COPIES * FLOAT32_BYTES * self.params * _commit_share())
 
     @property
     def per_param(self) -> float:
@@ -149,7 +149,7 @@ class HostMemory:
 
 def host_memory(run: RunConfig, index: int) -> HostMemory:
     """What stage ``index`` of ``run`` keeps on a CPU volunteer (healing, receipts and the ring on): the live copy and
-    the guard's in float32, snapshots and committed versions in bfloat16."""
+    the guard's in float32, snapshots in bfloat16, committed versions as computed with (float32)."""
     from swarm.integrity.weights import RING_COPIES, RING_MIN_BYTES
 
     params, largest = _param_counts(run.model, index)
@@ -163,7 +163,7 @@ def host_memory(run: RunConfig, index: int) -> HostMemory:
     return HostMemory(
         index=index, params=params, live_bytes=2 * weights + optimizer, guard_bytes=guard,
         guard_peak_bytes=guard + (optimizer if adam else 0), snapshot_bytes=(2 * weights + optimizer) // 2,
-        ring_bytes=max(RING_MIN_BYTES, int(RING_COPIES * weights) // 2),
+        ring_bytes=max(RING_MIN_BYTES, int(RING_COPIES * weights * _commit_share())),
     )
 
 
@@ -197,3 +197,10 @@ def held_bytes(worker: Any, healer: Any = None) -> int:
     tensors += [t for version in worker.ring._versions.values() for t in version.tensors.values()]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())
+
+
+def _commit_share() -> float:
+    """A committed version's bytes over its float32 weights' (1: committed exactly, swarm/integrity/weights.py)."""
+    from swarm.integrity.weights import COMMIT_DTYPE
+
+    return 1.0 if COMMIT_DTYPE is None else COMMIT_DTYPE.itemsize / FLOAT32_BYTES
