@@ -65,15 +65,19 @@ def test_bans_are_ignored_when_every_peer_is_banned():
     assert _router().choose(now=0.0) is None
 
 
-def test_a_convicted_peer_is_never_chosen_not_even_as_the_only_one():
-    """A lone convict's tensors are refused by its neighbours: routing through it applies updates nobody can use (a
-    full test run lost 6,831 micro-batches to a lone convicted last stage); the driver waits for another peer."""
+def test_a_proven_convict_is_never_chosen_not_even_as_the_only_one():
+    """A proven convict's tensors are refused by its neighbours: routing through it applies updates nobody can use (a
+    full test run lost 6,831 micro-batches to a lone convicted last stage); the driver waits for another peer. A ban
+    on lesser evidence (one refused tensor) still yields when it is the swarm's only peer, so that its neighbours'
+    strikes can ban it (blame lands on it, tests/test_blame_swarm.py)."""
     router = _router("a")
-    router.failure("a", now=0.0, min_ban_s=3600.0, convicted=True)
-    assert router.choose(now=1.0) is None and router.convicted_only(1.0)
+    router.failure("a", now=0.0, min_ban_s=60.0, convicted=True)
+    assert router.choose(now=1.0) == "a" and not router.proven_only(1.0)
+    router.failure("a", now=0.0, min_ban_s=3600.0, proven=True)
+    assert router.choose(now=1.0) is None and router.proven_only(1.0)
     router.set_peers(["a", "b"])
-    router.failure("b", now=0.0)  # a failing peer beside it: still chosen (bans yield, convictions do not)
-    assert router.choose(now=1.0) == "b" and not router.convicted_only(1.0)
+    router.failure("b", now=0.0)  # a failing peer beside it: still chosen (bans yield, proof does not)
+    assert router.choose(now=1.0) == "b" and not router.proven_only(1.0)
     assert router.choose(now=3601.0) in {"a", "b"}
 
 

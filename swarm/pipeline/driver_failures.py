@@ -10,6 +10,7 @@ import time
 
 from swarm.pipeline.hops import Refused
 from swarm.pipeline.routing import BAD_REPLY_BAN_S, backoff_s
+from swarm.pipeline.stage_client import BANNED_AUTHOR
 
 logger = logging.getLogger("swarm.pipeline.driver")
 
@@ -56,6 +57,9 @@ class LaneFailures:
             return
         for name, router in self.routers.items():
             if exc.author in router.peers:
-                ban_s = router.failure(exc.author, time.monotonic(), min_ban_s=BAD_REPLY_BAN_S, convicted=True)
+                # a stage that refuses it because it banned it (strikes, or a referee's evidence it re-checked) will
+                # refuse whatever it computes: proven, not chosen even as its swarm's last peer
+                ban_s = router.failure(exc.author, time.monotonic(), min_ban_s=BAD_REPLY_BAN_S, convicted=True,
+                                       proven=BANNED_AUTHOR in str(exc))
                 logger.warning("%s peer %s computed a tensor a stage refused; not using it for %.0f s", name,
                                exc.author[-8:], ban_s)

@@ -73,6 +73,9 @@ class PeerStats:
     # a ban on evidence of a wrong tensor (a failed spot check, a tensor a stage refused as its author's): an answer
     # that lands afterwards (a hop that was in flight) lifts a ban for failures, never this one
     convicted_until: float = 0.0
+    # proven: a referee's recomputation convicted it, or a stage refuses its tensors because it banned it: nothing it
+    # computes can be used, so it is not chosen even as the last peer of its swarm (``choose``)
+    proven_until: float = 0.0
     last_hop_at: float | None = None  # when it last got a training hop (before its first: when first seen)
 
 
@@ -99,15 +102,15 @@ class SwarmRouter:
     # ----- choice
     def choose(self, now: float, exclude: Iterable[str] = (), *, hop: bool = False) -> str | None:
         """The peer expected to finish the hop soonest; None if there is none, or every one holds us off.
-        Bans are ignored if every peer that does not hold us off is banned, a conviction's never: a convicted
-        peer's tensors are refused by its neighbours too, so a lone convict would apply updates nobody can use (a full
-        test run lost 6,831 micro-batches that way); we wait instead (``convicted_only``). ``hop``: a training hop,
-        whose share going to newcomers is bounded (NEWCOMER_ROUTE_SHARE); spot checks and hedges choose freely."""
+        Bans are ignored if every peer that does not hold us off is banned, a proven conviction's never: its
+        neighbours refuse a proven convict's tensors, so a lone one would apply updates nobody can use (a full test
+        run lost 6,831 micro-batches that way); we wait instead (``proven_only``). ``hop``: a training hop, whose
+        share going to newcomers is bounded (NEWCOMER_ROUTE_SHARE); spot checks and hedges choose freely."""
         excluded = set(exclude)
         free = [pid for pid, stats in self.peers.items() if stats.held_until <= now]
         candidates = [pid for pid in free if pid not in excluded] or free
         usable = [pid for pid in candidates if self.peers[pid].banned_until <= now] or \
-            [pid for pid in candidates if self.peers[pid].convicted_until <= now]
+            [pid for pid in candidates if self.peers[pid].proven_until <= now]
         if not usable:
             return None
         bounded = hop and self.established is not None
@@ -137,9 +140,9 @@ class SwarmRouter:
             return usable
         return seniors
 
-    def convicted_only(self, now: float) -> bool:
-        """Peers exist, and every one is convicted (proven to have computed a wrong tensor)."""
-        return bool(self.peers) and all(stats.convicted_until > now for stats in self.peers.values())
+    def proven_only(self, now: float) -> bool:
+        """Peers exist, and every one is proven to have computed a wrong tensor (``PeerStats.proven_until``)."""
+        return bool(self.peers) and all(stats.proven_until > now for stats in self.peers.values())
 
     def free_at(self) -> float | None:
         """When the first peer that holds us off takes us again (None: no peer, or one is free)."""
@@ -234,15 +237,19 @@ class SwarmRouter:
             aside_s = min(BAN_MAX_S, BAN_BASE_S * 2 ** min(stats.abandoned - 1, 8))
             stats.banned_until = max(stats.banned_until, now + aside_s)
 
-    def failure(self, peer_id: str, now: float, min_ban_s: float = 0.0, *, convicted: bool = False) -> float:
+    def failure(self, peer_id: str, now: float, min_ban_s: float = 0.0, *, convicted: bool = False,
+                proven: bool = False) -> float:
         """Ban the peer for a while (exponential in consecutive failures); returns the ban in seconds.
-        ``convicted``: on evidence of a wrong tensor, a ban its later answers do not lift (see PeerStats)."""
+        ``convicted``: on evidence of a wrong tensor, a ban its later answers do not lift; ``proven``: a conviction
+        by recomputation or a neighbour's ban, which even a swarm without another peer does not lift (PeerStats)."""
         stats = self.peers.setdefault(peer_id, PeerStats())
         stats.failures += 1
         ban_s = max(min_ban_s, min(BAN_MAX_S, BAN_BASE_S * 2 ** (stats.failures - 1)))
         stats.banned_until = max(stats.banned_until, now + ban_s)
-        if convicted:
+        if convicted or proven:
             stats.convicted_until = max(stats.convicted_until, now + ban_s)
+        if proven:
+            stats.proven_until = max(stats.proven_until, now + ban_s)
         return ban_s
 
     def timed_out(self, peer_id: str, op: str, now: float) -> float:

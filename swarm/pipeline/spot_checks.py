@@ -299,7 +299,7 @@ class SpotChecker:
         self.convicted += 1
         self.book.credit.pop(verdict.peer, None)
         self.hops.routers[f"layer{k}"].failure(verdict.peer, time.monotonic(), min_ban_s=CONVICTED_BAN_S,
-                                               convicted=True)
+                                               proven=True)
         conviction = self.referee.convictions.get(verdict.peer) if self.referee is not None else None
         if conviction is None or len(self._background) >= 2 * MAX_BACKGROUND_REFEREES:
             return

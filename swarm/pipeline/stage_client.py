@@ -61,6 +61,11 @@ class StageRPC(ServicerBase):
         raise NotImplementedError
 
 
+# said by a stage that refuses a tensor because it has banned its author: the driver stops choosing that peer, even
+# as its swarm's last one (swarm/pipeline/routing.py ``proven_until``)
+BANNED_AUTHOR = "which this peer has banned"
+
+
 class StageError(RuntimeError):
     """A hop failed at the remote peer; ``code`` says whether another peer can take it."""
 

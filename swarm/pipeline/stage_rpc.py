@@ -60,6 +60,7 @@ from swarm.pipeline.stage import NeedInput, StageWorker
 from swarm.pipeline.stage0_replicas import ReplicaService
 from swarm.pipeline.stage0_rpc import Stage0Ops, Stage0Refused
 from swarm.pipeline.stage_client import (  # noqa: F401 (re-exported)
+    BANNED_AUTHOR,
     StageError,
     StageRPC,
     call_stage,
@@ -307,8 +308,8 @@ class StageServicer(Stage0Ops, StageRPC):
         now = time.monotonic()
         for author in set(vouched.authors.values()):
             if author and self.gate.book.banned(author, now):
-                return {**_refusal("bad_author", f"its tensor was computed by {author[-8:]}, which this peer has "
-                                   "banned for sending wrong tensors: use another peer of its swarm"), "author": author}
+                return {**_refusal("bad_author", f"its tensor was computed by {author[-8:]}, {BANNED_AUTHOR} for "
+                                   "sending wrong tensors: use another peer of its swarm"), "author": author}
         return None
 
     async def _signed(self, requester: str, op: str, vouched: Vouched, out: list[torch.Tensor],
