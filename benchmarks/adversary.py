@@ -93,7 +93,7 @@ def _labels(choice: str) -> str:
         return choice
     import inspect
 
-    from swarm.pipeline import stage_rpc
+    from swarm.pipeline.stage import stage_rpc
 
     return "ids" if "wrong_shard" in inspect.getsource(stage_rpc) else "targets"
 

@@ -93,7 +93,7 @@ def _attacks() -> dict[str, Attack]:
         Attack("two_keys_last_hidden_harm", "signed_server", "hidden_harm", swarm="layer2", identities=2),
         *(Attack(f"poison_{p}", "poison", p, per_swarm=2) for p in ("nan", "x1000", "same_norm")),
         # a registered driver that signs made-up stage-0 outputs as its own (tests/hostile.py made_up_activations):
-        # two honest drivers are there to recompute them (stage-0 spot checks, swarm/pipeline/stage0_checks.py)
+        # two honest drivers are there to recompute them (stage-0 spot checks, swarm/pipeline/control/stage0_checks.py)
         *(Attack(f"made_up_stage0_{k}", "stage0", k, per_swarm=2) for k in ("random", "scaled_x10")),
         Attack("sgd_momentum_oversubscribed", "none", "busy", per_swarm=2, optimizer="sgd_momentum",
                busy=3 * (os.cpu_count() or 2)),

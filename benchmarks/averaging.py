@@ -146,7 +146,7 @@ class _FakeWorker:
         self.lock = threading.Lock()
 
     def capture(self, include_optimizer: bool = False) -> Any:
-        from swarm.pipeline.stage import WorkerState
+        from swarm.pipeline.stage.worker import WorkerState
 
         with self.lock:
             params = {name: t.clone() for name, t in self.tensors.items()}
@@ -168,7 +168,7 @@ def _serve() -> int:
 
     from swarm.averaging.params_rpc import ParamsServicer
     from swarm.dht.dht import DHTSettings, fresh_p2p, shutdown_dht, start_dht
-    from swarm.pipeline.stage_rpc import stage_namespace
+    from swarm.pipeline.stage.stage_rpc import stage_namespace
 
     layer = _layer()
     payload = b"".join(t.numpy().tobytes() for t in layer.values())

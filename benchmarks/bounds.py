@@ -23,7 +23,7 @@ from swarm.run.data import MicroBatches, load_dataset, make_shards
 from swarm.integrity.requesters import RequesterBook
 from swarm.run.local import train_local
 from swarm.run.runconfig import RunConfig
-from swarm.pipeline.stage import StageWorker
+from swarm.pipeline.stage.worker import StageWorker
 from volunteer.config import load_run
 
 # the bounds as good as off: clipping at 1000x the median, any step (ceiling ||theta|| / lr), no bans

@@ -2,7 +2,7 @@
 
 What ``benchmarks.codecs`` measures with. The stages, optimizer, batches and loss are the ones of
 ``swarm.run.local.train_local``; at each boundary an autograd function sends the activations forward
-and the gradients backward through ``swarm.pipeline.wire.encode_tensors``/``decode_tensors`` (the real
+and the gradients backward through ``swarm.pipeline.transport.wire.encode_tensors``/``decode_tensors`` (the real
 serialized messages) in the topology of a swarm: stage 0 lives at the driver, so boundary 0|1 costs
 one message per direction; every other boundary two (stage k -> driver -> stage k+1, the driver
 relaying the coded payload unchanged). Same seed, same samples for every codec: only the codec
@@ -21,7 +21,7 @@ from swarm.run.data import MicroBatches, load_dataset
 from swarm.run.local import evaluate, make_optimizer
 from swarm.run.models import build_stages, loss_fn
 from swarm.run.runconfig import RunConfig
-from swarm.pipeline.wire import decode_tensors, encode_tensors
+from swarm.pipeline.transport.wire import decode_tensors, encode_tensors
 
 MAX_BYTES = 2**30
 

@@ -70,7 +70,7 @@ def host_bytes(name: str) -> dict[str, Any]:
     import torch
 
     from swarm.integrity.heal import Healer
-    from swarm.pipeline.stage import StageWorker
+    from swarm.pipeline.stage.worker import StageWorker
     from swarm.run.memory import held_bytes, host_memory
     from swarm.run.models import stage_input_spec, target_spec
     from volunteer.config import load_run

@@ -2,7 +2,7 @@
 
     python -m benchmarks.gpu_check --json [--run llm-small] [--steps 3]
 
-For each stage alone: a ``StageWorker`` (swarm/pipeline/stage.py: the guard, the clip, the activation cache, the
+For each stage alone: a ``StageWorker`` (swarm/pipeline/stage/worker.py: the guard, the clip, the activation cache, the
 bf16 autocast of llama.py) on ``cuda`` takes ``in_flight`` forwards, then their backwards (the last stage:
 forward_backward, one micro-batch at a time), as a peer serving one driver does. Reported per stage: finiteness
 of outputs, input gradients and weights after the steps; the peak memory torch allocated against
@@ -28,7 +28,7 @@ WARMUP_STEPS = 1
 def check_stage(run: Any, index: int, device: str, steps: int) -> dict[str, Any]:
     import torch
 
-    from swarm.pipeline.stage import StageWorker
+    from swarm.pipeline.stage.worker import StageWorker
     from swarm.run.memory import stage_memory
     from swarm.run.models import stage_input_spec, stage_output_spec, target_spec
 

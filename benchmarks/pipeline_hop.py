@@ -81,9 +81,9 @@ def hops(fleet: Fleet, maddr: str, reps: int) -> dict[str, Any]:
                                                                      report[f"hop_overhead_ms_{name}_{other}"])
             report[f"hop_cpu_{name}_session_vs_{said}"] = ratio(timings[f"{name}_session"]["cpu_ms"],
                                                                 timings[f"{name}_{other}"]["cpu_ms"])
-    from swarm.pipeline.wire import UNARY_LIMIT_BYTES
+    from swarm.pipeline.transport.wire import UNARY_LIMIT_BYTES
 
-    from swarm.pipeline.sessions import SESSION_LIMIT_BYTES
+    from swarm.pipeline.transport.sessions import SESSION_LIMIT_BYTES
 
     report["hop_unary_limit_bytes"] = UNARY_LIMIT_BYTES
     report["hop_session_limit_bytes"] = SESSION_LIMIT_BYTES
@@ -100,7 +100,7 @@ async def _hop_timings(run: Any, client_dht: Any, peer: Any, reps: int,
     from hivemind import DHT
     from hivemind.p2p import P2P
 
-    from swarm.pipeline.stage import StageWorker
+    from swarm.pipeline.stage.worker import StageWorker
 
     p2p = await P2P.replicate(await client_dht.run_coroutine(DHT._get_p2p_daemon_listen_maddr, return_future=True))
     local = StageWorker(run, 1)
@@ -143,13 +143,13 @@ async def _one_hop(p2p: Any, peer: Any, local: Any, run: Any, x: Any, mb: str, s
     (swarm/integrity/receipts.py); ``receipt`` is the part of it those receipt steps took."""
     import torch
 
-    import swarm.pipeline.sessions as sessions
-    import swarm.pipeline.stage_client as stage_client
-    import swarm.pipeline.stage_rpc as stage_rpc
+    import swarm.pipeline.transport.sessions as sessions
+    import swarm.pipeline.transport.stage_client as stage_client
+    import swarm.pipeline.stage.stage_rpc as stage_rpc
     from swarm.integrity.receipts import ids_digest, tensor_digest
-    from swarm.pipeline.replies import Vouch, check_receipt
-    from swarm.pipeline.stage0_replicas import ids_bytes
-    from swarm.pipeline.wire import serialize_once
+    from swarm.pipeline.transport.replies import Vouch, check_receipt
+    from swarm.pipeline.stage.stage0_replicas import ids_bytes
+    from swarm.pipeline.transport.wire import serialize_once
 
     key, keys = _driver_keys(p2p)
     x = x.clone()  # a fresh stage-0 output, serialized anew, as the driver's is each micro-batch
@@ -199,7 +199,7 @@ _KEYS: dict[str, Any] = {}
 def _driver_keys(p2p: Any) -> tuple[Any, Any]:
     """The benchmark driver's receipt key and the keys it learns from replies (one pair per client)."""
     from swarm.integrity.receipts import ReceiptKey
-    from swarm.pipeline.keybook import KeyBook
+    from swarm.pipeline.transport.keybook import KeyBook
 
     peer_id = str(p2p.peer_id)
     if peer_id not in _KEYS:

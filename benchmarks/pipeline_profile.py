@@ -66,7 +66,7 @@ def bucket_of(frames: list[str]) -> str:
     """The bucket of one stack (frames root first, as py-spy writes them): the innermost frame that a rule names."""
     if frames and any(_matches(frames[-1], needle) for needle in IDLE_LEAVES):
         return IDLE
-    if any(_matches(f, "backward (") and "swarm/pipeline/stage.py" in f for f in frames) and \
+    if any(_matches(f, "backward (") and "swarm/pipeline/stage/worker.py" in f for f in frames) and \
             any(_matches(f, "_graph (") for f in frames):
         return RECOMPUTED
     for frame in reversed(frames):

@@ -80,7 +80,7 @@ def _receipts_of_one_microbatch(run_id: str, activations: list[tuple], gradients
     import torch
 
     from swarm.integrity.receipts import ids_digest, signature_valid, tensor_digest
-    from swarm.pipeline.wire import encode_tensors
+    from swarm.pipeline.transport.wire import encode_tensors
 
     keys = _keys()
     tensors = [encode_tensors([torch.randn(shape)])[0] for shape in activations]  # serialized outside the clock:

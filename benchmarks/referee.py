@@ -33,7 +33,7 @@ SHAPES = {"digits": dict(hidden_dim=128, batch=32, input_dim=64),
 def digest_share(name: str, repeats: int = REPEATS) -> dict[str, float]:
     """(seconds per step, seconds per commit, their ratio) for a middle stage of shape ``name``."""
     from swarm.integrity.weights import WeightsRing
-    from swarm.pipeline.stage import StageWorker
+    from swarm.pipeline.stage.worker import StageWorker
     from swarm.run.runconfig import RunConfig
 
     shape = SHAPES[name]

@@ -86,9 +86,10 @@ def split(reps: int, width: int, batch: int, stage: int, stages: int = 4) -> dic
     from hivemind.proto import runtime_pb2
     from swarm.integrity import receipts
     from swarm.integrity import guard as guard_module
-    from swarm.pipeline import stage as stage_module
-    from swarm.pipeline import stage_rpc, wire
-    from swarm.pipeline.stage import StageWorker
+    from swarm.pipeline.stage import worker as stage_module
+    from swarm.pipeline.stage import stage_rpc
+    from swarm.pipeline.transport import wire
+    from swarm.pipeline.stage.worker import StageWorker
 
     torch.set_num_threads(1)
     run = _heavy_run(width, batch, stages)

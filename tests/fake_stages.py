@@ -15,14 +15,14 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from swarm.run.data import load_dataset, make_shards
-from swarm.pipeline.driver import PipelineDriver
+from swarm.pipeline.control.driver import PipelineDriver
 from swarm.run.models import stage_input_spec, stage_output_spec
 from swarm.run.runconfig import RunConfig
-from swarm.pipeline.stage import StageWorker
-from swarm.pipeline.push import PUSH_OPS, SHOW_OP
+from swarm.pipeline.stage.worker import StageWorker
+from swarm.pipeline.stage.push import PUSH_OPS, SHOW_OP
 from swarm.integrity.receipts import NO_FIGURES, Receipt, ReceiptKey, figures_digest, loss_digest, tensor_digest
-from swarm.pipeline.stage_rpc import refusal_error
-from swarm.pipeline.wire import serialize_once
+from swarm.pipeline.stage.stage_rpc import refusal_error
+from swarm.pipeline.transport.wire import serialize_once
 
 
 def honest(run: RunConfig, k: int) -> Callable:
@@ -120,7 +120,7 @@ class FakeSwarm:
         return out, {**reply, **self._receipt(peer_id, swarm, op, meta, out, reply)}, time.perf_counter() - started
 
     def _receipt(self, peer_id: str, swarm: str, op: str, meta: dict, out: list, reply: dict) -> dict:
-        """What a real stage signs on its reply (swarm/pipeline/stage_receipts.py), so the driver's checks hold."""
+        """What a real stage signs on its reply (swarm/pipeline/stage/stage_receipts.py), so the driver's checks hold."""
         if "rc" in reply or not isinstance(meta.get("rc"), list):  # a behaviour that signs (or forges) its own
             return {}
         key = self.keys.setdefault(peer_id, ReceiptKey(peer_id))

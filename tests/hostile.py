@@ -36,10 +36,10 @@ import torch
 from hivemind.p2p import P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
-from swarm.pipeline import stage_rpc
+from swarm.pipeline.stage import stage_rpc
 from swarm.dht.records import MemberRecord
 from swarm.run.runconfig import RunConfig
-from swarm.pipeline.wire import WireError, decode_tensors, encode_tensors, join_stream, pack_metadata, split_message, unpack_metadata
+from swarm.pipeline.transport.wire import WireError, decode_tensors, encode_tensors, join_stream, pack_metadata, split_message, unpack_metadata
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 FLOAT32_MAX = 3.0e38
@@ -260,9 +260,9 @@ class HostilePeer:
         """The metadata that carries ``x`` as our own stage 0's output for sample ``ids``, signed by us (what an
         honest driver sends; a hostile one signs whatever it likes as its own stage 0)."""
         from swarm.integrity.receipts import ids_digest, tensor_digest
-        from swarm.pipeline.wire import serialize_once
+        from swarm.pipeline.transport.wire import serialize_once
 
-        from swarm.pipeline.stage0_replicas import ids_bytes
+        from swarm.pipeline.stage.stage0_replicas import ids_bytes
 
         ids_d = ids_digest(ids)
         receipt = self.receipt_key.sign(self.run.run_id, mb, op, 0, 0, ids_d, tensor_digest(serialize_once(x)), ids_d)
@@ -327,7 +327,7 @@ class HostilePeer:
         """A real StageServicer over a real worker (a poisoned averaging peer still does honest stage work)."""
         from concurrent.futures import ThreadPoolExecutor
 
-        from swarm.pipeline.stage import StageWorker
+        from swarm.pipeline.stage.worker import StageWorker
 
         worker = StageWorker(self.run, int(swarm.removeprefix("layer")))
         worker.module.load_state_dict(params)

@@ -10,7 +10,7 @@ with its own key, so drivers and the next stages accept its tensors as its own, 
   for every stage upstream;
 - ``trained_to_harm``: computes everything honestly from its own weights (every recomputation a referee makes holds),
   but trains them by gradient ascent: its copy gets worse with every update, and so does the loss of whatever goes
-  through it (swarm/pipeline/route_losses.py is what sees it);
+  through it (swarm/pipeline/control/route_losses.py is what sees it);
 - ``hidden_harm``: ``trained_to_harm``, and a last stage that hides it: every loss it reports (and signs) is a
   quarter of the one it computed, so the losses of the routes through it look better than through an honest copy
   (only a referee that recomputes the loss from its committed weights sees the lie: swarm/pipeline/recompute.py).
@@ -32,11 +32,11 @@ HUGE_VALUE = 9.9e5
 def serve_signed_stage(hostile: Any, swarm: str, params: dict[str, torch.Tensor], twist: str) -> Any:
     """Register a real, signing stage servicer of ``swarm`` on ``hostile`` (a tests/hostile.py HostilePeer)."""
     from swarm.integrity.labels import LabelSource
-    from swarm.pipeline import stage_rpc
-    from swarm.pipeline.keybook import KeyBook
-    from swarm.pipeline.stage import StageWorker
-    from swarm.pipeline.stage_gate import StageGate
-    from swarm.pipeline.stage_receipts import ReceiptDesk
+    from swarm.pipeline.stage import stage_rpc
+    from swarm.pipeline.transport.keybook import KeyBook
+    from swarm.pipeline.stage.worker import StageWorker
+    from swarm.pipeline.stage.stage_gate import StageGate
+    from swarm.pipeline.stage.stage_receipts import ReceiptDesk
     from swarm.run.data import load_dataset, make_shards
 
     if twist not in TWISTS:
@@ -56,7 +56,7 @@ def serve_signed_stage(hostile: Any, swarm: str, params: dict[str, torch.Tensor]
         from hivemind.p2p import PeerID
         from hivemind.proto import runtime_pb2
 
-        from swarm.pipeline.wire import unpack_metadata
+        from swarm.pipeline.transport.wire import unpack_metadata
 
         stub = stage_rpc.StageServicer.get_stub(hostile.p2p, PeerID.from_base58(peer_id),
                                                 namespace=stage_rpc.stage_namespace(run.run_id, name))

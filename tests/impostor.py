@@ -22,14 +22,14 @@ from swarm.dht.dht import DHTSettings, ensure_identity, fresh_p2p, make_validato
 from swarm.dht.membership import Membership
 from swarm.dht.records import MemberRecord
 from swarm.run.runconfig import RunConfig
-from swarm.pipeline.stage import StageWorker
-from swarm.pipeline import stage_rpc
-from swarm.pipeline.stage_rpc import stage_namespace
+from swarm.pipeline.stage.worker import StageWorker
+from swarm.pipeline.stage import stage_rpc
+from swarm.pipeline.stage.stage_rpc import stage_namespace
 from swarm.integrity.receipts import Receipt, ReceiptKey
-from swarm.pipeline.keybook import KeyBook
-from swarm.pipeline.stage_receipts import ReceiptDesk, Vouched
+from swarm.pipeline.transport.keybook import KeyBook
+from swarm.pipeline.stage.stage_receipts import ReceiptDesk, Vouched
 from swarm.integrity.identity_work import identity_work
-from swarm.pipeline.wire import decode_tensors, encode_tensors, unpack_metadata
+from swarm.pipeline.transport.wire import decode_tensors, encode_tensors, unpack_metadata
 
 MALFORMED_KINDS = ("no_tensor", "wrong_shape", "nan", "garbage_meta", "huge")
 SETUP_TIMEOUT_S = 60.0

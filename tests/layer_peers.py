@@ -12,7 +12,7 @@ import torch
 from swarm.dht.dht import DHTSettings, shutdown_dht, start_dht
 from swarm.pipeline.peer import SwarmPeer
 from swarm.run.runconfig import RunConfig
-from swarm.pipeline.stage import WorkerState
+from swarm.pipeline.stage.worker import WorkerState
 
 
 class FakeWorker:

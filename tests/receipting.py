@@ -1,7 +1,7 @@
 """Receipts for tests that speak the stage protocol by hand (swarm/integrity/receipts.py).
 
 A test that drives a stage directly plays the layer0 driver: it signs its own stage 0's output (as the real
-driver does, swarm/pipeline/driver.py) and relays the receipts the stages return."""
+driver does, swarm/pipeline/control/driver.py) and relays the receipts the stages return."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from swarm.integrity.receipts import ReceiptKey, ids_digest, tensor_digest
-from swarm.pipeline.stage0_replicas import ids_bytes
-from swarm.pipeline.wire import serialize_once
+from swarm.pipeline.stage.stage0_replicas import ids_bytes
+from swarm.pipeline.transport.wire import serialize_once
 
 
 def stage0_meta(key: ReceiptKey, run_id: str, mb: str, h: torch.Tensor, ids: Any = None, op: str = "forward",
@@ -26,7 +26,7 @@ def stage0_meta(key: ReceiptKey, run_id: str, mb: str, h: torch.Tensor, ids: Any
     receipt = key.sign(run_id, mb, "infer" if op in ("infer", "evaluate") else "forward", 0, 0, ids_d,
                        tensor_digest(item), ids_d)
     meta = {"mb": mb, "rc": [receipt.to_wire()], "rk": key.public}
-    if op == "forward":  # stage 1 takes a forward's sample ids with it (swarm/pipeline/stage0_checks.py)
+    if op == "forward":  # stage 1 takes a forward's sample ids with it (swarm/pipeline/control/stage0_checks.py)
         meta["ids"] = ids_bytes(ids if ids is not None else torch.arange(h.shape[0]))
     return meta
 

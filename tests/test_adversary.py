@@ -195,7 +195,7 @@ def test_malformed_replies_from_the_last_stage_do_not_stop_the_driver(driver, ru
         during = _training_rate(driver, WINDOW_S)
     assert layer0.popen.poll() is None, "the layer0 volunteer exited"
     assert "driver failed" not in layer0.stdout(), "the driver died of a malformed reply"
-    # One malformed reply bans its peer for a minute (swarm/pipeline/hops.py), so the driver does not come back for
+    # One malformed reply bans its peer for a minute (swarm/pipeline/control/hops.py), so the driver does not come back for
     # more; each kind of malformed reply is checked on its own in tests/test_driver_replies.py.
     assert served >= 1
     assert during > 0, "the driver stopped training after malformed replies"

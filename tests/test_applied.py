@@ -1,8 +1,8 @@
-"""One update per micro-batch per copy (swarm/pipeline/applied.py): the ledger's rule and its bounds."""
+"""One update per micro-batch per copy (swarm/pipeline/stage/applied.py): the ledger's rule and its bounds."""
 
 from __future__ import annotations
 
-from swarm.pipeline.applied import AppliedLedger
+from swarm.pipeline.stage.applied import AppliedLedger
 
 
 def test_a_claimed_micro_batch_is_refused_until_released_and_drivers_do_not_share_ids():

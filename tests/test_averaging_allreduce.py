@@ -10,7 +10,7 @@ import torch
 from layer_peers import layer_peers
 from swarm.pipeline.peer import SwarmPeer
 from swarm.run.runconfig import RunConfig
-from swarm.pipeline.stage import WorkerState
+from swarm.pipeline.stage.worker import WorkerState
 
 RUN = RunConfig.model_validate({
     "name": "avgallreduce",

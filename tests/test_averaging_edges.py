@@ -21,8 +21,8 @@ from swarm.ecl.graph import build_graph
 from swarm.ecl.updates import EclConfig, EclNode, common_eta
 from swarm.dht.records import MemberRecord
 from swarm.run.runconfig import RunConfig
-from swarm.pipeline.stage import StageWorker
-from swarm.pipeline.wire import encode_tensors, pack_metadata
+from swarm.pipeline.stage.worker import StageWorker
+from swarm.pipeline.transport.wire import encode_tensors, pack_metadata
 
 ME = "peer-b"
 OTHERS = ("peer-a", "peer-c", "peer-d")  # on the ring: we start the swaps with peer-c, peer-a with us

@@ -21,7 +21,7 @@ from swarm.averaging.influence import InfluenceGuard
 from swarm.pipeline.peer import SwarmPeer
 from swarm.dht.records import MemberRecord
 from swarm.run.runconfig import RunConfig
-from swarm.pipeline.stage import WorkerState
+from swarm.pipeline.stage.worker import WorkerState
 
 RUN = RunConfig.model_validate({
     "name": "avgpoison",

@@ -19,7 +19,7 @@ from swarm.dht.dht import DHTSettings, shutdown_dht, start_dht
 from swarm.pipeline.peer import SwarmPeer
 from swarm.dht.records import MemberRecord
 from swarm.run.runconfig import RunConfig
-from swarm.pipeline.stage import StageWorker, WorkerState
+from swarm.pipeline.stage.worker import StageWorker, WorkerState
 
 RUN = RunConfig.model_validate({
     "name": "avgpull",

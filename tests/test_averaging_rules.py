@@ -18,7 +18,7 @@ from swarm.averaging.rules import (
 from swarm.run.optim_state import load_optimizer_tensors, optimizer_tensors
 from swarm.dht.records import MemberRecord
 from swarm.run.runconfig import AveragingConfig, RunConfig
-from swarm.pipeline.stage import StageWorker
+from swarm.pipeline.stage.worker import StageWorker
 
 
 def _cfg(**fields) -> AveragingConfig:

@@ -18,7 +18,7 @@ from swarm.dht.dht import DHTSettings, shutdown_dht, start_dht
 from swarm.pipeline.peer import SwarmPeer
 from swarm.dht.records import MemberRecord
 from swarm.run.runconfig import RunConfig
-from swarm.pipeline.stage import WorkerState
+from swarm.pipeline.stage.worker import WorkerState
 
 BASE = {
     "model": {"stages": 2, "hidden_dim": 64},

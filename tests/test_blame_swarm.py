@@ -16,9 +16,9 @@ import torch
 
 from swarm.dht.dht import DHTSettings, fresh_p2p, shutdown_dht, start_dht
 from swarm.dht.records import MemberRecord
-from swarm.pipeline.driver import PipelineDriver
+from swarm.pipeline.control.driver import PipelineDriver
 from swarm.pipeline.peer import SwarmPeer
-from swarm.pipeline.stage import StageWorker
+from swarm.pipeline.stage.worker import StageWorker
 from swarm.run.data import load_dataset, make_shards
 from swarm.run.models import assemble
 from swarm.run.runconfig import RunConfig

@@ -10,7 +10,7 @@ import torch
 
 from swarm.dht.records import MemberRecord
 from swarm.run.runconfig import RunConfig
-from swarm.pipeline.stage import StageWorker
+from swarm.pipeline.stage.worker import StageWorker
 from volunteer import checkpoint
 from volunteer.checkpoint import (
     AHEAD_MIN_SAMPLES,

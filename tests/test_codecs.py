@@ -1,4 +1,4 @@
-"""Boundary codecs (swarm/pipeline/codecs.py, swarm/pipeline/wire.py): round-trip error bounds per codec, and every malformed
+"""Boundary codecs (swarm/pipeline/transport/codecs.py, swarm/pipeline/transport/wire.py): round-trip error bounds per codec, and every malformed
 payload a peer can send is a WireError before anything is allocated. Pure and fast: no network."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import struct
 import pytest
 import torch
 
-from swarm.pipeline import codecs
+from swarm.pipeline.transport import codecs
 from swarm.run.runconfig import CrossFieldError, RunConfig
-from swarm.pipeline.wire import WireError, decode_tensors, encode_tensors
+from swarm.pipeline.transport.wire import WireError, decode_tensors, encode_tensors
 
 MAX_BYTES = 2**20
 
@@ -225,7 +225,7 @@ def test_a_bad_or_contradictory_codec_names_the_fields_and_the_choices():
 @pytest.mark.parametrize("codec", ["float32", "float16", "int8", "lowrank"])
 @pytest.mark.parametrize("shape", [(32, 128), (32, 64, 128), (5,)])
 def test_the_size_estimate_that_picks_unary_or_stream_is_within_a_percent(codec, shape):
-    from swarm.pipeline.wire import coded_bytes
+    from swarm.pipeline.transport.wire import coded_bytes
 
     (item,) = encode_tensors([torch.randn(*shape)], codec, 8)
     assert abs(coded_bytes(shape, codec, 8) - len(item.buffer)) <= 0.01 * len(item.buffer) + 16
@@ -248,7 +248,7 @@ def test_large_tensors_are_coded_off_the_rpc_loop_to_the_same_bytes():
     import asyncio
     import threading
 
-    from swarm.pipeline import wire
+    from swarm.pipeline.transport import wire
 
     big = torch.randn(64, 64, 32)  # 131 072 values: over OFF_LOOP_VALUES
     threads = []
@@ -275,7 +275,7 @@ def test_a_coded_payload_over_the_unary_limit_survives_streaming():
 
     from hivemind.proto import runtime_pb2
 
-    from swarm.pipeline.wire import join_stream, split_message
+    from swarm.pipeline.transport.wire import join_stream, split_message
 
     x = torch.randn(1024, 1024)  # int8: 1 MiB, streamed in parts
     messages = list(split_message(encode_tensors([x], "int8"), b"meta", runtime_pb2.ExpertRequest))

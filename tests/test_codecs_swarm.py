@@ -13,11 +13,11 @@ import pytest
 
 from swarm.run.data import load_dataset, make_shards
 from swarm.dht.dht import DHTSettings, fresh_p2p, shutdown_dht, start_dht
-from swarm.pipeline.driver import PipelineDriver
+from swarm.pipeline.control.driver import PipelineDriver
 from swarm.pipeline.peer import SwarmPeer
 from swarm.dht.records import MemberRecord
 from swarm.run.runconfig import RunConfig
-from swarm.pipeline.stage import StageWorker
+from swarm.pipeline.stage.worker import StageWorker
 
 MICROBATCHES = 90
 BATCH = 16
@@ -53,8 +53,8 @@ async def _send_hostile_payload(p2p, run: RunConfig, peer: SwarmPeer) -> dict:
     from hivemind.p2p import PeerID
     from hivemind.proto import runtime_pb2
 
-    from swarm.pipeline.stage_rpc import StageServicer, stage_namespace
-    from swarm.pipeline.wire import pack_metadata, unpack_metadata
+    from swarm.pipeline.stage.stage_rpc import StageServicer, stage_namespace
+    from swarm.pipeline.transport.wire import pack_metadata, unpack_metadata
 
     lying = struct.pack("<2sBBH2I", b"VC", 1, 2, 256, 2**20, 2**20) + bytes(64)
     tensor = runtime_pb2.Tensor(buffer=lying, size=[len(lying)], dtype="uint8")

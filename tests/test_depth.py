@@ -1,5 +1,5 @@
 """``training.in_flight: auto`` (issue 12, item 4): the driver keeps enough micro-batches in flight to
-cover the measured round trip x throughput, bounded by ``in_flight_max`` (swarm/pipeline/depth.py).
+cover the measured round trip x throughput, bounded by ``in_flight_max`` (swarm/pipeline/control/depth.py).
 
 The controller is driven here by a model of a pipeline: a bottleneck that serves ``mu`` micro-batches
 per second and a round trip of ``rtt`` seconds without queueing (a far volunteer has a long one)."""
@@ -11,8 +11,8 @@ import math
 
 import pytest
 
-from swarm.pipeline.depth import PROBE_EVERY_S, DepthController, target_depth
-from swarm.pipeline.driver import lanes_cap
+from swarm.pipeline.control.depth import PROBE_EVERY_S, DepthController, target_depth
+from swarm.pipeline.control.driver import lanes_cap
 from swarm.run.runconfig import RunConfig
 
 
@@ -84,7 +84,7 @@ def test_lanes_cap_is_the_fixed_depth_or_the_auto_bound():
 def test_a_driver_far_from_its_stages_deepens_its_pipeline(monkeypatch):
     """The real driver against a last stage 150 ms away: with ``in_flight: auto`` it runs more lanes than
     the 2 it starts with (the fake stage has no bottleneck, so the cap is where it stops)."""
-    import swarm.pipeline.depth as depth
+    import swarm.pipeline.control.depth as depth
     from fake_stages import FakeSwarm, drive, honest
 
     monkeypatch.setattr(depth, "DECIDE_EVERY_S", 0.3)

@@ -84,7 +84,7 @@ def test_a_rejecting_stage_is_backed_off_not_stormed():
 def test_wrong_shard_is_refused_not_lost_and_the_driver_keeps_to_its_own_shard_for_a_while():
     import time
 
-    from swarm.pipeline.driver import COVER_HOLD_S
+    from swarm.pipeline.control.driver import COVER_HOLD_S
 
     fake = FakeSwarm({"layer1": {"p": refusing("wrong_shard")}})
     driver = drive(RUN2, fake, seconds=1.0)
@@ -143,7 +143,7 @@ def test_a_stage_still_getting_a_receipt_key_makes_the_micro_batch_wait_not_drop
 
 
 def test_a_key_that_never_comes_drops_the_micro_batch_after_the_wait(monkeypatch):
-    from swarm.pipeline import hops
+    from swarm.pipeline.control import hops
 
     monkeypatch.setattr(hops, "KEY_WAIT_MAX_S", 0.5)
     fake = FakeSwarm({"layer1": {"p": refusing("key_pending", retry_after_s=0.2)}})
@@ -215,7 +215,7 @@ def test_brief_holds_are_not_news_and_a_lasting_blockage_is_said_once(monkeypatc
     lasted BLOCKED_NOTICE_AFTER_S, and "flow again" only after it was said."""
     import time
 
-    from swarm.pipeline import hops
+    from swarm.pipeline.control import hops
 
     monkeypatch.setattr(hops, "BLOCKED_NOTICE_AFTER_S", 0.2)
     said = []
@@ -239,7 +239,7 @@ def test_a_peer_that_answers_only_key_pending_is_routed_around(monkeypatch):
     """Review of session 10: ``key_pending`` costs a stage nothing, so a hostile one could say it to every request
     and hold each lane that reaches it KEY_WAIT_MAX_S per micro-batch, never penalised. A peer that has answered
     nothing but key_pending for KEY_WAIT_MAX_S is treated as failing: the lanes go to the honest peer."""
-    from swarm.pipeline import hops
+    from swarm.pipeline.control import hops
 
     monkeypatch.setattr(hops, "KEY_WAIT_MAX_S", 0.5)
     fake = FakeSwarm({"layer1": {"liar": refusing("key_pending", retry_after_s=30.0), "good": honest(RUN2, 1)}})

@@ -1,13 +1,13 @@
-"""A reply is checked like a request: the driver uses nothing a stranger sends unchecked (swarm/pipeline/replies.py)."""
+"""A reply is checked like a request: the driver uses nothing a stranger sends unchecked (swarm/pipeline/transport/replies.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from swarm.pipeline.replies import BadReply, check_reply
+from swarm.pipeline.transport.replies import BadReply, check_reply
 from swarm.run.runconfig import RunConfig
-from swarm.pipeline.stage_rpc import refusal_error
+from swarm.pipeline.stage.stage_rpc import refusal_error
 
 MODEL = RunConfig.model_validate({"name": "replies", "model": {"stages": 3, "hidden_dim": 16}}).model
 MAX_ABS = 1e6

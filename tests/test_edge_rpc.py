@@ -12,8 +12,8 @@ import torch
 
 from swarm.averaging.edge_rpc import EdgeRefused, EdgeServicer, swap_edge_messages
 from swarm.dht.dht import DHTSettings, fresh_p2p, shutdown_dht, start_dht
-from swarm.pipeline.stage_rpc import Traffic, stage_namespace
-from swarm.pipeline.wire import UNARY_LIMIT_BYTES
+from swarm.pipeline.stage.stage_rpc import Traffic, stage_namespace
+from swarm.pipeline.transport.wire import UNARY_LIMIT_BYTES
 
 RUN = SimpleNamespace(run_id="edgerpc-0123abcd", averaging=SimpleNamespace(mode="pdmm_isvr"))
 SMALL = 1000

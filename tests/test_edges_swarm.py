@@ -25,7 +25,7 @@ from swarm_client import Client, distance, events
 
 from swarm.averaging.edge_rpc import EdgeRefused, send_edge_message
 from swarm.dht.dht import fresh_p2p
-from swarm.pipeline.stage import SIMULATED_STEP_ENV, StageWorker
+from swarm.pipeline.stage.worker import SIMULATED_STEP_ENV, StageWorker
 from volunteer.config import load_run
 
 RUN = """\

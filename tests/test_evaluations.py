@@ -30,7 +30,7 @@ def test_three_publish_the_median_and_name_the_far_one():
 
 def test_skewed_copies_far_apart_publish_the_median_not_validated():
     """Three honest last-stage copies of a label-skewed run early on: nobody agrees with the median; the median is
-    published, not validated, and the driver penalises none of them (swarm/pipeline/driver_eval.py logs it)."""
+    published, not validated, and the driver penalises none of them (swarm/pipeline/control/driver_eval.py logs it)."""
     verdict = consensus([Figures("a", 0.45, 1.9), Figures("b", 0.70, 1.0), Figures("c", 0.95, 0.2)])
     assert verdict.accuracy == 0.70 and not verdict.validated and set(verdict.outliers) == {"a", "c"}
 

@@ -1,4 +1,4 @@
-"""The stage's compute in turns (swarm/pipeline/fair_queue.py): one peer's pile of requests never holds another's."""
+"""The stage's compute in turns (swarm/pipeline/stage/fair_queue.py): one peer's pile of requests never holds another's."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from swarm.pipeline.fair_queue import FairQueue
+from swarm.pipeline.stage.fair_queue import FairQueue
 
 
 def test_a_flooding_requester_does_not_hold_the_others_behind_its_queue():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from swarm.pipeline.activations import ActivationCache, Saved, owner_cap
+from swarm.pipeline.stage.activations import ActivationCache, Saved, owner_cap
 from swarm.integrity.clip import NormHistory, clip_scale, combined_bound, history_bound, step_bound, step_ceiling
 from swarm.integrity.guard import StepGuard, StepRefused, typical_tensor_norm
 from swarm.integrity.labels import DriverView, LabelSource, WrongShard, allowed_shards
@@ -22,7 +22,7 @@ from swarm.integrity.requesters import (
 )
 from swarm.dht.records import MemberRecord
 from swarm.run.runconfig import IntegrityConfig, RunConfig
-from swarm.pipeline.stage import StageWorker
+from swarm.pipeline.stage.worker import StageWorker
 
 RUN = RunConfig.model_validate({"name": "bounds", "model": {"stages": 3, "hidden_dim": 32},
                                 "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9}})
@@ -391,7 +391,7 @@ def test_a_flood_of_forwards_evicts_only_the_flooders_graphs():
 def test_the_gate_serves_known_drivers_reads_records_at_most_once_a_second_and_lets_paused_ones_finish():
     import asyncio
 
-    from swarm.pipeline.stage_gate import StageGate
+    from swarm.pipeline.stage.stage_gate import StageGate
 
     reads = []
 

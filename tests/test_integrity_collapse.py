@@ -12,7 +12,7 @@ import torch
 from swarm.integrity.heal import RESTORES_BEFORE_FALLBACK, Healer
 from swarm.integrity.health import DEAD_FORWARDS, HealthMonitor, SickCopy, batch_spread, live_share, outputs_collapsed
 from swarm.run.runconfig import IntegrityConfig, RunConfig
-from swarm.pipeline.stage import StageWorker
+from swarm.pipeline.stage.worker import StageWorker
 
 
 def _run() -> RunConfig:

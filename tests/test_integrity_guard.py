@@ -10,7 +10,7 @@ import math
 import torch
 
 from swarm.integrity.guard import FULL_CHECK_EVERY_STEPS, SAFE_GRAD_NORM, StepGuard, StepRefused, moments_stay_finite
-from swarm.pipeline.stage import StageWorker
+from swarm.pipeline.stage.worker import StageWorker
 from swarm.run.runconfig import RunConfig
 
 ADAM_RUN = RunConfig.model_validate({"name": "guard", "model": {"stages": 3, "hidden_dim": 32},

@@ -11,8 +11,8 @@ import torch
 from swarm.integrity.heal import CEILING_RECOVERY, Healer, lowered_scale, param_norm, raised_scale
 from swarm.integrity.health import HealthMonitor, SickCopy, loss_exploded, norm_exploded
 from swarm.run.runconfig import IntegrityConfig, RunConfig
-from swarm.pipeline.stage import StageWorker
-from swarm.pipeline.wire import WireError
+from swarm.pipeline.stage.worker import StageWorker
+from swarm.pipeline.transport.wire import WireError
 from swarm.run.models import stage_input_spec
 
 
@@ -202,7 +202,7 @@ def test_a_norm_that_creeps_up_snapshot_after_snapshot_is_caught():
 def test_heals_a_convicted_peer_caused_give_the_step_size_back():
     """issue 40, item 6: a copy that healed because a liar's tensors reached it (garbage activations from upstream,
     ascent gradients from downstream) does not keep a lowered step size for the liar's fault: once the liar is
-    convicted (swarm/pipeline/convictions.py), the heals of the last FORGIVE_WINDOW_S are given back. Older ones,
+    convicted (swarm/pipeline/stage/convictions.py), the heals of the last FORGIVE_WINDOW_S are given back. Older ones,
     and a copy that never healed, keep what they have."""
     import time
 

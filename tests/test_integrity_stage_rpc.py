@@ -11,9 +11,9 @@ from swarm.run.data import load_dataset, make_shards
 from swarm.integrity.guard import typical_tensor_norm
 from swarm.dht.dht import fresh_p2p
 from swarm.run.runconfig import RunConfig
-from swarm.pipeline.stage import StageWorker
+from swarm.pipeline.stage.worker import StageWorker
 from swarm.integrity.receipts import ReceiptKey
-from swarm.pipeline.stage_rpc import StageError, call_stage, stage_namespace
+from swarm.pipeline.stage.stage_rpc import StageError, call_stage, stage_namespace
 from receipting import relay_meta, stage0_meta, stage_peers
 
 RUN = RunConfig.model_validate({
@@ -108,7 +108,7 @@ def test_a_finishing_driver_may_still_evaluate_but_not_train():
 
     from swarm.dht.records import MemberRecord
     from swarm.run.runconfig import IntegrityConfig
-    from swarm.pipeline.stage_gate import StageGate
+    from swarm.pipeline.stage.stage_gate import StageGate
 
     async def main() -> dict[str, object]:
         gate = StageGate(IntegrityConfig())

@@ -134,3 +134,22 @@ def test_no_import_circle():
 def test_the_circle_scan_finds_a_lazy_loop():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _circles(graph) == [["a", "b", "c"]]
+
+
+# swarm/pipeline by plane (issue 41, item 6): plane -> the planes (and the wiring modules above them) it must not import
+PLANES = {
+    "swarm.pipeline.transport": ("swarm.pipeline.stage", "swarm.pipeline.control", "swarm.pipeline.peer"),
+    "swarm.pipeline.stage": ("swarm.pipeline.control", "swarm.pipeline.peer"),
+    "swarm.pipeline.control": ("swarm.pipeline.peer",),
+}
+
+
+def test_the_pipeline_planes_import_only_downwards():
+    """transport <- stage <- control <- peer (the wiring): a stage never depends on the driver, the transport on
+    neither; lazy imports count (``_module_graph`` sees them)."""
+    graph = _module_graph()
+    assert any(name.startswith("swarm.pipeline.stage.") for name in graph), "the planes are not laid out"
+    upward = sorted(f"{name} imports {dep}" for name, deps in graph.items() for plane, forbidden in PLANES.items()
+                    if name.startswith(plane + ".") for dep in deps
+                    if any(dep == f or dep.startswith(f + ".") or dep.startswith(f + "_") for f in forbidden))
+    assert upward == [], "imports against the planes:\n" + "\n".join(upward)

@@ -114,7 +114,7 @@ def test_host_bytes_per_stage_parameter_are_what_the_estimate_says(name):
     kept Adam copy and the second snapshot's moments went (52), and before snapshots and committed versions were
     kept in bfloat16."""
     from swarm.integrity.heal import Healer
-    from swarm.pipeline.stage import StageWorker
+    from swarm.pipeline.stage.worker import StageWorker
     from swarm.run.memory import held_bytes, host_memory
     from swarm.run.models import stage_output_spec, target_spec
 

@@ -96,7 +96,7 @@ def test_throughput_can_be_read_while_the_compute_thread_records_steps():
     import threading
     import time
 
-    from swarm.pipeline.stage import StageStats
+    from swarm.pipeline.stage.worker import StageStats
 
     stats, stop, errors = StageStats(), threading.Event(), []
 

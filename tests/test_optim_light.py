@@ -44,7 +44,7 @@ def test_a_stage_trains_and_snapshots_without_importing_dynamo():
     script = """
 import sys, torch
 from volunteer.config import load_run
-from swarm.pipeline.stage import StageWorker
+from swarm.pipeline.stage.worker import StageWorker
 from swarm.run.models import stage_input_spec, stage_output_spec, target_spec
 for name in ("digits-mlp", "llm-tiny"):
     run, _ = load_run(name)

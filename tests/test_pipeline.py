@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from procs import Proc, Swarm, wait_until
-from swarm.pipeline.staleness import STALENESS_WINDOW
+from swarm.pipeline.stage.staleness import STALENESS_WINDOW
 
 IN_FLIGHT = 4
 BATCH = 16

@@ -10,14 +10,14 @@ import torch
 
 from swarm.run.data import load_dataset, make_shards
 from swarm.dht.dht import DHTSettings, fresh_p2p, shutdown_dht, start_dht
-from swarm.pipeline.driver import PipelineDriver
+from swarm.pipeline.control.driver import PipelineDriver
 from swarm.run.models import assemble, build_stages, loss_fn
 from swarm.pipeline.peer import SwarmPeer
 from swarm.dht.records import MemberRecord
 from swarm.run.runconfig import RunConfig
-from swarm.pipeline.stage import StageWorker
+from swarm.pipeline.stage.worker import StageWorker
 from swarm.integrity.receipts import ReceiptKey
-from swarm.pipeline.stage_rpc import StageError, call_stage, stage_namespace
+from swarm.pipeline.stage.stage_rpc import StageError, call_stage, stage_namespace
 from receipting import relay_meta, stage0_meta
 
 RUN = RunConfig.model_validate({
@@ -129,7 +129,7 @@ def test_remote_gradients_equal_local_gradients(stage_servers):
 
 
 def test_gradient_checks_recompute_the_gradients_a_stage_returns_and_apply_nothing(stage_servers):
-    """A driver's spot check of a gradient hop (swarm/pipeline/spot_checks.py): forward_backward_check at the last
+    """A driver's spot check of a gradient hop (swarm/pipeline/control/spot_checks.py): forward_backward_check at the last
     stage and backward_check [g, x] with the chain of receipts at another stage return the input gradient the
     training op returns, signed, and leave the copy as it was."""
     dht0, peers = stage_servers

@@ -1,4 +1,4 @@
-"""Stage-to-stage transfer against real stage servers over P2P (swarm/pipeline/push.py): a micro-batch pushed from
+"""Stage-to-stage transfer against real stage servers over P2P (swarm/pipeline/stage/push.py): a micro-batch pushed from
 layer1 to layer2 trains both and comes back with a trail every link of which holds; its hops can be shown to its
 driver only; a chain that names another driver is refused without a strike on that driver; a next stage that refuses
 the push leaves the micro-batch to the driver's relay (partial), one that cannot be reached is said (push_broken)."""
@@ -13,13 +13,13 @@ import torch
 from receipting import allow, relay_meta, stage0_meta, stage_peers
 from swarm.dht.dht import DHTSettings, fresh_p2p, shutdown_dht, start_dht
 from swarm.integrity.receipts import Receipt, ReceiptKey, ids_digest, loss_digest, route_digest, tensor_digest
-from swarm.pipeline.push import BROKEN_CODE, PUSH_FORWARD, PUSH_LAST, SHOW_OP, Outbox, parse_push
-from swarm.pipeline.stage0_replicas import ids_bytes
-from swarm.pipeline.stage_rpc import StageError, call_stage, stage_namespace
-from swarm.pipeline.wire import Payload, WireError, payload_of
+from swarm.pipeline.stage.push import BROKEN_CODE, PUSH_FORWARD, PUSH_LAST, SHOW_OP, Outbox, parse_push
+from swarm.pipeline.stage.stage0_replicas import ids_bytes
+from swarm.pipeline.stage.stage_rpc import StageError, call_stage, stage_namespace
+from swarm.pipeline.transport.wire import Payload, WireError, payload_of
 from swarm.run.data import load_dataset, make_shards
 from swarm.run.runconfig import RunConfig
-from swarm.pipeline.stage import StageWorker
+from swarm.pipeline.stage.worker import StageWorker
 
 RUN = RunConfig.model_validate({
     "name": "pushed",
@@ -121,7 +121,7 @@ def test_a_chain_that_names_another_driver_is_refused_and_that_driver_is_not_str
             ids_d = ids_digest(ids)
             r0 = forger.sign(RUN.run_id, "f1", "forward", 0, 0, ids_d, b"\1" * 16, ids_d)
             own = ReceiptKey(str(p2p_other.peer_id))
-            from swarm.pipeline.wire import serialize_once
+            from swarm.pipeline.transport.wire import serialize_once
 
             r1 = own.sign(RUN.run_id, "f1", "forward", 1, 0, r0.output, tensor_digest(serialize_once(h)), ids_d)
             route = [str(p2p_other.peer_id), str(layer2.dht.peer_id)]
@@ -222,14 +222,14 @@ def test_the_outbox_is_bounded_by_count_bytes_and_age():
 
 
 def test_a_broken_push_resumes_from_what_the_route_kept(stages):
-    """The driver's recovery (swarm/pipeline/push_recovery.py) on what real stages show after a pushed micro-batch:
+    """The driver's recovery (swarm/pipeline/control/push_recovery.py) on what real stages show after a pushed micro-batch:
     everything kept -> nothing left but our own backward; layer1 gone -> its backward is relayed from layer2's
     gradient (with our stage-0 output as its input); layer2 gone too -> its update is gone with it, and the forward is
     relayed on from layer1's output."""
     from types import SimpleNamespace
 
-    from swarm.pipeline.keybook import KeyBook
-    from swarm.pipeline.push_driver import Pusher
+    from swarm.pipeline.transport.keybook import KeyBook
+    from swarm.pipeline.control.push_driver import Pusher
 
     driver, other, (layer1, layer2) = stages
     x, ids = _batch("k")

@@ -13,7 +13,7 @@ from swarm.dht.reachability import (
     DIAL_OP, MAX_DIALS_PER_MINUTE, MAX_MADDRS, RATE_PERIOD_S, REACHABLE, UNKNOWN, UNREACHABLE, DialBackServicer, dial_target,
     dialable_maddrs, is_loopback_only, probe, verdict_from,
 )
-from swarm.pipeline.wire import pack_metadata
+from swarm.pipeline.transport.wire import pack_metadata
 
 ME = ["/ip4/203.0.113.7/tcp/4001"]
 

@@ -12,7 +12,7 @@ from swarm.rebalance import (
     RebalancePolicy, SwarmLoad, best_split, loads_from_records, mover_order, plan_move, upper_bound,
 )
 from swarm.dht.records import MemberRecord
-from swarm.pipeline.stage import StageStats
+from swarm.pipeline.stage.worker import StageStats
 
 
 def record(pid: str, state: str = "online", capacity: float = -1.0, movable: bool = True) -> MemberRecord:

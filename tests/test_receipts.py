@@ -18,7 +18,7 @@ from swarm.integrity.receipts import (
     signature_valid,
     tensor_digest,
 )
-from swarm.pipeline.wire import decode_tensors, encode_tensors, payload_of, serialize_once
+from swarm.pipeline.transport.wire import decode_tensors, encode_tensors, payload_of, serialize_once
 
 RUN = "run-12345678"
 
@@ -136,7 +136,7 @@ def test_the_keybook_keeps_half_its_fetches_for_the_peers_its_views_list():
     Signers no view lists may take fetches only while more than half the budget is left."""
     import asyncio
 
-    from swarm.pipeline.keybook import KeyBook
+    from swarm.pipeline.transport.keybook import KeyBook
 
     asked = []
 
@@ -166,8 +166,8 @@ def test_one_requesters_flood_of_forwards_evicts_its_own_emitted_digests_not_the
     from hivemind.proto import runtime_pb2
 
     from swarm.integrity.receipts import ReceiptKey
-    from swarm.pipeline import stage_receipts
-    from swarm.pipeline.keybook import KeyBook
+    from swarm.pipeline.stage import stage_receipts
+    from swarm.pipeline.transport.keybook import KeyBook
 
     desk = stage_receipts.ReceiptDesk("run-x", 1, ReceiptKey("QmStage1"), KeyBook())
     out = [runtime_pb2.Tensor(buffer=b"\0" * 16, size=[4], dtype="float32")]
@@ -185,7 +185,7 @@ def test_a_key_not_had_yet_is_waited_for_and_a_gone_signer_is_given_up(monkeypat
     waited for (``key_pending``) until its fetches have failed for ``KEY_PATIENCE_S``."""
     import asyncio
 
-    from swarm.pipeline import keybook
+    from swarm.pipeline.transport import keybook
 
     attempts = []
     answer = {"key": None}
@@ -222,7 +222,8 @@ def test_the_stage_says_key_pending_while_the_key_may_come_and_unknown_signer_af
     import time
 
     from swarm.integrity.receipts import ReceiptKey
-    from swarm.pipeline import keybook, stage_receipts
+    from swarm.pipeline.transport import keybook
+    from swarm.pipeline.stage import stage_receipts
 
     async def fetch(peer_id: str, swarm: str) -> bytes:
         raise ConnectionError("not reachable")

@@ -1,4 +1,4 @@
-"""Referees (swarm/integrity/weights.py, recompute.py, swarm/pipeline/referee.py, weights_rpc.py): every receipt commits
+"""Referees (swarm/integrity/weights.py, recompute.py, swarm/pipeline/control/referee.py, weights_rpc.py): every receipt commits
 to the signer's weights, a signer shows them, and a hop is settled by recomputing it from them, with no vote.
 
 Real stage workers; the referee's ``weights`` calls go straight to a real WeightsDoor (no network here: the swarm
@@ -15,11 +15,11 @@ import torch
 from swarm.integrity.receipts import NO_WEIGHTS, ReceiptKey
 from swarm.integrity.recompute import compare, recompute, tolerance_for
 from swarm.integrity.weights import WeightsRing, committed_bytes, weights_digest
-from swarm.pipeline.referee import CONVICTED, HOLDS, UNSHOWN, Referee
-from swarm.pipeline.stage import StageWorker
-from swarm.pipeline.stage_rpc import refusal_error
-from swarm.pipeline.weights_rpc import WeightsDoor
-from swarm.pipeline.wire import decode_tensors
+from swarm.pipeline.control.referee import CONVICTED, HOLDS, UNSHOWN, Referee
+from swarm.pipeline.stage.worker import StageWorker
+from swarm.pipeline.stage.stage_rpc import refusal_error
+from swarm.pipeline.stage.weights_rpc import WeightsDoor
+from swarm.pipeline.transport.wire import decode_tensors
 from swarm.run.data import load_dataset
 from swarm.run.models import build_stage
 from swarm.run.runconfig import RunConfig
@@ -263,7 +263,7 @@ def test_the_door_bounds_what_showing_costs():
     assert first["ok"] and other["ok"] and again["code"] == "busy" and bad["code"] == "rejected"
 
 
-# ----- stage 1 referees a driver's stage-0 output (swarm/pipeline/stage0_referee.py)
+# ----- stage 1 referees a driver's stage-0 output (swarm/pipeline/control/stage0_referee.py)
 
 
 def test_stage_one_recomputes_a_lone_drivers_stage0_output_exactly():
@@ -271,7 +271,7 @@ def test_stage_one_recomputes_a_lone_drivers_stage0_output_exactly():
     stage-0 weights and recomputes its output on the sample ids; a made-up output is refused and its author struck to a
     ban, an honest one earns credit, and an author that shows nothing is not blamed."""
     from swarm.integrity.spot import AUTHOR_ODD
-    from swarm.pipeline.stage0_checks import Stage0Checker
+    from swarm.pipeline.control.stage0_checks import Stage0Checker
 
     driver = StageWorker(RUN, 0)
     dataset = load_dataset(RUN.data, RUN.model)
@@ -306,7 +306,7 @@ def test_a_run_with_dropout_is_refereed_only_where_it_can_be_replayed():
     assert verdict.outcome == "not_reproducible" and not referee.convictions
 
 
-# ----- convictions any peer re-checks (swarm/pipeline/convictions.py)
+# ----- convictions any peer re-checks (swarm/pipeline/stage/convictions.py)
 
 
 class _Keys:
@@ -320,9 +320,9 @@ class _Keys:
 def _evidence(claim_scale: float):
     """A stage-1 forward signed by QmSigner, and the conviction a referee would send of it with this claim."""
     from swarm.integrity.receipts import tensor_digest
-    from swarm.pipeline.convictions import evidence
-    from swarm.pipeline.referee import Conviction
-    from swarm.pipeline.wire import serialize_once
+    from swarm.pipeline.stage.convictions import evidence
+    from swarm.pipeline.control.referee import Conviction
+    from swarm.pipeline.transport.wire import serialize_once
 
     worker, key = StageWorker(RUN, 1), ReceiptKey("QmSigner")
     x = torch.randn(8, HIDDEN).relu()
@@ -337,7 +337,7 @@ def _evidence(claim_scale: float):
 
 
 def test_a_conviction_is_rechecked_and_a_false_one_costs_its_sender():
-    from swarm.pipeline.convictions import ConvictionDesk
+    from swarm.pipeline.stage.convictions import ConvictionDesk
 
     banned, struck = [], []
 
@@ -356,7 +356,7 @@ def test_a_conviction_is_rechecked_and_a_false_one_costs_its_sender():
     desk = ConvictionDesk(RUN, _Keys(key), lambda peer, why: banned.append(peer), lambda peer, why: struck.append(peer),
                           no_labels)
     forged = [torch.zeros_like(tensors[0]), *tensors[1:]]
-    from swarm.pipeline.wire import serialize_once
+    from swarm.pipeline.transport.wire import serialize_once
 
     serialize_once(forged[0])
     _, reply = asyncio.run(desk.receive("QmForger", forged, meta))
@@ -366,7 +366,7 @@ def test_a_conviction_is_rechecked_and_a_false_one_costs_its_sender():
 def test_a_stage_peers_desk_bans_the_proven_convict_and_tells_its_healer():
     """desk_for (what a stage peer runs): the proven convict struck past the ban threshold in the gate's book, and
     ``on_convicted`` told (the healer gives back the heals the convict caused: swarm/integrity/heal.py forgive)."""
-    from swarm.pipeline.convictions import desk_for
+    from swarm.pipeline.stage.convictions import desk_for
 
     class _Gate:
         def __init__(self):
@@ -387,8 +387,8 @@ def test_a_stage_peers_desk_bans_the_proven_convict_and_tells_its_healer():
 def test_a_transformer_stage_shows_its_dozens_of_tensors_and_is_upheld():
     """A message carries at most 8 tensors: a charlm stage has 12-16, so a version travels one flat tensor per dtype
     (weights_rpc.pack). Before, every charlm hop a referee sampled was 'unshown' and dropped (84 lost in a minute)."""
-    from swarm.pipeline.weights_rpc import pack, unpack
-    from swarm.pipeline.wire import WireError
+    from swarm.pipeline.stage.weights_rpc import pack, unpack
+    from swarm.pipeline.transport.wire import WireError
     from swarm.run.models import stage_input_spec
     from volunteer.config import load_run
 
@@ -408,7 +408,7 @@ def test_a_transformer_stage_shows_its_dozens_of_tensors_and_is_upheld():
     flats, layout = pack(worker.weights_for(digest))
     assert len(flats) <= 4 and weights_digest(unpack(flats, layout)) == digest
     # through the wire as a door sends them: exact, at the committed dtype's bytes a value (float32: 4)
-    from swarm.pipeline.wire import decode_tensors, encode_tensors
+    from swarm.pipeline.transport.wire import decode_tensors, encode_tensors
 
     sent = encode_tensors(flats, "float32")
     values = sum(t.numel() for t in worker.module.state_dict().values())
@@ -455,9 +455,9 @@ def test_a_signer_computing_in_bf16_is_upheld_by_a_float32_referee():
 def test_the_referees_busy_share_over_the_last_minute():
     """Fetching a 100 MB stage's weights for every sampled hop would take a home uplink whole: an upheld peer's
     sampled hops are recomputed only while the referee has been busy (fetching, recomputing) under
-    SAMPLED_BUSY_SHARE of the last BUSY_WINDOW_S (swarm/pipeline/spot_checks.py; disputes and a newcomer's first
+    SAMPLED_BUSY_SHARE of the last BUSY_WINDOW_S (swarm/pipeline/control/spot_checks.py; disputes and a newcomer's first
     hop are judged regardless)."""
-    from swarm.pipeline import referee as referee_module
+    from swarm.pipeline.control import referee as referee_module
 
     referee = Referee(RUN, None, {}, None, None)  # its own thread
     try:

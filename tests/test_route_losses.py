@@ -1,4 +1,4 @@
-"""Weights trained to harm (swarm/pipeline/route_losses.py): a copy that computes honestly from weights that do harm
+"""Weights trained to harm (swarm/pipeline/control/route_losses.py): a copy that computes honestly from weights that do harm
 passes every recomputation; the loss of the micro-batches routed through it gives it away, and it is held off.
 Honest copies are not, nor is a copy judged on losses from another time of the run."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from fake_stages import FakeSwarm, drive, honest
-from swarm.pipeline.route_losses import MIN_PAIRS, RouteLosses
+from swarm.pipeline.control.route_losses import MIN_PAIRS, RouteLosses
 from swarm.run.models import stage_output_spec
 from swarm.run.runconfig import RunConfig
 

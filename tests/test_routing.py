@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from swarm.pipeline.routing import (
+from swarm.pipeline.control.routing import (
     BAD_REPLY_BAN_S,
     BAN_BASE_S,
     BAN_MAX_S,
@@ -187,7 +187,7 @@ def test_refusal_backoff_is_capped_exponential():
 def test_newcomers_together_get_a_bounded_share_of_the_hops_while_a_peer_with_validated_work_is_usable():
     """Fresh keys that answer fastest used to get every hop until each was caught; now all of them together get at
     most NEWCOMER_ROUTE_SHARE of the swarm's recent hops while an established peer is usable."""
-    from swarm.pipeline.routing import NEWCOMER_ROUTE_SHARE, ROUTE_WINDOW
+    from swarm.pipeline.control.routing import NEWCOMER_ROUTE_SHARE, ROUTE_WINDOW
 
     router = SwarmRouter(rng=random.Random(0))
     router.set_peers(["senior", *[f"fresh{k}" for k in range(10)]])
@@ -237,7 +237,7 @@ def test_a_conviction_is_not_lifted_by_an_answer_that_lands_afterwards():
 def test_a_peer_measured_slow_once_is_measured_again_and_a_black_hole_ever_more_rarely():
     """One slow first answer (a cold start under load) used to leave a peer out for good while faster peers had hops
     queued: its speed was only learnt from hops it never got (tests/test_spot_checks.py's liar was starved so)."""
-    from swarm.pipeline.routing import REMEASURE_MAX_S, REMEASURE_S
+    from swarm.pipeline.control.routing import REMEASURE_MAX_S, REMEASURE_S
 
     router = _router("cold", "fast1", "fast2")
     router.success("cold", 2.0)

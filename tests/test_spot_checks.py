@@ -1,4 +1,4 @@
-"""Spot checks (swarm/integrity/spot.py, swarm/pipeline/spot_checks.py): a layer1 peer that signs plausible but wrong
+"""Spot checks (swarm/integrity/spot.py, swarm/pipeline/control/spot_checks.py): a layer1 peer that signs plausible but wrong
 activations is caught by replication and routed around; honest copies that differ a little are not."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def test_a_peer_with_wrong_activations_is_caught_and_routed_around(monkeypatch):
     # Routing re-measures a peer without hops after REMEASURE_S (30 s); at this test's 3 s scale, 0.5 s. A loaded
     # suite starved the liar after its first hop (one slow first measurement, two fast honest peers), taken before
     # the honest peers had the validated work a verdict needs: it was never checked again, never caught.
-    from swarm.pipeline import routing
+    from swarm.pipeline.control import routing
 
     monkeypatch.setattr(routing, "REMEASURE_S", 0.5)
     fake = FakeSwarm({"layer1": {"liar": _liar(RUN, 1), "good1": honest(RUN, 1), "good2": honest(RUN, 1)},
@@ -105,8 +105,8 @@ class _Hops:
 def _spot(outputs: dict[str, torch.Tensor], primary: str, credit: dict[str, int]):
     import asyncio
 
-    from swarm.pipeline.hops import Refused
-    from swarm.pipeline.spot_checks import SpotChecker
+    from swarm.pipeline.control.hops import Refused
+    from swarm.pipeline.control.spot_checks import SpotChecker
 
     hops = _Hops(outputs)
     checker = SpotChecker(hops, share=1.0)
@@ -230,7 +230,7 @@ def test_a_stage_peer_new_to_the_driver_is_checked_more_often_until_it_has_corro
     the run only the base share; a conviction clears the credit, so a peer caught is checked often again."""
     from swarm.integrity.spot import GRADIENTS, near
     from swarm.integrity.spot import ESTABLISHED_CREDIT, NEWCOMER_FACTOR
-    from swarm.pipeline.spot_checks import SpotChecker
+    from swarm.pipeline.control.spot_checks import SpotChecker
 
     checker = SpotChecker(_Hops({"a": torch.zeros(1)}), share=0.03)
     assert checker.share_for("a") == pytest.approx(0.03 * NEWCOMER_FACTOR)
@@ -264,7 +264,7 @@ class _BudgetReferee:
         return self.time
 
     async def judge(self, k, op, tensors, claim, receipt, peer, loss=None):
-        from swarm.pipeline.referee import HOLDS, Verdict
+        from swarm.pipeline.control.referee import HOLDS, Verdict
 
         self.judged += 1
         return Verdict(HOLDS, peer)
@@ -276,7 +276,7 @@ def test_an_upheld_lone_peers_sampled_hops_are_refereed_within_the_referees_budg
     time budget (a large stage's weights on a slow link). Its first sampled hop is judged whatever the budget."""
     import asyncio
 
-    from swarm.pipeline.spot_checks import SpotChecker
+    from swarm.pipeline.control.spot_checks import SpotChecker
 
     out = torch.randn(8, 4)
     referee = _BudgetReferee(has_time)
@@ -299,8 +299,8 @@ def test_a_lane_waiting_for_a_newcomers_verdict_says_so():
     trained for 38 s: the layer0 drivers do not say why")."""
     import asyncio
 
-    from swarm.pipeline import spot_checks
-    from swarm.pipeline.spot_checks import SpotChecker
+    from swarm.pipeline.control import spot_checks
+    from swarm.pipeline.control.spot_checks import SpotChecker
 
     class _Blockage:
         def __init__(self):

@@ -1,5 +1,5 @@
-"""Spot checks of stage 0's outputs (swarm/integrity/spot.py ``judge_author``, swarm/pipeline/stage0_replicas.py,
-swarm/pipeline/stage0_checks.py): the pure verdict, the door a driver keeps for recomputations, and a stage-1
+"""Spot checks of stage 0's outputs (swarm/integrity/spot.py ``judge_author``, swarm/pipeline/stage/stage0_replicas.py,
+swarm/pipeline/control/stage0_checks.py): the pure verdict, the door a driver keeps for recomputations, and a stage-1
 peer's checker against fake layer0 peers (no network). A made-up output is refused and its author struck; honest
 copies that differ as label-skewed ones do, a slow peer, or a lone second copy blame nobody."""
 
@@ -21,10 +21,10 @@ from swarm.integrity.spot import (
     UNDECIDED,
     judge_author,
 )
-from swarm.pipeline.keybook import KeyBook
-from swarm.pipeline.stage0_checks import Stage0Checker
-from swarm.pipeline.stage0_replicas import ReplicaDoor, check_train_ids, ids_bytes, ids_from_meta
-from swarm.pipeline.wire import WireError, serialize_once
+from swarm.pipeline.transport.keybook import KeyBook
+from swarm.pipeline.control.stage0_checks import Stage0Checker
+from swarm.pipeline.stage.stage0_replicas import ReplicaDoor, check_train_ids, ids_bytes, ids_from_meta
+from swarm.pipeline.transport.wire import WireError, serialize_once
 from swarm.run.runconfig import RunConfig
 
 RUN = RunConfig.model_validate({"name": "stage0spot", "model": {"stages": 3, "hidden_dim": 16},
@@ -128,7 +128,7 @@ def test_the_door_serves_only_layer1_peers_within_bounds():
 
 def test_two_verdicts_in_a_half_life_ban_a_slow_liar():
     from swarm.integrity.requesters import RequesterBook
-    from swarm.pipeline.stage0_checks import VERDICT_STRIKES
+    from swarm.pipeline.control.stage0_checks import VERDICT_STRIKES
 
     book = RequesterBook(RUN.integrity)
     assert book.on_strike("liar", "spot check", 0.0, VERDICT_STRIKES) is None
@@ -353,11 +353,11 @@ def test_stage0_recomputes_on_ids_for_layer1_peers_only_and_signs_it():
     from types import SimpleNamespace
 
     from swarm.integrity.receipts import Receipt, signature_valid
-    from swarm.pipeline.stage import StageWorker
-    from swarm.pipeline.stage0_replicas import ReplicaService
-    from swarm.pipeline.stage_receipts import ReceiptDesk
-    from swarm.pipeline.stage_rpc import StageServicer
-    from swarm.pipeline.wire import decode_tensors, encode_tensors, pack_metadata, unpack_metadata
+    from swarm.pipeline.stage.worker import StageWorker
+    from swarm.pipeline.stage.stage0_replicas import ReplicaService
+    from swarm.pipeline.stage.stage_receipts import ReceiptDesk
+    from swarm.pipeline.stage.stage_rpc import StageServicer
+    from swarm.pipeline.transport.wire import decode_tensors, encode_tensors, pack_metadata, unpack_metadata
     from swarm.run.data import load_dataset
 
     worker = StageWorker(RUN, 0)
@@ -399,10 +399,10 @@ def test_stage1_refuses_a_made_up_stage0_output_before_anything_applies_it():
     from types import SimpleNamespace
 
     from receipting import stage0_meta
-    from swarm.pipeline.stage import StageWorker
-    from swarm.pipeline.stage_receipts import ReceiptDesk
-    from swarm.pipeline.stage_rpc import StageServicer
-    from swarm.pipeline.wire import decode_tensors, encode_tensors, pack_metadata, unpack_metadata
+    from swarm.pipeline.stage.worker import StageWorker
+    from swarm.pipeline.stage.stage_receipts import ReceiptDesk
+    from swarm.pipeline.stage.stage_rpc import StageServicer
+    from swarm.pipeline.transport.wire import decode_tensors, encode_tensors, pack_metadata, unpack_metadata
     from swarm.run.data import load_dataset
 
     x_train = load_dataset(RUN.data, RUN.model).x_train

@@ -1,4 +1,4 @@
-"""Stage 0's outputs spot-checked by replication, with real peers over P2P (swarm/pipeline/stage0_checks.py).
+"""Stage 0's outputs spot-checked by replication, with real peers over P2P (swarm/pipeline/control/stage0_checks.py).
 
 Real SwarmPeers (each with its own DHT process and p2pd) in one test process, so their books can be read: two or
 three honest layer0 drivers that train, one layer1 and one layer2 peer, and (first test) a hostile driver from
@@ -19,7 +19,7 @@ from hostile import HostilePeer
 from swarm.dht.dht import DHTSettings, shutdown_dht, start_dht
 from swarm.dht.records import MemberRecord
 from swarm.pipeline.peer import SwarmPeer
-from swarm.pipeline.stage import StageWorker
+from swarm.pipeline.stage.worker import StageWorker
 from swarm.run.data import load_dataset, make_shards
 from swarm.run.runconfig import RunConfig
 

@@ -1,4 +1,4 @@
-"""Stage calls on one long-lived stream per peer (swarm/pipeline/sessions.py): real hivemind P2P peers on 127.0.0.1."""
+"""Stage calls on one long-lived stream per peer (swarm/pipeline/transport/sessions.py): real hivemind P2P peers on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import torch
 from hivemind.p2p import P2P, P2PContext, ServicerBase
 from hivemind.proto import runtime_pb2
 
-from swarm.pipeline import sessions
-from swarm.pipeline.sessions import SessionBroken, serve_session, session_for
-from swarm.pipeline.stage_rpc import call_stage
-from swarm.pipeline.wire import pack_metadata, unpack_metadata
+from swarm.pipeline.transport import sessions
+from swarm.pipeline.transport.sessions import SessionBroken, serve_session, session_for
+from swarm.pipeline.stage.stage_rpc import call_stage
+from swarm.pipeline.transport.wire import pack_metadata, unpack_metadata
 
 NS = "sessions-test"
 HANDLE = f"{NS}::EchoServicer.rpc_session"

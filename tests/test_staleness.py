@@ -13,8 +13,8 @@ import torch
 
 from swarm.integrity.heal import Healer
 from swarm.run.runconfig import RunConfig
-from swarm.pipeline.stage import StageWorker
-from swarm.pipeline.staleness import StalenessWindow, StepSize, stale_momentum, step_factor, summarize
+from swarm.pipeline.stage.worker import StageWorker
+from swarm.pipeline.stage.staleness import StalenessWindow, StepSize, stale_momentum, step_factor, summarize
 
 
 def _run(**optimizer) -> RunConfig:

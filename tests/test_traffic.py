@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from swarm.pipeline.traffic import LinkRates, Traffic, mbps
+from swarm.pipeline.transport.traffic import LinkRates, Traffic, mbps
 
 
 def test_rates_per_link_and_in_all_between_two_readings():

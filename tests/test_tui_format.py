@@ -120,7 +120,7 @@ def test_spot_checks_are_shown_with_what_came_of_them() -> None:
 
 def test_how_a_drivers_micro_batches_travel_is_said_where_it_drives():
     """layer0's status and dashboard say how its micro-batches travel (stage to stage, or relayed by it, and why)."""
-    from swarm.pipeline.push_driver import Pusher
+    from swarm.pipeline.control.push_driver import Pusher
     from volunteer_cli.commands.ctl import render_status
 
     pusher = Pusher.__new__(Pusher)

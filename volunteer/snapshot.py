@@ -175,7 +175,7 @@ class NodeSnapshot:
     gpu_memory_bytes: int | None = None
     bytes_in: int = 0
     bytes_out: int = 0
-    mbps_in: float = 0.0  # over the last heartbeat (swarm/pipeline/traffic.py)
+    mbps_in: float = 0.0  # over the last heartbeat (swarm/pipeline/transport/traffic.py)
     mbps_out: float = 0.0
     links: tuple[LinkRow, ...] = ()  # the busiest links over the last heartbeat, busiest first
     # the run

@@ -53,9 +53,9 @@ from swarm.averaging.rules import (
 )
 from swarm.dht.records import MemberRecord
 from swarm.run.runconfig import RunConfig
-from swarm.pipeline.stage import StageWorker, StepInfo
-from swarm.pipeline.stage_rpc import Traffic
-from swarm.pipeline.wire import WireError
+from swarm.pipeline.stage.worker import StageWorker, StepInfo
+from swarm.pipeline.stage.stage_rpc import Traffic
+from swarm.pipeline.transport.wire import WireError
 
 logger = logging.getLogger(__name__)
 

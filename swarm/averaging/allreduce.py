@@ -33,8 +33,8 @@ from hivemind.proto import runtime_pb2
 
 from swarm.averaging.agent import SwarmAveraging
 from swarm.averaging.checks import ParamsRejected, check_params
-from swarm.pipeline.stage_rpc import stage_namespace
-from swarm.pipeline.wire import (
+from swarm.pipeline.stage.stage_rpc import stage_namespace
+from swarm.pipeline.transport.wire import (
     WireError, decode_tensors, encode_tensors, join_stream, pack_metadata, split_message, unpack_metadata,
 )
 

@@ -36,8 +36,8 @@ import torch
 from hivemind.p2p import P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
-from swarm.pipeline.stage_rpc import Traffic, stage_namespace
-from swarm.pipeline.wire import (
+from swarm.pipeline.stage.stage_rpc import Traffic, stage_namespace
+from swarm.pipeline.transport.wire import (
     UNARY_LIMIT_BYTES, WireError, decode_tensors, encode_tensors, join_stream, pack_metadata, split_message,
     unpack_metadata,
 )

@@ -62,8 +62,8 @@ from swarm.ecl.pairing import EdgeGenerations, answer_swap, initiates, swaps_due
 from swarm.ecl.updates import ADMM_THETA, PDMM_THETA, BadMessageError, DsgdNode, EclConfig, EclNode, common_eta
 from swarm.dht.records import MemberRecord
 from swarm.run.runconfig import EDGE_MODES, RunConfig
-from swarm.pipeline.stage import StageWorker
-from swarm.pipeline.stage_rpc import Traffic
+from swarm.pipeline.stage.worker import StageWorker
+from swarm.pipeline.stage.stage_rpc import Traffic
 
 logger = logging.getLogger(__name__)
 

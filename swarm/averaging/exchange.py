@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from swarm.averaging.checks import ParamsRejected, check_params
 from swarm.dht.records import MemberRecord
 from swarm.run.runconfig import RunConfig
-from swarm.pipeline.stage import StageWorker
+from swarm.pipeline.stage.worker import StageWorker
 
 logger = logging.getLogger(__name__)
 

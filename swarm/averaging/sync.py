@@ -31,7 +31,7 @@ from swarm.averaging.checks import ParamsRejected, check_optimizer, check_params
 from swarm.averaging.influence import distance
 from swarm.averaging.rules import donor_order
 from swarm.dht.records import MemberRecord
-from swarm.pipeline.stage import WorkerState
+from swarm.pipeline.stage.worker import WorkerState
 
 SYNC_WIRE_DTYPE = "float32"  # a newcomer starts from an exact copy; averaging.wire_dtype is for pulls
 SYNC_TRIES_PER_DONOR = 3

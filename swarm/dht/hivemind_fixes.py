@@ -20,7 +20,7 @@ length says, before anything of ours can look at it. Measured (issue 25): one 30
 stage's RSS from 610 to 1,363 MB before the stage's own 256 MiB check refused it, and nothing needs a peer's
 identity or a record to send it. ``receive_raw_data`` (patched in) refuses a length over ``MAX_FRAME_BYTES``
 without reading on; hivemind's stream handler logs the error and closes the stream, a caller reading replies gets
-the error as a failed call. Our own stream messages are at most 3 MiB (swarm/pipeline/wire.py STREAM_CHUNK_BYTES
+the error as a failed call. Our own stream messages are at most 3 MiB (swarm/pipeline/transport/wire.py STREAM_CHUNK_BYTES
 1 MiB, swarm/averaging/params_rpc.py PULL_CHUNK_BYTES 3 MiB) plus at most 64 KiB of metadata; unary calls go
 through the daemon's persistent connection, which p2pd caps at 4 MiB.
 """

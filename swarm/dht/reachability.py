@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from hivemind.p2p import P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
-from swarm.pipeline.wire import WireError, pack_metadata, unpack_metadata
+from swarm.pipeline.transport.wire import WireError, pack_metadata, unpack_metadata
 
 logger = logging.getLogger(__name__)
 

@@ -61,15 +61,15 @@ class MemberRecord:
     eval_at: float = -1.0  # wall time of that evaluation; -1 = none (a reader shows its age)
     eval_version: int = -1  # param_version of this peer's copy when it evaluated; -1 = none
     heals: int = 0  # times this copy was found sick and restored itself (swarm/integrity/heal.py)
-    # staleness of this copy's recent updates, in updates (swarm/pipeline/staleness.py); -1 = none yet. Records of
+    # staleness of this copy's recent updates, in updates (swarm/pipeline/stage/staleness.py); -1 = none yet. Records of
     # clients before these fields parse with the defaults.
     staleness_mean: float = -1.0
     staleness_p95: float = -1.0
     staleness_max: int = -1
-    # this peer's traffic over its last heartbeat, Mb/s (swarm/pipeline/traffic.py); -1 = not published
+    # this peer's traffic over its last heartbeat, Mb/s (swarm/pipeline/transport/traffic.py); -1 = not published
     mbps_in: float = -1.0
     mbps_out: float = -1.0
-    # samples/s this copy could train at if it computed all the time (swarm/pipeline/stage.py StageStats.capacity);
+    # samples/s this copy could train at if it computed all the time (swarm/pipeline/stage/worker.py StageStats.capacity);
     # -1 = not measured yet. movable: a `--swarm auto` volunteer that rebalancing may move (swarm/rebalance.py)
     capacity: float = -1.0
     movable: bool = False

@@ -11,7 +11,7 @@ its own copy, and on label-skewed shards honest copies differ by far more than a
 skewed run's last-stage copies evaluated 0.45-0.95 early on, and banning the "outliers" held off 30 honest peers
 in 4 minutes). What a lying evaluator gains is nothing: with three replicas the median is published, with two the
 worse figure, so its boast never reaches the record. Penalties belong to what can be checked: a receipt, a
-tensor's content, a spot check of the same input through two copies (swarm/pipeline/spot_checks.py).
+tensor's content, a spot check of the same input through two copies (swarm/pipeline/control/spot_checks.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ state the step created), so the copy is exactly as before. The step bound compar
 move with its pre-step norm (floored at the norm of the stage's typical tensor, the root mean
 square of its tensors' norms, so a small or zero-initialised bias can still learn) and scales a move that is too long back onto the bound.
 
-Whatever the update rule (``optimizer.step`` or an edge mode's rule, swarm/pipeline/stage.py
+Whatever the update rule (``optimizer.step`` or an edge mode's rule, swarm/pipeline/stage/worker.py
 ``set_update_rule``), the guard wraps it the same way.
 """
 

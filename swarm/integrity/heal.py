@@ -19,7 +19,7 @@ How it works:
   way to the good snapshot before it (never to the seeded copy once the copy has trained). The ceiling itself rises the same way every ``CEILING_RECOVERY x heal_steps``
   healthy updates: a transient cause (a burst of staleness on a busy machine) costs speed for a while,
   not for good. The scale goes through the
-  stage's ``StepSize`` (swarm/pipeline/staleness.py), which multiplies it with each update's staleness factor.
+  stage's ``StepSize`` (swarm/pipeline/stage/staleness.py), which multiplies it with each update's staleness factor.
 
 Why the snapshot and not a peer's copy: the snapshot is ours and was healthy; a copy served by a
 peer is a stranger's (it could be the reason we are sick). Averaging pulls bring the restored copy
@@ -97,7 +97,7 @@ class Healer:
         self.health: HealthMonitor = worker.health
         self.notify = notify
         self.on_change = on_change or (lambda: None)
-        self._snapshot = None  # swarm.pipeline.stage.WorkerState
+        self._snapshot = None  # swarm.pipeline.stage.worker.WorkerState
         self._steps = 0
         self._healthy_steps = 0  # since the last heal or the last raise of the scale
         self._scale = 1.0
@@ -185,7 +185,7 @@ class Healer:
                 f"{self._ceiling:.2g}x")
 
     def forgive(self, signer: str, now: float | None = None) -> str | None:
-        """``signer`` was convicted (its tensors did not follow from its weights: swarm/pipeline/convictions.py):
+        """``signer`` was convicted (its tensors did not follow from its weights: swarm/pipeline/stage/convictions.py):
         the heals of the last FORGIVE_WINDOW_S were likely its doing, not this copy's, so the step size and its
         ceiling go back to what they were before the first of them (the restored weights stay: the snapshot was
         good). Said, and returned; None when there was nothing to give back. Called on the event loop."""
@@ -209,7 +209,7 @@ class Healer:
 
     def _set_lr_scale(self, scale: float) -> None:
         self._scale = scale
-        self.worker.step_size.set_heal_scale(scale)  # composes with the staleness factor (swarm/pipeline/staleness.py)
+        self.worker.step_size.set_heal_scale(scale)  # composes with the staleness factor (swarm/pipeline/stage/staleness.py)
         self._status = HealStatus(healing=self._status.healing, heals=self._status.heals,
                                   last_heal_at=self._status.last_heal_at, lr_scale=scale)
 

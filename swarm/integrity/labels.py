@@ -4,7 +4,7 @@ shards the requesting driver may use. Also the view of the run's drivers (online
 A driver sends row indices into the run's train split (``forward_backward``) or test split
 (``evaluate``); every volunteer loads the run's data deterministically (swarm/run/data.py), so the last
 stage holds the same targets. A driver may use its own shard (from its layer0 record) and every shard
-no online layer0 peer holds (drivers also cover unheld shards, swarm/pipeline/driver.py ``cover_shards``).
+no online layer0 peer holds (drivers also cover unheld shards, swarm/pipeline/control/driver.py ``cover_shards``).
 Records are a heartbeat stale at times, so the view before the latest counts too (the grace).
 
 A future source of private data (targets that only the driver holds) cannot work this way: the last

@@ -4,7 +4,7 @@ A receipt says "I, ``signer``, ran ``op`` of stage ``stage`` (parameter version 
 digest ``weights``) for micro-batch ``mb`` of run ``run_id``, on the input whose digest is ``input``, and produced the
 output whose digest is ``output``; the chain started from the sample ids whose digest is ``ids``". The weights
 digest makes every hop a claim a referee can check by recomputing it (swarm/integrity/weights.py,
-swarm/pipeline/referee.py). It is signed with the signer's
+swarm/pipeline/control/referee.py). It is signed with the signer's
 per-run Ed25519 key (``cryptography``'s, not a home-made scheme). Digests are BLAKE3 (``blake3``: 2 GB/s
 on one core, so hashing what travels costs well under 1 % of a hop) over the serialized tensor as it
 travels, after the codec: the driver relays those bytes unchanged, so a stage can check that what it
@@ -76,12 +76,12 @@ def figures_digest(loss_sum: float, correct: int, count: int) -> bytes:
 
 def loss_digest(loss: float) -> bytes:
     """What a last stage's forward_backward receipt signs beside its gradient: the loss it reports, exactly as it
-    travels (the driver judges copies by it, and in a push every stage above relays it: swarm/pipeline/push.py)."""
+    travels (the driver judges copies by it, and in a push every stage above relays it: swarm/pipeline/stage/push.py)."""
     return digest(f"loss|{float(loss)!r}".encode())
 
 
 def route_digest(run_id: str, mb: str, route: list[str]) -> bytes:
-    """What a driver signs when it pushes a micro-batch (swarm/pipeline/push.py): the peers it chose, in order."""
+    """What a driver signs when it pushes a micro-batch (swarm/pipeline/stage/push.py): the peers it chose, in order."""
     return digest("\x1f".join(["route", run_id, mb, *route]).encode())
 
 
@@ -99,7 +99,7 @@ class Receipt:
     signature: bytes = b""
     weights: bytes = NO_WEIGHTS  # the digest of the signer's parameters at ``version`` (weights.py weights_digest)
     # a backward's input gradient runs through the activations its forward computed, with an older version's
-    # weights (swarm/pipeline/stage.py): their digest; the same as ``weights`` for every other op
+    # weights (swarm/pipeline/stage/worker.py): their digest; the same as ``weights`` for every other op
     forward_weights: bytes = NO_WEIGHTS
     figures: bytes = NO_FIGURES  # loss_digest of the loss a forward_backward reports (NO_FIGURES for other ops)
 

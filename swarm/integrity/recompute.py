@@ -1,6 +1,6 @@
 """A referee's recomputation of one hop from the weights its signer committed to, and whether the claim reproduces.
 
-Pure: weights, inputs and the claimed output in, a ``Finding`` out (no network: swarm/pipeline/referee.py fetches).
+Pure: weights, inputs and the claimed output in, a ``Finding`` out (no network: swarm/pipeline/control/referee.py fetches).
 One honest referee suffices (Verde's refereed delegation): the claim either follows from the committed weights or
 it does not; no vote among copies, so a swarm of two settles a dispute as surely as a swarm of twenty.
 
@@ -9,7 +9,7 @@ What "reproduces" means is set by honest numerics, not by how far copies drift (
   bf16 autocast on an accelerator (``ACTIVATION_TOLERANCE``);
 - input gradients: a stage clips the output gradient it is sent and scales its reply under the driver's bound, so
   a claim may be *shorter* than the recomputation, never longer; and a backward whose forward ran on an older
-  version uses that version's activations (ReLU masks) with the weights of now (swarm/pipeline/stage.py): the
+  version uses that version's activations (ReLU masks) with the weights of now (swarm/pipeline/stage/worker.py): the
   receipt names both versions' digests and the referee replays exactly that (recomputed at the weights of now only,
   a backward 32 updates stale reproduced at cosine 0.985 on digits with Adam 1e-3: too loose a margin for a large
   step size). Measured (tests/test_referee.py): honest claims reproduce at cosine > 0.9999 and norm ratio 1 on CPU;
@@ -140,7 +140,7 @@ def _recompute(model: ModelConfig, module: nn.Module, op: str, weights: dict[str
 
 # A last stage's reported loss against the one recomputed from its committed weights: honest numerics (another
 # device's kernels, bf16 autocast) move a loss by far less than 1 %; a loss reported to frame or shield a copy
-# (route losses, swarm/pipeline/route_losses.py, compare losses through copies tens of % apart) is far outside
+# (route losses, swarm/pipeline/control/route_losses.py, compare losses through copies tens of % apart) is far outside
 LOSS_ABS_TOLERANCE = 0.01
 LOSS_REL_TOLERANCE = 0.02
 

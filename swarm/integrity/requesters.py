@@ -2,7 +2,7 @@
 
 The decisions are pure functions (``fair_share_allows``, ``probation_allows``, ``decayed``,
 ``ban_duration_s``); ``RequesterBook`` keeps the per-driver numbers they are fed with. The stage
-servicer (swarm/pipeline/stage_rpc.py) asks ``admit`` before a request runs and reports what happened after
+servicer (swarm/pipeline/stage/stage_rpc.py) asks ``admit`` before a request runs and reports what happened after
 (``on_update``, ``on_strike``); a ban comes back as a ``Ban`` for the servicer to log and announce.
 
 - Fair share: in a sliding window of ``fair_share_window_s``, a driver may apply ``fair_share_burst``
@@ -16,7 +16,7 @@ servicer (swarm/pipeline/stage_rpc.py) asks ``admit`` before a request runs and 
   drivers that all joined together, are on probation against nobody and have the whole stage.
 - Newcomers together: every driver on probation shares one pool of ``NEWCOMER_POOL`` x one newcomer's share (one
   established driver's, at least ``PROBATION_BURST`` updates per window), however many there are (their updates
-  are clipped to the median meanwhile, swarm/pipeline/stage.py): probation alone is per identity, and
+  are clipped to the median meanwhile, swarm/pipeline/stage/worker.py): probation alone is per identity, and
   identities cost nothing, so 100 fresh keys had 100 shares (and 100 bursts). A newcomer earns its own share by
   the updates it gets applied here (``probation_updates``), in turn with the others of the pool.
 - In flight: at most ``max_in_flight_per_requester`` requests of one driver are computed or queued
@@ -24,7 +24,7 @@ servicer (swarm/pipeline/stage_rpc.py) asks ``admit`` before a request runs and 
 - Strikes: a rejected request, a request outside the driver's shards, and an update clipped to less
   than half its size each add one to a score that halves every ``strike_half_life_s``; at
   ``ban_strikes`` the driver is banned. Honest drivers are clipped now and then, never in a row. A spot check's
-  verdict on a driver's stage-0 output weighs 7 (swarm/pipeline/stage0_checks.py ``VERDICT_STRIKES``).
+  verdict on a driver's stage-0 output weighs 7 (swarm/pipeline/control/stage0_checks.py ``VERDICT_STRIKES``).
 - No direction check: a ban for updates that "oppose the swarm's direction" can be outvoted by colluding
   newcomers, and it banned every honest driver of label-skewed runs; with signed receipts
   (swarm/integrity/receipts.py) a driver no longer authors the gradients it relays, so none is judged here.
@@ -232,7 +232,7 @@ class RequesterBook:
 
     def on_probation(self, requester: str, now: float) -> bool:
         """Is this driver new here while an established driver is active? (Its updates are then clipped to
-        the median, not a multiple, and do not enter the clip history: swarm/pipeline/stage.py.)"""
+        the median, not a multiple, and do not enter the clip history: swarm/pipeline/stage/worker.py.)"""
         cfg = self.cfg
         with self._lock:
             entry = self._book.get(requester)

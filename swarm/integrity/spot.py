@@ -108,7 +108,7 @@ def odd_one_out(outputs: list[torch.Tensor], bounds: Bounds = ACTIVATIONS) -> in
     return None
 
 
-# ----- stage 0's outputs, recomputed by other drivers (swarm/pipeline/stage0_checks.py)
+# ----- stage 0's outputs, recomputed by other drivers (swarm/pipeline/control/stage0_checks.py)
 
 AGREED, DISAGREED, AUTHOR_ODD, REPLICA_ODD, UNDECIDED, SKIPPED = (
     "agreed", "disagreed", "author_odd", "replica_odd", "undecided", "skipped")

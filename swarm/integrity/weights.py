@@ -12,7 +12,7 @@ and in a full test run the referee convicted the only honest layer2 peer on such
 micro-batch after it was lost. No cosine bound is safe against that (a flip on an influential sample can move the
 gradient anywhere), so the commitment is what was computed with, and an honest hop reproduces to float rounding.
 A referee that doubts the
-claim asks the signer for the weights of that digest and recomputes the hop (swarm/pipeline/referee.py; Verde's
+claim asks the signer for the weights of that digest and recomputes the hop (swarm/pipeline/control/referee.py; Verde's
 refereed delegation). The digest is computed once per version, when the first hop of that version is served, not
 per hop and not per update (an update nobody computes with is never hashed), and the tensors of that version are
 kept beside it: a copy per served version, within ``max_bytes`` and ``keep_s``.

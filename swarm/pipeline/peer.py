@@ -24,10 +24,10 @@ from swarm.pipeline.peer_checks import attach_checks, prefetch_keys
 from swarm.pipeline.peer_eval import Evaluations
 from swarm.pipeline.peer_metrics import PeerMetrics, collect_metrics
 from swarm.pipeline.peer_views import HELD_MEMORY_VIEWS, HeldShards  # noqa: F401  (HELD_MEMORY_VIEWS re-exported)
-from swarm.pipeline.sessions import close_sessions
-from swarm.pipeline.stage import StageWorker
-from swarm.pipeline.stage_gate import StageGate
-from swarm.pipeline.stage_rpc import Traffic, make_servicer, stage_namespace
+from swarm.pipeline.transport.sessions import close_sessions
+from swarm.pipeline.stage.worker import StageWorker
+from swarm.pipeline.stage.stage_gate import StageGate
+from swarm.pipeline.stage.stage_rpc import Traffic, make_servicer, stage_namespace
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class SwarmPeer:
         self.driver: Any = None
         self.p2p: Any = None
         self._servicer: Any = None
-        self.gate: StageGate | None = None  # who may ask our stage (swarm/pipeline/stage_gate.py)
+        self.gate: StageGate | None = None  # who may ask our stage (swarm/pipeline/stage/stage_gate.py)
         self._params_servicer: Any = None
         self._dial_back_servicer: Any = None
         self._held = HeldShards()  # shards held by other drivers, in the last reads of layer0
@@ -75,7 +75,7 @@ class SwarmPeer:
         # receipts (swarm/integrity/receipts.py): our per-run signing key (derived from the identity when the node
         # passes a seed, so a restarted peer keeps it) and the keys of the peers whose receipts we check
         from swarm.integrity.receipts import ReceiptKey
-        from swarm.pipeline.keybook import KeyBook
+        from swarm.pipeline.transport.keybook import KeyBook
 
         self.receipt_key = ReceiptKey(str(dht.peer_id), receipt_seed)
         self.keys = KeyBook(self._fetch_receipt_key)
@@ -99,7 +99,7 @@ class SwarmPeer:
     async def _setup(self, sync_from: list[MemberRecord] | None = None) -> None:
         from swarm.dht.dht import fresh_p2p
 
-        from swarm.pipeline.stage_receipts import ReceiptDesk
+        from swarm.pipeline.stage.stage_receipts import ReceiptDesk
 
         self.p2p = await fresh_p2p(self.dht)
         self.gate = await self._make_gate()
@@ -122,12 +122,12 @@ class SwarmPeer:
             await self._start_driver()
 
     async def _fetch_receipt_key(self, peer_id: str, swarm: str) -> bytes:
-        """Ask ``peer_id`` for its receipt key in ``swarm``'s namespace (swarm/pipeline/keybook.py)."""
+        """Ask ``peer_id`` for its receipt key in ``swarm``'s namespace (swarm/pipeline/transport/keybook.py)."""
         from hivemind.p2p import PeerID
         from hivemind.proto import runtime_pb2
 
-        from swarm.pipeline.stage_client import StageRPC
-        from swarm.pipeline.wire import unpack_metadata
+        from swarm.pipeline.transport.stage_client import StageRPC
+        from swarm.pipeline.transport.wire import unpack_metadata
 
         stub = StageRPC.get_stub(self.p2p, PeerID.from_base58(peer_id),
                                       namespace=stage_namespace(self.run.run_id, swarm))
@@ -191,7 +191,7 @@ class SwarmPeer:
 
     async def _start_driver(self) -> None:
         from swarm.run.data import load_dataset, make_shards
-        from swarm.pipeline.driver import PipelineDriver
+        from swarm.pipeline.control.driver import PipelineDriver
 
         loop = asyncio.get_running_loop()
         dataset = await loop.run_in_executor(self.executor, load_dataset, self.run.data, self.run.model)
@@ -210,9 +210,9 @@ class SwarmPeer:
             self._tasks.append(asyncio.create_task(self._guard(self.evaluations.run_forever(), "evaluator")))
 
     def _serve_replicas(self, dataset: Any) -> None:
-        """Stage 0 recomputes its output on sample ids for layer1's spot checks (swarm/pipeline/stage0_replicas.py),
+        """Stage 0 recomputes its output on sample ids for layer1's spot checks (swarm/pipeline/stage/stage0_replicas.py),
         for the online layer1 peers of the last views only."""
-        from swarm.pipeline.stage0_replicas import ReplicaDoor, ReplicaService
+        from swarm.pipeline.stage.stage0_replicas import ReplicaDoor, ReplicaService
 
         x_train = dataset.x_train
         self._servicer.replicas = ReplicaService(ReplicaDoor(), lambda ids: x_train[ids], len(x_train),

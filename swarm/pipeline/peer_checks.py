@@ -12,7 +12,7 @@ from typing import Any
 def attach_checks(peer: Any) -> None:
     """On ``peer``'s servicer, once its gate and servicer exist (on the peer's event loop)."""
     if peer.index > 0:
-        from swarm.pipeline.convictions import desk_for
+        from swarm.pipeline.stage.convictions import desk_for
 
         healer, executor = peer.healer, peer.executor
 
@@ -20,12 +20,12 @@ def attach_checks(peer: Any) -> None:
             asyncio.get_running_loop().run_in_executor(executor, healer.forgive, signer)
 
         peer._servicer.convictions = desk_for(peer.run, peer.keys, peer.gate, on_convicted=forgive, device=peer.device)
-        from swarm.pipeline.push import PushServer
+        from swarm.pipeline.stage.push import PushServer
 
-        # micro-batches pushed to us by the stage before (or the driver) and on by us (swarm/pipeline/push.py)
+        # micro-batches pushed to us by the stage before (or the driver) and on by us (swarm/pipeline/stage/push.py)
         peer._servicer.push = PushServer(peer.p2p, peer.run, peer.keys, traffic=peer.traffic)
     if peer.index == 1:
-        from swarm.pipeline.stage0_checks import Stage0Checker
+        from swarm.pipeline.control.stage0_checks import Stage0Checker
 
         gate = peer.gate
         peer._servicer.spot0 = Stage0Checker(peer.run, peer.p2p, peer.keys, lambda: list(gate.view.current),
@@ -34,7 +34,7 @@ def attach_checks(peer: Any) -> None:
 
 def prefetch_keys(peer: Any, views: dict[str, list[Any]]) -> None:
     """The receipt keys of the swarms whose receipts ``peer`` checks (its own, the one before, the one after)
-    (swarm/pipeline/keybook.py). Stage 0's receipts are signed by the requester itself."""
+    (swarm/pipeline/transport/keybook.py). Stage 0's receipts are signed by the requester itself."""
     if peer._servicer is None or peer.index == 0:
         return
     for k in (peer.index - 1, peer.index, peer.index + 1):

@@ -1,6 +1,6 @@
 """layer0's evaluations of the pipeline: when they run, what a published figure carries, the last one at a finish.
 
-The driver runs an evaluation (swarm/pipeline/driver.py ``evaluate``); this decides when. Every ``eval_every_s``,
+The driver runs an evaluation (swarm/pipeline/control/driver.py ``evaluate``); this decides when. Every ``eval_every_s``,
 and sooner (after half a period) when a copy anywhere in the run healed since the last one, because the published
 figure then describes a copy that no longer exists. When the peer finishes, one more, retried until a deadline: a
 hop can time out on a busy machine, a stage can be between peers. Each figure is stamped with when it ran, the
@@ -31,8 +31,8 @@ class Evaluations:
         self.run = run
         self.notify = notify
         self._accepting = accepting  # a paused peer evaluates nothing
-        self.driver: Any = None  # swarm.pipeline.driver.PipelineDriver
-        self.worker: Any = None  # swarm.pipeline.stage.StageWorker
+        self.driver: Any = None  # swarm.pipeline.control.driver.PipelineDriver
+        self.worker: Any = None  # swarm.pipeline.stage.worker.StageWorker
         self.at = -1.0  # wall time of the latest evaluation
         self.version = -1  # our copy's param_version when it ran
         self.run_samples = 0  # samples the run's drivers completed, as last read

@@ -1,7 +1,7 @@
 """What a peer reports to its node each heartbeat (PeerMetrics): the figures its record, status and screens show.
 
 Plain data, collected (``collect_metrics``, for SwarmPeer.metrics) from the stage's statistics
-(swarm/pipeline/stage_stats.py), the traffic, the healer and, on layer0, the driver and its evaluations
+(swarm/pipeline/stage/stage_stats.py), the traffic, the healer and, on layer0, the driver and its evaluations
 (swarm/pipeline/peer_eval.py).
 """
 
@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from swarm.integrity.heal import HealStatus
     from swarm.pipeline.peer_eval import Evaluations
-    from swarm.pipeline.stage import StageWorker
-    from swarm.pipeline.stage_gate import StageGate
-    from swarm.pipeline.traffic import Traffic
+    from swarm.pipeline.stage.worker import StageWorker
+    from swarm.pipeline.stage.stage_gate import StageGate
+    from swarm.pipeline.transport.traffic import Traffic
 
 
 @dataclass(slots=True, frozen=True)
@@ -46,7 +46,7 @@ class PeerMetrics:
     healing: str = ""  # why this copy is sick and healing; "" when healthy
     heals: int = 0
     last_heal_at: float = 0.0
-    # staleness of the recent updates (swarm/pipeline/staleness.py), in updates; None before the first one
+    # staleness of the recent updates (swarm/pipeline/stage/staleness.py), in updates; None before the first one
     staleness_mean: float | None = None
     staleness_p95: float | None = None
     staleness_max: int | None = None
@@ -56,7 +56,7 @@ class PeerMetrics:
     drivers_refused: int = -1
     drivers_seen: int = -1
     ban_reason: str = ""
-    # spot checks this peer ran (layer0: its driver's replicated hops, swarm/pipeline/spot_checks.py; layer1: the
+    # spot checks this peer ran (layer0: its driver's replicated hops, swarm/pipeline/control/spot_checks.py; layer1: the
     # stage-0 outputs it had recomputed, stage0_checks.py): checked, an odd one out held off or struck, and odd
     # ones out left unpunished because their accusers had less validated work here
     spot_checked: int = 0

@@ -1,7 +1,7 @@
 """What a peer remembers of the swarms' records between heartbeats: the shards other drivers held (HeldShards).
 
 SwarmPeer.update_views notes each read of layer0; its driver covers only the shards none of the last reads
-showed held (swarm/pipeline/driver.py ``cover_shards``).
+showed held (swarm/pipeline/control/driver.py ``cover_shards``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ torch keys optimizer state by parameter object; peers only share parameter *name
 (``param_groups``) are not sent: every peer builds its optimizer from the same run config.
 
 It lives beside the optimizer it describes (local.py's ``make_optimizer``), below both users: the stage
-captures and restores it (swarm/pipeline/stage.py) without knowing how copies are averaged, and averaging
+captures and restores it (swarm/pipeline/stage/worker.py) without knowing how copies are averaged, and averaging
 sends it to newcomers (swarm/averaging/params_rpc.py, checked by swarm/averaging/checks.py).
 """
 

@@ -47,7 +47,7 @@ HASH_WHEN_SET = {("training", "end_at_target"): False, ("training", "sample_budg
 HASH_REMOVED = {("integrity", "ascent_cosine"): -0.25, ("integrity", "ascent_min_updates"): 64}
 DEFAULT_IDENTITY_BITS = 8
 DEFAULT_WIRE_RANK = HASH_WHEN_SET[("training", "wire_rank")]
-WIRE_CODECS = ("float32", "float16", "int8", "lowrank")  # swarm/pipeline/codecs.py, swarm/pipeline/wire.py
+WIRE_CODECS = ("float32", "float16", "int8", "lowrank")  # swarm/pipeline/transport/codecs.py, swarm/pipeline/transport/wire.py
 
 
 class DataConfig(Strict):
@@ -104,7 +104,7 @@ class OptimizerConfig(Strict):
         "divide_momentum", description="divide: the step of a gradient tau updates stale (tau > "
         "staleness_tolerance) is scaled by staleness_tolerance / tau (Zhang et al. 2016); momentum: SGD's momentum "
         "gives up the share of its horizon the mean staleness takes (Mitliagkas et al. 2016); divide_momentum: "
-        "both; none: every step in full, with the run's momentum (swarm/pipeline/staleness.py)")
+        "both; none: every step in full, with the run's momentum (swarm/pipeline/stage/staleness.py)")
     staleness_tolerance: int = Field(1, ge=1, le=100_000, description="gradients at most this many updates stale "
                                      "take the full step")
 
@@ -113,7 +113,7 @@ class TrainingConfig(Strict):
     batch_size: int = Field(32, ge=1, le=65536)
     in_flight: Annotated[int, Field(ge=1, le=256)] | Literal["auto"] = Field(
         4, description="micro-batches in flight per driver; auto: enough to cover the measured round trip x "
-        "throughput, up to in_flight_max (swarm/pipeline/depth.py)")
+        "throughput, up to in_flight_max (swarm/pipeline/control/depth.py)")
     in_flight_max: int = Field(16, ge=1, le=256, description="in_flight auto: at most this many (memory and "
                                "staleness bound; a stage also serves one driver at most "
                                "integrity.max_in_flight_per_requester at once)")
@@ -221,7 +221,7 @@ class TimeoutsConfig(Strict):
     dht_start_s: float = Field(60.0, gt=0.0)
     rpc_s: float = Field(30.0, gt=0.0)
     join_s: float = Field(60.0, gt=0.0, description="how long to look for the swarm before giving up")
-    # the driver's hops (swarm/pipeline/routing.py, swarm/pipeline/hops.py): a peer that never answers is routed around in seconds
+    # the driver's hops (swarm/pipeline/control/routing.py, swarm/pipeline/control/hops.py): a peer that never answers is routed around in seconds
     hop_timeout_factor: float = Field(4.0, ge=1.0, le=100.0, description="a hop times out after this many times "
                                       "the swarm's measured p95 service time of that op (at most rpc_s)")
     hop_timeout_floor_s: float = Field(1.0, gt=0.0, description="no hop times out sooner than this")

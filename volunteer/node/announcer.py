@@ -37,7 +37,7 @@ class Announcer:
         self._process: Any = None
         self._history_speed: deque[float] = deque(maxlen=SPARKLINE_POINTS)
         self._history_loss: deque[float] = deque(maxlen=SPARKLINE_POINTS)
-        from swarm.pipeline.traffic import LinkRates
+        from swarm.pipeline.transport.traffic import LinkRates
 
         self.rates = LinkRates()
         from swarm.dht.membership import ReadSchedule
@@ -127,7 +127,7 @@ class Announcer:
                       loss_history=tuple(self._history_loss))
 
     def traffic_fields(self) -> dict[str, Any]:
-        """Mb/s in and out since the last heartbeat, in all and on the busiest links (swarm/pipeline/traffic.py)."""
+        """Mb/s in and out since the last heartbeat, in all and on the busiest links (swarm/pipeline/transport/traffic.py)."""
         peer = self.node.peer
         if peer is None:
             return {}

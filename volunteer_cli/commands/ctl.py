@@ -119,7 +119,7 @@ def render_status(snap: dict) -> str:
         work.append(f"spot checks {snap['spot_checked']} ({snap.get('spot_caught', 0)} caught"
                     + (f", {snap['spot_outweighed']} not penalised: their accusers had less validated work"
                        if snap.get("spot_outweighed") else "") + ")")
-    if snap.get("data_plane"):  # layer0: its micro-batches stage to stage, or relayed by it (swarm/pipeline/push*.py)
+    if snap.get("data_plane"):  # layer0: its micro-batches stage to stage, or relayed by it (swarm/pipeline/control/push_*.py, stage/push.py)
         work.append(f"transfer {snap['data_plane']}")
     if snap.get("test_accuracy") is not None or snap.get("test_loss") is not None:
         from volunteer.snapshot import describe_evaluation

@@ -41,7 +41,7 @@ START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 20.0
 READ_BUDGET_S = 4.0  # one poll's reads of every swarm, together: a loaded DHT delays a line by this much at most
 CHILD_NICE = 5  # the volunteers run this much nicer than the monitor, which the user watches (see Children)
-BLOCKED_MARKER = "no micro-batch flows: "  # what a layer0 driver logs (swarm/pipeline/hops.py Blockage)
+BLOCKED_MARKER = "no micro-batch flows: "  # what a layer0 driver logs (swarm/pipeline/control/hops.py Blockage)
 FLOWING_MARKER = "micro-batches flow again"
 EXIT_INTERRUPTED = 130
 

@@ -1,0 +1,1 @@
+"""The control plane (the layer0 driver): lanes of micro-batches, routing, hops, pushes down a route and their recovery, spot checks, the referee, stage-1's checks of stage 0. Imports transport/ and stage/ (the driver runs its own stage 0)."""

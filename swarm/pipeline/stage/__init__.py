@@ -1,0 +1,1 @@
+"""The stage (the data plane's server): one copy of one stage (worker.py), its RPCs, who may ask and how much, receipts signed and checked, pushed micro-batches served and sent on, committed weights shown. Imports transport/, never control/."""

@@ -1,0 +1,1 @@
+"""The transport: tensors on the wire, codecs, sessions on long-lived streams, the stage RPC's client, checks on a reply, and the keys that receipts are checked with. Imports nothing of stage/ or control/."""
