@@ -480,12 +480,15 @@ def test_the_referees_busy_share_over_the_last_minute():
         referee.close()
 
 
-def test_a_last_stage_whose_signed_loss_does_not_follow_from_its_weights_is_convicted_but_not_announced():
+def test_a_last_stage_whose_signed_loss_does_not_follow_from_its_weights_is_convicted_and_its_neighbours_agree():
     """Format 3: a last stage's receipt signs the loss it reports. The referee recomputes that loss from the committed
-    weights too: the honest one holds (from its exact commitment), one reported
-    1.5x (to have a middle copy held off by the loss through it, or to shield one) is convicted. The proof stays the
-    driver's: a neighbour's re-check recomputes tensors, not losses, so nothing is kept to announce."""
-    from swarm.integrity.receipts import loss_digest
+    weights too: the honest one holds (from its exact commitment), one reported 1.5x (to have a middle copy held off
+    by the loss through it, or to shield one) is convicted, and the evidence (receipt, input, ids, claim, weights and
+    the signed loss) convinces a neighbour's desk, which recomputes the loss from its own copy of the targets; the
+    same evidence with the true loss put in convinces nobody and costs its sender a strike."""
+    from swarm.integrity.receipts import ids_digest, loss_digest, tensor_digest
+    from swarm.pipeline.stage.convictions import ConvictionDesk, evidence
+    from swarm.pipeline.transport.wire import serialize_once
 
     dataset = load_dataset(RUN.data, RUN.model)
     worker, key = StageWorker(RUN, 2), ReceiptKey("QmSigner")
@@ -495,20 +498,36 @@ def test_a_last_stage_whose_signed_loss_does_not_follow_from_its_weights_is_conv
     worker._commit()  # the version the claim below runs with, kept in the ring for the referee
     version, digest = worker.committed
     loss, grad = worker.input_gradient(x, dataset.y_train[ids])
+    x_item, g_item = serialize_once(x), serialize_once(grad)
 
     def receipt(reported: float):
-        return key.sign(RUN.run_id, "mb", "forward_backward", 2, version, b"i" * 16, b"o" * 16, b"d" * 16, digest,
-                        figures=loss_digest(reported))
+        return key.sign(RUN.run_id, "mb", "forward_backward", 2, version, tensor_digest(x_item), tensor_digest(g_item),
+                        ids_digest(ids), digest, figures=loss_digest(reported))
 
     referee, executor = _referee(_Door(worker))
     try:
         honest = asyncio.run(referee.judge(2, "forward_backward", [x, ids], grad, receipt(loss), "QmSigner", loss))
-        false = asyncio.run(referee.judge(2, "forward_backward", [x, ids], grad, receipt(1.5 * loss), "QmSigner",
-                                          1.5 * loss))
         unsigned = asyncio.run(referee.judge(2, "forward_backward", [x, ids], grad, receipt(loss), "QmSigner",
                                              1.5 * loss))  # a loss its receipt does not sign: not the signer's claim
+        false = asyncio.run(referee.judge(2, "forward_backward", [x, ids], grad, receipt(1.5 * loss), "QmSigner",
+                                          1.5 * loss))
     finally:
         executor.shutdown()
     assert honest.outcome == HOLDS and unsigned.outcome == HOLDS
     assert false.outcome == CONVICTED and "reported loss" in false.why, false
-    assert referee.stats()["false_losses"] == 1 and "QmSigner" not in referee.convictions
+    assert referee.stats()["false_losses"] == 1 and referee.convictions["QmSigner"].loss == 1.5 * loss
+    tensors, meta = evidence(referee.convictions["QmSigner"])
+    assert meta["loss"] == 1.5 * loss
+    banned, struck = [], []
+
+    async def labels():
+        return dataset.y_train
+
+    def desk():
+        return ConvictionDesk(RUN, _Keys(key), lambda peer, why: banned.append((peer, why)),
+                              lambda peer, why: struck.append(peer), labels)
+
+    _, reply = asyncio.run(desk().receive("QmAccuser", tensors, meta))
+    assert reply.get("ok") is True and banned[0][0] == "QmSigner" and "signed loss" in banned[0][1], (reply, banned)
+    _, reply = asyncio.run(desk().receive("QmFramer", tensors, {**meta, "loss": loss}))  # not the signed loss
+    assert not reply.get("ok") and struck == ["QmFramer"] and len(banned) == 1

@@ -85,6 +85,7 @@ class Conviction:
     claim: torch.Tensor
     why: str
     weights: dict[str, torch.Tensor] | None = None  # as shown, when the claim was recomputed from them
+    loss: float | None = None  # a last stage's signed loss that does not follow from those weights (its receipt binds it)
     at: float = field(default_factory=time.time)
 
 
@@ -192,12 +193,10 @@ class Referee:
             recomputed_loss = await asyncio.get_running_loop().run_in_executor(
                 self.executor, recompute_loss, self.run.model, self._module(k), weights, tensors[0], targets)
             if not loss_agrees(loss, recomputed_loss):
-                # Proven to us, not shareable yet: a neighbour's re-check (convictions.py) recomputes tensors, not
-                # losses, so no evidence is kept to announce; the lie costs the signer our traffic and its standing
+                # the receipt signs the loss: the evidence (with the loss) is re-checked by the peers it is sent to
                 self.false_losses += 1
-                why = f"reported loss {loss:.4g} where its committed weights give {recomputed_loss:.4g}"
-                logger.warning("referee: layer%d peer %s convicted: %s", k, peer[-8:], why)
-                return Verdict(CONVICTED, peer, finding, why)
+                return self._convict(k, peer, receipt, tensors, claim, f"reported loss {loss:.4g} where its committed "
+                                     f"weights give {recomputed_loss:.4g}", finding, weights, loss=loss)
         self.held += 1
         logger.debug("referee at layer%d: %s of %s holds (%s)", k, op, peer[-8:], finding.describe())
         return Verdict(HOLDS, peer, finding)
@@ -253,9 +252,10 @@ class Referee:
         return Verdict(UNSHOWN, peer, why=why)
 
     def _convict(self, k: int, peer: str, receipt: Receipt, tensors: list[torch.Tensor], claim: torch.Tensor,
-                 why: str, finding: Finding | None = None, weights: dict[str, torch.Tensor] | None = None) -> Verdict:
+                 why: str, finding: Finding | None = None, weights: dict[str, torch.Tensor] | None = None,
+                 loss: float | None = None) -> Verdict:
         # the tensors as they travelled (their payloads are what the receipt's digests name: convictions.py)
-        self.convictions[peer] = Conviction(peer, k, receipt.to_wire(), list(tensors), claim, why, weights)
+        self.convictions[peer] = Conviction(peer, k, receipt.to_wire(), list(tensors), claim, why, weights, loss)
         while len(self.convictions) > CONVICTIONS_KEPT:
             self.convictions.popitem(last=False)
         logger.warning("referee: layer%d peer %s convicted: %s (micro-batch %s, its version %d)", k, peer[-8:], why,

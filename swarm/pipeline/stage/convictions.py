@@ -11,7 +11,9 @@ follow it bans the signer here (everything it signs is then ``bad_author``, whoe
 does not hold is a strike on its sender.
 
 Which lies can be shown this way: activations (``forward``, ``infer``) and a last stage's input gradients
-(``forward_backward``, ``forward_backward_check``: the stage looks the targets up by id, as the last stage does).
+(``forward_backward``, ``forward_backward_check``: the stage looks the targets up by id, as the last stage does),
+and the loss a last stage reports (metadata ``loss``: its receipt signs it, format 3; recomputed from the same
+weights, input and targets, ``recompute.loss_agrees``).
 A backward's receipt does not bind the output gradient it was given, so its conviction stays with the referee that
 made it (open).
 """
@@ -20,13 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import Any
 
 import torch
 
-from swarm.integrity.receipts import Receipt, ReceiptError, ids_digest, signature_valid, tensor_digest
-from swarm.integrity.recompute import LAST_GRADIENT_OPS, compare, recompute, tolerance_for
+from swarm.integrity.receipts import Receipt, ReceiptError, ids_digest, loss_digest, signature_valid, tensor_digest
+from swarm.integrity.recompute import LAST_GRADIENT_OPS, compare, loss_agrees, recompute, recompute_loss, tolerance_for
 from swarm.integrity.weights import weights_digest
 from swarm.pipeline.stage.weights_rpc import pack, unpack
 from swarm.pipeline.transport.wire import WireError, payload_of, refusal_meta
@@ -49,7 +52,10 @@ def evidence(conviction: Any) -> tuple[list[torch.Tensor], dict] | None:
     if payload_of(inputs[0]) is None or payload_of(conviction.claim) is None:
         return None
     flats, layout = pack(conviction.weights)
-    return [*inputs, conviction.claim, *flats], {"rc": conviction.receipt, **layout}
+    meta = {"rc": conviction.receipt, **layout}
+    if getattr(conviction, "loss", None) is not None and receipt.op in LAST_GRADIENT_OPS:
+        meta["loss"] = float(conviction.loss)
+    return [*inputs, conviction.claim, *flats], meta
 
 
 class ConvictionDesk:
@@ -117,18 +123,29 @@ class ConvictionDesk:
             return False, "the sample ids are not the ones the receipt names"
         if weights_digest(weights) != receipt.weights:
             return False, "the weights are not the ones the receipt commits to"
+        loss = meta.get("loss") if last else None
+        if loss is not None and (not isinstance(loss, float) or not math.isfinite(loss) or
+                                 receipt.figures != loss_digest(loss)):
+            return False, "the loss is not the one the receipt signs"
         targets = (await self.labels())[ids.long()] if last else None
         module = self._module(receipt.stage)
         recomputed = await asyncio.to_thread(recompute, self.run.model, module, receipt.op, weights, [x], targets)
         # (off the event loop, beside the compute thread: a conviction is rare, and MAX_PENDING bounds a flood)
         finding = compare(claim, recomputed, tolerance_for(receipt.op, self.run.training.codec))
-        if finding.holds:
+        what = f"its {receipt.op} at layer{receipt.stage} does not follow from the weights it committed to " \
+               f"({finding.describe()})"
+        if finding.holds and loss is not None:
+            recomputed_loss = await asyncio.to_thread(recompute_loss, self.run.model, module, weights, x, targets)
+            if loss_agrees(loss, recomputed_loss):
+                return False, f"its claim and its loss follow from its weights ({finding.describe()})"
+            what = f"its signed loss {loss:.4g} at layer{receipt.stage} is not what the weights it committed to " \
+                   f"give ({recomputed_loss:.4g})"
+        elif finding.holds:
             return False, f"its claim follows from its weights ({finding.describe()})"
         self._checked[receipt.signature] = True
         if len(self._checked) > CHECKED_KEPT:
             self._checked.clear()
-        self.ban(receipt.signer, f"convicted by recomputation: its {receipt.op} at layer{receipt.stage} does not "
-                                 f"follow from the weights it committed to ({finding.describe()})")
+        self.ban(receipt.signer, f"convicted by recomputation: {what}")
         return True, ""
 
     def _module(self, k: int) -> torch.nn.Module:
