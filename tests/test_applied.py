@@ -26,3 +26,14 @@ def test_the_ledger_is_bounded_by_age_per_driver_and_by_drivers():
     assert ledger.claim("third", "t-0", now=20.0)  # a third driver: the one idle longest is forgotten
     assert ledger.claim("flooder", "m-4", now=20.0)
     assert len(ledger._claims) == 2
+
+
+def test_the_ledger_holds_at_most_its_total_the_longest_idle_drivers_claims_going_first():
+    ledger = AppliedLedger(per_driver=10, ttl_s=100.0, drivers=10, total=4)
+    for n in range(3):
+        ledger.claim("idle", f"i-{n}", now=0.0)
+    for n in range(3):
+        ledger.claim("busy", f"b-{n}", now=1.0)
+    assert len(ledger) == 4 and sum(len(c) for c in ledger._claims.values()) == 4
+    assert ledger.claim("idle", "i-0", now=2.0)  # evicted: the idle driver's oldest went first
+    assert len(ledger) == 4 and not ledger.claim("busy", "b-2", now=2.0)  # the newest claims stay

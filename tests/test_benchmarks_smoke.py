@@ -114,6 +114,9 @@ def test_referee_benchmark_quick_prices_the_weights_digest():
         figures = report[name]
         assert figures["step_ms"] > 0 and figures["commit_ms"] > 0, figures
         assert report[f"digest_share_{name}"] == pytest.approx(figures["commit_ms"] / figures["step_ms"], rel=0.01)
+    # an honest hop always reproduces from the exact weights it committed to (bfloat16 ones: see the benchmark)
+    assert report["honest_failures_exact"] == 0 and 0 <= report["honest_failures_bf16"] <= 1
+    assert report["tail"]["worst_cosine_exact"] > 0.9999, report["tail"]
 
 
 def test_versus_benchmark_quick_trains_one_process_and_hivemind_peers_to_the_target():
