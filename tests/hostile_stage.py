@@ -9,7 +9,7 @@ with its own key, so drivers and the next stages accept its tensors as its own, 
   driver's spot check asks of it) points the other way, at the honest norm: plausible, signed, and gradient ascent
   for every stage upstream;
 - ``trained_to_harm``: computes everything honestly from its own weights (every recomputation a referee makes holds),
-  but trains them by gradient ascent: its copy gets worse with every update, and so does the loss of whatever goes
+  but trains them by gradient ascent, its own health checks (which would heal it) off: its copy gets worse with every update, and so does the loss of whatever goes
   through it (swarm/pipeline/control/route_losses.py is what sees it);
 - ``hidden_harm``: ``trained_to_harm``, and a last stage that hides it: every loss it reports (and signs) is a
   quarter of the one it computed, so the losses of the routes through it look better than through an honest copy
@@ -116,6 +116,10 @@ def _twist(worker: Any, twist: str) -> None:
         worker.forward_backward, worker.backward, worker.input_gradient = ascent_fb, ascent_bw, ascent_check
     elif twist in ("trained_to_harm", "hidden_harm"):
         optimizer = worker.optimizer
+        # an attacker does not let its own health checks take it out of the run: a last stage trained to harm saw
+        # its loss explode, refused as "healing" and restored its good snapshot (benchmarks.adversary, session 15)
+        worker.health.observe_local_loss = lambda *args, **kwargs: None
+        worker._refuse_if_sick = lambda: None
         if twist == "hidden_harm" and worker.is_last:
             honest_fb, honest_check = worker.forward_backward, worker.input_gradient
 
