@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 import collections
@@ -129,7 +130,7 @@ class SpotChecker:
             # the referee recomputes the hop itself, and only that earns a newcomer its standing
             await self._referee_alone(k, tensors, claim)
             return
-        second, second_receipt = await self._recompute(k, op, tensors, meta, vouch, other)
+        second, second_receipt, second_loss = await self._recompute(k, op, tensors, meta, vouch, other)
         if second is None:
             return
         self.checked += 1
@@ -159,7 +160,9 @@ class SpotChecker:
         # A far disagreement: settled by recomputing the disputed hops from the weights each signer committed to (one
         # honest referee suffices, no vote); only when both claims follow from their weights (copies that differ, or
         # a copy trained to harm) or neither could be checked does a third peer's word count, and then with credit
-        if await self._referee_dispute(k, tensors, claim, Claim(other, second, second_receipt, op), kind):
+        # the second copy's loss is a claim too (its receipt signs it): a last stage that hides harm behind a false
+        # loss was drawn far more often as the recomputer of an honest copy's hops than for its own (session 15)
+        if await self._referee_dispute(k, tensors, claim, Claim(other, second, second_receipt, op, second_loss), kind):
             return
         third = self._usable(router, exclude=[primary, other, *self._cannot[op]])
         arbiter = (await self._recompute(k, op, tensors, meta, vouch, third))[0] if third is not None else None
@@ -356,10 +359,13 @@ class SpotChecker:
         return peer
 
     async def _recompute(self, k: int, op: str, tensors: list[torch.Tensor], meta: dict, vouch: Vouch,
-                         peer: str) -> tuple[torch.Tensor | None, Receipt | None]:
+                         peer: str) -> tuple[torch.Tensor | None, Receipt | None, float | None]:
+        """``peer``'s recomputation: its tensor, its receipt and (a last stage's check) the loss it reports."""
         try:
             (out,), reply, _ = await self.hops.hop(k, op, tensors, meta, only=peer, vouch=vouch)
-            return out, reply.get("receipt")
+            loss = reply.get("loss")
+            finite = isinstance(loss, float) and math.isfinite(loss)
+            return out, reply.get("receipt"), loss if finite else None
         except (HopGivenUp, NeedInputReply, Refused) as exc:  # a replica that fails is no evidence either way
             if isinstance(exc, Refused) and exc.code == "rejected" and "unknown op" in exc.reason:
                 # a client from before this op (runs mix versions): it struck us once; never asked for one again
@@ -367,7 +373,7 @@ class SpotChecker:
                 logger.info("layer%d peer %s does not know %s (an older client): not asked for checks", k,
                             peer[-8:], op)
             logger.debug("spot check at layer%d peer %s: %s", k, peer[-8:], exc)
-            return None, None
+            return None, None, None
 
     def _say_once(self, a: str, b: str, text: str) -> None:
         pair = (min(a, b), max(a, b))
