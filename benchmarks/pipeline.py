@@ -212,7 +212,8 @@ def _heavy(fleet: Fleet, maddr: str, reader: Any, s: Settings) -> dict[str, Any]
     slices += loop.alternate((1, cores), s.local_slices, s.local_slice_s)
     local = {n: median([x["samples_per_s"] for x in slices if x["threads"] == n]) for n in (1, cores)}
     local_cpu_1 = median([x["samples_per_cpu_s"] for x in slices if x["threads"] == 1])
-    per_mb = {kind: 1000 * used / (swarm["samples_per_s"] / s.heavy_batch)
+    # a window without a sample (a stalled run) is a figure to report, not a crash that loses the others
+    per_mb = {kind: 1000 * used / (swarm["samples_per_s"] / s.heavy_batch) if swarm["samples_per_s"] else None
               for kind, used in swarm["cpu_cores_by_process"].items()}
     best = max(local, key=lambda n: local[n])
     say(f"heavy: pipeline {swarm['samples_per_s']:.0f} samples/s on {swarm['cpu_cores_used']:.2f} cores; "

@@ -72,7 +72,8 @@ def configs(fleet: Fleet, maddr: str, reader: Any, s: ConfigSettings) -> dict[st
         slices += loop.alternate((1,), s.local_slices, s.local_slice_s)
         local_cpu = median([x["samples_per_cpu_s"] for x in slices])
         batch = run.training.batch_size
-        per_mb = {kind: 1000 * used / (swarm["samples_per_s"] / batch)
+        # a window without a sample (a stalled run) is a figure to report, not a crash that loses the others
+        per_mb = {kind: 1000 * used / (swarm["samples_per_s"] / batch) if swarm["samples_per_s"] else None
                   for kind, used in swarm["cpu_cores_by_process"].items()}
         report[f"cpu_efficiency_{name}"] = ratio(swarm["samples_per_cpu_s"], local_cpu)
         report[name] = {
