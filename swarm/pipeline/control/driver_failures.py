@@ -10,7 +10,6 @@ import time
 
 from swarm.pipeline.control.hops import Refused
 from swarm.pipeline.control.routing import BAD_REPLY_BAN_S, backoff_s
-from swarm.pipeline.transport.stage_client import BANNED_AUTHOR
 
 logger = logging.getLogger("swarm.pipeline.control.driver")
 
@@ -57,9 +56,9 @@ class LaneFailures:
             return
         for name, router in self.routers.items():
             if exc.author in router.peers:
-                # a stage that refuses it because it banned it (strikes, or a referee's evidence it re-checked) will
-                # refuse whatever it computes: proven, not chosen even as its swarm's last peer
-                ban_s = router.failure(exc.author, time.monotonic(), min_ban_s=BAD_REPLY_BAN_S, convicted=True,
-                                       proven=BANNED_AUTHOR in str(exc))
+                # not "proven" on a neighbour's word, even one that says it banned the author: a hostile middle
+                # stage could say so of an honest lone last stage and stall its swarm (only our own referee's
+                # recomputation keeps a swarm's last peer out: spot_checks.py _convict)
+                ban_s = router.failure(exc.author, time.monotonic(), min_ban_s=BAD_REPLY_BAN_S, convicted=True)
                 logger.warning("%s peer %s computed a tensor a stage refused; not using it for %.0f s", name,
                                exc.author[-8:], ban_s)

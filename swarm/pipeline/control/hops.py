@@ -339,8 +339,8 @@ class HopCaller:
     async def _wait_for_swarm(self, swarm: str, router: SwarmRouter, attempt: int) -> None:
         now = time.monotonic()
         if router.proven_only(now):  # nothing it computes can be used: no update applied for nothing
-            self.blockage.set(f"every {swarm} peer is proven to have computed wrong tensors (by recomputation, or "
-                              "a neighbour banned it): waiting for another peer to join it")
+            self.blockage.set(f"every {swarm} peer was convicted by recomputation of a wrong tensor: waiting for "
+                              "another peer to join it")
             await asyncio.sleep(HOLD_POLL_MAX_S)
             return
         free_at = router.free_at()

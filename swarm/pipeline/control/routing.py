@@ -73,8 +73,9 @@ class PeerStats:
     # a ban on evidence of a wrong tensor (a failed spot check, a tensor a stage refused as its author's): an answer
     # that lands afterwards (a hop that was in flight) lifts a ban for failures, never this one
     convicted_until: float = 0.0
-    # proven: a referee's recomputation convicted it, or a stage refuses its tensors because it banned it: nothing it
-    # computes can be used, so it is not chosen even as the last peer of its swarm (``choose``)
+    # proven: our referee's recomputation convicted it: nothing it computes can be used, so it is not chosen even as
+    # the last peer of its swarm (``choose``); a neighbour's word (a refused tensor, "I banned its author") is not
+    # proof here: a hostile middle stage could say it of an honest lone last stage and stall its swarm
     proven_until: float = 0.0
     last_hop_at: float | None = None  # when it last got a training hop (before its first: when first seen)
 
@@ -103,7 +104,8 @@ class SwarmRouter:
     def choose(self, now: float, exclude: Iterable[str] = (), *, hop: bool = False) -> str | None:
         """The peer expected to finish the hop soonest; None if there is none, or every one holds us off.
         Bans are ignored if every peer that does not hold us off is banned, a proven conviction's never: its
-        neighbours refuse a proven convict's tensors, so a lone one would apply updates nobody can use (a full test
+        neighbours refuse a proven convict's tensors (the evidence is sent to them), so a lone one would apply updates
+        nobody can use (a full test
         run lost 6,831 micro-batches that way); we wait instead (``proven_only``). ``hop``: a training hop, whose
         share going to newcomers is bounded (NEWCOMER_ROUTE_SHARE); spot checks and hedges choose freely."""
         excluded = set(exclude)
@@ -240,8 +242,8 @@ class SwarmRouter:
     def failure(self, peer_id: str, now: float, min_ban_s: float = 0.0, *, convicted: bool = False,
                 proven: bool = False) -> float:
         """Ban the peer for a while (exponential in consecutive failures); returns the ban in seconds.
-        ``convicted``: on evidence of a wrong tensor, a ban its later answers do not lift; ``proven``: a conviction
-        by recomputation or a neighbour's ban, which even a swarm without another peer does not lift (PeerStats)."""
+        ``convicted``: on evidence of a wrong tensor, a ban its later answers do not lift; ``proven``: our referee's
+        conviction by recomputation, which even a swarm without another peer does not lift (PeerStats)."""
         stats = self.peers.setdefault(peer_id, PeerStats())
         stats.failures += 1
         ban_s = max(min_ban_s, min(BAN_MAX_S, BAN_BASE_S * 2 ** (stats.failures - 1)))
