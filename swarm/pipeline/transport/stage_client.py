@@ -61,8 +61,8 @@ class StageRPC(ServicerBase):
         raise NotImplementedError
 
 
-# said by a stage that refuses a tensor because it has banned its author: the driver stops choosing that peer, even
-# as its swarm's last one (swarm/pipeline/control/routing.py ``proven_until``)
+# said by a stage that refuses a tensor because it has banned its author (its reply names the author: the driver
+# avoids that peer too, swarm/pipeline/control/driver_failures.py; a neighbour's word, never proof of a conviction)
 BANNED_AUTHOR = "which this peer has banned"
 
 
