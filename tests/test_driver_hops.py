@@ -81,6 +81,25 @@ def test_a_rejecting_stage_is_backed_off_not_stormed():
     assert driver.stats.blocked_reason.startswith("layer1 rejects our activations")
 
 
+def test_a_backward_its_peer_says_it_applied_already_is_lost_never_resent_to_another_copy():
+    """``duplicate`` (swarm/pipeline/stage/applied.py): that copy has stepped on this micro-batch. Resent with its input
+    to another peer of the swarm (what a lost backward otherwise gets), a second copy would step on it too."""
+    good = honest(RUN3, 1)
+
+    def applied_already(op, tensors, meta):
+        if op == "backward":
+            return [], {"ok": False, "code": "duplicate", "error": "fake duplicate"}
+        return good(op, tensors, meta)
+
+    fake = FakeSwarm({"layer1": {"dup": applied_already, "other": honest(RUN3, 1)},
+                      "layer2": {"last": honest(RUN3, 2)}})
+    driver = drive(RUN3, fake, seconds=2.0)
+    refused = {c[3]["mb"] for c in fake.calls_to("dup", "backward")}
+    assert refused and driver.stats.lost >= len(refused) - 4  # (the last few may still be in flight at the stop)
+    assert not refused & {c[3]["mb"] for c in fake.calls_to("other", "backward")}, "resent to another copy"
+    assert fake.calls_to("other", "backward"), "the other copy's own micro-batches complete"
+
+
 def test_wrong_shard_is_refused_not_lost_and_the_driver_keeps_to_its_own_shard_for_a_while():
     import time
 

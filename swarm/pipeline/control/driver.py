@@ -38,6 +38,7 @@ from swarm.run.data import Dataset, MicroBatches
 from swarm.pipeline.control.depth import DepthController
 from swarm.pipeline.control.driver_failures import COVER_HOLD_S, LaneFailures  # noqa: F401  (COVER_HOLD_S re-exported)
 from swarm.pipeline.control.hops import (  # noqa: F401  (DriverStats, DriverStopped, HopGivenUp: re-exported for callers)
+    AlreadyApplied,
     Blockage,
     CallStage,
     DriverStats,
@@ -322,6 +323,8 @@ class PipelineDriver(LaneFailures):
         try:
             (grad_in,), reply, _ = await self.hops.hop(k, "backward", [grad], {**self._meta(mb, receipt), "loss": loss},
                                                        only=peer, vouch=vouch)
+        except AlreadyApplied:
+            raise  # its copy stepped on it already: resent with its input, another copy would step on it too
         except (HopGivenUp, NeedInputReply):
             if x is None:  # a pushed hop's input never came here: only the peer that ran its forward can do it
                 raise HopGivenUp(f"backward at layer{k}: peer {peer[-8:]} holds the only copy of its input") from None

@@ -64,6 +64,11 @@ class HopGivenUp(Exception):
     pass
 
 
+class AlreadyApplied(HopGivenUp):
+    """The peer has applied this micro-batch's update already (a resend met its claim: swarm/pipeline/stage/applied.py):
+    its gradient is lost, and no other copy may apply it again (never resent elsewhere)."""
+
+
 class NeedInputReply(Exception):
     """The peer has no saved activations for this backward: resend with the input."""
 
@@ -255,7 +260,7 @@ class HopCaller:
             if code == "need_input":
                 raise NeedInputReply(str(exc))
             if code == DUPLICATE_CODE:  # it applied this micro-batch already (we resent it): its gradient is lost
-                raise HopGivenUp(f"{op} at {swarm} peer {peer[-8:]}: {exc}")
+                raise AlreadyApplied(f"{op} at {swarm} peer {peer[-8:]}: {exc}")
             if code in HOLD_CODES:
                 retry_after_s = getattr(exc, "retry_after_s", None)
                 router.hold(peer, now, retry_after_s if retry_after_s is not None else HOLD_DEFAULT_S)

@@ -43,7 +43,7 @@ class AppliedLedger:
         self.total = total
         self._count = 0
         self._claims: OrderedDict[str, OrderedDict[str, float]] = OrderedDict()
-        self.refused = 0  # duplicates refused (shown by `volunteer ctl status` through the stage's stats)
+        self.refused = 0  # duplicates refused
 
     def claim(self, driver: str, mb: str, now: float | None = None) -> bool:
         """True when ``mb`` of ``driver`` may apply its update here (claimed now); False for a duplicate."""
