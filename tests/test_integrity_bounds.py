@@ -357,6 +357,26 @@ def test_a_new_shard_claim_stays_open_to_the_others_for_its_grace():
     assert 1 in view.allowed("a", 4, now=141.0) and 1 not in view.allowed("a", 4, now=143.0)
 
 
+def test_a_driver_is_struck_for_a_wrong_shard_only_when_it_goes_on_after_it_was_told():
+    """Views of layer0 disagree for a few heartbeats (a holder left and our read has not seen it): a driver's lanes
+    full of such micro-batches are refused, never struck (CI: ten in flight banned an honest driver); one that keeps
+    sending them after the refusal, past the micro-batches it had in flight, is."""
+    from swarm.integrity.labels import WRONG_SHARD_GRACE_S, WRONG_SHARD_HOLD_S, ShardRefusals
+
+    told = ShardRefusals(max_drivers=2)
+    assert not any(told.strikes("honest", now=100.0 + 0.01 * i) for i in range(50)), "in flight when told"
+    assert not told.strikes("honest", now=100.0 + WRONG_SHARD_GRACE_S - 0.1)
+    assert told.strikes("honest", now=100.0 + WRONG_SHARD_GRACE_S), "told, and went on"
+    assert told.strikes("honest", now=100.0 + WRONG_SHARD_HOLD_S - 0.1)
+    # the hold is over: an honest driver covers unheld shards again, and views may disagree again
+    assert not told.strikes("honest", now=100.0 + WRONG_SHARD_HOLD_S)
+    assert not told.strikes("honest", now=100.0 + WRONG_SHARD_HOLD_S + WRONG_SHARD_GRACE_S - 0.1)
+    # each driver is told for itself; the memory is bounded (the oldest forgotten: told again, not struck)
+    assert not told.strikes("b", now=200.0) and not told.strikes("c", now=200.0)
+    assert told.strikes("c", now=200.0 + WRONG_SHARD_GRACE_S)
+    assert not told.strikes("honest", now=200.0 + WRONG_SHARD_GRACE_S), "forgotten, so told anew"
+
+
 def test_targets_are_looked_up_by_id_and_checked():
     labels = LabelSource(torch.arange(10) % 3, torch.arange(4), [np.arange(0, 5), np.arange(5, 10)])
     assert labels.train_targets(torch.tensor([0, 4]), 2, allowed={0}).tolist() == [0, 1]

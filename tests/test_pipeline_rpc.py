@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -263,6 +264,44 @@ def test_last_stage_takes_sample_ids_only_from_the_senders_shards(stage_servers,
         allow_drivers(peers, {str(dht0.peer_id): 0})
     assert error.code == code and expected in str(error)
     assert last.worker.stats.param_version == version
+
+
+def test_a_burst_of_wrong_shard_micro_batches_is_refused_without_a_ban_until_the_driver_goes_on(stage_servers):
+    """A driver's lanes full of a shard whose holder our view still shows (it left; our read lags its driver's) are
+    refused and nobody is struck: ten of them banned an honest driver in CI. A driver told so that keeps sending
+    them past its in-flight grace is struck, and banned as before."""
+    from swarm.integrity.labels import WRONG_SHARD_GRACE_S
+
+    dht0, peers = stage_servers
+    last = peers[-1]
+    me = str(dht0.peer_id)
+    allow_drivers(peers, {me: 0, "QmAnotherDriverHoldsShard1": 1})
+    book = last.gate.book
+
+    async def body(driver, p2p, dataset):
+        wrong = torch.as_tensor(make_shards(dataset.y_train, RUN.data, 10)[1][:8], dtype=torch.int64)
+        key, codes = driver.receipt_key, []
+        for i in range(2 * int(RUN.integrity.ban_strikes)):
+            x = torch.zeros(8, 32)
+            (h,), m1, _ = await _hop(p2p, peers[0], "forward", [x], stage0_meta(key, RUN.run_id, f"w{i}", x, wrong))
+            try:
+                await _hop(p2p, last, "forward_backward", [h, wrong], relay_meta(key, f"w{i}", m1["rc"]))
+            except StageError as exc:
+                codes.append(exc.code)
+            if i == int(RUN.integrity.ban_strikes):  # the in-flight grace is over and the driver went on
+                told = last.gate.shard_refusals._told
+                told[me] = told[me] - WRONG_SHARD_GRACE_S
+        return codes
+
+    try:
+        codes = _with_driver(dht0, peers, body)
+        banned = book.banned(me, time.monotonic())
+    finally:
+        allow_drivers(peers, {me: 0})
+        book._book.pop(me, None)  # the module's other tests drive with this peer
+    first = int(RUN.integrity.ban_strikes) + 1
+    assert codes[:first] == ["wrong_shard"] * first, codes
+    assert "banned" in codes[first:] or banned, f"a driver that went on after it was told was never banned: {codes}"
 
 
 def test_a_peer_without_a_layer0_record_is_refused(stage_servers):

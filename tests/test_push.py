@@ -188,10 +188,26 @@ def test_a_refused_push_leaves_the_microbatch_to_the_relay_and_an_unreachable_on
     shutdown_dht(gone_dht)
     y1, partial, g0, broken, unreached = asyncio.run(main())
     assert partial["partial"] is True and partial["push_failed"]["peer"] == str(layer2.dht.peer_id)
+    assert partial["push_failed"]["code"] == "unknown_driver", "the refusal's code goes up: not the link's fault"
     assert tensor_digest(payload_of(y1)) == Receipt.from_wire(partial["trail"][0]).output
     assert g0.shape == (8, 32) and bool(torch.isfinite(g0).all())
     assert broken == BROKEN_CODE
     assert unreached["partial"] is True and unreached["push_failed"]["peer"] == gone
+    assert "code" not in unreached["push_failed"], "never reached: the link's fault"
+
+
+def test_only_a_push_that_failed_for_want_of_a_link_relays_its_next_peer_for_a_while():
+    """A next peer that refused the micro-batch itself (wrong_shard: two drivers' views a heartbeat apart; busy) is
+    still pushed to: CI saw a wrong_shard relay a link for a minute. Unreached, or an odd answer: relayed."""
+    from swarm.pipeline.control.push_trail import link_failed
+
+    route = ["p1", "p2"]
+    assert link_failed({"peer": "p2", "error": "dial failed"}, route) == "p2"
+    assert link_failed({"peer": "p2", "code": "bad_receipt"}, route) == "p2"
+    for code in ("wrong_shard", "busy", "healing", "unknown_driver", "banned"):
+        assert link_failed({"peer": "p2", "code": code}, route) is None, code
+    assert link_failed({"peer": "elsewhere"}, route) is None and link_failed(None, route) is None
+    assert link_failed({"peer": "p2", "code": ["busy"]}, route) == "p2", "a malformed code is no excuse (no crash)"
 
 
 def test_a_push_with_malformed_fields_is_refused_with_the_field_named():

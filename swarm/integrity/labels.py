@@ -16,6 +16,7 @@ or the driver running the last stage itself).
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
 
 import numpy as np
@@ -49,6 +50,41 @@ def allowed_shards(requester: str, view: dict[str, int], num_shards: int) -> set
     if own >= 0:
         allowed.add(own % num_shards)
     return allowed
+
+
+# The protocol's rule after a ``wrong_shard`` refusal: the driver trains on its own shard only for this long
+# (swarm/pipeline/control/driver_failures.py), and a stage strikes it only for a micro-batch outside its shards sent
+# after it was told (ShardRefusals). Its micro-batches already in flight when it was told arrive for a while yet.
+WRONG_SHARD_HOLD_S = 30.0
+WRONG_SHARD_GRACE_S = 10.0
+
+
+class ShardRefusals:
+    """When this stage last told each driver ``wrong_shard``: a refusal strikes only a driver that was told and went
+    on (between ``WRONG_SHARD_GRACE_S`` and ``WRONG_SHARD_HOLD_S`` after it was told).
+
+    Two honest views of layer0 disagree for a few heartbeats whenever a driver joins, leaves or misses a heartbeat:
+    the driver covers a shard its last reads showed unheld while our reads still show the holder (a holder that
+    left: its offline record not read here yet; a busy holder's record seen here and missed there). Striking every
+    such micro-batch banned an honest driver whose lanes were full of them (CI: ten in flight on a loaded machine,
+    the adversary module's honest driver banned at layer2 for the rest of the run). The refusal alone keeps the
+    labels of a shard from a driver that may not use it; the strike is for one that ignores it."""
+
+    def __init__(self, max_drivers: int = 4096) -> None:
+        self.max_drivers = max_drivers
+        self._told: OrderedDict[str, float] = OrderedDict()
+
+    def strikes(self, requester: str, now: float | None = None) -> bool:
+        """A non-excusable refusal of ``requester`` now: does it strike? (Not: this refusal tells it.)"""
+        now = time.monotonic() if now is None else now
+        told = self._told.get(requester)
+        if told is not None and now - told < WRONG_SHARD_HOLD_S:
+            return now - told >= WRONG_SHARD_GRACE_S
+        self._told[requester] = now
+        self._told.move_to_end(requester)
+        while len(self._told) > self.max_drivers:
+            self._told.popitem(last=False)
+        return False
 
 
 class DriverView:

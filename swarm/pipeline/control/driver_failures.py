@@ -8,6 +8,7 @@ import asyncio
 import logging
 import time
 
+from swarm.integrity.labels import WRONG_SHARD_HOLD_S
 from swarm.pipeline.control.hops import Refused
 from swarm.pipeline.control.routing import BAD_REPLY_BAN_S, backoff_s
 
@@ -15,8 +16,9 @@ logger = logging.getLogger("swarm.pipeline.control.driver")
 
 REFUSED_BACKOFF_BASE_S = 0.2
 # After a ``wrong_shard`` refusal the driver trains on its own shard only for this long (its view of who
-# holds what disagreed with a stage's), and backs off this little: the refusal is about views, not load.
-COVER_HOLD_S = 30.0
+# holds what disagreed with a stage's), and backs off this little: the refusal is about views, not load. The stages
+# strike a driver that goes on past a refusal (integrity/labels.py ShardRefusals): the hold is the protocol's.
+COVER_HOLD_S = WRONG_SHARD_HOLD_S
 
 
 class LaneFailures:

@@ -50,7 +50,7 @@ from swarm.pipeline.transport.sessions import SessionUnopened
 from swarm.pipeline.stage.stage0_replicas import ids_bytes
 from swarm.pipeline.transport.stage_client import StageError
 from swarm.pipeline.control.push_checks import PushChecks
-from swarm.pipeline.control.push_trail import AVOID_S, Pushed, TrailError
+from swarm.pipeline.control.push_trail import AVOID_S, Pushed, TrailError, link_failed
 from swarm.pipeline.control.push_recovery import PushRecovery
 from swarm.pipeline.transport.wire import WireError, payload_of
 from swarm.run.models import stage_input_spec, stage_output_spec
@@ -191,8 +191,8 @@ class Pusher(PushRecovery, PushChecks):
         if tensor_digest(payload_of(h)) != forwards[m].output:
             raise TrailError(f"the output is not the one layer{m} signed")
         failed = reply.get("push_failed")
-        peer = failed.get("peer") if isinstance(failed, dict) else None
-        if isinstance(peer, str) and peer in route:
+        peer = link_failed(failed, route)  # not on a refusal of this micro-batch: its relay meets it and says it
+        if peer is not None:
             self.avoid[peer] = time.monotonic() + AVOID_S  # relayed to for a while; judged by its own hops there
             self._say(route[m - 1], peer, f"layer{m} peer {route[m - 1][-8:]} could not push to layer{m + 1} peer "
                       f"{peer[-8:]} ({str(failed.get('error', ''))[:120]}): that peer is relayed for {AVOID_S:.0f} s")

@@ -9,6 +9,22 @@ import torch
 from swarm.integrity.receipts import Receipt
 
 AVOID_S = 60.0  # a peer whose push failed or broke is relayed this long
+# A pushed micro-batch that the next peer refused with one of these says nothing against the link between the two
+# peers (its shards, its driver, its load, its tensors): the driver relays that one and keeps pushing there. Relaying
+# for a minute on a ``wrong_shard`` (two drivers' views of layer0 a heartbeat apart) cost stage to stage for nothing.
+NOT_THE_LINK = frozenset({"wrong_shard", "busy", "healing", "paused", "rate_limited", "need_input", "unknown_driver",
+                          "key_pending", "unknown_signer", "banned", "rejected", "bad_author", "spot_check"})
+
+
+def link_failed(failed: object, route: list[str]) -> str | None:
+    """The peer of ``route`` that a partial push's ``push_failed`` could not be pushed to for want of a link (relay to
+    it for a while), or None: nothing named, or the next peer answered a refusal of this micro-batch (NOT_THE_LINK)."""
+    if not isinstance(failed, dict):
+        return None
+    peer, code = failed.get("peer"), failed.get("code")
+    if not isinstance(peer, str) or peer not in route:
+        return None
+    return None if isinstance(code, str) and code in NOT_THE_LINK else peer
 
 
 class TrailError(ValueError):

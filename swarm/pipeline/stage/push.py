@@ -291,7 +291,7 @@ class PushServer:
             if exc.code == DUPLICATE_CODE:  # the next peer applied it already (its driver resent it): lost
                 self.lost += 1
                 return [], refusal_meta(LOST_CODE, str(exc)[:300]), None
-            return self._partial(y, mine, nxt, str(exc))  # refused at its door: nothing ran there
+            return self._partial(y, mine, nxt, str(exc), exc.code)  # refused at its door: nothing ran there
         except SessionUnopened as exc:  # never sent (the next peer cannot be reached from here: NAT, gone)
             return self._partial(y, mine, nxt, str(exc))
         except Exception as exc:  # no answer: whatever ran downstream, its driver asks the route (recovery)
@@ -330,11 +330,13 @@ class PushServer:
         self.outbox.put(driver, request.mb, g=g, gx=out_b[0] if out_b else None, rc_g=down["rc"], rc_gx=reply_b["rc"])
         return out_b, {**reply_b, "loss": down["loss"], "trail": [mine, *trail, reply_b["rc"]]}, outcome
 
-    def _partial(self, y: Any, mine: Any, nxt: str, why: str) -> tuple[list, dict, None]:
+    def _partial(self, y: Any, mine: Any, nxt: str, why: str, code: str = "") -> tuple[list, dict, None]:
+        """Our output goes up to the driver, which relays it. ``code``: the next peer's refusal, when it answered
+        one (a refusal of this micro-batch says nothing against the link: its driver keeps pushing there)."""
         self.partial += 1
         logger.info("could not push micro-batch on to %s (%s): its driver relays from here", nxt[-8:], why[:200])
-        return [y], {"ok": True, "partial": True, "trail": [mine],
-                     "push_failed": {"peer": nxt, "error": why[:200]}}, None
+        failed = {"peer": nxt, "error": why[:200], **({"code": code[:32]} if code else {})}
+        return [y], {"ok": True, "partial": True, "trail": [mine], "push_failed": failed}, None
 
     def show(self, requester: str, meta: dict) -> tuple[list, dict]:
         """What a pushed hop of the requester's own micro-batch received and sent (only its driver may ask); metadata

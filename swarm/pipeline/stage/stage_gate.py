@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 from swarm.pipeline.stage.activations import ActivationCache, owner_cap
-from swarm.integrity.labels import DriverView, LabelSource
+from swarm.integrity.labels import DriverView, LabelSource, ShardRefusals
 from swarm.integrity.receipts import CHECK_OPS
 from swarm.integrity.requesters import HEAVY_CLIP_SCALE, Ban, Refusal, RequesterBook
 from swarm.dht.records import MAX_BAN_REASON_CHARS, MemberRecord
@@ -53,6 +53,7 @@ class StageGate:
         self.cfg = cfg
         self.labels = labels
         self.view = DriverView(claim_grace_s)  # a new shard claim stays open to the others this long
+        self.shard_refusals = ShardRefusals()  # who was told wrong_shard when: a strike only for going on
         self.book = RequesterBook(cfg)
         self._refresh_records = refresh
         self._notify = notify or (lambda level, kind, text: None)

@@ -284,9 +284,12 @@ class StageServicer(Stage0Ops, StageRPC):
         except SickCopy as exc:
             return [], _refusal("healing", f"this copy is sick and healing ({exc}): ask another peer"), outcome
         except WrongShard as exc:
-            # a shard closed only by our grace view: the driver's read may have missed the same record (the sample
-            # ids are the driver's, signed in its stage-0 receipt, whoever brought them)
-            outcome = Outcome() if exc.excusable else Outcome(strike="sample ids outside its shards")
+            # a shard closed only by our grace view: the driver's read may have missed the same record; else a strike
+            # only for a driver told so and going on (integrity/labels.py ShardRefusals). The sample ids are the
+            # driver's, signed in its stage-0 receipt, whoever brought them.
+            gate = self.gate
+            struck = not exc.excusable and gate is not None and gate.shard_refusals.strikes(requester)
+            outcome = Outcome(strike="sample ids outside its shards after it was told") if struck else Outcome()
             return [], _refusal("wrong_shard", str(exc)), outcome
         except ContentError as exc:  # a tensor whose receipt holds: its signer computed it wrong
             author = vouched.authors.get(exc.index, "") or sender
