@@ -95,3 +95,42 @@ def test_a_stage_worker_on_adam_takes_the_cheap_path_and_stays_within_its_bounds
         worker.backward(f"m{i}", torch.randn(8, 32) * 0.01, None, None, owner="d")
     assert worker.guard.fast_steps >= 17
     assert all(bool(torch.isfinite(p).all()) for p in worker.module.parameters())
+
+
+def test_a_stage_undoes_a_step_from_the_rings_copy_of_the_weights_it_computed_with_and_keeps_none_of_its_own():
+    """issue 42: the guard's pre-step copy (4 bytes a parameter) is the referee ring's latest version, the exact weights
+    an update op committed and computed with. A refused step restores them bit for bit and leaves the ring's copy (and
+    its digest) as it was; a module changed since the commit (a load, a pull) gets the guard's own copy again."""
+    from swarm.integrity.weights import weights_digest
+
+    worker = StageWorker(ADAM_RUN, 1)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 32, generator=gen)
+    worker.forward("a", x)
+    worker.backward("a", 1e-3 * torch.randn(8, 32, generator=gen), None, None)
+    assert worker.guard.shared_steps == worker.guard.steps == 1 and worker.guard._param_buffers == []
+    worker.forward("b", x)
+    version, digest = worker.committed
+    before = {n: p.detach().clone() for n, p in worker.module.named_parameters()}
+    real = worker._update
+
+    def poisoned():
+        real()
+        next(iter(worker.module.parameters())).data.fill_(math.nan)
+
+    worker._update = poisoned
+    try:
+        worker.backward("b", 1e-3 * torch.randn(8, 32, generator=gen), None, None)
+        raise AssertionError("a non-finite step must be refused")
+    except StepRefused:
+        pass
+    finally:
+        worker._update = real
+    assert worker.guard.shared_steps == 2 and worker.guard.refused == 1
+    for name, p in worker.module.named_parameters():
+        assert torch.equal(p.detach(), before[name]), name
+    assert weights_digest(worker.weights_for(digest)) == digest, "the ring's copy was written into"
+    with torch.no_grad():  # changed outside an op (as a pull mixes a peer's copy in): the guard copies for itself
+        next(iter(worker.module.parameters())).add_(1e-3)
+    worker.guard.run(real, param_norms=None)
+    assert worker.guard.shared_steps == 2 and len(worker.guard._param_buffers) == len(before)

@@ -139,5 +139,7 @@ def test_host_bytes_per_stage_parameter_are_what_the_estimate_says(name):
     assert abs(held / expected.total_bytes - 1) <= 0.10, (held, expected)
     if expected.params >= 500_000:
         # 36 with bfloat16 commitments (session 13); exact ones (the referee's honest tail: swarm/integrity/weights.py)
-        # cost the ring's 4 copies 2 more bytes each
-        assert expected.per_param <= 46 and (held - expected.fixed_bytes) / expected.params <= 46
+        # cost the ring's 4 copies 2 more bytes each (44); the guard undoing a step from the ring's copy of the
+        # weights an update computed with, not from its own, 4 fewer (40, + 1.6 for llm-tiny's 1 MiB scratch)
+        assert expected.per_param <= 42 and (held - expected.fixed_bytes) / expected.params <= 42
+        assert worker.guard.shared_steps == worker.guard.steps > 0, "every step undone from the ring's copy"

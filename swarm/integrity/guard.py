@@ -2,7 +2,8 @@
 and it moves no parameter tensor by more than ``max_step_ratio`` of its norm.
 
 Before the step the guard copies the parameters and the optimizer's tensors into buffers it keeps
-(``torch._foreach_copy_``: one fused copy, no allocation once warm); after it, one fused norm over
+(``torch._foreach_copy_``: one fused copy, no allocation once warm), or reads the parameters from an exact copy kept
+elsewhere (a stage's referee ring holds the version an update op just computed with: ``kept``); after it, one fused norm over
 everything says whether all is finite. A non-finite result restores the copies (and drops optimizer
 state the step created), so the copy is exactly as before. The step bound compares each tensor's
 move with its pre-step norm (floored at the norm of the stage's typical tensor, the root mean
@@ -38,8 +39,13 @@ class GuardResult:
 
 
 class StepGuard:
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_step_ratio: float):
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_step_ratio: float,
+                 kept: Callable[[], list[torch.Tensor] | None] | None = None):
+        """``kept``: an exact copy of the parameters as they are now, kept elsewhere (in parameter order), or None:
+        a stage's latest committed version (swarm/integrity/weights.py ``unchanged``: the weights an update op just
+        computed with), which the guard reads and restores from instead of copying them (4 bytes a parameter)."""
         self.module = module
+        self._kept = kept
         self.optimizer = optimizer
         self.max_step_ratio = max_step_ratio
         self._param_buffers: list[torch.Tensor] = []
@@ -50,6 +56,7 @@ class StepGuard:
         self.scaled_steps = 0
         self.steps = 0
         self.fast_steps = 0  # steps whose optimizer state was not copied nor checked (moments_stay_finite)
+        self.shared_steps = 0  # steps whose pre-step weights were the ring's copy (``kept``), not ours
 
     def _params(self) -> list[torch.Tensor]:
         return [p.data for p in self.module.parameters()]
@@ -78,8 +85,13 @@ class StepGuard:
                 and self.steps % FULL_CHECK_EVERY_STEPS != FULL_CHECK_EVERY_STEPS - 1
                 and moments_stay_finite(self.optimizer, grad_norm, math.sqrt(sum(n * n for n in param_norms))))
         had_state = {id(p): bool(self.optimizer.state.get(p)) for p in self.module.parameters()}
-        old = _copy_into(self._param_buffers, params)
-        self._param_buffers = old
+        old = self._kept() if self._kept is not None else None
+        if old is not None and _same_layout(old, params):
+            self._param_buffers = []  # the copy lives in the ring: ours would be a second one
+            self.shared_steps += 1
+        else:
+            old = _copy_into(self._param_buffers, params)
+            self._param_buffers = old
         before_state = [] if fast else state
         if not fast:
             self._state_buffers = _copy_into(self._state_buffers, before_state)
@@ -184,6 +196,12 @@ def _copy_into(buffers: list[torch.Tensor], tensors: list[torch.Tensor]) -> list
     if tensors:
         torch._foreach_copy_(buffers, tensors)
     return buffers
+
+
+def _same_layout(kept: list[torch.Tensor], params: list[torch.Tensor]) -> bool:
+    """A kept copy usable as the pre-step weights: one tensor per parameter, each of its shape, dtype and device."""
+    return len(kept) == len(params) and all(
+        k.shape == p.shape and k.dtype == p.dtype and k.device == p.device for k, p in zip(kept, params))
 
 
 def typical_tensor_norm(norms: list[float]) -> float:

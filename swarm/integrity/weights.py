@@ -141,6 +141,17 @@ class WeightsRing:
             self._evict(time.monotonic() if now is None else now)
             return self._versions.get(digest)
 
+    def unchanged(self, module: nn.Module) -> dict[str, torch.Tensor] | None:
+        """The latest version's tensors if ``module`` has not changed since it was committed (nothing stepped it or
+        wrote into it since): an exact copy of the weights as they are now, which the step guard undoes a step from
+        instead of keeping a copy of its own (swarm/integrity/guard.py: 4 bytes a parameter). The caller must not
+        write into them; they stay the ring's."""
+        parts = tuple((t.data_ptr(), t._version) for t in module.state_dict().values())
+        with self._lock:
+            if self._key is None or self._current is None or self._key[1] != parts:
+                return None
+            return self._current.tensors
+
     @property
     def held_bytes(self) -> int:
         with self._lock:

@@ -118,7 +118,7 @@ class HostMemory:
     index: int
     params: int
     live_bytes: int  # float32 weights, gradients and the optimizer's state (on the GPU for a CUDA stage)
-    guard_bytes: int  # the step guard's copy of the weights (and SGD's momentum), its one-tensor scratch
+    guard_bytes: int  # the step guard's one-tensor scratch (and SGD's momentum); its copy of the weights is the ring's
     guard_peak_bytes: int  # + Adam's state, copied 1 step in 50 (swarm/integrity/guard.py) and freed after
     snapshot_bytes: int  # healing: the last good snapshot with optimizer state, the one before it as weights only
     # (bfloat16: swarm/integrity/heal.py SNAPSHOT_DTYPE)
@@ -159,7 +159,9 @@ def host_memory(run: RunConfig, index: int) -> HostMemory:
     weights = FLOAT32_BYTES * params
     optimizer = floats * weights
     adam = run.optimizer.name in ("adam", "adamw")
-    guard = weights + FLOAT32_BYTES * largest + (0 if adam else optimizer)
+    # the guard's pre-step copy of the weights is the ring's latest version (the weights the update op committed
+    # and computed with: swarm/integrity/guard.py ``kept``), so it keeps its scratch (and SGD's momentum) only
+    guard = FLOAT32_BYTES * largest + (0 if adam else optimizer)
     return HostMemory(
         index=index, params=params, live_bytes=2 * weights + optimizer, guard_bytes=guard,
         guard_peak_bytes=guard + (optimizer if adam else 0), snapshot_bytes=(2 * weights + optimizer) // 2,

@@ -368,7 +368,7 @@ def host_memory_checks(run: Any, requested: str) -> list[Check]:
     gpu = requested != "cpu" and torch.cuda.is_available()
     available = psutil.virtual_memory().available
     section = "Host memory a stage keeps (" + ("on the GPU's host: snapshots and weight versions" if gpu else
-                                               "live copy and guard in float32, snapshots and weight versions in bfloat16") + ")"
+                                               "live copy in float32, snapshots in bfloat16, weight versions exact") + ")"
     checks = []
     for index in range(run.model.stages):
         need = host_memory(run, index)

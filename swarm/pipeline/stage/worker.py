@@ -90,7 +90,7 @@ class StageWorker(StageState):
         cfg = run.integrity
         self.grad_norms = NormHistory(cfg.clip_history, cfg.clip_multiplier)  # parameter gradients (total norm)
         self.grad_out_rms = NormHistory(cfg.clip_history, cfg.clip_multiplier)  # incoming output gradients
-        self.guard = StepGuard(self.module, self.optimizer, cfg.max_step_ratio)
+        self.guard = StepGuard(self.module, self.optimizer, cfg.max_step_ratio, kept=self._kept_params)
         self.last_update: UpdateReport | None = None  # of the latest applied update (read by the servicer)
         # drivers new here while established ones train (swarm/integrity/requesters.py): their updates are
         # clipped to the median accepted norm, not a multiple, and do not move the clip history
@@ -347,6 +347,17 @@ class StageWorker(StageState):
         """The weights this op computes with, committed (hashed and kept once per version): its receipt signs them."""
         self.committed = self.ring.commit(self.module, self.stats.param_version)
         self.forward_weights = self.committed[1]
+
+    def _kept_params(self) -> list[torch.Tensor] | None:
+        """The parameters as they are now, from the ring's latest version if nothing changed them since it was
+        committed (an update op commits the weights it computes with, then steps): the guard's pre-step copy."""
+        kept = self.ring.unchanged(self.module)
+        if kept is None:
+            return None
+        try:
+            return [kept[name] for name, _ in self.module.named_parameters()]
+        except KeyError:
+            return None
 
     def weights_for(self, digest: bytes) -> dict[str, torch.Tensor] | None:
         """The weights of a version this stage computed with, by the digest its receipts signed; None once dropped."""
