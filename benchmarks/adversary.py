@@ -159,6 +159,10 @@ def _run(fleet: Fleet, maddr: str, attack: Attack | None, shape: tuple, s: Setti
         _sleep(s.warm_s, everyone)
         rss_before = {p.name: _rss_mb(p.pid) for p in procs["layer1"]}
         handle = start_attack(attack, hostile, s.labels) if attack else None
+        left = procs[attack.swarm] if attack is not None and attack.lone else []
+        if left:  # the liar is its swarm's only copy from here (a leave, as a volunteer's Ctrl+C)
+            fleet.stop(left)
+            everyone = [p for p in everyone if p not in left]
         attack_at = time.monotonic()
         cpu_before = _cpu_split([p.pid for p in everyone])
         _sleep(s.attack_s, everyone)
@@ -173,7 +177,7 @@ def _run(fleet: Fleet, maddr: str, attack: Attack | None, shape: tuple, s: Setti
         fleet.stop(everyone + hogs)
     out = summarize_run(samples, attack_at - sampler.t0, s.attack_s, s.after_s)
     out.update(attacker=attacker, all_alive=all(alive.values()), layer1_rss_mb_before_after=rss,
-               cpu_cores_during=cpu, **_bans(everyone, handle.peer_ids if handle else [hostile.peer_id]))
+               cpu_cores_during=cpu, **_bans(everyone + left, handle.peer_ids if handle else [hostile.peer_id]))
     if attack is not None and attack.role == "driver":
         out["refused_after_s"] = attacker.get("first_refusal_s")
     return out

@@ -45,6 +45,7 @@ class Attack:
     optimizer: str = "adam"
     busy: int = 0
     identities: int = 1  # signed servers: this many keys, each its own stage peer (each pays its identity work)
+    lone: bool = False  # the attacked swarm's honest peers leave as the attack starts: the liar is its only copy
 
     @property
     def shape(self) -> tuple:
@@ -91,6 +92,10 @@ def _attacks() -> dict[str, Attack]:
         # look better than the honest copy's; the referee recomputes the loss from its committed weights
         Attack("pair_last_hidden_harm", "signed_server", "hidden_harm", swarm="layer2"),
         Attack("two_keys_last_hidden_harm", "signed_server", "hidden_harm", swarm="layer2", identities=2),
+        # ... and a copy trained to harm that is its swarm's only one (its honest peer left): nothing to compare it
+        # with; the referee's audits of its updates (swarm/integrity/audit.py) find them climbing the loss
+        Attack("lone_last_harm", "signed_server", "trained_to_harm", swarm="layer2", lone=True),
+        Attack("lone_middle_harm", "signed_server", "trained_to_harm", swarm="layer1", lone=True),
         *(Attack(f"poison_{p}", "poison", p, per_swarm=2) for p in ("nan", "x1000", "same_norm")),
         # a registered driver that signs made-up stage-0 outputs as its own (tests/hostile.py made_up_activations):
         # two honest drivers are there to recompute them (stage-0 spot checks, swarm/pipeline/control/stage0_checks.py)

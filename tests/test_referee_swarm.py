@@ -113,3 +113,64 @@ def test_a_liar_in_a_swarm_of_two_is_convicted_by_recomputation():
 
 def test_two_liars_beside_one_honest_peer_cannot_make_it_the_odd_one_out():
     _run_case(liars=2)
+
+
+def test_a_lone_copy_trained_to_harm_is_convicted_by_its_audited_updates():
+    """The only layer2 peer steps up its loss (ascent) and computes every hop honestly from its weights: each
+    recomputation holds, and there is no other copy to compare it with. The audits of its updates (the step between the
+    versions its receipts name, against the descent of the micro-batch it came from) convict it within seconds; the
+    driver then waits and says why, rather than train through it. The honest layer1 copy, audited as often, never is."""
+    from test_audit import _ascent
+
+    dhts, peers = [], []
+    first = start_dht(DHTSettings(), [])
+    dhts.append(first)
+    maddrs = [str(m) for m in first.get_visible_maddrs()]
+    try:
+        for swarm in ("layer1", "layer2"):
+            dht = start_dht(DHTSettings(initial_peers=maddrs), [])
+            dhts.append(dht)
+            peer = SwarmPeer(RUN, dht, swarm, evaluate=False)
+            peer.start()
+            peers.append(peer)
+        liar = peers[1].worker
+        _ascent(liar)
+        liar.health.observe_local_loss = lambda *args, **kwargs: None  # it keeps its own health checks out of the way
+        liar._refuse_if_sick = lambda: None
+        record = MemberRecord(str(first.peer_id), "online", "test", 0.0, 0.0, shard=0)
+        for peer in peers:
+            asyncio.run_coroutine_threadsafe(_allow(peer, record), peer._loop).result(5)
+
+        async def drive() -> dict:
+            p2p, executor, driver = await _driver(first, RUN, "lone")
+            driver.set_peers("layer1", [str(peers[0].dht.peer_id)])
+            driver.set_peers("layer2", [str(peers[1].dht.peer_id)])
+            task = asyncio.create_task(driver.run_forever())
+            started, convicted_at = time.monotonic(), None
+            try:
+                while time.monotonic() - started < DRIVE_LIMIT_S and convicted_at is None:
+                    await asyncio.sleep(0.2)
+                    if driver.referee.climbing:
+                        convicted_at = time.monotonic() - started
+                    assert not task.done(), f"the driver ended: {task.exception()!r}"
+                await asyncio.sleep(1.0)
+                return {"convicted_at": convicted_at, "stats": driver.referee.stats(), "audits": driver.referee.audits,
+                        "reason": driver.stats.blocked_reason, "layer1": str(peers[0].dht.peer_id)}
+            finally:
+                driver.stop()
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                executor.shutdown(wait=False)
+                await p2p.shutdown()
+
+        result = asyncio.run(drive())
+        assert result["convicted_at"] is not None and result["convicted_at"] < CONVICTED_WITHIN_S + 5.0, result
+        assert result["stats"]["climbing"] == 1 and result["stats"]["convicted"] == 0, result  # every hop held
+        assert "climb the loss" in result["reason"], result
+        honest = result["audits"].mean(result["layer1"])
+        assert honest is None or honest[0] > 0.1, f"the honest layer1 copy's audits: {honest}"
+    finally:
+        for peer in peers:
+            peer.stop()
+        for dht in dhts:
+            shutdown_dht(dht)

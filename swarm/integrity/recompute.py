@@ -138,6 +138,37 @@ def _recompute(model: ModelConfig, module: nn.Module, op: str, weights: dict[str
     raise ValueError(f"a referee does not recompute {op!r}")
 
 
+def recompute_param_grads(model: ModelConfig, module: nn.Module, op: str, weights: dict[str, torch.Tensor],
+                          tensors: list[torch.Tensor], targets: torch.Tensor | None = None,
+                          forward_weights: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The parameter gradient an update op computes at ``weights`` (what its update steps along, before clipping):
+    backward [g, x] through the activations of ``forward_weights`` where its forward ran on another version, as the
+    stage does; forward_backward [x] with ``targets``. On the CPU, by parameter name (swarm/integrity/audit.py)."""
+    device = _device_of(module)
+    tensors = [t.to(device) for t in tensors]
+    expected = module.state_dict()
+    state = _fitted(expected, weights)
+    names = [name for name, _ in module.named_parameters()]
+    module.train(True)
+    aliases = {name: t.clone().requires_grad_(name in names)
+               for name, t in _fitted(expected, forward_weights if forward_weights is not None else weights).items()}
+    if op in MIDDLE_GRADIENT_OPS:
+        grad_out, x = tensors[0], tensors[1]
+        outputs = functional_call(module, aliases, (x.detach(),))
+        for name, alias in aliases.items():  # the weights of the update under the forward's activations (.data)
+            alias.data.copy_(state[name])
+        grads = torch.autograd.grad(outputs, [aliases[n] for n in names], grad_out.to(outputs.dtype),
+                                    allow_unused=True)
+    elif op in LAST_GRADIENT_OPS:
+        if targets is None:
+            raise ValueError("a last stage's gradient needs its targets")
+        loss = loss_fn(model, functional_call(module, aliases, (tensors[0].detach(),)), targets.to(device))
+        grads = torch.autograd.grad(loss, [aliases[n] for n in names], allow_unused=True)
+    else:
+        raise ValueError(f"{op!r} applies no update")
+    return {name: g.detach().cpu() for name, g in zip(names, grads) if g is not None}
+
+
 # A last stage's reported loss against the one recomputed from its committed weights: honest numerics (another
 # device's kernels, bf16 autocast) move a loss by far less than 1 %; a loss reported to frame or shield a copy
 # (route losses, swarm/pipeline/control/route_losses.py, compare losses through copies tens of % apart) is far outside

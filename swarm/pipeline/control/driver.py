@@ -113,7 +113,8 @@ class PipelineDriver(LaneFailures):
         # a share of forward and gradient hops replicated at a second peer
         # VOLUNTEER_REFEREE=0: disputes go to the vote as before (benchmarks measure the referee's cost both ways)
         self.referee = None if os.environ.get("VOLUNTEER_REFEREE") == "0" else \
-            Referee(run, p2p, self.hops.namespaces, None, dataset, call=call, device=worker.device)
+            Referee(run, p2p, self.hops.namespaces, None, dataset, call=call, device=worker.device,
+                    versions=self.hops.versions)
         self.spot = SpotChecker(self.hops, share=run.integrity.spot_share, seed=seed, referee=self.referee)
         # what each copy's weights do to the loss of what went through it (chance: ln of the model's outputs)
         outputs = run.model.num_classes if run.model.kind == "mlp" else run.model.vocab_size

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from swarm.integrity.audit import VersionBook
 from swarm.pipeline.transport.replies import HEDGED_OPS, BadReply, Vouch, check_receipt, check_reply
 from swarm.pipeline.stage.applied import DUPLICATE_CODE
 from swarm.pipeline.control.routing import BAD_REPLY_BAN_S, SwarmRouter, retry_delay_s
@@ -165,6 +166,9 @@ class HopCaller:
         self.traffic = traffic
         self.is_stopping = is_stopping
         self.call = call
+        # the weights digest each peer's verified receipts named per version: an audited update at v is paired with
+        # the weights it produced, v+1 (swarm/integrity/audit.py)
+        self.versions = VersionBook()
         self._empty_since: dict[str, float] = {}
         self._logged: set[tuple[str, str]] = set()
         self._key_pending_since: dict[str, float] = {}  # peer -> its first key_pending since it last served us
@@ -225,7 +229,9 @@ class HopCaller:
             )
             out, reply = check_reply(self.run.model, k, op, batch, out, reply, self.run.timeouts.reply_max_abs)
             if vouch is not None:
-                reply = {**reply, "receipt": check_receipt(k, op, vouch, peer, out, reply, self.keys)}
+                receipt = check_receipt(k, op, vouch, peer, out, reply, self.keys)
+                self.versions.note(peer, k, receipt.version, receipt.weights)
+                reply = {**reply, "receipt": receipt}
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -344,8 +350,8 @@ class HopCaller:
     async def _wait_for_swarm(self, swarm: str, router: SwarmRouter, attempt: int) -> None:
         now = time.monotonic()
         if router.proven_only(now):  # nothing it computes can be used: no update applied for nothing
-            self.blockage.set(f"every {swarm} peer was convicted by recomputation of a wrong tensor: waiting for "
-                              "another peer to join it")
+            self.blockage.set(f"every {swarm} peer was convicted by recomputation (a wrong tensor, or updates that "
+                              "climb the loss): waiting for another peer to join it")
             await asyncio.sleep(HOLD_POLL_MAX_S)
             return
         free_at = router.free_at()

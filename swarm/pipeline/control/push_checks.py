@@ -38,7 +38,7 @@ class PushChecks:
         for k, peer in enumerate(route, 1):
             share = spot.share_for(peer)
             forward = k < last and spot.rng.random() < share
-            gradient = spot.rng.random() < share
+            gradient = spot.rng.random() < spot.gradient_share_for(k, peer)
             if not (forward or gradient):
                 continue
             if len(self._checks) >= MAX_CHECKS:

@@ -224,6 +224,7 @@ class Pusher(PushRecovery, PushChecks):
         key = self.driver.keys.known(receipt.signer)
         if key is None or not signature_valid(receipt, key):
             raise TrailError(f"layer{expect.stage}'s receipt does not verify with its signer's key")
+        self.hops.versions.note(receipt.signer, expect.stage, receipt.version, receipt.weights)
 
     def _say(self, a: str, b: str, text: str) -> None:
         if (a, b) not in self._said:

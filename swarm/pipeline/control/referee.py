@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from swarm.integrity.audit import Climbing, UpdateAudits, VersionBook, update_cosine
 from swarm.integrity.receipts import NO_WEIGHTS, Receipt, loss_digest
 from swarm.integrity.recompute import (
     LAST_GRADIENT_OPS,
@@ -37,15 +38,19 @@ from swarm.integrity.recompute import (
     loss_agrees,
     recompute,
     recompute_loss,
+    recompute_param_grads,
     tolerance_for,
 )
 from swarm.integrity.weights import tensors_bytes, weights_digest
 from swarm.pipeline.stage.weights_rpc import fetch_weights
 from swarm.run.models import build_stage
+from swarm.run.runconfig import EDGE_MODES
 
 logger = logging.getLogger(__name__)
 
 HOLDS, CONVICTED, UNSHOWN = "holds", "convicted", "unshown"
+UPDATE_OPS = frozenset({"backward", "forward_backward"})  # a claim of these also applied an update (audited)
+AFTER_WAIT_S = 2.0  # an audit waits this long for a receipt of that peer to name the version its update produced
 # a run with dropout draws a random mask in every training op: only eval-mode ops (infer) can be recomputed exactly
 NOT_REPRODUCIBLE = "not_reproducible"
 CONVICTED_BAN_S = 3600.0  # a signer whose claim does not follow from its own weights: proven, not suspected
@@ -91,9 +96,13 @@ class Conviction:
 
 class Referee:
     def __init__(self, run: Any, p2p: Any, namespaces: dict[str, str], executor: Any, dataset: Any, call: Any = None,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", versions: VersionBook | None = None):
         """``executor``: where recomputations run (None: a thread of the referee's own, ``close`` ends it);
-        ``device``: where (the driver's device)."""
+        ``device``: where (the driver's device); ``versions``: the weights digests the driver's verified receipts
+        named per peer and version (swarm/integrity/audit.py), for the audit of an upheld update."""
+        self.versions = versions if versions is not None else VersionBook()
+        self.audits = UpdateAudits()
+        self.audited = 0  # upheld updates whose step was also audited (the weights they produced were named)
         self.run = run
         self.p2p = p2p
         self.namespaces = namespaces
@@ -111,6 +120,8 @@ class Referee:
         self.refereed = 0
         self.held = 0
         self.false_losses = 0  # last stages whose signed loss did not follow from their committed weights
+        self.climbing = 0  # peers convicted by their audited updates (swarm/integrity/audit.py)
+        self.unaudited = 0  # upheld updates not audited: the weights they produced were not named to us (in time)
         self.unshown = 0
         self.recompute_s = 0.0  # compute-thread seconds spent recomputing
         self.fetch_s = 0.0
@@ -134,7 +145,8 @@ class Referee:
     def stats(self) -> dict[str, Any]:
         return {"refereed": self.refereed, "held": self.held, "convicted": len(self.convictions),
                 "unshown": self.unshown, "recompute_s": round(self.recompute_s, 3), "fetches": self.fetches,
-                "fetch_s": round(self.fetch_s, 3), "false_losses": self.false_losses}
+                "fetch_s": round(self.fetch_s, 3), "false_losses": self.false_losses, "audited": self.audited,
+                "climbing": self.climbing, "unaudited": self.unaudited}
 
     def can_judge(self, op: str) -> bool:
         """Whether a claim of ``op`` can be recomputed at all (not a training op of a run with dropout)."""
@@ -197,9 +209,57 @@ class Referee:
                 self.false_losses += 1
                 return self._convict(k, peer, receipt, tensors, claim, f"reported loss {loss:.4g} where its committed "
                                      f"weights give {recomputed_loss:.4g}", finding, weights, loss=loss)
+        if op in UPDATE_OPS and self.run.averaging.mode not in EDGE_MODES:  # an edge mode's step includes its pull
+            climbing = await self._audit(k, op, peer, receipt, weights, forward_weights, tensors, targets)
+            if climbing is not None:
+                return self._climbing(k, peer, receipt, climbing)
         self.held += 1
         logger.debug("referee at layer%d: %s of %s holds (%s)", k, op, peer[-8:], finding.describe())
         return Verdict(HOLDS, peer, finding)
+
+    async def _audit(self, k: int, op: str, peer: str, receipt: Receipt, weights: dict[str, torch.Tensor],
+                     forward_weights: dict[str, torch.Tensor] | None, tensors: list[torch.Tensor],
+                     targets: torch.Tensor | None) -> Climbing | None:
+        """The update this upheld claim made (its version to the next): does it descend its micro-batch's loss?
+        (swarm/integrity/audit.py) Only where a verified receipt of that peer named the weights of the next version;
+        no verdict when those cannot be had (a slow link is no lie)."""
+        after_digest = self.versions.digest(peer, k, receipt.version + 1)
+        waited = 0.0
+        while after_digest is None and waited < AFTER_WAIT_S:  # the next hop there names it soon (lanes in flight)
+            await asyncio.sleep(0.1)
+            waited += 0.1
+            after_digest = self.versions.digest(peer, k, receipt.version + 1)
+        if after_digest is None or after_digest == receipt.weights:
+            self.unaudited += 1
+            return None
+        try:
+            after = await self._fetch(k, peer, after_digest)
+        except _Lied as exc:
+            logger.warning("referee: layer%d peer %s showed wrong weights for its version %d (%s): no audit", k,
+                           peer[-8:], receipt.version + 1, exc)
+            return None
+        except Exception:  # gone, busy, slow: no evidence either way
+            return None
+        loop = asyncio.get_running_loop()
+        try:
+            grads = await loop.run_in_executor(
+                self.executor, recompute_param_grads, self.run.model, self._module(k), op, weights,
+                tensors[:1] if op in LAST_GRADIENT_OPS else tensors, targets, forward_weights)
+            cosine = await loop.run_in_executor(self.executor, update_cosine, weights, after, grads)
+        except ValueError:
+            return None
+        self.audited += 1
+        logger.debug("referee at layer%d: peer %s's update at version %d: cosine %+.3f with its descent", k, peer[-8:],
+                     receipt.version, cosine)
+        return self.audits.add(peer, k, cosine)
+
+    def _climbing(self, k: int, peer: str, receipt: Receipt, climbing: Climbing) -> Verdict:
+        """A copy whose audited updates climb the loss: convicted by our own recomputations (routed around even as its
+        swarm's last peer), not announced (the evidence is many audits, not one re-checkable hop: not done yet)."""
+        self.climbing += 1
+        logger.warning("referee: layer%d peer %s convicted: %s (the last: micro-batch %s at version %d)", k, peer[-8:],
+                       climbing.describe(), receipt.mb, receipt.version)
+        return Verdict(CONVICTED, peer, None, climbing.describe())
 
     # ----- parts
     async def _fetch(self, k: int, peer: str, digest: bytes) -> dict[str, torch.Tensor]:

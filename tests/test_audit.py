@@ -1,0 +1,124 @@
+"""Update audits (swarm/integrity/audit.py, issue 40): a lone copy trained to harm computes every hop honestly from its
+own weights, so every recomputation upholds it; the steps its updates take climb the loss of the micro-batches they
+were computed from, and the referee's audits of them convict it. An honest copy's audits never do."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from swarm.integrity.audit import MARGIN, MIN_AUDITS, QUICK_AUDITS, UpdateAudits, VersionBook, update_cosine
+from swarm.integrity.receipts import ReceiptKey
+from swarm.pipeline.control.referee import CONVICTED, HOLDS
+from swarm.pipeline.stage.worker import StageWorker
+from test_referee import RUN, _Door, _referee
+
+
+def test_the_cosine_of_a_step_with_its_gradient_says_descent_from_ascent():
+    before = {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([0.5])}
+    grads = {"w": torch.tensor([1.0, -1.0]), "b": torch.tensor([0.0])}
+    descent = {n: t - 0.1 * grads[n] for n, t in before.items()}
+    ascent = {n: t + 0.1 * grads[n] for n, t in before.items()}
+    assert update_cosine(before, descent, grads) == pytest.approx(1.0)
+    assert update_cosine(before, ascent, grads) == pytest.approx(-1.0)
+    assert update_cosine(before, before, grads) == 0.0, "no step: no evidence either way"
+
+
+def test_audits_convict_only_on_a_mean_below_the_margin_over_enough_updates():
+    audits = UpdateAudits()
+    # honest Adam measured +0.16 to +0.39 with single updates below 0 now and then
+    assert all(audits.add("honest", 1, c) is None for c in [0.3, -0.2, 0.5, 0.1] * (4 * MIN_AUDITS))
+    for i in range(QUICK_AUDITS - 1):
+        assert audits.add("ascent", 1, -0.3) is None, "too few audits for a verdict"
+    verdict = audits.add("ascent", 1, -0.3)  # climbing hard: the quick verdict
+    assert verdict is not None and verdict.mean == pytest.approx(-0.3) and verdict.audits == QUICK_AUDITS
+    assert "climb" in verdict.describe()
+    assert audits.mean("ascent") is None, "convicted: audited afresh when it comes back"
+    # flipped labels climb gently (-0.10 to -0.13 measured): the full count of audits, a smaller margin
+    assert all(audits.add("flipped", 1, -0.1) is None for _ in range(MIN_AUDITS - 1))
+    verdict = audits.add("flipped", 1, -0.1)
+    assert verdict is not None and verdict.audits == MIN_AUDITS
+    near = UpdateAudits()
+    assert all(near.add("zero", 1, c) is None for c in [-MARGIN / 2] * (2 * MIN_AUDITS)), "a copy near 0 is not convicted"
+
+
+def test_the_version_book_keeps_the_first_digest_named_and_is_bounded():
+    book = VersionBook(kept=2)
+    book.note("p", 1, 5, b"a" * 16)
+    book.note("p", 1, 5, b"b" * 16)  # the same version after a pull: the first one named stays
+    book.note("p", 1, 6, b"\0" * 16)  # a receipt that commits to no weights names nothing
+    assert book.digest("p", 1, 5) == b"a" * 16 and book.digest("p", 1, 6) is None
+    book.note("p", 1, 7, b"c" * 16)
+    book.note("p", 1, 8, b"d" * 16)
+    assert book.digest("p", 1, 5) is None and book.digest("p", 1, 8) == b"d" * 16
+
+
+def _ascent(worker: StageWorker) -> None:
+    """The copy trained to harm of tests/hostile_stage.py: every update climbs; every hop computed honestly."""
+    step = worker._update
+
+    def climb() -> None:
+        for param in worker.module.parameters():
+            if param.grad is not None:
+                param.grad.neg_()
+        step()
+
+    worker._update = climb
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("harm", [False, True])
+def test_the_referee_upholds_every_hop_of_a_lone_copy_and_convicts_it_by_its_updates_only_when_they_climb(stage, harm):
+    from swarm.run.data import load_dataset
+
+    worker, key = StageWorker(RUN, stage), ReceiptKey("QmSigner")
+    if harm:
+        _ascent(worker)
+    dataset = load_dataset(RUN.data, RUN.model)
+    gen = torch.Generator().manual_seed(stage)
+    referee, executor = _referee(_Door(worker))
+
+    def hop(i: int):
+        """One update of ours at this stage, its claim and receipt as the driver holds them, and the tensors."""
+        mb = f"mb{i}"
+        if stage == 1:
+            x = torch.randn(16, 32, generator=gen).relu()
+            worker.forward(mb, x)
+            g = 0.05 * torch.randn(16, 32, generator=gen)
+            version, digest = worker.committed
+            forward_digest = worker.forward_weights
+            grad_in = worker.backward(mb, g, None, None)
+            receipt = key.sign(RUN.run_id, mb, "backward", stage, version, b"i" * 16, b"o" * 16, b"d" * 16, digest,
+                               forward_digest)
+            return "backward", [g, x], grad_in, receipt
+        ids = torch.randint(0, len(dataset.y_train), (16,), generator=gen)
+        x = torch.randn(16, 32, generator=gen).relu()
+        worker._commit()
+        version, digest = worker.committed
+        _, grad_in = worker.forward_backward(mb, x, dataset.y_train[ids])
+        receipt = key.sign(RUN.run_id, mb, "forward_backward", stage, version, b"i" * 16, b"o" * 16, b"d" * 16,
+                           digest)
+        return "forward_backward", [x, ids], grad_in, receipt
+
+    outcomes = []
+    try:
+        for i in range(MIN_AUDITS + 8):
+            op, tensors, grad_in, receipt = hop(i)
+            worker._commit()  # the next version, named by the peer's next receipt (the driver's version book)
+            referee.versions.note("QmSigner", stage, *worker.committed)
+            verdict = asyncio.run(referee.judge(stage, op, tensors, grad_in, receipt, "QmSigner"))
+            outcomes.append(verdict.outcome)
+            if verdict.outcome == CONVICTED:
+                assert "climb the loss" in verdict.why
+                break
+    finally:
+        executor.shutdown()
+    assert referee.audited >= min(len(outcomes), MIN_AUDITS), "its updates were not audited"
+    if harm:
+        assert outcomes[-1] == CONVICTED and outcomes[:-1] == [HOLDS] * (len(outcomes) - 1), outcomes
+        assert len(outcomes) == QUICK_AUDITS, "convicted at its first verdict: every audit of it climbs"
+    else:
+        assert outcomes == [HOLDS] * (MIN_AUDITS + 8), outcomes
+        assert referee.audits.mean("QmSigner")[0] > 0.1
