@@ -7,6 +7,7 @@ tests, tests/test_referee_swarm.py, run it over P2P)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -472,6 +473,13 @@ def test_the_referees_busy_share_over_the_last_minute():
         # (the window from now - 2.5: 1.5 s of the first, [now - 4, now - 1], and 0.5 s of the second)
         assert referee.busy_share(now + referee_module.BUSY_WINDOW_S - 2.5) == pytest.approx(
             2.0 / referee_module.BUSY_WINDOW_S)
+        # over the share in all, a peer that has used less than its fair part still goes (a lone copy that came late
+        # is checked though the others used the budget up), up to twice the share in all
+        referee._spent("QmOther", 1.5 * referee_module.BUSY_WINDOW_S * referee_module.SAMPLED_BUSY_SHARE)
+        assert not referee.has_time() and not referee.has_time(peer="QmOther")
+        assert referee.has_time(peer="QmLate") and referee.has_time(lone=True)
+        referee._busy.append((time.monotonic(), 2 * referee_module.BUSY_WINDOW_S * referee_module.LONE_BUSY_SHARE))
+        assert not referee.has_time(peer="QmLate") and not referee.has_time(lone=True, peer="QmLate")
         # a peer that shows nothing costs the budget nothing (stalling must not spend it for other liars)
         kept = len(referee._busy)
         verdict = asyncio.run(referee.judge(1, "forward", [torch.zeros(8, HIDDEN)], torch.zeros(8, HIDDEN), None, "QmP"))

@@ -185,6 +185,7 @@ class PipelineDriver(LaneFailures):
         finally:
             for lane in lanes:
                 lane.cancel()
+            logger.info("spot checks and referee at the stop: %s", self.spot.stats())
             self.spot.cancel_background()
             if self.pusher is not None:
                 self.pusher.cancel()

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from swarm.integrity.audit import Climbing, UpdateAudits, VersionBook, update_cosine
+from swarm.integrity.audit import Climbing, UpdateAudits, VersionBook
 from swarm.integrity.receipts import NO_WEIGHTS, Receipt, loss_digest
 from swarm.integrity.recompute import (
     LAST_GRADIENT_OPS,
@@ -38,10 +38,10 @@ from swarm.integrity.recompute import (
     loss_agrees,
     recompute,
     recompute_loss,
-    recompute_param_grads,
     tolerance_for,
 )
 from swarm.integrity.weights import tensors_bytes, weights_digest
+from swarm.pipeline.control.referee_audits import UpdateAuditor
 from swarm.pipeline.stage.weights_rpc import fetch_weights
 from swarm.run.models import build_stage
 from swarm.run.runconfig import EDGE_MODES
@@ -50,7 +50,6 @@ logger = logging.getLogger(__name__)
 
 HOLDS, CONVICTED, UNSHOWN = "holds", "convicted", "unshown"
 UPDATE_OPS = frozenset({"backward", "forward_backward"})  # a claim of these also applied an update (audited)
-AFTER_WAIT_S = 2.0  # an audit waits this long for a receipt of that peer to name the version its update produced
 # a run with dropout draws a random mask in every training op: only eval-mode ops (infer) can be recomputed exactly
 NOT_REPRODUCIBLE = "not_reproducible"
 CONVICTED_BAN_S = 3600.0  # a signer whose claim does not follow from its own weights: proven, not suspected
@@ -63,6 +62,12 @@ WEIGHTS_KEPT_COPIES = 4  # ... and at most this many copies of the stage's bytes
 # weights for every sampled hop would take a home link's whole uplink (weights change every step, so a fetch is
 # rarely shared). A slow link thus checks a large stage less often, never stalls for it.
 SAMPLED_BUSY_SHARE = 0.1
+# A swarm's only copy has no second copy to be compared with: its sampled hops (and the audits of its updates, which
+# need 16-32 of them to judge it: swarm/integrity/audit.py) may use more of the referee's time. At 0.1 the newcomers'
+# checks at a run's start used the budget up, and a lone copy trained to harm got one audit in the 20 s it took the
+# run to chance (benchmarks.adversary lone_last_harm, session 16).
+LONE_BUSY_SHARE = 0.3
+MAX_BUSY_PEERS = 256
 RECOMPUTE_ALLOWANCE_S = 2.0
 BUSY_WINDOW_S = 60.0
 CONVICTIONS_KEPT = 256
@@ -94,7 +99,7 @@ class Conviction:
     at: float = field(default_factory=time.time)
 
 
-class Referee:
+class Referee(UpdateAuditor):
     def __init__(self, run: Any, p2p: Any, namespaces: dict[str, str], executor: Any, dataset: Any, call: Any = None,
                  device: str | torch.device = "cpu", versions: VersionBook | None = None):
         """``executor``: where recomputations run (None: a thread of the referee's own, ``close`` ends it);
@@ -110,6 +115,7 @@ class Referee:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="referee") if executor is None else executor
         self.device = torch.device(device)
         self._busy: deque[tuple[float, float]] = deque(maxlen=256)  # (monotonic end, seconds) of each judgement
+        self._peer_busy: OrderedDict[str, deque[tuple[float, float]]] = OrderedDict()  # the same, per peer judged
         self.dataset = dataset
         self.call = call
         self._modules: dict[int, torch.nn.Module] = {}
@@ -122,6 +128,9 @@ class Referee:
         self.false_losses = 0  # last stages whose signed loss did not follow from their committed weights
         self.climbing = 0  # peers convicted by their audited updates (swarm/integrity/audit.py)
         self.unaudited = 0  # upheld updates not audited: the weights they produced were not named to us (in time)
+        self._auditing: set[asyncio.Task] = set()
+        # a copy convicted by its audits (k, verdict): the spot checker routes around it (set by it)
+        self.on_climbing: Any = None
         self.unshown = 0
         self.recompute_s = 0.0  # compute-thread seconds spent recomputing
         self.fetch_s = 0.0
@@ -133,14 +142,38 @@ class Referee:
 
     def busy_share(self, now: float | None = None) -> float:
         """The share of the last BUSY_WINDOW_S this referee spent fetching weights and recomputing."""
-        now = time.monotonic() if now is None else now
-        busy = sum(min(seconds, BUSY_WINDOW_S - (now - end)) for end, seconds in self._busy
-                   if now - end < BUSY_WINDOW_S)
-        return busy / BUSY_WINDOW_S
+        return self._share(self._busy, time.monotonic() if now is None else now)
 
-    def has_time(self) -> bool:
-        """Whether a sampled (undisputed) recomputation fits its budget now (SAMPLED_BUSY_SHARE)."""
-        return self.busy_share() < SAMPLED_BUSY_SHARE
+    @staticmethod
+    def _share(busy: Any, now: float) -> float:
+        return sum(min(seconds, BUSY_WINDOW_S - (now - end)) for end, seconds in busy
+                   if now - end < BUSY_WINDOW_S) / BUSY_WINDOW_S
+
+    def _spent(self, peer: str, seconds: float) -> None:
+        """A judgement's (or an audit's) cost, in all and for its peer (the fair parts of ``has_time``)."""
+        now = time.monotonic()
+        self._busy.append((now, seconds))
+        mine = self._peer_busy.get(peer)
+        if mine is None:
+            mine = self._peer_busy[peer] = deque(maxlen=256)
+            while len(self._peer_busy) > MAX_BUSY_PEERS:
+                self._peer_busy.popitem(last=False)
+        self._peer_busy.move_to_end(peer)
+        mine.append((now, seconds))
+
+    def has_time(self, lone: bool = False, peer: str = "") -> bool:
+        """Whether a sampled (undisputed) recomputation fits its budget now (SAMPLED_BUSY_SHARE; LONE_BUSY_SHARE for a
+        hop of a swarm's only copy, where nothing else checks it). A ``peer`` that has used less than its fair part
+        (the share over the stages we referee) goes first, up to twice the share in all: at 0.3 in all, a run's honest
+        lone copies used the minute's budget in their first seconds and a lone copy trained to harm that came 20 s
+        later got one recomputation before it took the run to chance (benchmarks.adversary lone_last_harm)."""
+        now = time.monotonic()
+        share = LONE_BUSY_SHARE if lone else SAMPLED_BUSY_SHARE
+        total = self.busy_share(now)
+        if total < share:
+            return True
+        fair = share / max(1, self.run.model.stages - 1)
+        return bool(peer) and total < 2 * share and self._share(self._peer_busy.get(peer, ()), now) < fair
 
     def stats(self) -> dict[str, Any]:
         return {"refereed": self.refereed, "held": self.held, "convicted": len(self.convictions),
@@ -165,8 +198,7 @@ class Referee:
         if verdict.outcome != UNSHOWN:
             # what a judgement costs us, at most what its size would take on a home link: a peer that shows its
             # weights slowly, or not at all, must not spend the budget that keeps other peers' hops checked
-            expected = FETCH_BASE_S + self._bytes(k) / FETCH_BYTES_PER_S + RECOMPUTE_ALLOWANCE_S
-            self._busy.append((time.monotonic(), min(time.monotonic() - began, expected)))
+            self._spent(peer, min(time.monotonic() - began, self._cost_cap_s(k)))
         return verdict
 
     async def _judge(self, k: int, op: str, tensors: list[torch.Tensor], claim: torch.Tensor, receipt: Receipt | None,
@@ -210,48 +242,10 @@ class Referee:
                 return self._convict(k, peer, receipt, tensors, claim, f"reported loss {loss:.4g} where its committed "
                                      f"weights give {recomputed_loss:.4g}", finding, weights, loss=loss)
         if op in UPDATE_OPS and self.run.averaging.mode not in EDGE_MODES:  # an edge mode's step includes its pull
-            climbing = await self._audit(k, op, peer, receipt, weights, forward_weights, tensors, targets)
-            if climbing is not None:
-                return self._climbing(k, peer, receipt, climbing)
+            self._start_audit(k, op, peer, receipt, weights, forward_weights, tensors, targets)
         self.held += 1
         logger.debug("referee at layer%d: %s of %s holds (%s)", k, op, peer[-8:], finding.describe())
         return Verdict(HOLDS, peer, finding)
-
-    async def _audit(self, k: int, op: str, peer: str, receipt: Receipt, weights: dict[str, torch.Tensor],
-                     forward_weights: dict[str, torch.Tensor] | None, tensors: list[torch.Tensor],
-                     targets: torch.Tensor | None) -> Climbing | None:
-        """The update this upheld claim made (its version to the next): does it descend its micro-batch's loss?
-        (swarm/integrity/audit.py) Only where a verified receipt of that peer named the weights of the next version;
-        no verdict when those cannot be had (a slow link is no lie)."""
-        after_digest = self.versions.digest(peer, k, receipt.version + 1)
-        waited = 0.0
-        while after_digest is None and waited < AFTER_WAIT_S:  # the next hop there names it soon (lanes in flight)
-            await asyncio.sleep(0.1)
-            waited += 0.1
-            after_digest = self.versions.digest(peer, k, receipt.version + 1)
-        if after_digest is None or after_digest == receipt.weights:
-            self.unaudited += 1
-            return None
-        try:
-            after = await self._fetch(k, peer, after_digest)
-        except _Lied as exc:
-            logger.warning("referee: layer%d peer %s showed wrong weights for its version %d (%s): no audit", k,
-                           peer[-8:], receipt.version + 1, exc)
-            return None
-        except Exception:  # gone, busy, slow: no evidence either way
-            return None
-        loop = asyncio.get_running_loop()
-        try:
-            grads = await loop.run_in_executor(
-                self.executor, recompute_param_grads, self.run.model, self._module(k), op, weights,
-                tensors[:1] if op in LAST_GRADIENT_OPS else tensors, targets, forward_weights)
-            cosine = await loop.run_in_executor(self.executor, update_cosine, weights, after, grads)
-        except ValueError:
-            return None
-        self.audited += 1
-        logger.debug("referee at layer%d: peer %s's update at version %d: cosine %+.3f with its descent", k, peer[-8:],
-                     receipt.version, cosine)
-        return self.audits.add(peer, k, cosine)
 
     def _climbing(self, k: int, peer: str, receipt: Receipt, climbing: Climbing) -> Verdict:
         """A copy whose audited updates climb the loss: convicted by our own recomputations (routed around even as its
@@ -260,6 +254,10 @@ class Referee:
         logger.warning("referee: layer%d peer %s convicted: %s (the last: micro-batch %s at version %d)", k, peer[-8:],
                        climbing.describe(), receipt.mb, receipt.version)
         return Verdict(CONVICTED, peer, None, climbing.describe())
+
+    def _cost_cap_s(self, k: int) -> float:
+        """What a judgement (or an audit) of stage ``k`` costs the budget at most: what it would take on a home link."""
+        return FETCH_BASE_S + self._bytes(k) / FETCH_BYTES_PER_S + RECOMPUTE_ALLOWANCE_S
 
     # ----- parts
     async def _fetch(self, k: int, peer: str, digest: bytes) -> dict[str, torch.Tensor]:

@@ -71,6 +71,8 @@ class SpotChecker:
     def __init__(self, hops: HopCaller, share: float = SPOT_SHARE, seed: int = 0, referee: Referee | None = None):
         self.hops = hops
         self.referee = referee  # recomputes disputed hops from committed weights (None: disputes go to a vote)
+        if referee is not None:
+            referee.on_climbing = self._climbing
         self.convicted = 0  # signers whose claim did not follow from their committed weights
         self.unshown = 0  # disputed claims whose weights could not be had: not used, nobody convicted
         self.refereed_alone = 0  # hops of a swarm without a second copy, recomputed by the referee
@@ -91,6 +93,7 @@ class SpotChecker:
             "activations": deque(maxlen=SIMILARITIES_KEPT), "gradient": deque(maxlen=SIMILARITIES_KEPT)}
         self._seen: dict[str, int] = {}
         self._cannot: collections.defaultdict[str, set[str]] = collections.defaultdict(set)  # op -> peers without it
+        self._knows: collections.defaultdict[str, set[str]] = collections.defaultdict(set)  # op -> peers that answered it
         self._said: set[tuple[str, str]] = set()
 
     @property
@@ -205,7 +208,8 @@ class SpotChecker:
             # waited half a second came back 29 updates stale at its stage 0, against 12 at most without it). A lie
             # found later still convicts it and routes every later hop around it. A stranger's first sampled hop
             # waits for its verdict: a liar from its first hop is dropped there.
-            if not self.referee.has_time() and not self._unshown_in_row.get(claim.peer):
+            lone = len(self.hops.routers[f"layer{k}"].peers) < 2
+            if not self.referee.has_time(lone, claim.peer) and not self._unshown_in_row.get(claim.peer):
                 # its budget (referee.SAMPLED_BUSY_SHARE): this hop passes unchecked; never a peer that did not show
                 # its weights last time (stalling must not buy it unchecked hops)
                 self.referee_skipped += 1
@@ -298,6 +302,11 @@ class SpotChecker:
                                         f"{kind}: not passed on")
         return True
 
+    def _climbing(self, k: int, verdict: Verdict) -> None:
+        """A copy whose audited updates climb the loss (swarm/integrity/audit.py): convicted like a wrong tensor, by our
+        own recomputations (routed around even as its swarm's last peer), its credit gone; nothing to announce."""
+        self._convict(k, verdict)
+
     def _convict(self, k: int, verdict: Verdict) -> None:
         """A signer proven wrong by recomputation: routed around for CONVICTED_BAN_S, its credit gone, and the evidence
         sent to the stages next to it, which re-check it and refuse its tensors from then on (convictions.py)."""
@@ -318,6 +327,8 @@ class SpotChecker:
         """The driver stops: background referees and announcements end with it."""
         for task in list(self._background):
             task.cancel()
+        if self.referee is not None:
+            self.referee.cancel_audits()
 
     def established(self, peer: str) -> bool:
         """Has ``peer`` validated work here (ESTABLISHED_CREDIT outputs corroborated in our checks)? Routing bounds
@@ -372,9 +383,17 @@ class SpotChecker:
 
     async def _recompute(self, k: int, op: str, tensors: list[torch.Tensor], meta: dict, vouch: Vouch,
                          peer: str) -> tuple[torch.Tensor | None, Receipt | None, float | None]:
-        """``peer``'s recomputation: its tensor, its receipt and (a last stage's check) the loss it reports."""
+        """``peer``'s recomputation: its tensor, its receipt and (a last stage's check) the loss it reports. A peer is
+        asked for its first ``op`` one lane at a time: an older client that does not know it strikes us once, not
+        once per lane (two lanes asked at once on a loaded machine)."""
+        first = peer not in self._knows[op]
+        if first:
+            self._cannot[op].add(peer)  # until it answers: no other lane asks it meanwhile
         try:
             (out,), reply, _ = await self.hops.hop(k, op, tensors, meta, only=peer, vouch=vouch)
+            self._knows[op].add(peer)
+            if first:
+                self._cannot[op].discard(peer)
             loss = reply.get("loss")
             finite = isinstance(loss, float) and math.isfinite(loss)
             return out, reply.get("receipt"), loss if finite else None
@@ -384,8 +403,17 @@ class SpotChecker:
                 self._cannot[op].add(peer)
                 logger.info("layer%d peer %s does not know %s (an older client): not asked for checks", k,
                             peer[-8:], op)
+            elif first and isinstance(exc, Refused):
+                self._knows[op].add(peer)  # it knows the op: it refused this one for another reason
+                self._cannot[op].discard(peer)
+            elif first:
+                self._cannot[op].discard(peer)  # no answer at all: it may be asked again
             logger.debug("spot check at layer%d peer %s: %s", k, peer[-8:], exc)
             return None, None, None
+        except BaseException:
+            if first and peer not in self._knows[op]:
+                self._cannot[op].discard(peer)
+            raise
 
     def _say_once(self, a: str, b: str, text: str) -> None:
         pair = (min(a, b), max(a, b))
