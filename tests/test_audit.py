@@ -41,7 +41,8 @@ def test_audits_convict_only_on_a_mean_below_the_margin_over_enough_updates():
     verdict = audits.add("flipped", 1, -0.1)
     assert verdict is not None and verdict.audits == MIN_AUDITS
     near = UpdateAudits()
-    assert all(near.add("zero", 1, c) is None for c in [-MARGIN / 2] * (2 * MIN_AUDITS)), "a copy near 0 is not convicted"
+    near_zero = [-MARGIN / 2] * (2 * MIN_AUDITS)
+    assert all(near.add("zero", 1, c) is None for c in near_zero), "a copy near 0 is not convicted"
 
 
 def test_the_version_book_keeps_the_first_digest_named_and_is_bounded():

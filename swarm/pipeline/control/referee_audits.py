@@ -1,4 +1,4 @@
-"""The referee's audits of the updates it upholds (swarm/integrity/audit.py: a lone copy trained to harm), a method mixin
+"""The referee's audits of the updates it upholds (swarm/integrity/audit.py: a lone copy trained to harm), a mixin
 of ``Referee`` (swarm/pipeline/control/referee.py): they run beside the lanes, never in their path, and a copy whose
 audits climb the loss is handed to ``on_climbing``."""
 

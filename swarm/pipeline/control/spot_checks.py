@@ -93,7 +93,7 @@ class SpotChecker:
             "activations": deque(maxlen=SIMILARITIES_KEPT), "gradient": deque(maxlen=SIMILARITIES_KEPT)}
         self._seen: dict[str, int] = {}
         self._cannot: collections.defaultdict[str, set[str]] = collections.defaultdict(set)  # op -> peers without it
-        self._knows: collections.defaultdict[str, set[str]] = collections.defaultdict(set)  # op -> peers that answered it
+        self._knows: collections.defaultdict[str, set[str]] = collections.defaultdict(set)  # op -> peers that know it
         self._said: set[tuple[str, str]] = set()
 
     @property
