@@ -245,6 +245,7 @@ def test_a_broken_push_resumes_from_what_the_route_kept(stages):
     from types import SimpleNamespace
 
     from swarm.pipeline.transport.keybook import KeyBook
+    from swarm.integrity.audit import VersionBook
     from swarm.pipeline.control.push_driver import Pusher
 
     driver, other, (layer1, layer2) = stages
@@ -272,7 +273,8 @@ def test_a_broken_push_resumes_from_what_the_route_kept(stages):
     for peer in (layer1, layer2):
         keys.learn(str(peer.dht.peer_id), peer.receipt_key.public)
     stub = SimpleNamespace(run=RUN, keys=keys, notify=lambda *a: None,
-                           hops=SimpleNamespace(run=RUN, routers={}, namespaces={}, p2p=None, call=None, traffic=None))
+                           hops=SimpleNamespace(run=RUN, routers={}, namespaces={}, p2p=None, call=None, traffic=None,
+                                                versions=VersionBook()))
     pusher = Pusher(stub)
     route = [str(layer1.dht.peer_id), str(layer2.dht.peer_id)]
 
