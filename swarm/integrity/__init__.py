@@ -13,6 +13,8 @@ Map:
 - spot.py        spot validation by replication: agree, far, the odd one out, the verdict on a stage-0 output
 - weights.py     committed weights: the digest of each version a stage computes with, the ring of recent versions
 - recompute.py   a referee's recomputation of one hop from committed weights, and whether a claim reproduces
+- audit.py       update audits: does a copy's step descend the loss of the micro-batch it came from (a lone copy
+                 trained to harm), and the weights digest each peer's receipts named per version
 - evaluations.py evaluations validated by replication over peers of the last stage, each figure signed
 - labels.py      targets by sample id, shard checks, the view of the run's drivers
 - mixing.py      bounded influence through averaging: reject, clip or skip one peer's copy or edge message
