@@ -295,3 +295,20 @@ def test_a_broken_push_resumes_from_what_the_route_kept(stages):
     assert no_layer2.grad is None and no_layer2.partial_at == 1 and no_layer2.forwards[1].signer == route[0]
     assert tensor_digest(payload_of(no_layer2.h)) == no_layer2.forwards[1].output
     assert recover([None, None]) is None, "nothing known past our own stage 0: relayed from the start"
+
+
+def test_doctor_counts_what_a_stages_outbox_may_hold():
+    """The outbox keeps each pushed hop's tensors for its driver's checks: `volunteer doctor` counts it beside the
+    stage's parameters (a middle stage keeps x, y, g and gx per micro-batch, the last x and gx, OUTBOX_PER_DRIVER
+    micro-batches a driver, OUTBOX_MAX_BYTES in all)."""
+    from swarm.pipeline.stage.push import OUTBOX_MAX_BYTES, OUTBOX_PER_DRIVER, outbox_bytes
+    from volunteer.config import load_run
+
+    digits, _ = load_run("digits-mlp")
+    batch, width = digits.training.batch_size, digits.model.hidden_dim
+    assert outbox_bytes(digits, 1) == OUTBOX_PER_DRIVER * 4 * 4 * batch * width  # float32, input = output width
+    assert outbox_bytes(digits, 1, drivers=2) == 2 * outbox_bytes(digits, 1)
+    last = digits.model.stages - 1
+    assert outbox_bytes(digits, last) == OUTBOX_PER_DRIVER * 2 * 4 * batch * width  # x and gx only
+    llm, _ = load_run("llm-tiny")
+    assert outbox_bytes(llm, 1, drivers=8) == OUTBOX_MAX_BYTES

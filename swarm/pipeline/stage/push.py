@@ -119,6 +119,22 @@ def parse_push(meta: dict, stage: int, stages: int) -> PushRequest:
     return PushRequest(mb, ids, rc, chain, list(route), [float(t) for t in hop_s], route_sig, raw_chain)
 
 
+def outbox_bytes(run: Any, index: int, drivers: int = 1) -> int:
+    """What stage ``index``'s outbox may hold for ``drivers`` drivers, by ``Outbox``'s bounds: ``OUTBOX_PER_DRIVER``
+    micro-batches each (a middle stage keeps x, y, g and gx; the last x and gx, as they travelled), at most
+    ``OUTBOX_MAX_BYTES`` in all (``volunteer doctor``; an llm-tiny stage's 16 x 64-token micro-batches reach the cap)."""
+    from swarm.pipeline.transport.wire import coded_bytes
+    from swarm.run.models import stage_input_spec, stage_output_spec
+
+    model, training = run.model, run.training
+    batch = training.batch_size
+    shape_in = tuple(stage_input_spec(model, index, batch).shape)
+    per_mb = 2 * coded_bytes(shape_in, training.codec, training.wire_rank)
+    if index + 1 < model.stages:
+        per_mb += 2 * coded_bytes(tuple(stage_output_spec(model, index, batch).shape), training.codec, training.wire_rank)
+    return min(OUTBOX_MAX_BYTES, max(1, drivers) * OUTBOX_PER_DRIVER * per_mb)
+
+
 class Outbox:
     """What pushed hops received and sent, per (driver, micro-batch), as the payloads that travelled: bounded by
     count per driver, by bytes in all, and by age."""
