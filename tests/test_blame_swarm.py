@@ -113,11 +113,7 @@ async def _drive(dht0, peers, hostile_id: str) -> dict:
         await asyncio.sleep(1.0)
         accuracy, _ = await asyncio.wait_for(driver.evaluate(), 60)
     finally:
-        driver.stop()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        executor.shutdown(wait=False)
-        await p2p.shutdown()
+        await _stop(driver, task, executor, p2p)
     return {"accuracy": accuracy, "validated": driver.stats.eval_validated, "replicas": driver.stats.eval_replicas,
             "stage0": driver.worker.module, "banned_at": banned_at, "after_ban": driver.stats.microbatches - (driver.stats.microbatches if banned_at is None else banned_at),
             "microbatches": driver.stats.microbatches, "lost": driver.stats.lost, "refused": driver.stats.refused}
@@ -199,13 +195,18 @@ async def _drive_with_checks(dht0, peers, hostile_id: str) -> dict:
                 break
             assert not task.done(), f"the driver ended: {task.exception()!r}"
     finally:
-        driver.stop()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        executor.shutdown(wait=False)
-        await p2p.shutdown()
+        await _stop(driver, task, executor, p2p)
     return {"caught": driver.spot.caught, "culprits": culprits, "stats": driver.spot.stats(),
             "after": driver.stats.microbatches - (caught_at or 0)}
+
+
+async def _stop(driver, task, executor, p2p) -> None:
+    """The end of a ``_driver``'s drive: its lanes stopped, its task awaited, its executor and P2P replica shut."""
+    driver.stop()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    executor.shutdown(wait=False)
+    await p2p.shutdown()
 
 
 async def _driver(dht0, run: RunConfig, tag: str) -> tuple:

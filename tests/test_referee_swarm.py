@@ -17,7 +17,7 @@ from swarm.dht.records import MemberRecord
 from swarm.pipeline.peer import SwarmPeer
 from swarm.run.runconfig import RunConfig
 from procs import wait_until
-from test_blame_swarm import _allow, _ascent_last_stage, _driver
+from test_blame_swarm import _allow, _ascent_last_stage, _driver, _stop
 
 RUN = RunConfig.model_validate({
     "name": "referee-swarm",
@@ -73,11 +73,7 @@ async def _drive(dht0, peers) -> dict:
                 break
             assert not task.done(), f"the driver ended: {task.exception()!r}"
     finally:
-        driver.stop()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        executor.shutdown(wait=False)
-        await p2p.shutdown()
+        await _stop(driver, task, executor, p2p)
     return {"settled_at": settled_at, "convicted": set(driver.referee.convictions), "honest_held_s": honest_held,
             "stats": driver.spot.stats(), "microbatches": driver.stats.microbatches, "hop_ms": driver.stats.hop_ms,
             "after": driver.stats.microbatches - (settled_at[1] if settled_at else 0)}
@@ -157,11 +153,7 @@ def test_a_lone_copy_trained_to_harm_is_convicted_by_its_audited_updates():
                 return {"convicted_at": convicted_at, "stats": driver.referee.stats(), "audits": driver.referee.audits,
                         "reason": driver.stats.blocked_reason, "layer1": str(peers[0].dht.peer_id)}
             finally:
-                driver.stop()
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                executor.shutdown(wait=False)
-                await p2p.shutdown()
+                await _stop(driver, task, executor, p2p)
 
         result = asyncio.run(drive())
         assert result["convicted_at"] is not None and result["convicted_at"] < CONVICTED_WITHIN_S + 5.0, result
