@@ -45,12 +45,12 @@ def test_audits_convict_only_on_a_mean_below_the_margin_over_enough_updates():
     assert all(near.add("zero", 1, c) is None for c in near_zero), "a copy near 0 is not convicted"
 
 
-def test_the_version_book_keeps_the_first_digest_named_and_is_bounded():
+def test_the_version_book_keeps_the_latest_digest_named_and_is_bounded():
     book = VersionBook(kept=2)
     book.note("p", 1, 5, b"a" * 16)
-    book.note("p", 1, 5, b"b" * 16)  # the same version after a pull: the first one named stays
+    book.note("p", 1, 5, b"b" * 16)  # the peer restarted from a checkpoint: its version 5 is another one now
     book.note("p", 1, 6, b"\0" * 16)  # a receipt that commits to no weights names nothing
-    assert book.digest("p", 1, 5) == b"a" * 16 and book.digest("p", 1, 6) is None
+    assert book.digest("p", 1, 5) == b"b" * 16 and book.digest("p", 1, 6) is None
     book.note("p", 1, 7, b"c" * 16)
     book.note("p", 1, 8, b"d" * 16)
     assert book.digest("p", 1, 5) is None and book.digest("p", 1, 8) == b"d" * 16

@@ -113,8 +113,9 @@ class UpdateAudits:
 
 
 class VersionBook:
-    """The weights digest each peer's receipts named for each version of its stage (the first one seen), so that
-    an update at version v can be paired with the weights it produced (v+1). Bounded, newest kept."""
+    """The weights digest each peer's receipts named for each version of its stage (the latest one named: a peer that
+    restarted from a checkpoint counts its versions again, with other weights), so that an update at version v can be
+    paired with the weights it produced (v+1). Bounded, the most recently named kept."""
 
     def __init__(self, kept: int = VERSIONS_KEPT):
         self.kept = kept
@@ -122,9 +123,10 @@ class VersionBook:
 
     def note(self, peer: str, stage: int, version: int, digest: bytes) -> None:
         key = (peer, stage, version)
-        if key in self._digests or not digest.strip(b"\0"):
+        if not digest.strip(b"\0"):
             return
         self._digests[key] = digest
+        self._digests.move_to_end(key)
         while len(self._digests) > self.kept:
             self._digests.popitem(last=False)
 
