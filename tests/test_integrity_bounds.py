@@ -363,7 +363,7 @@ def test_a_driver_is_struck_for_a_wrong_shard_only_when_it_goes_on_after_it_was_
     sending them after the refusal, past the micro-batches it had in flight, is."""
     from swarm.integrity.labels import WRONG_SHARD_GRACE_S, WRONG_SHARD_HOLD_S, ShardRefusals
 
-    told = ShardRefusals(max_drivers=2)
+    told = ShardRefusals(allowance=3, max_drivers=2)
     assert not any(told.strikes("honest", now=100.0 + 0.01 * i) for i in range(50)), "in flight when told"
     assert not told.strikes("honest", now=100.0 + WRONG_SHARD_GRACE_S - 0.1)
     assert told.strikes("honest", now=100.0 + WRONG_SHARD_GRACE_S), "told, and went on"
@@ -373,8 +373,12 @@ def test_a_driver_is_struck_for_a_wrong_shard_only_when_it_goes_on_after_it_was_
     assert not told.strikes("honest", now=100.0 + WRONG_SHARD_HOLD_S + WRONG_SHARD_GRACE_S - 0.1)
     # each driver is told for itself; the memory is bounded (the oldest forgotten: told again, not struck)
     assert not told.strikes("b", now=200.0) and not told.strikes("c", now=200.0)
-    assert told.strikes("c", now=200.0 + WRONG_SHARD_GRACE_S)
+    assert not any(told.strikes("c", now=200.0 + WRONG_SHARD_GRACE_S) for _ in range(2)), "its allowance"
+    assert told.strikes("c", now=200.0 + WRONG_SHARD_GRACE_S), "past what it could have had in flight"
     assert not told.strikes("honest", now=200.0 + WRONG_SHARD_GRACE_S), "forgotten, so told anew"
+    # a busy machine: the few micro-batches it had in flight arrive after the grace, and strike nobody
+    slow = ShardRefusals(allowance=3)
+    assert not any(slow.strikes("busy", now=300.0 + 20.0 * (i > 0)) for i in range(4))
 
 
 def test_targets_are_looked_up_by_id_and_checked():

@@ -277,11 +277,13 @@ def test_a_burst_of_wrong_shard_micro_batches_is_refused_without_a_ban_until_the
     me = str(dht0.peer_id)
     allow_drivers(peers, {me: 0, "QmAnotherDriverHoldsShard1": 1})
     book = last.gate.book
+    refusals = last.gate.shard_refusals
+    allowance, refusals.allowance = refusals.allowance, int(RUN.integrity.ban_strikes)  # "in flight": the first 10
 
     async def body(driver, p2p, dataset):
         wrong = torch.as_tensor(make_shards(dataset.y_train, RUN.data, 10)[1][:8], dtype=torch.int64)
         key, codes = driver.receipt_key, []
-        for i in range(2 * int(RUN.integrity.ban_strikes)):
+        for i in range(3 * int(RUN.integrity.ban_strikes)):
             x = torch.zeros(8, 32)
             (h,), m1, _ = await _hop(p2p, peers[0], "forward", [x], stage0_meta(key, RUN.run_id, f"w{i}", x, wrong))
             try:
@@ -290,7 +292,7 @@ def test_a_burst_of_wrong_shard_micro_batches_is_refused_without_a_ban_until_the
                 codes.append(exc.code)
             if i == int(RUN.integrity.ban_strikes):  # the in-flight grace is over and the driver went on
                 told = last.gate.shard_refusals._told
-                told[me] = told[me] - WRONG_SHARD_GRACE_S
+                told[me][0] -= WRONG_SHARD_GRACE_S
         return codes
 
     try:
@@ -299,6 +301,7 @@ def test_a_burst_of_wrong_shard_micro_batches_is_refused_without_a_ban_until_the
     finally:
         allow_drivers(peers, {me: 0})
         book._book.pop(me, None)  # the module's other tests drive with this peer
+        refusals.allowance = allowance
     first = int(RUN.integrity.ban_strikes) + 1
     assert codes[:first] == ["wrong_shard"] * first, codes
     assert "banned" in codes[first:] or banned, f"a driver that went on after it was told was never banned: {codes}"

@@ -60,8 +60,11 @@ WRONG_SHARD_GRACE_S = 10.0
 
 
 class ShardRefusals:
-    """When this stage last told each driver ``wrong_shard``: a refusal strikes only a driver that was told and went
-    on (between ``WRONG_SHARD_GRACE_S`` and ``WRONG_SHARD_HOLD_S`` after it was told).
+    """When this stage last told each driver ``wrong_shard``, and how often since: a refusal strikes only a driver
+    that was told and went on, i.e. more than ``allowance`` refusals (what it can have had in flight when it was told,
+    each refused twice at most: a push, then its relay) and ``WRONG_SHARD_GRACE_S`` or more after it was told, within
+    ``WRONG_SHARD_HOLD_S``. Counted, not only timed: on a busy machine a micro-batch built before the refusal can
+    arrive more than the grace later.
 
     Two honest views of layer0 disagree for a few heartbeats whenever a driver joins, leaves or misses a heartbeat:
     the driver covers a shard its last reads showed unheld while our reads still show the holder (a holder that
@@ -70,17 +73,19 @@ class ShardRefusals:
     the adversary module's honest driver banned at layer2 for the rest of the run). The refusal alone keeps the
     labels of a shard from a driver that may not use it; the strike is for one that ignores it."""
 
-    def __init__(self, max_drivers: int = 4096) -> None:
+    def __init__(self, allowance: int = 32, max_drivers: int = 4096) -> None:
+        self.allowance = allowance
         self.max_drivers = max_drivers
-        self._told: OrderedDict[str, float] = OrderedDict()
+        self._told: OrderedDict[str, list] = OrderedDict()  # driver -> [when told, refusals since]
 
     def strikes(self, requester: str, now: float | None = None) -> bool:
         """A non-excusable refusal of ``requester`` now: does it strike? (Not: this refusal tells it.)"""
         now = time.monotonic() if now is None else now
         told = self._told.get(requester)
-        if told is not None and now - told < WRONG_SHARD_HOLD_S:
-            return now - told >= WRONG_SHARD_GRACE_S
-        self._told[requester] = now
+        if told is not None and now - told[0] < WRONG_SHARD_HOLD_S:
+            told[1] += 1
+            return now - told[0] >= WRONG_SHARD_GRACE_S and told[1] > self.allowance
+        self._told[requester] = [now, 1]
         self._told.move_to_end(requester)
         while len(self._told) > self.max_drivers:
             self._told.popitem(last=False)

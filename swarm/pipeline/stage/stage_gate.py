@@ -53,7 +53,8 @@ class StageGate:
         self.cfg = cfg
         self.labels = labels
         self.view = DriverView(claim_grace_s)  # a new shard claim stays open to the others this long
-        self.shard_refusals = ShardRefusals()  # who was told wrong_shard when: a strike only for going on
+        # who was told wrong_shard when: a strike only for going on past what it had in flight (pushed, then relayed)
+        self.shard_refusals = ShardRefusals(allowance=2 * cfg.max_in_flight_per_requester)
         self.book = RequesterBook(cfg)
         self._refresh_records = refresh
         self._notify = notify or (lambda level, kind, text: None)
