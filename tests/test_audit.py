@@ -69,9 +69,12 @@ def _ascent(worker: StageWorker) -> None:
     worker._update = climb
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-@pytest.mark.parametrize("harm", [False, True])
-def test_the_referee_upholds_every_hop_of_a_lone_copy_and_convicts_it_by_its_updates_only_when_they_climb(stage, harm):
+@pytest.mark.parametrize(("stage", "harm", "alone"), [(1, False, True), (2, False, True), (1, True, True),
+                                                      (2, True, True), (2, True, False)])
+def test_the_referee_upholds_every_hop_of_a_lone_copy_and_convicts_it_by_its_updates_only_when_they_climb(stage, harm,
+                                                                                                         alone):
+    """... and only where no other driver trains that copy: another driver's micro-batches fill the Adam momentum our
+    update steps along, and crafted ones could turn an honest copy's steps against our gradients (said, not acted on)."""
     from swarm.run.data import load_dataset
 
     worker, key = StageWorker(RUN, stage), ReceiptKey("QmSigner")
@@ -105,6 +108,7 @@ def test_the_referee_upholds_every_hop_of_a_lone_copy_and_convicts_it_by_its_upd
 
     outcomes, climbing = [], []
     referee.on_climbing = lambda k, verdict: climbing.append((referee.audited, verdict))
+    referee.alone = lambda: alone
 
     async def judged(op, tensors, grad_in, receipt):
         verdict = await referee.judge(stage, op, tensors, grad_in, receipt, "QmSigner")
@@ -117,13 +121,15 @@ def test_the_referee_upholds_every_hop_of_a_lone_copy_and_convicts_it_by_its_upd
             worker._commit()  # the next version, named by the peer's next receipt (the driver's version book)
             referee.versions.note("QmSigner", stage, *worker.committed)
             outcomes.append(asyncio.run(judged(op, tensors, grad_in, receipt)).outcome)
-            if climbing:
+            if climbing or referee.climbing_not_alone:
                 break
     finally:
         executor.shutdown()
     assert outcomes == [HOLDS] * len(outcomes), "every hop of it follows from its weights: each one holds"
     assert referee.audited == len(outcomes), "its updates were not audited"
-    if harm:
+    if harm and not alone:
+        assert not climbing and referee.climbing_not_alone == 1 and len(outcomes) == QUICK_AUDITS
+    elif harm:
         assert len(climbing) == 1 and climbing[0][1].outcome == CONVICTED and "climb the loss" in climbing[0][1].why
         assert climbing[0][0] == QUICK_AUDITS, "convicted at its first verdict: every audit of it climbs"
     else:

@@ -383,7 +383,8 @@ class SwarmPeer:
                 if name != "layer0":
                     self.driver.set_peers(name, ids)
             self.driver.cover_shards(unheld)
-
+            self.driver.others_seen_at = time.monotonic() if set(online.get("layer0", ())) - {me} else \
+                self.driver.others_seen_at
         self._loop.call_soon_threadsafe(apply)
 
     def set_shard(self, shard: int) -> None:

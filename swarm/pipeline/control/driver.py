@@ -77,6 +77,7 @@ def lanes_cap(run: RunConfig) -> int:
 
 
 SICK_POLL_S = 0.5
+ALONE_S = 300.0  # an audit verdict convicts only when no other driver was seen for this long (referee_audits.py)
 LANE_BUG_PAUSE_S = 0.1
 
 
@@ -115,6 +116,9 @@ class PipelineDriver(LaneFailures):
         self.referee = None if os.environ.get("VOLUNTEER_REFEREE") == "0" else \
             Referee(run, p2p, self.hops.namespaces, None, dataset, call=call, device=worker.device,
                     versions=self.hops.versions)
+        self.others_seen_at = float("-inf")  # when a view last showed another online driver (swarm/pipeline/peer.py)
+        if self.referee is not None:
+            self.referee.alone = lambda: time.monotonic() - self.others_seen_at > ALONE_S
         self.spot = SpotChecker(self.hops, share=run.integrity.spot_share, seed=seed, referee=self.referee)
         # what each copy's weights do to the loss of what went through it (chance: ln of the model's outputs)
         outputs = run.model.num_classes if run.model.kind == "mlp" else run.model.vocab_size

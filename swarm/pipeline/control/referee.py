@@ -131,6 +131,8 @@ class Referee(UpdateAuditor):
         self._auditing: set[asyncio.Task] = set()
         # a copy convicted by its audits (k, verdict): the spot checker routes around it (set by it)
         self.on_climbing: Any = None
+        self.alone: Any = lambda: True  # no other driver seen lately (the driver sets it: referee_audits.py)
+        self.climbing_not_alone = 0  # audit verdicts not acted on: another driver trains that copy too
         self.unshown = 0
         self.recompute_s = 0.0  # compute-thread seconds spent recomputing
         self.fetch_s = 0.0
@@ -179,7 +181,8 @@ class Referee(UpdateAuditor):
         return {"refereed": self.refereed, "held": self.held, "convicted": len(self.convictions),
                 "unshown": self.unshown, "recompute_s": round(self.recompute_s, 3), "fetches": self.fetches,
                 "fetch_s": round(self.fetch_s, 3), "false_losses": self.false_losses, "audited": self.audited,
-                "climbing": self.climbing, "unaudited": self.unaudited}
+                "climbing": self.climbing, "unaudited": self.unaudited,
+                "climbing_not_alone": self.climbing_not_alone}
 
     def can_judge(self, op: str) -> bool:
         """Whether a claim of ``op`` can be recomputed at all (not a training op of a run with dropout)."""

@@ -22,13 +22,16 @@ MAX_AUDITS_PENDING = 8
 
 
 class UpdateAuditor:
-    """Needs: ``versions``, ``audits``, ``_auditing``, ``on_climbing``, ``_fetch``, ``_module``, ``_spent``,
-    ``_cost_cap_s``, ``_climbing``, ``executor``, ``run`` and the counters ``audited``, ``unaudited``."""
+    """Needs: ``versions``, ``audits``, ``_auditing``, ``on_climbing``, ``alone``, ``_fetch``, ``_module``,
+    ``_spent``, ``_cost_cap_s``, ``_climbing``, ``executor``, ``run`` and the counters ``audited``, ``unaudited``,
+    ``climbing_not_alone``. ``alone()``: no other driver has been seen in the run lately (a verdict convicts only
+    then)."""
 
     versions: Any
     audits: Any
     _auditing: set
     on_climbing: Any
+    alone: Any
 
     def _start_audit(self, k: int, op: str, peer: str, receipt: Receipt, weights: dict[str, torch.Tensor],
                      forward_weights: dict[str, torch.Tensor] | None, tensors: list[torch.Tensor],
@@ -50,8 +53,17 @@ class UpdateAuditor:
                 logger.exception("an update audit failed")
                 return
             self._spent(peer, min(time.monotonic() - began, self._cost_cap_s(k)))
-            if climbing is not None and self.on_climbing is not None:
-                self.on_climbing(k, self._climbing(k, peer, receipt, climbing))
+            if climbing is None or self.on_climbing is None:
+                return
+            if not self.alone():
+                # Another driver trains this copy too, and an update steps along Adam's momentum, which that driver's
+                # micro-batches fill: crafted inputs from it could turn our honest copy's steps against our gradients
+                # and have us convict it. Said, not acted on (a hold would do nothing to a lone copy anyway).
+                self.climbing_not_alone += 1
+                logger.warning("referee: layer%d peer %s: %s; another driver trains it too, so this is not taken "
+                               "as proof", k, peer[-8:], climbing.describe())
+                return
+            self.on_climbing(k, self._climbing(k, peer, receipt, climbing))
 
         task = asyncio.ensure_future(audit())
         self._auditing.add(task)
