@@ -299,7 +299,7 @@ def test_a_lane_waiting_for_a_newcomers_verdict_says_so():
     trained for 38 s: the layer0 drivers do not say why")."""
     import asyncio
 
-    from swarm.pipeline.control import spot_checks
+    from swarm.pipeline.control import spot_referee
     from swarm.pipeline.control.spot_checks import SpotChecker
 
     class _Blockage:
@@ -318,11 +318,11 @@ def test_a_lane_waiting_for_a_newcomers_verdict_says_so():
     hops = _Hops({"newcomer-peer": out})
     hops.blockage = _Blockage()
     checker = SpotChecker(hops, share=1.0, referee=_Slow(True))
-    original, spot_checks.REFEREE_SAY_S = spot_checks.REFEREE_SAY_S, 0.1
+    original, spot_referee.REFEREE_SAY_S = spot_referee.REFEREE_SAY_S, 0.1
     try:
         asyncio.run(checker.after_forward(1, torch.zeros(8, 4), {}, None, "newcomer-peer", out))
     finally:
-        spot_checks.REFEREE_SAY_S = original
+        spot_referee.REFEREE_SAY_S = original
     assert hops.blockage.reasons and all(r.startswith("referee: recomputing a hop of layer1 peer") for r in
                                           hops.blockage.reasons)
     assert checker.credit.get("newcomer-peer") == 1  # upheld all the same

@@ -45,6 +45,7 @@ control/ (imports transport/ and stage/: the driver runs its own stage 0)
 - push_driver.py a micro-batch pushed down a route; push_checks.py its spot checks after the fact;
   push_recovery.py a broken push resumed by relay; push_trail.py what they share
 - spot_checks.py the driver's spot checks: a share of forward and gradient hops recomputed at a second peer
+  spot_referee.py their referee side: lone and newcomer hops recomputed, disputes settled, what a verdict does
 - referee.py     the driver's referee: a disputed or sampled hop recomputed from the weights its signer committed to
   referee_audits.py the referee's audits of the updates it upholds, beside the lanes (integrity/audit.py)
 - stage0_checks.py stage 1's spot checks of the stage-0 outputs it is sent (recomputed by other layer0 peers);

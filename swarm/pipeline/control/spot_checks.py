@@ -23,7 +23,6 @@ import random
 import time
 import collections
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,7 +31,6 @@ from swarm.integrity.spot import (
     ACTIVATIONS,
     GRADIENTS,
     ESTABLISHED_CREDIT,
-    MAX_CREDITED,
     SPOT_SHARE,
     Bounds,
     CreditBook,
@@ -41,33 +39,19 @@ from swarm.integrity.spot import (
     similarity,
 )
 from swarm.integrity.receipts import Receipt
-from swarm.pipeline.stage.convictions import announce
 from swarm.pipeline.control.hops import HopCaller, HopGivenUp, NeedInputReply, Refused
-from swarm.pipeline.control.referee import CONVICTED, CONVICTED_BAN_S, HOLDS, UNSHOWN, Referee, Verdict
+from swarm.pipeline.control.referee import Referee
 from swarm.pipeline.transport.replies import Vouch
 from swarm.pipeline.control.routing import BAD_REPLY_BAN_S
+from swarm.pipeline.control.spot_referee import Claim, SpotReferee
 
 logger = logging.getLogger(__name__)
 
 SIMILARITIES_KEPT = 200
-REFEREE_SAY_S = 1.0  # a lane waiting this long for a newcomer's verdict says so (hops.Blockage: if nothing flows)
-MAX_BACKGROUND_REFEREES = 4  # sampled hops of established peers refereed off the lanes' path at once
-UNSHOWN_IN_ROW = 3  # sampled hops in a row whose weights a peer did not show before it is backed off
 LONE_UPDATE_SHARE = 0.12  # update hops of a swarm's only copy checked (and their updates audited) at least this often
 
 
-@dataclass(slots=True, frozen=True)
-class Claim:
-    """One peer's answer in a check: who, what it returned, the receipt that commits it to its weights, the op."""
-
-    peer: str
-    out: torch.Tensor
-    receipt: Receipt | None
-    op: str
-    loss: float | None = None  # a last stage's reported loss (its receipt signs it): the referee checks it too
-
-
-class SpotChecker:
+class SpotChecker(SpotReferee):
     def __init__(self, hops: HopCaller, share: float = SPOT_SHARE, seed: int = 0, referee: Referee | None = None):
         self.hops = hops
         self.referee = referee  # recomputes disputed hops from committed weights (None: disputes go to a vote)
@@ -194,134 +178,6 @@ class SpotChecker:
         if culprit == primary:
             raise Refused("spot_check", f"layer{k} peer {primary[-8:]} failed a spot check (its {kind} disagree "
                                         "with two other peers'): not passed on")
-
-    async def _referee_alone(self, k: int, tensors: list[torch.Tensor], claim: Claim) -> None:
-        """A sampled hop of a swarm with no second copy, or of a newcomer: recomputed from the weights its signer
-        committed to. A claim that follows earns its signer credit; one that does not is refused and its signer
-        convicted; one whose weights do not come is refused (nothing doubtful is used) and its signer backed off like
-        a failing peer, not convicted (a slow link is no lie)."""
-        if self.referee is None or not self.referee.can_judge(claim.op):
-            return
-        if self.book.get(claim.peer) > 0:
-            # Off the lane's path once a recomputation has upheld the peer: its hops not sampled pass unchecked
-            # anyway, so holding this one back protects little, while a fetch in the path held the lane (a lane that
-            # waited half a second came back 29 updates stale at its stage 0, against 12 at most without it). A lie
-            # found later still convicts it and routes every later hop around it. A stranger's first sampled hop
-            # waits for its verdict: a liar from its first hop is dropped there.
-            lone = len(self.hops.routers[f"layer{k}"].peers) < 2
-            if not self.referee.has_time(lone, claim.peer) and not self._unshown_in_row.get(claim.peer):
-                # its budget (referee.SAMPLED_BUSY_SHARE): this hop passes unchecked; never a peer that did not show
-                # its weights last time (stalling must not buy it unchecked hops)
-                self.referee_skipped += 1
-                return
-            self.refereed_alone += 1
-            if len(self._background) < MAX_BACKGROUND_REFEREES:
-                task = asyncio.ensure_future(self._referee_later(k, tensors, claim))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
-            return
-        self.refereed_alone += 1
-        verdict = asyncio.ensure_future(self._referee_alone_verdict(k, tensors, claim))
-        try:
-            while not (await asyncio.wait({verdict}, timeout=REFEREE_SAY_S))[0]:
-                # the lane waits for a fetch of the stage's weights (a large stage over a slow link: tens of seconds):
-                # said if nothing else flows meanwhile (any micro-batch that completes clears it)
-                self.hops.blockage.set(f"referee: recomputing a hop of layer{k} peer {claim.peer[-8:]} (new to us) "
-                                       "from the weights it committed to, before its outputs are used")
-        finally:
-            if not verdict.done():
-                verdict.cancel()
-        verdict.result()
-
-    def _alone_verdict(self, k: int, claim: Claim, verdict: Verdict) -> None:
-        if verdict.outcome == HOLDS:
-            self.book.add(claim.peer)  # validated work: its claim followed from the weights it committed to
-            self._unshown_in_row.pop(claim.peer, None)
-            return
-        if verdict.outcome == CONVICTED:
-            self._convict(k, verdict)
-            raise Refused("spot_check", f"layer{k} peer {claim.peer[-8:]} was convicted by recomputation: "
-                                        f"{verdict.describe()}")
-        if verdict.outcome == UNSHOWN:
-            # No verdict. A large stage keeps few versions (a 16 MiB one: 2-4) and drops one a referee was about to
-            # ask for: refusing and backing off then stalled a heavy run whose swarms had one peer each. So one miss
-            # is nothing; a peer that shows nothing UNSHOWN_IN_ROW times running is backed off like a failing one
-            # (what a liar that never shows gets), and its sampled micro-batch is refused
-            self.unshown += 1
-            misses = self._unshown_in_row.get(claim.peer, 0) + 1
-            if len(self._unshown_in_row) >= MAX_CREDITED:
-                self._unshown_in_row.clear()
-            self._unshown_in_row[claim.peer] = misses
-            if misses >= UNSHOWN_IN_ROW:
-                self._unshown_in_row.pop(claim.peer, None)
-                self.hops.routers[f"layer{k}"].failure(claim.peer, time.monotonic())
-                raise Refused("spot_check", f"layer{k} peer {claim.peer[-8:]} showed the weights of none of its last "
-                                            f"{UNSHOWN_IN_ROW} sampled hops ({verdict.describe()}): not passed on")
-
-    async def _referee_later(self, k: int, tensors: list[torch.Tensor], claim: Claim) -> None:
-        try:
-            await self._referee_alone_verdict(k, tensors, claim)
-        except Refused:
-            pass  # convicted or backed off already; its micro-batch went on before the verdict
-        except Exception:  # a referee's bug must never reach a lane
-            logger.exception("a background referee failed")
-
-    async def _referee_alone_verdict(self, k: int, tensors: list[torch.Tensor], claim: Claim) -> None:
-        verdict = await self.referee.judge(k, claim.op, tensors, claim.out, claim.receipt, claim.peer,
-                                           loss=claim.loss)
-        self._alone_verdict(k, claim, verdict)
-
-    async def _referee_dispute(self, k: int, tensors: list[torch.Tensor], primary: Claim, other: Claim,
-                               kind: str) -> bool:
-        """Settle a far disagreement by recomputation; True when settled (a liar convicted, or one claim held while
-        the other's weights could not be had). Newcomers are refereed first (the fewest corroborated outputs), and
-        the second party only when the first held or could not be checked. Raises Refused when ``primary`` lost."""
-        if self.referee is None or not (self.referee.can_judge(primary.op) and self.referee.can_judge(other.op)):
-            return False
-        verdicts: dict[str, Verdict] = {}
-        for claim in sorted((primary, other), key=lambda c: self.book.get(c.peer)):
-            verdict = await self.referee.judge(k, claim.op, tensors, claim.out, claim.receipt, claim.peer,
-                                               loss=claim.loss)
-            verdicts[claim.peer] = verdict
-            if verdict.outcome == CONVICTED:
-                self._convict(k, verdict)
-                if claim.peer == primary.peer:
-                    raise Refused("spot_check", f"layer{k} peer {primary.peer[-8:]} was convicted by recomputation "
-                                                f"(its {kind}: {verdict.describe()}): not passed on")
-                return True
-        outcomes = {verdict.outcome for verdict in verdicts.values()}
-        if outcomes != {HOLDS, UNSHOWN}:
-            return False  # both hold (the weights differ: a vote with credit decides) or neither could be checked
-        unshown = next(peer for peer, verdict in verdicts.items() if verdict.outcome == UNSHOWN)
-        self.unshown += 1
-        ban_s = self.hops.routers[f"layer{k}"].failure(unshown, time.monotonic(), min_ban_s=BAD_REPLY_BAN_S)
-        logger.warning("referee at layer%d: peer %s could not show the weights of an output (%s) another peer's "
-                       "recomputable one disputes; not using it for %.0f s", k, unshown[-8:], kind, ban_s)
-        if unshown == primary.peer:
-            raise Refused("spot_check", f"layer{k} peer {primary.peer[-8:]} could not show the weights of its disputed "
-                                        f"{kind}: not passed on")
-        return True
-
-    def _climbing(self, k: int, verdict: Verdict) -> None:
-        """A copy whose audited updates climb the loss (swarm/integrity/audit.py): convicted like a wrong tensor, by our
-        own recomputations (routed around even as its swarm's last peer), its credit gone; nothing to announce."""
-        self._convict(k, verdict)
-
-    def _convict(self, k: int, verdict: Verdict) -> None:
-        """A signer proven wrong by recomputation: routed around for CONVICTED_BAN_S, its credit gone, and the evidence
-        sent to the stages next to it, which re-check it and refuse its tensors from then on (convictions.py)."""
-        self.convicted += 1
-        self.book.credit.pop(verdict.peer, None)
-        self.hops.routers[f"layer{k}"].failure(verdict.peer, time.monotonic(), min_ban_s=CONVICTED_BAN_S,
-                                               proven=True)
-        conviction = self.referee.convictions.get(verdict.peer) if self.referee is not None else None
-        if conviction is None or len(self._background) >= 2 * MAX_BACKGROUND_REFEREES:
-            return
-        neighbours = [(peer, self.hops.namespaces[name]) for name in (f"layer{k - 1}", f"layer{k + 1}")
-                      if name in self.hops.routers and name != "layer0" for peer in self.hops.routers[name].peers]
-        task = asyncio.ensure_future(announce(conviction, neighbours, self.hops.call, self.hops.p2p, self.hops.run))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
     def cancel_background(self) -> None:
         """The driver stops: background referees and announcements end with it."""
