@@ -73,8 +73,8 @@ def _ascent(worker: StageWorker) -> None:
                                                       (2, True, True), (2, True, False)])
 def test_the_referee_upholds_every_hop_of_a_lone_copy_and_convicts_it_by_its_updates_only_when_they_climb(stage, harm,
                                                                                                          alone):
-    """... and only where no other driver trains that copy: another driver's micro-batches fill the Adam momentum our
-    update steps along, and crafted ones could turn an honest copy's steps against our gradients (said, not acted on)."""
+    """... and only where no other driver trains that copy: another driver's micro-batches fill the Adam momentum
+    our update steps along, and crafted ones could turn an honest copy's steps against our gradients (said only)."""
     from swarm.run.data import load_dataset
 
     worker, key = StageWorker(RUN, stage), ReceiptKey("QmSigner")
