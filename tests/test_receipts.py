@@ -15,8 +15,10 @@ from swarm.integrity.receipts import (
     ids_digest,
     mismatch,
     parse_all,
+    bytes_signature_valid,
     signature_valid,
     tensor_digest,
+    verification_stats,
 )
 from swarm.pipeline.transport.wire import decode_tensors, encode_tensors, payload_of, serialize_once
 
@@ -40,6 +42,30 @@ def test_a_receipt_verifies_with_its_signers_key_only():
                    dict(signer="QmMallory"), dict(version=8), dict(run_id="run-other"), dict(weights=b"v" * 16),
                    dict(forward_weights=b"g" * 16)):
         assert not signature_valid(dataclasses.replace(receipt, **change), alice.public), change
+
+
+def test_a_signature_verified_once_is_answered_again_only_for_the_same_key_and_bytes():
+    alice, mallory = ReceiptKey("QmAlice"), ReceiptKey("QmMallory")
+    theirs = ReceiptKey("QmBob")
+    receipt = _signed(theirs)
+    before = verification_stats()
+    assert signature_valid(receipt, theirs.public) and signature_valid(receipt, theirs.public)
+    after = verification_stats()
+    # our own signatures are known as we make them: the first check of Bob's in this process is a hit too
+    assert after["hits"] - before["hits"] == 2 and after["misses"] == before["misses"]
+    # what was verified is no licence for anything else: another key, any field changed, the signature on other bytes
+    assert not signature_valid(receipt, mallory.public)
+    assert not signature_valid(dataclasses.replace(receipt, output=b"x" * 16), theirs.public)
+    assert not signature_valid(dataclasses.replace(_signed(alice), signature=receipt.signature), alice.public)
+    assert not bytes_signature_valid(receipt.body() + b"x", receipt.signature, theirs.public)
+    assert not bytes_signature_valid(receipt.body(), receipt.signature, bytearray(theirs.public))  # not bytes: no
+    assert bytes_signature_valid(receipt.body(), receipt.signature, theirs.public)
+    # a stranger's valid signature, verified in full once, then answered from memory
+    seed_key = ReceiptKey("QmCarol", bytes(range(32)))
+    stranger = dataclasses.replace(_signed(seed_key), version=9)
+    forged = stranger.signature
+    assert not signature_valid(stranger, seed_key.public)  # the version changed after signing: refused, not kept
+    assert not signature_valid(stranger, seed_key.public) and forged == stranger.signature
 
 
 def test_a_key_derived_from_the_same_seed_signs_the_same():

@@ -24,6 +24,7 @@ Everything here is pure (plain data in, a verdict out) except ``ReceiptKey``, wh
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,11 @@ OPS = frozenset({"forward", "backward", "forward_backward", "infer", "evaluate"}
 GRADIENT_OPS = frozenset({"backward", "forward_backward"})
 NO_WEIGHTS = b"\0" * 16  # a receipt of no stage computation (a driver's own stage 0 before it has committed)
 NO_FIGURES = b"\0" * 16  # a receipt that reports no figure beside its tensor
+
+
+# signatures that verified lately (``_verified``): a stage checks the receipt of its input at its forward and again at
+# the backward, and its own receipts come back to it in every backward's request and every trail
+VERIFIED_KEEP = 4096
 
 
 class ReceiptError(ValueError):
@@ -155,7 +161,9 @@ class ReceiptKey:
 
     def sign_bytes(self, data: bytes) -> bytes:
         """A signature of ``data`` itself (a route digest: route_digest)."""
-        return self._key.sign(data)
+        signature = self._key.sign(data)
+        _VERIFIED.add(signature, self.public, data)
+        return signature
 
     def sign(self, run_id: str, mb: str, op: str, stage: int, version: int, input: bytes, output: bytes,
              ids: bytes, weights: bytes = NO_WEIGHTS, forward_weights: bytes | None = None,
@@ -163,36 +171,72 @@ class ReceiptKey:
         forward_weights = weights if forward_weights is None else forward_weights
         unsigned = Receipt(run_id, mb, op, stage, max(0, int(version)), input, output, ids, self.peer_id,
                            weights=weights, forward_weights=forward_weights, figures=figures)
-        return Receipt(run_id, mb, op, stage, unsigned.version, input, output, ids, self.peer_id,
-                       self._key.sign(unsigned.body()), weights, forward_weights, figures)
+        body = unsigned.body()
+        signature = self._key.sign(body)
+        _VERIFIED.add(signature, self.public, body)
+        return Receipt(run_id, mb, op, stage, unsigned.version, input, output, ids, self.peer_id, signature, weights,
+                       forward_weights, figures)
+
+
+class _Verified:
+    """Signatures that verified lately, each with the key and the bytes it verified for.
+
+    Ed25519 verification is a pure function of (public key, signature, signed bytes): the same three verify again,
+    so a hit is answered without the ~0.1 ms of a verification; a signature seen with another key or other bytes is
+    no hit and is verified in full. Only successes are kept (a forgery costs its sender a verification each time),
+    at most ``VERIFIED_KEEP`` (the oldest go first); our own signatures go in as we make them.
+    """
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self.entries: dict[bytes, tuple[bytes, bytes]] = {}
+        self.lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def add(self, signature: bytes, public_key: bytes, data: bytes) -> None:
+        with self.lock:
+            self.entries[signature] = (public_key, bytes(data))
+            while len(self.entries) > self.keep:
+                del self.entries[next(iter(self.entries))]
+
+    def valid(self, signature: bytes, data: bytes, public_key: bytes) -> bool:
+        if self.entries.get(signature) == (public_key, data):
+            self.hits += 1
+            return True
+        self.misses += 1
+        from cryptography.exceptions import InvalidSignature
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+        try:
+            Ed25519PublicKey.from_public_bytes(public_key).verify(signature, data)
+        except (InvalidSignature, ValueError):
+            return False
+        self.add(signature, public_key, data)
+        return True
+
+
+_VERIFIED = _Verified(VERIFIED_KEEP)
+
+
+def verification_stats() -> dict[str, int]:
+    """Signature checks answered from the recently verified (hits) and verified in full (misses), since start."""
+    return {"hits": _VERIFIED.hits, "misses": _VERIFIED.misses}
 
 
 def bytes_signature_valid(data: bytes, signature: Any, public_key: bytes | None) -> bool:
     """``signature`` (ReceiptKey.sign_bytes) of ``data`` by the holder of ``public_key``."""
-    from cryptography.exceptions import InvalidSignature
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-
-    if not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES or public_key is None or \
-            len(public_key) != PUBLIC_KEY_BYTES:
+    if not isinstance(signature, bytes) or len(signature) != SIGNATURE_BYTES or not isinstance(public_key, bytes) \
+            or len(public_key) != PUBLIC_KEY_BYTES:
         return False
-    try:
-        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, data)
-        return True
-    except (InvalidSignature, ValueError):
-        return False
+    return _VERIFIED.valid(signature, bytes(data), public_key)
 
 
 def signature_valid(receipt: Receipt, public_key: bytes) -> bool:
-    from cryptography.exceptions import InvalidSignature
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-
-    if len(public_key) != PUBLIC_KEY_BYTES:
+    if not isinstance(public_key, bytes) or len(public_key) != PUBLIC_KEY_BYTES or \
+            not isinstance(receipt.signature, bytes) or len(receipt.signature) != SIGNATURE_BYTES:
         return False
-    try:
-        Ed25519PublicKey.from_public_bytes(public_key).verify(receipt.signature, receipt.body())
-        return True
-    except (InvalidSignature, ValueError):
-        return False
+    return _VERIFIED.valid(receipt.signature, receipt.body(), public_key)
 
 
 @dataclass(slots=True, frozen=True)

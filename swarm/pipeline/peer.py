@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from swarm.dht.records import MemberRecord, dialable
+from swarm.integrity.receipts import verification_stats
 from swarm.run.runconfig import EDGE_MODES, RunConfig
 from swarm.pipeline.peer_checks import attach_checks, prefetch_keys
 from swarm.pipeline.peer_eval import Evaluations
@@ -82,11 +83,8 @@ class SwarmPeer:
 
     # ----- lifecycle
     def start(self, sync_from: list[MemberRecord] | None = None) -> None:
-        """Build the stage, register its RPCs, start the driver on layer0. Blocks until serving.
-
-        ``sync_from``: our swarm's records; a newcomer first downloads its layer from one of them
-        (``None`` keeps the seeded initial weights without asking).
-        """
+        """Build the stage, register its RPCs, start the driver on layer0. Blocks until serving. ``sync_from``: our
+        swarm's records; a newcomer first downloads its layer from one of them (``None``: the seeded initial weights)."""
         from swarm.integrity.heal import Healer
 
         self.worker = StageWorker(self.run, self.index, self.device)
@@ -248,6 +246,7 @@ class SwarmPeer:
             return
 
         async def _teardown() -> None:
+            logger.info("receipt signatures at the stop: %s", verification_stats())
             if self.driver is not None:
                 self.driver.stop()
             if self._servicer is not None and self._servicer.spot0 is not None:
