@@ -7,6 +7,7 @@ tests, tests/test_referee_swarm.py, run it over P2P)."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -294,6 +295,28 @@ def test_stage_one_recomputes_a_lone_drivers_stage0_output_exactly():
     assert honest == "upheld" and made_up == AUTHOR_ODD and unshown != AUTHOR_ODD and bare is None
     assert struck == [("QmDriver", 14.0)] and checker.credit.get("QmDriver", 0) == 0  # convicted: credit cleared
     assert checker.stats()["convicted"] == 1 and checker.stats()["upheld"] == 1
+
+
+def test_recomputations_that_share_a_module_run_one_at_a_time():
+    """functional_call swaps a module's parameters for the duration of the call: two recomputations on one module at
+    once (stage 1's stage-0 referee judged several micro-batches of a run's start on threads of its own) computed with
+    each other's weights, and an honest driver of the charlm run was convicted at cosine 0.836 and banned, the run
+    stopped. Each recomputation on threads must equal the same one done alone."""
+    module = build_stage(RUN.model, 1)
+    gen = torch.Generator().manual_seed(3)
+    versions = [{k: torch.randn(v.shape, generator=gen) for k, v in module.state_dict().items()} for _ in range(4)]
+    x = torch.randn(64, HIDDEN, generator=gen)
+    alone = [recompute(RUN.model, module, "forward", w, [x]) for w in versions]
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads take turns often, as under a loaded machine's scheduling
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(lambda i: recompute(RUN.model, module, "forward", versions[i % 4], [x]),
+                                     range(400)))
+    finally:
+        sys.setswitchinterval(switch)
+    wrong = [i for i, y in enumerate(together) if not torch.equal(y, alone[i % 4])]
+    assert not wrong, f"{len(wrong)} of 400 recomputations used another's weights"
 
 
 def test_a_run_with_dropout_is_refereed_only_where_it_can_be_replayed():

@@ -21,6 +21,8 @@ cosine with it is its norm ratio).
 from __future__ import annotations
 
 import math
+import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -85,6 +87,22 @@ def compare(claim: torch.Tensor, recomputed: torch.Tensor, tolerance: Tolerance)
     return Finding(holds, cosine, ratio)
 
 
+# functional_call swaps a module's parameters in place for the duration of the call: recomputations that share a module
+# (a referee's threads, stage 1's stage-0 referee on asyncio's) take its lock, or one computes with another's weights
+# (an honest charlm driver was convicted that way at cosine 0.836 and banned: tests/test_referee.py)
+_MODULE_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LOCKS_LOCK = threading.Lock()
+
+
+def module_lock(module: nn.Module) -> threading.Lock:
+    """The lock every recomputation on ``module`` holds."""
+    with _LOCKS_LOCK:
+        lock = _MODULE_LOCKS.get(module)
+        if lock is None:
+            lock = _MODULE_LOCKS[module] = threading.Lock()
+        return lock
+
+
 def recompute(model: ModelConfig, module: nn.Module, op: str, weights: dict[str, torch.Tensor],
               tensors: list[torch.Tensor], targets: torch.Tensor | None = None,
               forward_weights: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
@@ -99,7 +117,8 @@ def recompute(model: ModelConfig, module: nn.Module, op: str, weights: dict[str,
     device = _device_of(module)
     tensors = [t.to(device) for t in tensors]
     targets = None if targets is None else targets.to(device)
-    return _recompute(model, module, op, weights, tensors, targets, forward_weights).cpu()
+    with module_lock(module):
+        return _recompute(model, module, op, weights, tensors, targets, forward_weights).cpu()
 
 
 def _recompute(model: ModelConfig, module: nn.Module, op: str, weights: dict[str, torch.Tensor],
@@ -144,6 +163,13 @@ def recompute_param_grads(model: ModelConfig, module: nn.Module, op: str, weight
     """The parameter gradient an update op computes at ``weights`` (what its update steps along, before clipping):
     backward [g, x] through the activations of ``forward_weights`` where its forward ran on another version, as the
     stage does; forward_backward [x] with ``targets``. On the CPU, by parameter name (swarm/integrity/audit.py)."""
+    with module_lock(module):
+        return _param_grads(model, module, op, weights, tensors, targets, forward_weights)
+
+
+def _param_grads(model: ModelConfig, module: nn.Module, op: str, weights: dict[str, torch.Tensor],
+                 tensors: list[torch.Tensor], targets: torch.Tensor | None,
+                 forward_weights: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
     device = _device_of(module)
     tensors = [t.to(device) for t in tensors]
     expected = module.state_dict()
@@ -181,8 +207,8 @@ def recompute_loss(model: ModelConfig, module: nn.Module, weights: dict[str, tor
     """The loss a last stage with ``weights`` computes on ``x`` and ``targets`` (training mode, as forward_backward)."""
     device = _device_of(module)
     state = _fitted(module.state_dict(), weights)
-    module.train(True)
-    with torch.no_grad():
+    with module_lock(module), torch.no_grad():
+        module.train(True)
         return float(loss_fn(model, functional_call(module, state, (x.to(device),)), targets.to(device)))
 
 
