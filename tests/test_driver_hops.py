@@ -133,6 +133,7 @@ def test_when_every_peer_holds_us_off_the_driver_waits_and_says_why():
     driver = drive(RUN2, fake, seconds=1.2)
     assert len(fake.calls_to("busy")) <= 12  # four lanes, at most once per retry_after_s each
     assert "asks us to wait" in driver.stats.blocked_reason
+    assert "the last, busy said " in driver.stats.blocked_reason, driver.stats.blocked_reason  # and what it said
     assert driver.stats.lost == 0
 
 

@@ -310,6 +310,8 @@ def test_repeated_rejections_ban_a_driver_and_the_ban_expires():
     assert bans[:4] == [None] * 4 and bans[4].duration_s == 60.0
     refusal = book.admit("bad", True, now=10.0)
     assert refusal.code == "banned" and refusal.retry_after_s == pytest.approx(50.0)
+    # the driver is told why, not only that (an honest one can say what happened to its user)
+    assert "50 s more: 5 strikes, the last: rejected" in refusal.error, refusal.error
     assert book.admit("bad", True, now=65.0) is None
     # rejections spread out in time (an honest driver now and then) never add up to a ban
     assert all(book.on_strike("slow", "rejected", now=t * 60.0) is None for t in range(50))

@@ -106,6 +106,7 @@ class _Requester:
     scored_at: float = 0.0
     banned_until: float = 0.0
     times_banned: int = 0
+    ban_reason: str = ""  # why the latest ban (its driver is told, with every refusal while it lasts)
     last_seen: float = 0.0
     applied: int = 0  # updates applied here since first seen (probation ends at cfg.probation_updates)
     first_seen: float = 0.0
@@ -142,8 +143,8 @@ class RequesterBook:
         with self._lock:
             entry = self._get(requester, now)
             if entry.banned_until > now:
-                return Refusal("banned", "this peer refuses your requests for a while (too many rejected "
-                               "or clipped updates)", entry.banned_until - now)
+                return Refusal("banned", f"this peer refuses your requests for {entry.banned_until - now:.0f} s "
+                               f"more: {entry.ban_reason[:240]}", entry.banned_until - now)
             if entry.in_flight >= cfg.max_in_flight_per_requester:
                 return Refusal("busy", f"more than {cfg.max_in_flight_per_requester} of your requests are "
                                "queued here: wait for replies", 0.2)
@@ -224,6 +225,7 @@ class RequesterBook:
         duration = ban_duration_s(entry.times_banned, self.cfg.ban_s, self.cfg.max_ban_s)
         entry.banned_until = now + duration
         entry.times_banned += 1
+        entry.ban_reason = reason
         entry.score = 0.0
         entry.applied = 0  # back on probation when the ban ends
         ban = Ban(requester, reason, duration)

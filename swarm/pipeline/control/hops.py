@@ -170,6 +170,7 @@ class HopCaller:
         # the weights it produced, v+1 (swarm/integrity/audit.py)
         self.versions = VersionBook()
         self._empty_since: dict[str, float] = {}
+        self._held_why: dict[str, str] = {}  # swarm -> what its last peer that asked us to wait said (the user is told)
         self._logged: set[tuple[str, str]] = set()
         self._key_pending_since: dict[str, float] = {}  # peer -> its first key_pending since it last served us
 
@@ -270,6 +271,7 @@ class HopCaller:
             if code in HOLD_CODES:
                 retry_after_s = getattr(exc, "retry_after_s", None)
                 router.hold(peer, now, retry_after_s if retry_after_s is not None else HOLD_DEFAULT_S)
+                self._held_why[swarm] = f"{peer[-8:]} said {exc}"[:300]
                 self._log_once(swarm, code, f"{op} at {swarm} peer {peer[-8:]}: {exc}")
                 raise _TryElsewhere() from None
             router.failure(peer, now)  # paused, healing, broken, or a code we do not know
@@ -356,7 +358,8 @@ class HopCaller:
             return
         free_at = router.free_at()
         if free_at is not None:  # peers exist, every one asked us to come back later
-            self.blockage.set(f"every {swarm} peer asks us to wait (busy, banned or does not know us yet)")
+            self.blockage.set(f"every {swarm} peer asks us to wait (busy, banned or does not know us yet): the last, "
+                              f"{self._held_why.get(swarm, '?')}")
             await asyncio.sleep(min(HOLD_POLL_MAX_S, max(0.05, free_at - now)))
             return
         since = self._empty_since.setdefault(swarm, now)
