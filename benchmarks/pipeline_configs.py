@@ -50,6 +50,13 @@ def training_only(name: str, heartbeat_s: float) -> dict[str, Any]:
     return config
 
 
+def why_stalled(membership: Any, run: Any) -> dict[str, list[dict[str, Any]]]:
+    """Each swarm's records where a window trained nothing: stalled seconds, drivers a stage refuses, and why."""
+    return {name: [{"peer": r.peer_id[-8:], "state": r.state, "stalled_s": r.stalled_s,
+                    "drivers_refused": r.drivers_refused, "ban_reason": r.ban_reason}
+                   for r in membership.read(name)] for name in run.swarm_names}
+
+
 def configs(fleet: Fleet, maddr: str, reader: Any, s: ConfigSettings) -> dict[str, Any]:
     from swarm.dht.membership import Membership
 
@@ -67,6 +74,7 @@ def configs(fleet: Fleet, maddr: str, reader: Any, s: ConfigSettings) -> dict[st
         try:
             wait_training(membership, stages, 1, flat, START_TIMEOUT_S)
             swarm = measure(fleet, membership, flat, s.warmup_s, s.window_s)
+            stalled = None if swarm["samples_per_s"] else why_stalled(membership, run)
         finally:
             stop_in_order(fleet, procs)
         slices += loop.alternate((1,), s.local_slices, s.local_slice_s)
@@ -84,6 +92,10 @@ def configs(fleet: Fleet, maddr: str, reader: Any, s: ConfigSettings) -> dict[st
             "cpu_ms_per_microbatch": {"local_1_thread": 1000 * batch / local_cpu, "pipeline": per_mb},
             "batch": batch, "in_flight": run.training.in_flight,
         }
+        if stalled is not None:  # a stalled run is a finding (a false verdict banned session 17's charlm driver)
+            report[name]["stalled"] = stalled
+            say(f"configs: {name}: WARNING: the pipeline trained nothing in the window; what its records said: "
+                f"{stalled} (VOLUNTEER_BENCH_KEEP=1 keeps the volunteers' logs)")
         say(f"configs: {name}: pipeline {swarm['samples_per_cpu_s']:.0f} samples per CPU-s "
             f"({swarm['samples_per_s']:.0f}/s on {swarm['cpu_cores_used']:.2f} cores), one process {local_cpu:.0f}")
     return report
