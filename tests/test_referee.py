@@ -319,6 +319,36 @@ def test_recomputations_that_share_a_module_run_one_at_a_time():
     assert not wrong, f"{len(wrong)} of 400 recomputations used another's weights"
 
 
+def test_stage_one_judges_stage0_outputs_at_once_each_from_its_own_weights():
+    """Several sampled stage-0 outputs of a run's start are judged at once, each of another version: every honest one
+    holds or goes unshown (they shared one module, and one computed with another's weights: session 17's false
+    conviction)."""
+    from swarm.pipeline.control.stage0_referee import Stage0Referee
+
+    driver = StageWorker(RUN, 0)
+    dataset = load_dataset(RUN.data, RUN.model)
+    claims = []
+    for i in range(3):
+        ids = torch.arange(8 * i, 8 * i + 8)
+        h = driver.forward(f"mb{i}", dataset.x_train[ids])
+        claims.append((h.detach().clone(), ids, driver.committed[1]))
+        driver.backward(f"mb{i}", 0.1 * torch.randn_like(h), None, None)  # the next claim is of another version
+    assert len({digest for _, _, digest in claims}) == 3
+    referee = Stage0Referee(RUN, None, call=_Door(driver))
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        verdicts = asyncio.run(_gathered([referee.judge("QmDriver", h, ids, d, 60.0) for h, ids, d in claims * 4]))
+    finally:
+        sys.setswitchinterval(switch)
+    # the door shows a few at a time (UNSHOWN: no verdict, nobody blamed); never a conviction of an honest output
+    assert CONVICTED not in verdicts and verdicts.count(HOLDS) >= 6, verdicts
+
+
+async def _gathered(calls):
+    return await asyncio.gather(*calls)
+
+
 def test_a_run_with_dropout_is_refereed_only_where_it_can_be_replayed():
     """A training op draws a random dropout mask: an honest claim could not be reproduced, so nothing is judged but
     eval-mode ops (a referee must never convict the honest for the randomness of their training)."""

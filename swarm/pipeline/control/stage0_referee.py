@@ -28,6 +28,8 @@ from swarm.run.models import build_stage
 
 logger = logging.getLogger(__name__)
 
+MAX_SPARE_MODULES = 4  # stage-0 modules kept for judgements at once (more are built and dropped)
+
 
 class Stage0Referee:
     def __init__(self, run: Any, p2p: Any, call: Any = None, device: str = "cpu"):
@@ -39,6 +41,8 @@ class Stage0Referee:
         self._module: torch.nn.Module | None = None
         self._x_train: torch.Tensor | None = None
         self._loading: asyncio.Future | None = None
+        self._spare: list[torch.nn.Module] = []  # modules no judgement holds now (_take, _give)
+        self._lent: set[torch.nn.Module] = set()
         self.counts = {HOLDS: 0, CONVICTED: 0, UNSHOWN: 0}
         self.last_reason = ""
 
@@ -61,16 +65,34 @@ class Stage0Referee:
         if weights_digest(weights) != digest:
             return self._count(CONVICTED, "it showed stage-0 weights whose digest is not the one it signed")
         rows = x_train[ids.long()]
+        module = self._take(module)
         try:
             recomputed = await asyncio.to_thread(recompute, self.run.model, module, "forward", weights, [rows])
         except ValueError as exc:
             return self._count(CONVICTED, f"it showed weights that are not stage 0's: {exc}")
+        finally:
+            self._give(module)
         finding = compare(x, recomputed, tolerance_for("forward", self.run.training.codec,
                                                        float(getattr(self.run.model, "dropout", 0.0) or 0.0)))
         if not finding.holds:
             return self._count(CONVICTED, f"its stage-0 output does not follow from the weights it committed to "
                                           f"({finding.describe()})")
         return self._count(HOLDS, "")
+
+    def _take(self, first: torch.nn.Module) -> torch.nn.Module:
+        """A module no other judgement is computing with: judgements run at once on threads of their own, and a
+        recomputation holds its module for the call (recompute.py module_lock: functional_call swaps its
+        parameters), so each takes a copy of its own rather than wait in line behind the others."""
+        if self._spare:
+            return self._spare.pop()
+        if first not in self._lent:
+            self._lent.add(first)
+            return first
+        return build_stage(self.run.model, 0).to(self.device)
+
+    def _give(self, module: torch.nn.Module) -> None:
+        if len(self._spare) < MAX_SPARE_MODULES:
+            self._spare.append(module)
 
     def _count(self, outcome: str, reason: str) -> str:
         self.counts[outcome] += 1
