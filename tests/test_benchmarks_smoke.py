@@ -125,3 +125,12 @@ def test_versus_benchmark_quick_trains_one_process_and_hivemind_peers_to_the_tar
         assert report[way]["seconds_to_target"] is not None, report[way]
         _positive(report[way], ("samples", "cpu_s", "samples_per_cpu_s"))
     _positive(report, ("hivemind_time_vs_one_process", "hivemind_cpu_efficiency_vs_one_process"))
+
+
+def test_framing_benchmark_quick_measures_both_ways_and_leaves_no_daemon(swarm):
+    report = _quick("benchmarks.framing", swarm.env)
+    assert set(report["sizes"]) == {"32k", "256k", "1m"} and report["reps"] == 20
+    for figures in report["sizes"].values():
+        for way in ("hivemind", "lean"):
+            _positive(figures[way], ("round_trip_ms",))
+    assert "python_cpu_1m_lean_vs_hivemind" in report and "p2pd_cpu_1m_lean_vs_hivemind" in report
