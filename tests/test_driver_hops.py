@@ -268,3 +268,26 @@ def test_a_peer_that_answers_only_key_pending_is_routed_around(monkeypatch):
     late = [c for c in fake.calls_to("liar") if c[4] - start > 1.5]
     assert late == [], f"{len(late)} requests to the liar after 1.5 s: it was never routed around"
     assert driver.stats.microbatches > 20 and driver.stats.lost == 0
+
+
+def test_a_backward_only_one_peer_can_serve_waits_out_its_busy_answers_there():
+    """A stage admits a forward without its fair-share check and may answer its backward ``busy`` (a driver new
+    there): the peer that holds the forward's activations is asked again after its retry_after, not given up (a pushed
+    micro-batch was lost that way: no other peer has its input). Here the peer says busy to every second backward."""
+    answers = {"backward": 0}
+    good = honest(RUN3, 1)
+
+    def busy_at_times(op, tensors, meta):
+        if op == "backward":
+            answers["backward"] += 1
+            if answers["backward"] % 2:
+                return [], {"ok": False, "code": "busy", "error": "fake busy: you are new here", "retry_after_s": 0.05}
+        return good(op, tensors, meta)
+
+    fake = FakeSwarm({"layer1": {"mid": busy_at_times}, "layer2": {"last": honest(RUN3, 2)}})
+    driver = drive(RUN3, fake, seconds=1.0, min_microbatches=10)
+    backwards = fake.calls_to("mid", "backward")
+    assert len(backwards) >= 2 * 10 - 1, len(backwards)  # each busy answer was followed by another try there
+    # every try carried the gradient alone: the peer's saved activations were used, never a resend of the input
+    assert all(len(call[2]) == 1 for call in backwards)
+    assert driver.stats.microbatches >= 10 and driver.stats.lost == 0

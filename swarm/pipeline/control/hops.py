@@ -43,10 +43,10 @@ HOLD_CODES = frozenset({"busy", "banned", "unknown_driver"})
 # bad_receipt: the stage says a receipt we relayed does not hold; bad_author: a tensor we relayed was computed by a
 # peer that stage has banned (its reply names it: we stop using that peer too); unknown_signer: the stage cannot get
 # the key of the peer that computed a tensor we relayed (it is gone, not merely slow: key_pending): that micro-batch
-# cannot pass, nobody's fault;
-# spot_check: stage 1 found our stage-0 output far from two other layer0 peers' recomputations of it
+# cannot pass, nobody's fault; spot_check: stage 1 found our stage-0 output far from two other layer0 peers' replicas
 REFUSED_CODES = frozenset({"rejected", "wrong_shard", "bad_receipt", "bad_author", "unknown_signer", "spot_check"})
 HOLD_POLL_MAX_S = 1.0
+ONLY_BUSY_MAX_S = 10.0  # what a hop only one peer can serve waits for it to be less busy (its activations keep 120 s)
 KEY_WAIT_NOTICE_S = 2.0
 KEY_WAIT_MAX_S = 30.0  # a stage that still has no key after this long: the micro-batch is given up (unknown_signer)
 # ... and a peer that has answered nothing but key_pending for this long is treated as failing (routed around): an
@@ -86,7 +86,9 @@ class Refused(Exception):
 
 
 class _TryElsewhere(Exception):
-    pass
+    def __init__(self, *args: object, busy_s: float | None = None):
+        super().__init__(*args)
+        self.busy_s = busy_s  # the peer said busy: it may serve after this long
 
 
 class _KeyPending(_TryElsewhere):
@@ -193,7 +195,7 @@ class HopCaller:
             try:
                 if op in HEDGED_OPS and not only:
                     return await self._hedged(k, op, tensors, meta, peer, vouch)
-                out, reply = await self._attempt(k, op, tensors, meta, peer, vouch)
+                out, reply = await (self._patient if only else self._attempt)(k, op, tensors, meta, peer, vouch)
                 return out, reply, peer
             except _KeyPending as exc:
                 if only or key_waited + exc.wait_s > KEY_WAIT_MAX_S:
@@ -212,6 +214,24 @@ class HopCaller:
                 break
             await asyncio.sleep(retry_delay_s(min(attempt, 6)))
         raise HopGivenUp(f"{op} at {swarm} failed after {len(tried)} attempt(s)")
+
+    async def _patient(self, k: int, op: str, tensors: list[torch.Tensor], meta: dict, peer: str,
+                       vouch: Vouch | None) -> tuple[list[torch.Tensor], dict]:
+        """An attempt at the one peer that can serve it (a backward whose input only it holds): ``busy`` is waited out
+        there, up to ``ONLY_BUSY_MAX_S``. A stage admits a forward without its fair-share check and may refuse the
+        backward of a driver new there: giving up lost a pushed micro-batch (session 17, charlm, 2 per stage)."""
+        waited = 0.0
+        while True:
+            try:
+                return await self._attempt(k, op, tensors, meta, peer, vouch)
+            except _TryElsewhere as exc:
+                if exc.busy_s is None or self.is_stopping():
+                    raise
+                if waited + exc.busy_s > ONLY_BUSY_MAX_S:  # busy for good (or saying so): not routed to for a while
+                    self.routers[f"layer{k}"].failure(peer, time.monotonic())
+                    raise
+                waited += exc.busy_s
+                await asyncio.sleep(exc.busy_s)
 
     # ----- one attempt, and what its failure means
     async def _attempt(self, k: int, op: str, tensors: list[torch.Tensor], meta: dict, peer: str,
@@ -270,10 +290,11 @@ class HopCaller:
                 raise AlreadyApplied(f"{op} at {swarm} peer {peer[-8:]}: {exc}")
             if code in HOLD_CODES:
                 retry_after_s = getattr(exc, "retry_after_s", None)
-                router.hold(peer, now, retry_after_s if retry_after_s is not None else HOLD_DEFAULT_S)
+                hold_s = retry_after_s if retry_after_s is not None else HOLD_DEFAULT_S
+                router.hold(peer, now, hold_s)
                 self._held_why[swarm] = f"{peer[-8:]} said {exc}"[:300]
                 self._log_once(swarm, code, f"{op} at {swarm} peer {peer[-8:]}: {exc}")
-                raise _TryElsewhere() from None
+                raise _TryElsewhere(busy_s=hold_s if code == "busy" else None) from None
             router.failure(peer, now)  # paused, healing, broken, or a code we do not know
             self._log_once(swarm, code, f"{op} at {swarm} peer {peer[-8:]}: {exc}")
             raise _TryElsewhere() from None
