@@ -37,3 +37,32 @@ def test_the_ledger_holds_at_most_its_total_the_longest_idle_drivers_claims_goin
     assert len(ledger) == 4 and sum(len(c) for c in ledger._claims.values()) == 4
     assert ledger.claim("idle", "i-0", now=2.0)  # evicted: the idle driver's oldest went first
     assert len(ledger) == 4 and not ledger.claim("busy", "b-2", now=2.0)  # the newest claims stay
+
+
+def test_a_resend_is_answered_with_the_first_copys_reply_only_for_the_same_input_and_sender():
+    import asyncio
+
+    from swarm.pipeline.stage.applied import Replies
+
+    async def body():
+        replies = Replies(per_driver=2, max_bytes=100)
+        replies.begin("drv", "m-1", "backward", [["g-receipt"], ["x"]], "stage2")
+        waiting = asyncio.ensure_future(replies.again("drv", "m-1", "backward", [["g-receipt"]], "drv"))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()  # the first copy still runs: the resend waits for its reply
+        replies.finish("drv", "m-1", (["out"], {"ok": True}), size=10)
+        assert await waiting == (["out"], {"ok": True})
+        assert await replies.again("drv", "m-1", "backward", [["other-receipt"]], "drv") is None  # another input
+        assert await replies.again("drv", "m-1", "forward_backward", [["g-receipt"]], "drv") is None  # another op
+        assert await replies.again("drv", "m-1", "backward", [["g-receipt"]], "stranger") is None  # another sender
+        replies.begin("drv", "m-2", "backward", [["g2"]], "drv")
+        replies.finish("drv", "m-2", None, size=0)  # applied nothing, or failed: a resend is refused as before
+        assert await replies.again("drv", "m-2", "backward", [["g2"]], "drv") is None
+        for n in range(3, 6):  # at most per_driver kept, and at most max_bytes
+            replies.begin("drv", f"m-{n}", "backward", [[n]], "drv")
+            replies.finish("drv", f"m-{n}", ([n], {"ok": True}), size=60)
+        assert await replies.again("drv", "m-1", "backward", [["g-receipt"]], "drv") is None
+        assert await replies.again("drv", "m-5", "backward", [[5]], "drv") == ([5], {"ok": True})
+        assert replies._bytes <= 100 and replies.replayed == 2
+
+    asyncio.run(body())

@@ -6,8 +6,9 @@ or still queued at the gate). Without this record the second copy applies its up
 steps): the suite's clean-stop test saw a last stage's sample clock one micro-batch past its driver's count.
 
 A stage claims ``(driver, micro-batch id)`` before an update op runs and keeps the claim once the update is applied;
-a second update op for the same pair is refused with ``duplicate`` (nothing applied, nobody struck: a resend after a
-cut stream is not an attack), and the driver counts that micro-batch lost rather than trying another peer with it.
+a second update op for the same pair is answered with the reply the first got when it is the same op on the same
+signed input (``Replies``, kept briefly), else refused with ``duplicate`` (nothing applied, nobody struck: a resend
+after a cut stream is not an attack), and the driver counts that micro-batch lost rather than trying another peer.
 A claim whose op applied nothing (refused, healing, need_input) is released, so the driver's honest retry runs.
 
 Bounded: per driver the last ``PER_DRIVER`` claims within ``TTL_S``, at most ``DRIVERS`` drivers and ``TOTAL``
@@ -18,8 +19,10 @@ driver's ids never meet its old claims.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
+from typing import Any
 
 DUPLICATE_CODE = "duplicate"
 PER_DRIVER = 4096  # ~ minutes of a fast driver's micro-batches; a flood only evicts its own driver's claims
@@ -82,3 +85,82 @@ class AppliedLedger:
 
     def __len__(self) -> int:
         return self._count
+
+
+# A resend of an update op this stage ran (its driver timed out on it, or resumed a broken push by relay) is answered
+# with the reply the first copy got, not refused: two micro-batches of a start-up were lost as `duplicate` at a
+# middle stage that had only been slow (session 17). Kept briefly, few, and bounded in bytes (issue 42's footprint).
+REPLY_TTL_S = 30.0
+REPLY_PER_DRIVER = 8
+REPLY_BYTES = 16 * 2**20
+REPLY_WAIT_S = 30.0  # a resend that arrives while the first copy still runs waits this long for its reply
+
+
+class Replies:
+    """The replies of update ops lately run here, by (driver, micro-batch), with the first receipt their requests
+    carried (``rc``: what the op computes on): a resend is answered as the first was (the same tensors and signed
+    receipt) only when it carries the same, i.e. the same signed input. Used on the RPC loop only."""
+
+    def __init__(self, ttl_s: float = REPLY_TTL_S, per_driver: int = REPLY_PER_DRIVER, max_bytes: int = REPLY_BYTES):
+        self.ttl_s, self.per_driver, self.max_bytes = ttl_s, per_driver, max_bytes
+        self._items: OrderedDict[tuple[str, str], tuple[float, str, Any, asyncio.Future, int]] = OrderedDict()
+        self._bytes = 0
+        self.replayed = 0
+
+    def begin(self, driver: str, mb: str, op: str, rc: Any, sender: str) -> None:
+        self._evict(time.monotonic())
+        self._drop((driver, mb))
+        self._items[(driver, mb)] = (time.monotonic(), (op, _first(rc), sender),
+                                     None, asyncio.get_running_loop().create_future(), 0)
+        mine = [key for key in self._items if key[0] == driver]
+        for key in mine[: max(0, len(mine) - self.per_driver)]:
+            self._drop(key)
+
+    def finish(self, driver: str, mb: str, result: tuple[list[Any], dict] | None, size: int) -> None:
+        """The first copy's reply (None: it applied nothing, or failed: a resend is refused as before)."""
+        entry = self._items.get((driver, mb))
+        if entry is None or entry[3].done():
+            return
+        entry[3].set_result(result)
+        if result is None or size > self.max_bytes:
+            self._drop((driver, mb))
+            return
+        self._items[(driver, mb)] = (*entry[:4], size)
+        self._bytes += size
+        self._evict(time.monotonic())
+
+    async def again(self, driver: str, mb: str, op: str, rc: Any, sender: str) -> tuple[list[Any], dict] | None:
+        """The reply of the first copy of this resend, waited for while it runs; None when there is none to give: it
+        must be the same op on the same signed input (the first receipt), from the first copy's sender or the driver
+        itself (a broken push resumed by relay)."""
+        entry = self._items.get((driver, mb))
+        if entry is None or entry[1][:2] != (op, _first(rc)) or sender not in (entry[1][2], driver):
+            return None
+        try:
+            result = await asyncio.wait_for(asyncio.shield(entry[3]), REPLY_WAIT_S)
+        except (TimeoutError, asyncio.TimeoutError):
+            return None
+        if result is not None:
+            self.replayed += 1
+        return result
+
+    def _evict(self, now: float) -> None:
+        for key in list(self._items):
+            created = self._items[key][0]
+            if now - created <= self.ttl_s and self._bytes <= self.max_bytes:
+                break
+            if not self._items[key][3].done():  # still running: kept, whatever its age
+                continue
+            self._drop(key)
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        entry = self._items.pop(key, None)
+        if entry is not None:
+            self._bytes -= entry[4]
+            if not entry[3].done():
+                entry[3].set_result(None)
+
+
+def _first(rc: Any) -> Any:
+    """The receipt of what an op computes on: the first of a request's ``rc`` list."""
+    return rc[0] if isinstance(rc, list) and rc else None

@@ -54,7 +54,7 @@ from hivemind.proto import runtime_pb2
 
 from swarm.integrity.health import SickCopy
 from swarm.integrity.labels import WrongShard
-from swarm.pipeline.stage.applied import DUPLICATE_CODE, AppliedLedger, Ran
+from swarm.pipeline.stage.applied import DUPLICATE_CODE, AppliedLedger, Ran, Replies
 from swarm.pipeline.stage.fair_queue import FairQueue
 from swarm.pipeline.stage.worker import NeedInput, StageWorker
 from swarm.pipeline.stage.stage0_replicas import ReplicaService
@@ -122,6 +122,7 @@ class StageServicer(Stage0Ops, StageRPC):
         self.convictions: Any = None  # a ConvictionDesk: referees' evidence re-checked here (convictions.py)
         self.push: Any = None  # a PushServer: micro-batches pushed to us and on by us (push.py)
         self.applied = AppliedLedger()  # one update per micro-batch here, however often it arrives (applied.py)
+        self.replies = Replies()  # ... and a resend of one is answered as the first copy was
 
     async def rpc_call(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         tensors, meta = await self._one_message(request, context)
@@ -234,14 +235,23 @@ class StageServicer(Stage0Ops, StageRPC):
 
         mb = meta.get("mb") if op in UPDATE_OPS else None
         if isinstance(mb, str) and not self.applied.claim(requester, mb):  # one update per micro-batch (applied.py)
+            again = await self.replies.again(requester, mb, op, meta.get("rc"), sender)
+            if again is not None:  # a resend of what ran here: the reply it got, nothing applied twice
+                return again[0], again[1], outcome
             return [], _refusal(DUPLICATE_CODE, f"micro-batch {mb[:40]} has already been applied here: its gradient "
                                 "is lost, do not resend it"), outcome
-        ran = Ran()
+        ran, result = Ran(), None
+        if isinstance(mb, str):
+            self.replies.begin(requester, mb, op, meta.get("rc"), sender)
         try:
-            return await self._admitted(requester, sender, op, meta, serialized, vouched, strike, ran)
+            result = await self._admitted(requester, sender, op, meta, serialized, vouched, strike, ran)
+            return result
         finally:
-            if isinstance(mb, str) and not ran.applied:
-                self.applied.release(requester, mb)
+            if isinstance(mb, str):
+                kept = result is not None and ran.applied and result[1].get("ok") is True
+                self.replies.finish(requester, mb, result[:2] if kept else None, buffer_bytes(result[0]) if kept else 0)
+                if not ran.applied:
+                    self.applied.release(requester, mb)
 
     async def _admitted(self, requester: str, sender: str, op: str, meta: dict, serialized: list[Any],
                         vouched: Vouched, strike: Callable[[str], Outcome], ran: Ran) -> tuple[list[Any], dict, Outcome]:
