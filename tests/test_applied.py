@@ -66,3 +66,14 @@ def test_a_resend_is_answered_with_the_first_copys_reply_only_for_the_same_input
         assert replies._bytes <= 100 and replies.replayed == 2
 
     asyncio.run(body())
+
+
+def test_doctor_counts_the_replies_a_stage_may_keep():
+    from swarm.pipeline.stage.applied import REPLY_BYTES, REPLY_PER_DRIVER, replies_bytes
+    from swarm.run.runconfig import RunConfig
+
+    run = RunConfig.model_validate({"name": "replies", "model": {"stages": 3, "hidden_dim": 32},
+                                    "training": {"batch_size": 8}})
+    assert replies_bytes(run, 0) == 0  # stage 0 serves no other driver's updates
+    assert replies_bytes(run, 1) == REPLY_PER_DRIVER * 8 * 32 * 4  # an input gradient each, float32
+    assert replies_bytes(run, 2, drivers=10**6) == REPLY_BYTES

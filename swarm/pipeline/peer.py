@@ -246,7 +246,8 @@ class SwarmPeer:
             return
 
         async def _teardown() -> None:
-            logger.info("receipt signatures at the stop: %s", verification_stats())
+            logger.info("at the stop: receipt signatures %s; resent updates answered with their first reply %s",
+                        verification_stats(), getattr(getattr(self._servicer, "replies", None), "replayed", 0))
             if self.driver is not None:
                 self.driver.stop()
             if self._servicer is not None and self._servicer.spot0 is not None:

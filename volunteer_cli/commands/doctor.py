@@ -363,6 +363,7 @@ def host_memory_checks(run: Any, requested: str) -> list[Check]:
     import psutil
     import torch
 
+    from swarm.pipeline.stage.applied import replies_bytes
     from swarm.pipeline.stage.push import outbox_bytes
     from swarm.run.memory import host_memory
 
@@ -374,12 +375,13 @@ def host_memory_checks(run: Any, requested: str) -> list[Check]:
     for index in range(run.model.stages):
         need = host_memory(run, index)
         host = need.snapshot_bytes + need.ring_bytes if gpu else need.total_bytes
-        outbox = outbox_bytes(run, index) if index > 0 else 0  # what its pushed hops keep for their drivers' checks
+        # what its pushed hops keep for their drivers' checks, and the replies kept for resent updates
+        outbox = outbox_bytes(run, index) + replies_bytes(run, index) if index > 0 else 0
         detail = (f"{(host + outbox) / MIB:,.0f} MiB: {need.params / 1e6:.2f} M parameters, {host / need.params:.0f} "
                   f"bytes each (live copy {need.live_bytes / MIB:,.0f}" + ("" if not gpu else " on the GPU") +
                   f", guard {need.guard_bytes / MIB:,.0f} (+{(need.guard_peak_bytes - need.guard_bytes) / MIB:,.0f} "
                   f"one step in 50), snapshots {need.snapshot_bytes / MIB:,.0f}, weight versions "
-                  f"{need.ring_bytes / MIB:,.0f})" + (f" + pushed hops kept for checks {outbox / MIB:,.0f} (one driver)"
+                  f"{need.ring_bytes / MIB:,.0f})" + (f" + pushed hops and replies kept {outbox / MIB:,.0f} (one driver)"
                                                       if outbox else ""))
         host += outbox
         status = OK if host <= available else WARN

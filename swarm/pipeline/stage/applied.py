@@ -161,6 +161,19 @@ class Replies:
                 entry[3].set_result(None)
 
 
+def replies_bytes(run: Any, index: int, drivers: int = 1) -> int:
+    """What stage ``index``'s ``Replies`` may hold for ``drivers`` drivers: ``REPLY_PER_DRIVER`` input gradients each
+    (stage 0 serves no update op of another's), at most ``REPLY_BYTES`` (``volunteer doctor``)."""
+    from swarm.pipeline.transport.wire import coded_bytes
+    from swarm.run.models import stage_input_spec
+
+    if index == 0:
+        return 0
+    training = run.training
+    shape = tuple(stage_input_spec(run.model, index, training.batch_size).shape)
+    return min(REPLY_BYTES, max(1, drivers) * REPLY_PER_DRIVER * coded_bytes(shape, training.codec, training.wire_rank))
+
+
 def _first(rc: Any) -> Any:
     """The receipt of what an op computes on: the first of a request's ``rc`` list."""
     return rc[0] if isinstance(rc, list) and rc else None
