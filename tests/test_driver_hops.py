@@ -291,3 +291,25 @@ def test_a_backward_only_one_peer_can_serve_waits_out_its_busy_answers_there():
     # every try carried the gradient alone: the peer's saved activations were used, never a resend of the input
     assert all(len(call[2]) == 1 for call in backwards)
     assert driver.stats.microbatches >= 10 and driver.stats.lost == 0
+
+
+def test_a_peer_busy_forever_with_no_wait_holds_a_backward_a_bounded_time_and_is_then_routed_around(monkeypatch):
+    """The worst well-formed answer to a patient hop: ``busy`` with retry_after_s 0, to every backward. The lane waits
+    a floor between tries (no loop of calls), gives up after ONLY_BUSY_MAX_S and routes around that peer."""
+    from swarm.pipeline.control import hops
+
+    monkeypatch.setattr(hops, "ONLY_BUSY_MAX_S", 0.5)
+    good = honest(RUN3, 1)
+
+    def never_backward(op, tensors, meta):
+        if op == "backward":
+            return [], {"ok": False, "code": "busy", "error": "fake busy \x1b[31m", "retry_after_s": 0}
+        return good(op, tensors, meta)
+
+    fake = FakeSwarm({"layer1": {"mid": never_backward}, "layer2": {"last": honest(RUN3, 2)}})
+    drive(RUN3, fake, seconds=1.5)
+    backwards = fake.calls_to("mid", "backward")
+    assert backwards, "the backward was tried at the peer that holds its activations"
+    # at most one try per HOLD_MIN_S per lane (4 lanes) over the window, not a loop of calls
+    span = max(c[4] for c in backwards) - min(c[4] for c in backwards)
+    assert len(backwards) <= 4 * (span / hops.HOLD_MIN_S + 2), (len(backwards), span)

@@ -54,3 +54,6 @@ def test_a_refusal_keeps_only_a_usable_retry_after():
         assert refusal_error({"ok": False, "code": "busy", "retry_after_s": bad}).retry_after_s is None
     odd = refusal_error({"ok": "yes", "code": ["x"] * 9, "error": "e" * 10_000})
     assert odd.code == "error" and len(str(odd)) < 400
+    # a stranger's text reaches the log, the terminal and the dashboard: no escape sequence or control character
+    escaped = refusal_error({"ok": False, "code": "busy\x1b", "error": "wait\x1b[2J\r\nfake line\x07"})
+    assert escaped.code == "error" and all(c.isprintable() for c in str(escaped)) and "wait" in str(escaped)

@@ -38,7 +38,7 @@ MAX_HOP_ATTEMPTS = 200  # with capped backoff: minutes of trying before a micro-
 EMPTY_SWARM_NOTICE_S = 10.0
 BLOCKED_NOTICE_S = 10.0  # the same kind of blockage is said at most this often
 BLOCKED_NOTICE_AFTER_S = 2.0  # ... and only once it has lasted this long (a hold of a second is not news)
-HOLD_DEFAULT_S = 1.0  # a hold code without a usable retry_after_s
+HOLD_DEFAULT_S, HOLD_MIN_S = 1.0, 0.05  # a hold code without a usable retry_after_s; the least a patient hop waits
 HOLD_CODES = frozenset({"busy", "banned", "unknown_driver"})
 # bad_receipt: the stage says a receipt we relayed does not hold; bad_author: a tensor we relayed was computed by a
 # peer that stage has banned (its reply names it: we stop using that peer too); unknown_signer: the stage cannot get
@@ -220,18 +220,18 @@ class HopCaller:
         """An attempt at the one peer that can serve it (a backward whose input only it holds): ``busy`` is waited out
         there, up to ``ONLY_BUSY_MAX_S``. A stage admits a forward without its fair-share check and may refuse the
         backward of a driver new there: giving up lost a pushed micro-batch (session 17, charlm, 2 per stage)."""
-        waited = 0.0
+        deadline = time.monotonic() + ONLY_BUSY_MAX_S
         while True:
             try:
                 return await self._attempt(k, op, tensors, meta, peer, vouch)
             except _TryElsewhere as exc:
                 if exc.busy_s is None or self.is_stopping():
                     raise
-                if waited + exc.busy_s > ONLY_BUSY_MAX_S:  # busy for good (or saying so): not routed to for a while
+                wait_s = max(HOLD_MIN_S, exc.busy_s)  # a retry_after_s of 0 must not make a loop of calls
+                if time.monotonic() + wait_s > deadline:  # busy for good (or saying so): not routed to for a while
                     self.routers[f"layer{k}"].failure(peer, time.monotonic())
                     raise
-                waited += exc.busy_s
-                await asyncio.sleep(exc.busy_s)
+                await asyncio.sleep(wait_s)
 
     # ----- one attempt, and what its failure means
     async def _attempt(self, k: int, op: str, tensors: list[torch.Tensor], meta: dict, peer: str,

@@ -120,7 +120,8 @@ def refusal_error(reply_meta: dict) -> StageError:
     """The StageError of a refusal, with its ``retry_after_s`` (a float, or None when absent or unusable).
     Every field is a stranger's: code and text are cut short, a bad retry_after_s is ignored."""
     code = reply_meta.get("code", "error")
-    error = StageError(code[:32] if isinstance(code, str) and code else "error", str(reply_meta.get("error", ""))[:300])
+    text = "".join(c if c.isprintable() else "?" for c in str(reply_meta.get("error", ""))[:300])  # no escapes
+    error = StageError(code[:32] if isinstance(code, str) and code.isprintable() and code else "error", text)
     retry_after_s = reply_meta.get("retry_after_s")
     ok = isinstance(retry_after_s, (int, float)) and not isinstance(retry_after_s, bool) and 0 <= retry_after_s < 1e6
     error.retry_after_s = float(retry_after_s) if ok else None
