@@ -319,21 +319,44 @@ def test_recomputations_that_share_a_module_run_one_at_a_time():
     assert not wrong, f"{len(wrong)} of 400 recomputations used another's weights"
 
 
-def test_stage_one_judges_stage0_outputs_at_once_each_from_its_own_weights():
+def test_stage_one_judges_stage0_outputs_at_once_each_from_its_own_weights(monkeypatch):
     """Several sampled stage-0 outputs of a run's start are judged at once, each of another version: every honest one
-    holds or goes unshown (they shared one module, and one computed with another's weights: session 17's false
-    conviction)."""
+    holds, and no two recomputations hold one module at once (they shared one, and one computed with another's
+    weights: session 17's false conviction; with the module's lock alone they waited in line)."""
     from swarm.pipeline.control.stage0_referee import Stage0Referee
 
     driver = StageWorker(RUN, 0)
     dataset = load_dataset(RUN.data, RUN.model)
-    claims = []
+    claims, shown = [], {}
     for i in range(3):
         ids = torch.arange(8 * i, 8 * i + 8)
         h = driver.forward(f"mb{i}", dataset.x_train[ids])
         claims.append((h.detach().clone(), ids, driver.committed[1]))
+        shown[driver.committed[1]] = {name: t.detach().clone() for name, t in driver.module.state_dict().items()}
         driver.backward(f"mb{i}", 0.1 * torch.randn_like(h), None, None)  # the next claim is of another version
     assert len({digest for _, _, digest in claims}) == 3
+    from swarm.pipeline.control import stage0_referee
+
+    in_use: set[int] = set()
+    shared: list[int] = []
+    real = stage0_referee.recompute
+
+    def watched(model, module, *args):  # a slow recomputation: judgements overlap, each must hold its own module
+        if id(module) in in_use:
+            shared.append(id(module))
+        in_use.add(id(module))
+        try:
+            time.sleep(0.02)
+            return real(model, module, *args)
+        finally:
+            in_use.discard(id(module))
+
+    async def fetched(p2p, author, namespace, digest, **_):  # the door shows one at a time: here all at once
+        await asyncio.sleep(0)
+        return shown[digest]
+
+    monkeypatch.setattr(stage0_referee, "recompute", watched)
+    monkeypatch.setattr(stage0_referee, "fetch_weights", fetched)
     referee = Stage0Referee(RUN, None, call=_Door(driver))
     switch = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
@@ -341,8 +364,8 @@ def test_stage_one_judges_stage0_outputs_at_once_each_from_its_own_weights():
         verdicts = asyncio.run(_gathered([referee.judge("QmDriver", h, ids, d, 60.0) for h, ids, d in claims * 4]))
     finally:
         sys.setswitchinterval(switch)
-    # the door shows a few at a time (UNSHOWN: no verdict, nobody blamed); never a conviction of an honest output
-    assert CONVICTED not in verdicts and verdicts.count(HOLDS) >= 6, verdicts
+    assert verdicts == [HOLDS] * 12, verdicts
+    assert not shared, f"{len(shared)} recomputations ran on a module another was computing with"
 
 
 async def _gathered(calls):

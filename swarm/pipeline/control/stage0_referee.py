@@ -41,8 +41,7 @@ class Stage0Referee:
         self._module: torch.nn.Module | None = None
         self._x_train: torch.Tensor | None = None
         self._loading: asyncio.Future | None = None
-        self._spare: list[torch.nn.Module] = []  # modules no judgement holds now (_take, _give)
-        self._lent: set[torch.nn.Module] = set()
+        self._spare: list[torch.nn.Module] = []  # modules no judgement holds now (_recompute; list ops are atomic)
         self.counts = {HOLDS: 0, CONVICTED: 0, UNSHOWN: 0}
         self.last_reason = ""
 
@@ -65,13 +64,10 @@ class Stage0Referee:
         if weights_digest(weights) != digest:
             return self._count(CONVICTED, "it showed stage-0 weights whose digest is not the one it signed")
         rows = x_train[ids.long()]
-        module = self._take(module)
         try:
-            recomputed = await asyncio.to_thread(recompute, self.run.model, module, "forward", weights, [rows])
+            recomputed = await asyncio.to_thread(self._recompute, weights, rows)
         except ValueError as exc:
             return self._count(CONVICTED, f"it showed weights that are not stage 0's: {exc}")
-        finally:
-            self._give(module)
         finding = compare(x, recomputed, tolerance_for("forward", self.run.training.codec,
                                                        float(getattr(self.run.model, "dropout", 0.0) or 0.0)))
         if not finding.holds:
@@ -79,20 +75,19 @@ class Stage0Referee:
                                           f"({finding.describe()})")
         return self._count(HOLDS, "")
 
-    def _take(self, first: torch.nn.Module) -> torch.nn.Module:
-        """A module no other judgement is computing with: judgements run at once on threads of their own, and a
-        recomputation holds its module for the call (recompute.py module_lock: functional_call swaps its
-        parameters), so each takes a copy of its own rather than wait in line behind the others."""
-        if self._spare:
-            return self._spare.pop()
-        if first not in self._lent:
-            self._lent.add(first)
-            return first
-        return build_stage(self.run.model, 0).to(self.device)
-
-    def _give(self, module: torch.nn.Module) -> None:
-        if len(self._spare) < MAX_SPARE_MODULES:
-            self._spare.append(module)
+    def _recompute(self, weights: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+        """On a thread of its own: judgements run at once, and a recomputation holds its module for the call
+        (recompute.py module_lock: functional_call swaps its parameters), so each takes a module no other judgement
+        holds (built here when none is spare) rather than wait in line behind the others."""
+        try:
+            module = self._spare.pop()
+        except IndexError:
+            module = build_stage(self.run.model, 0).to(self.device)
+        try:
+            return recompute(self.run.model, module, "forward", weights, [rows])
+        finally:
+            if len(self._spare) < MAX_SPARE_MODULES:
+                self._spare.append(module)
 
     def _count(self, outcome: str, reason: str) -> str:
         self.counts[outcome] += 1
@@ -106,7 +101,10 @@ class Stage0Referee:
         if self._module is None or self._x_train is None:
             if self._loading is None:
                 self._loading = asyncio.ensure_future(asyncio.to_thread(self._load))
-            self._module, self._x_train = await asyncio.shield(self._loading)
+            module, x_train = await asyncio.shield(self._loading)
+            if self._module is None:
+                self._module, self._x_train = module, x_train
+                self._spare.append(module)
         return self._module, self._x_train
 
     def _load(self) -> tuple[torch.nn.Module, torch.Tensor]:
