@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from swarm.pipeline.stage.applied import AppliedLedger
 
 
@@ -39,6 +41,16 @@ def test_the_ledger_holds_at_most_its_total_the_longest_idle_drivers_claims_goin
     assert len(ledger) == 4 and not ledger.claim("busy", "b-2", now=2.0)  # the newest claims stay
 
 
+@dataclasses.dataclass
+class _Item:  # a serialized tensor, as far as the replies' byte count reads one
+    size: int
+    tag: int = 0
+
+    @property
+    def buffer(self) -> bytes:
+        return b"x" * self.size
+
+
 def test_a_resend_is_answered_with_the_first_copys_reply_only_for_the_same_input_and_sender():
     import asyncio
 
@@ -50,19 +62,19 @@ def test_a_resend_is_answered_with_the_first_copys_reply_only_for_the_same_input
         waiting = asyncio.ensure_future(replies.again("drv", "m-1", "backward", [["g-receipt"]], "drv"))
         await asyncio.sleep(0.01)
         assert not waiting.done()  # the first copy still runs: the resend waits for its reply
-        replies.finish("drv", "m-1", (["out"], {"ok": True}), size=10)
-        assert await waiting == (["out"], {"ok": True})
+        replies.finish("drv", "m-1", ([_Item(10)], {"ok": True}))
+        assert await waiting == ([_Item(10)], {"ok": True})
         assert await replies.again("drv", "m-1", "backward", [["other-receipt"]], "drv") is None  # another input
         assert await replies.again("drv", "m-1", "forward_backward", [["g-receipt"]], "drv") is None  # another op
         assert await replies.again("drv", "m-1", "backward", [["g-receipt"]], "stranger") is None  # another sender
         replies.begin("drv", "m-2", "backward", [["g2"]], "drv")
-        replies.finish("drv", "m-2", None, size=0)  # applied nothing, or failed: a resend is refused as before
+        replies.finish("drv", "m-2", None)  # applied nothing, or failed: a resend is refused as before
         assert await replies.again("drv", "m-2", "backward", [["g2"]], "drv") is None
         for n in range(3, 6):  # at most per_driver kept, and at most max_bytes
             replies.begin("drv", f"m-{n}", "backward", [[n]], "drv")
-            replies.finish("drv", f"m-{n}", ([n], {"ok": True}), size=60)
+            replies.finish("drv", f"m-{n}", ([_Item(60, n)], {"ok": True}))
         assert await replies.again("drv", "m-1", "backward", [["g-receipt"]], "drv") is None
-        assert await replies.again("drv", "m-5", "backward", [[5]], "drv") == ([5], {"ok": True})
+        assert await replies.again("drv", "m-5", "backward", [[5]], "drv") == ([_Item(60, 5)], {"ok": True})
         assert replies._bytes <= 100 and replies.replayed == 2
 
     asyncio.run(body())

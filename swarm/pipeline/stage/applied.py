@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 DUPLICATE_CODE = "duplicate"
@@ -96,6 +97,16 @@ REPLY_BYTES = 16 * 2**20
 REPLY_WAIT_S = 30.0  # a resend that arrives while the first copy still runs waits this long for its reply
 
 
+@dataclass(slots=True)
+class _Reply:
+    created: float
+    op: str
+    input: Any  # the first receipt of its request (what the op computes on)
+    sender: str
+    result: asyncio.Future  # (tensors, reply metadata), or None: applied nothing, failed, or dropped
+    size: int = 0
+
+
 class Replies:
     """The replies of update ops lately run here, by (driver, micro-batch), with the first receipt their requests
     carried (``rc``: what the op computes on): a resend is answered as the first was (the same tensors and signed
@@ -103,29 +114,32 @@ class Replies:
 
     def __init__(self, ttl_s: float = REPLY_TTL_S, per_driver: int = REPLY_PER_DRIVER, max_bytes: int = REPLY_BYTES):
         self.ttl_s, self.per_driver, self.max_bytes = ttl_s, per_driver, max_bytes
-        self._items: OrderedDict[tuple[str, str], tuple[float, str, Any, asyncio.Future, int]] = OrderedDict()
+        self._items: OrderedDict[tuple[str, str], _Reply] = OrderedDict()
         self._bytes = 0
         self.replayed = 0
 
     def begin(self, driver: str, mb: str, op: str, rc: Any, sender: str) -> None:
-        self._evict(time.monotonic())
+        now = time.monotonic()
+        self._evict(now)
         self._drop((driver, mb))
-        self._items[(driver, mb)] = (time.monotonic(), (op, _first(rc), sender),
-                                     None, asyncio.get_running_loop().create_future(), 0)
+        self._items[(driver, mb)] = _Reply(now, op, _first(rc), sender, asyncio.get_running_loop().create_future())
         mine = [key for key in self._items if key[0] == driver]
         for key in mine[: max(0, len(mine) - self.per_driver)]:
             self._drop(key)
 
-    def finish(self, driver: str, mb: str, result: tuple[list[Any], dict] | None, size: int) -> None:
+    def finish(self, driver: str, mb: str, result: tuple[list[Any], dict] | None) -> None:
         """The first copy's reply (None: it applied nothing, or failed: a resend is refused as before)."""
+        from swarm.pipeline.transport.wire import buffer_bytes
+
         entry = self._items.get((driver, mb))
-        if entry is None or entry[3].done():
+        if entry is None or entry.result.done():
             return
-        entry[3].set_result(result)
+        entry.result.set_result(result)
+        size = buffer_bytes(result[0]) if result is not None else 0
         if result is None or size > self.max_bytes:
             self._drop((driver, mb))
             return
-        self._items[(driver, mb)] = (*entry[:4], size)
+        entry.size = size
         self._bytes += size
         self._evict(time.monotonic())
 
@@ -134,31 +148,29 @@ class Replies:
         must be the same op on the same signed input (the first receipt), from the first copy's sender or the driver
         itself (a broken push resumed by relay)."""
         entry = self._items.get((driver, mb))
-        if entry is None or entry[1][:2] != (op, _first(rc)) or sender not in (entry[1][2], driver):
+        if entry is None or (entry.op, entry.input) != (op, _first(rc)) or sender not in (entry.sender, driver):
             return None
         try:
-            result = await asyncio.wait_for(asyncio.shield(entry[3]), REPLY_WAIT_S)
-        except (TimeoutError, asyncio.TimeoutError):
+            result = await asyncio.wait_for(asyncio.shield(entry.result), REPLY_WAIT_S)
+        except TimeoutError:
             return None
         if result is not None:
             self.replayed += 1
         return result
 
     def _evict(self, now: float) -> None:
-        for key in list(self._items):
-            created = self._items[key][0]
-            if now - created <= self.ttl_s and self._bytes <= self.max_bytes:
+        for key, entry in list(self._items.items()):
+            if now - entry.created <= self.ttl_s and self._bytes <= self.max_bytes:
                 break
-            if not self._items[key][3].done():  # still running: kept, whatever its age
-                continue
-            self._drop(key)
+            if entry.result.done():  # one still running is kept, whatever its age
+                self._drop(key)
 
     def _drop(self, key: tuple[str, str]) -> None:
         entry = self._items.pop(key, None)
         if entry is not None:
-            self._bytes -= entry[4]
-            if not entry[3].done():
-                entry[3].set_result(None)
+            self._bytes -= entry.size
+            if not entry.result.done():
+                entry.result.set_result(None)
 
 
 def replies_bytes(run: Any, index: int, drivers: int = 1) -> int:

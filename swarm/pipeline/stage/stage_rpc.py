@@ -249,7 +249,7 @@ class StageServicer(Stage0Ops, StageRPC):
         finally:
             if isinstance(mb, str):
                 kept = result is not None and ran.applied and result[1].get("ok") is True
-                self.replies.finish(requester, mb, result[:2] if kept else None, buffer_bytes(result[0]) if kept else 0)
+                self.replies.finish(requester, mb, result[:2] if kept else None)
                 if not ran.applied:
                     self.applied.release(requester, mb)
 
