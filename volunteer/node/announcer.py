@@ -34,6 +34,7 @@ class Announcer:
         self.metrics: Any = None  # the stage's last metrics (swarm.pipeline.peer)
         self.started_at_s = time.time()
         self.next_beat_s = 0.0  # monotonic
+        self._announced_eval_at = -1.0  # the evaluation (its wall time) our record carries
         self._process: Any = None
         self._history_speed: deque[float] = deque(maxlen=SPARKLINE_POINTS)
         self._history_loss: deque[float] = deque(maxlen=SPARKLINE_POINTS)
@@ -52,6 +53,16 @@ class Announcer:
             self.next_beat_s = now_s + self.node.run.timeouts.heartbeat_s
         else:
             self.node.board.publish(**self.work_fields())
+            if self._new_evaluation():  # a fresh figure is published now, not up to a heartbeat later
+                self.announce()
+
+    def _new_evaluation(self) -> bool:
+        """True once per evaluation our driver ran since the record we last announced."""
+        at = self.metrics.eval_at if self.metrics is not None else -1.0
+        if at <= self._announced_eval_at:
+            return False
+        self._announced_eval_at = at
+        return True
 
     def until_heartbeat_s(self, now_s: float) -> float:
         return max(0.0, self.next_beat_s - now_s)
@@ -108,6 +119,7 @@ class Announcer:
     def heartbeat(self) -> None:
         node, board = self.node, self.node.board
         board.publish(**self.work_fields(), **self.traffic_fields())
+        self._new_evaluation()  # this announce carries it
         self.announce()
         try:
             self.read_views()

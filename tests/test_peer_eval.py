@@ -1,0 +1,85 @@
+"""When layer0 evaluates the pipeline (swarm/pipeline/peer_eval.py): as often as a small share of the run's time
+allows, never sooner than EVAL_MIN_GAP_S, never later than the run's eval_every_s; and a new figure is published
+with the next tick, not a heartbeat later (volunteer/node/announcer.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import swarm.pipeline.peer_eval as peer_eval
+from swarm.dht.records import MemberRecord
+from swarm.pipeline.peer_eval import EVAL_MIN_GAP_S, EVAL_SHARE, Evaluations
+from volunteer.config import load_run
+from volunteer.node.announcer import Announcer
+
+
+def _evaluations() -> Evaluations:
+    run, _ = load_run("digits-mlp")
+    return Evaluations(run, notify=lambda *a: None, accepting=lambda: True)
+
+
+def _record(peer_id: str, state: str) -> MemberRecord:
+    return MemberRecord(peer_id=peer_id, state=state, version="0", started_at=0.0, updated_at=0.0)
+
+
+def test_the_gap_keeps_the_runs_evaluations_within_their_share_between_the_floor_and_the_period():
+    ev = _evaluations()
+    period = ev.run.training.eval_every_s
+    assert ev.gap_s() == EVAL_MIN_GAP_S  # nothing measured yet: the floor
+    ev.took_s = 0.01
+    assert ev.gap_s() == EVAL_MIN_GAP_S  # cheap: as often as the floor allows
+    ev.took_s = 0.1
+    assert abs(ev.gap_s() - 0.1 / EVAL_SHARE) < 1e-9
+    assert EVAL_MIN_GAP_S < ev.gap_s() < period
+    ev.note_views({"layer0": [_record(f"p{i}", "online") for i in range(3)] + [_record("gone", "offline")]})
+    assert ev.drivers == 3  # every online driver evaluates through the same last stage: each does a third as often
+    assert ev.gap_s() == period  # 0.1 s x 3 / share > period: never later than the run's period
+    ev.note_views({})
+    assert ev.drivers == 1
+
+
+def test_a_cheap_evaluation_runs_again_after_the_floor_not_after_the_period(monkeypatch):
+    monkeypatch.setattr(peer_eval, "EVAL_MIN_GAP_S", 0.2)
+    ev = _evaluations()
+    assert ev.run.training.eval_every_s >= 10
+    runs: list[float] = []
+
+    async def evaluate():
+        runs.append(time.monotonic())
+        await asyncio.sleep(0.002)
+        return 0.5, 1.0
+
+    ev.driver = SimpleNamespace(stats=SimpleNamespace(trained=1, eval_at_samples=0), evaluate=evaluate)
+    ev.worker = SimpleNamespace(stats=SimpleNamespace(param_version=7))
+
+    async def main():
+        task = asyncio.create_task(ev.run_forever())
+        await asyncio.sleep(1.5)
+        task.cancel()
+
+    asyncio.run(main())
+    assert 4 <= len(runs) <= 9, runs  # every 0.2-0.3 s (the loop polls every half gap), not once per 10 s period
+    gaps = [b - a for a, b in zip(runs, runs[1:])]
+    assert min(gaps) >= 0.2 - 1e-3
+    assert 0 < ev.took_s < 0.2 and ev.version == 7 and ev.at > 0
+
+
+def test_a_new_evaluation_is_announced_at_the_next_tick_once():
+    announced: list[float] = []
+    node = SimpleNamespace(run=load_run("digits-mlp")[0], board=SimpleNamespace(publish=lambda **kw: None))
+    announcer = Announcer(node)
+    announcer.next_beat_s = 1e18  # no heartbeat in this test: only the tick's own publishing
+    metrics = SimpleNamespace(eval_at=-1.0)
+    announcer.work_fields = lambda: announcer.__setattr__("metrics", metrics) or {}
+    announcer.announce = lambda *a, **kw: announced.append(metrics.eval_at) or True
+    announcer.tick(0.0)
+    assert announced == []  # no evaluation yet
+    metrics.eval_at = 100.0
+    announcer.tick(1.0)
+    announcer.tick(2.0)
+    assert announced == [100.0]  # once, at the first tick after it ran
+    metrics.eval_at = 103.0
+    announcer.tick(3.0)
+    assert announced == [100.0, 103.0]
