@@ -245,6 +245,9 @@ def _main(argv: Sequence[str] | None) -> int:
     from volunteer.config import ConfigError
     from volunteer.preflight import PreflightError
 
+    from swarm.dht.lightdht import light_hivemind
+
+    light_hivemind()  # every command: hivemind's parts without the averager's scipy, the MoE server, the optimizer
     try:
         module_name, function_name = COMMANDS[args.command]
         return getattr(importlib.import_module(module_name), function_name)(args)

@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 DEMO_HEARTBEAT_S = 2.0
 POLL_S = 2.0
+START_POLL_S = 0.5  # until every swarm is online: training starts, and is said, up to 1.5 s sooner
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 20.0
 READ_BUDGET_S = 4.0  # one poll's reads of every swarm, together: a loaded DHT delays a line by this much at most
@@ -248,18 +249,21 @@ def _start_bootstrap(children: Children, workdir: Path, shutdown) -> str:
 
 def _watch(run, maddr: str, children: Children, shutdown, watchdog, say, target: Target, time_limit_s: float,
            started: float) -> tuple[int, dict]:
-    from swarm.dht.dht import DHTSettings, make_validators, shutdown_dht, start_dht
+    from swarm.dht.dht import make_validators
+    from swarm.dht.lightdht import ReaderSettings, start_reader
     from swarm.dht.membership import Membership
 
-    dht = start_dht(DHTSettings(initial_peers=[maddr], host_maddrs=[LOOPBACK], client_mode=True,
-                                process_group=watchdog.pgid), make_validators(run.run_id, run.swarm_names, None))
+    # a reader in this process (swarm/dht/lightdht.py): no DHT process of its own, no torch, while the volunteers
+    # start on the same cores (start_dht's forked DHT and its torch import: ~2 s of CPU at the worst moment)
+    dht = start_reader(ReaderSettings(initial_peers=[maddr], host_maddrs=[LOOPBACK], process_group=watchdog.pgid),
+                       make_validators(run.run_id, run.swarm_names, None))
     result = {"test_accuracy": None, "test_loss": None, "test_bits_per_byte": None, "samples": 0, "seconds": 0.0,
               "lost_microbatches": 0}
     try:
         membership = Membership(dht, run, b"")
         monitor = Monitor(run.swarm_names, started)
         read_at = time.monotonic()
-        while not shutdown.event.wait(POLL_S):
+        while not shutdown.event.wait(POLL_S if monitor.all_online_at is not None else START_POLL_S):
             dead = children.dead()
             if dead:
                 say(f"error: {dead[0]} exited unexpectedly; its log ends with:\n{children.log(dead[0])[-1500:]}")
@@ -288,7 +292,7 @@ def _watch(run, maddr: str, children: Children, shutdown, watchdog, say, target:
         say("interrupted")
         return EXIT_INTERRUPTED, result
     finally:
-        shutdown_dht(dht)
+        dht.shutdown()
 
 
 def blocked_reason(logs: list[str]) -> str:

@@ -14,6 +14,7 @@ from volunteer.snapshot import bits_per_byte
 
 STALL_NOTICE_S = 10.0  # every swarm online and no sample trained for this long: say why
 STALE_READ_S = 5.0  # a view older than this is printed with its age
+WAITING_LINE_S = 2.0  # while swarms come online the demo reads faster (demo.py START_POLL_S), and says so this often
 
 
 @dataclass(slots=True)
@@ -64,6 +65,7 @@ class Monitor:
         self.all_online_at: float | None = None
         self.progress = (0, 0.0)  # (samples, when they last grew), from when every swarm came online
         self.figures = Figures()
+        self._waiting_said_at = -float("inf")
 
     def observe(self, figures: Figures, now: float, wall: float, read_age_s: float = 0.0) -> list[str]:
         self.figures = figures
@@ -75,7 +77,9 @@ class Monitor:
                 lines.append(f"all swarms online after {now - self.started:.0f} s; training")
             else:
                 missing = [name for name, count in figures.online.items() if count == 0]
-                lines.append(f"waiting for {', '.join(missing)} to come online{self._read_note(read_age_s)}")
+                if now - self._waiting_said_at >= WAITING_LINE_S:
+                    self._waiting_said_at = now
+                    lines.append(f"waiting for {', '.join(missing)} to come online{self._read_note(read_age_s)}")
                 return lines
         lines.append(self.progress_line(wall, read_age_s))
         lines += [f"RUN ALARM: {alarm}" for alarm in figures.alarms]
