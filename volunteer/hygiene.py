@@ -235,13 +235,15 @@ def quiet_libraries(verbose: int) -> None:
 PR_SET_PDEATHSIG = 1
 
 
-def _term_when_parent_dies() -> None:  # runs in the child between fork and exec: no Python-level locks
+def _prctl() -> Callable[..., int] | None:
+    """libc's prctl, looked up once in the parent: between fork and exec the child then makes one system call, and
+    imports nothing (an import there takes the import machinery's locks, as another thread left them at the fork)."""
     import ctypes
 
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
     except OSError:
-        pass
+        return None
 
 
 def die_with_parent_hook() -> Callable[[], None] | None:
@@ -250,4 +252,11 @@ def die_with_parent_hook() -> Callable[[], None] | None:
     For processes a supervisor starts in their own session (the demo's volunteers, benchmark fleets):
     they then leave cleanly even if the supervisor is SIGKILLed, and their own watchdogs reap the rest.
     """
-    return _term_when_parent_dies if sys.platform.startswith("linux") else None
+    prctl = _prctl() if sys.platform.startswith("linux") else None
+    if prctl is None:
+        return None
+
+    def term_when_parent_dies() -> None:  # in the child between fork and exec: one system call, no import, no lock
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+    return term_when_parent_dies

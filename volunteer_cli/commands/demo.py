@@ -155,9 +155,15 @@ def run_demo(args: argparse.Namespace) -> int:
         volunteers = run.model.stages * args.per_swarm
         # the volunteers' identities and their work, made while the bootstrap peer starts (each volunteer would
         # otherwise prove its own at once, on a machine busy starting all of them: 5-10 s more to "online" on 2 cores)
+        # The bootstrap peer is started before the identities' thread: a child started with a preexec_fn (ours: die
+        # with the demo, run nicer) runs Python's at-fork hooks, and a module the thread imports meanwhile can register
+        # one between the "before" and "after" calls (concurrent.futures: "RuntimeError: release unlocked lock",
+        # printed by a demo on a fresh clone). The volunteers start once the thread is done.
+        bootstrap = children.start("bootstrap", ["bootstrap", "--listen", LOOPBACK, "--json", "--identity",
+                                                 str(workdir / "bootstrap.key")])
         identities = _Identities(workdir / "data" / "identities", volunteers, run.integrity.identity_bits,
                                  shutdown.event)
-        maddr = _start_bootstrap(children, workdir, shutdown)
+        maddr = _bootstrap_address(children, bootstrap, shutdown)
         identities.wait(say)
         say(f"bootstrap peer at {maddr}; from another terminal, `volunteer status --run {demo_run} --initial-peers "
             f"{maddr}` reads the run, and with `--serve 8080` serves its health page on http://127.0.0.1:8080/")
@@ -230,9 +236,7 @@ class _Identities:
             logger.info("demo identities ready after %.1f s", time.monotonic() - self.started)
 
 
-def _start_bootstrap(children: Children, workdir: Path, shutdown) -> str:
-    proc = children.start("bootstrap", ["bootstrap", "--listen", LOOPBACK, "--json", "--identity",
-                                        str(workdir / "bootstrap.key")])
+def _bootstrap_address(children: Children, proc: subprocess.Popen, shutdown) -> str:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline and not shutdown.event.is_set():
         first = children.log("bootstrap").split("\n", 1)
