@@ -28,6 +28,8 @@ prints one JSON object (progress goes to stderr):
   and as MB/s of activations moved both ways; ``hop_{overhead,cpu}_<size>_unary_vs_streamed`` and
   ``hop_{overhead,cpu}_<size>_session_vs_{unary,streamed}`` compare the three transports, each forced, at equal
   sizes (64 KiB to 2 MiB), in time and in CPU (this process and both p2pd daemons).
+- ``driver_bytes_vs_relay``: the driver's tensor bytes per micro-batch with stages pushing to each other over
+  those with the driver relaying every hop, charlm at 4 stages in one run (``data_plane``; benchmarks/pipeline_dataplane.py).
 
 Throughput is read from the drivers' own membership records (``trained`` samples at ``updated_at``,
 one record per heartbeat), summed over layer0 peers, after a warm-up.
@@ -55,6 +57,7 @@ from benchmarks.common import (
 )
 from benchmarks.fleet import Fleet
 from benchmarks.pipeline_configs import QUICK as QUICK_CONFIGS, ConfigSettings, configs
+from benchmarks.pipeline_dataplane import QUICK as QUICK_DATA_PLANE, DataPlaneSettings, data_plane
 from benchmarks.pipeline_hop import hops
 from benchmarks.pipeline_swarm import (  # under their old names: benchmarks.wan and pipeline_profile use them here
     START_TIMEOUT_S,
@@ -113,8 +116,8 @@ def _parser() -> argparse.ArgumentParser:
                            "tiny sizes and windows, 1-stage scaling with 2 -> 1 peers: a smoke test, not a measurement")
     parser.add_argument("--step-s", type=float, default=0.05, help="simulated accelerator step for the scaling runs")
     parser.add_argument("--scaling-stages", type=int, default=None, help="stages of the scaling runs (default 2)")
-    parser.add_argument("--only", choices=("hop", "heavy", "scaling", "configs"), action="append",
-                        help="run only these parts (repeatable); default: all")
+    parser.add_argument("--only", choices=("hop", "heavy", "scaling", "configs", "data-plane"), action="append",
+                        help="run only these parts (repeatable); default: all but data-plane under --quick")
     parser.add_argument("--heavy-codec", default="float32", choices=("float32", "float16", "int8"),
                         help="the heavy run's wire codec (training.wire_codec; default float32)")
     parser.add_argument("--runs", default=None,
@@ -126,7 +129,7 @@ def _parser() -> argparse.ArgumentParser:
 def _benchmark(fleet: Fleet, settings: Settings, args: argparse.Namespace) -> dict[str, Any]:
     from hivemind.dht.crypto import RSASignatureValidator
 
-    parts = set(args.only or ("hop", "heavy", "scaling", "configs"))
+    parts = set(args.only or ("hop", "heavy", "scaling", "configs", *(() if args.quick else ("data-plane",))))
     say(f"starting a bootstrap peer (work dir {fleet.workdir})")
     _, maddr = fleet.bootstrap()
     reader = fleet.dht([maddr], [RSASignatureValidator()], client_mode=True)
@@ -142,6 +145,8 @@ def _benchmark(fleet: Fleet, settings: Settings, args: argparse.Namespace) -> di
         if args.runs:
             chosen = replace(chosen, runs=tuple(name.strip() for name in args.runs.split(",") if name.strip()))
         report.update(configs(fleet, maddr, reader, chosen))
+    if "data-plane" in parts:
+        report.update(data_plane(fleet, maddr, reader, QUICK_DATA_PLANE if args.quick else DataPlaneSettings()))
     report["machine"]["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
     return report
 

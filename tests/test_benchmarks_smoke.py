@@ -134,3 +134,23 @@ def test_framing_benchmark_quick_measures_both_ways_and_leaves_no_daemon(swarm):
         for way in ("hivemind", "lean"):
             _positive(figures[way], ("round_trip_ms",))
     assert "python_cpu_1m_lean_vs_hivemind" in report and "p2pd_cpu_1m_lean_vs_hivemind" in report
+
+
+def test_the_data_plane_figure_sums_each_peers_bytes_over_its_heartbeats_and_skips_what_it_cannot_span():
+    """benchmarks/pipeline_dataplane.py: bytes moved = Mb/s x the span since the peer's previous record (its rates
+    cover that span), an offline record or one without rates adds nothing, a peer's first record only starts it."""
+    from types import SimpleNamespace
+
+    from benchmarks.pipeline_dataplane import _Bytes
+
+    def rec(peer, at, mbps_in, mbps_out, trained=0, state="online"):
+        return SimpleNamespace(peer_id=peer, updated_at=at, mbps_in=mbps_in, mbps_out=mbps_out, trained=trained,
+                               state=state)
+
+    moved = _Bytes()
+    moved.add([rec("a", 10.0, 8.0, 8.0, 0), rec("b", 10.0, 1.0, 1.0)])
+    assert moved.moved == {}  # a first record only starts the count
+    moved.add([rec("a", 12.0, 4.0, 4.0, 320), rec("b", 10.0, 9.0, 9.0)])  # b's record not refreshed: nothing
+    moved.add([rec("a", 14.0, -1.0, -1.0, 640), rec("b", 12.0, 0.0, 8.0, state="offline")])
+    assert moved.moved == {"a": 8e6 / 8 * 2.0}  # 8 Mb/s for 2 s; no rates (-1) and offline add nothing
+    assert moved.last["a"].trained - moved.first["a"].trained == 640
