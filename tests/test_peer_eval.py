@@ -42,7 +42,9 @@ def test_the_gap_keeps_the_runs_evaluations_within_their_share_between_the_floor
 
 def test_a_cheap_evaluation_runs_again_after_the_floor_not_after_the_period(monkeypatch):
     monkeypatch.setattr(peer_eval, "EVAL_MIN_GAP_S", 0.2)
-    ev = _evaluations()
+    said: list[str] = []
+    ev = Evaluations(load_run("digits-mlp")[0], notify=lambda level, kind, text: said.append(kind),
+                     accepting=lambda: True)
     assert ev.run.training.eval_every_s >= 10
     runs: list[float] = []
 
@@ -64,6 +66,7 @@ def test_a_cheap_evaluation_runs_again_after_the_floor_not_after_the_period(monk
     gaps = [b - a for a, b in zip(runs, runs[1:])]
     assert min(gaps) >= 0.2 - 1e-3
     assert 0 < ev.took_s < 0.2 and ev.version == 7 and ev.at > 0
+    assert said == ["evaluated"]  # the event log says it once a period (10 s), the figure is published every time
 
 
 def test_a_new_evaluation_is_announced_at_the_next_tick_once():

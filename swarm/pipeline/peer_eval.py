@@ -64,7 +64,7 @@ class Evaluations:
         """Every ``gap_s()``; sooner (after half a period) when a copy of the run healed since the last one.
         The first one runs as soon as the driver has trained a micro-batch, so a run publishes a figure
         within one period of starting to train, however long its pipeline."""
-        last = -math.inf
+        last = said = -math.inf
         while True:
             period_s = self.gap_s()
             await asyncio.sleep(min(1.0, period_s / 2))
@@ -84,10 +84,12 @@ class Evaluations:
                             f"{exc}); the last published figure keeps its age")
                 continue
             self.took_s = time.monotonic() - last
-            logger.info("evaluation took %.2f s; the next in %.1f s (%d driver(s))", self.took_s, self.gap_s(),
-                        self.drivers)
+            logger.info("evaluated the pipeline: %s (took %.2f s; the next in %.1f s, %d driver(s))",
+                        evaluation_text(accuracy, loss), self.took_s, self.gap_s(), self.drivers)
             self.stamp()
-            self.notify("info", "evaluated", f"evaluated the pipeline: {evaluation_text(accuracy, loss)}")
+            if last - said >= self.run.training.eval_every_s:  # the event log says it once a period, not every 2 s
+                said = last
+                self.notify("info", "evaluated", f"evaluated the pipeline: {evaluation_text(accuracy, loss)}")
 
     async def final(self, deadline: float) -> bool:
         """One last evaluation, retried until ``deadline`` (monotonic): True once published, False when it could
