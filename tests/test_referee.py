@@ -20,7 +20,7 @@ from swarm.integrity.weights import WeightsRing, committed_bytes, weights_digest
 from swarm.pipeline.control.referee import CONVICTED, HOLDS, UNSHOWN, Referee
 from swarm.pipeline.stage.worker import StageWorker
 from swarm.pipeline.stage.stage_rpc import refusal_error
-from swarm.pipeline.stage.weights_rpc import WeightsDoor
+from swarm.pipeline.stage.weights_rpc import MIN_INTERVAL_S, WeightsDoor
 from swarm.pipeline.transport.wire import decode_tensors
 from swarm.run.data import load_dataset
 from swarm.run.models import build_stage
@@ -263,6 +263,8 @@ def test_the_door_bounds_what_showing_costs():
 
     first, again, other, bad = asyncio.run(twice())
     assert first["ok"] and other["ok"] and again["code"] == "busy" and bad["code"] == "rejected"
+    # asked again within the interval: told to come back when it is over, not a quarter second later
+    assert 0 < again["retry_after_s"] <= MIN_INTERVAL_S
 
 
 # ----- stage 1 referees a driver's stage-0 output (swarm/pipeline/control/stage0_referee.py)
