@@ -29,7 +29,8 @@ prints one JSON object (progress goes to stderr):
   ``hop_{overhead,cpu}_<size>_session_vs_{unary,streamed}`` compare the three transports, each forced, at equal
   sizes (64 KiB to 2 MiB), in time and in CPU (this process and both p2pd daemons).
 - ``driver_bytes_vs_relay``: the driver's tensor bytes per micro-batch with stages pushing to each other over
-  those with the driver relaying every hop, charlm at 4 stages in one run (``data_plane``; benchmarks/pipeline_dataplane.py).
+  those with the driver relaying every hop, charlm at 4 stages in one run (``data_plane``;
+  benchmarks/pipeline_dataplane.py).
 
 Throughput is read from the drivers' own membership records (``trained`` samples at ``updated_at``,
 one record per heartbeat), summed over layer0 peers, after a warm-up.
@@ -120,6 +121,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="run only these parts (repeatable); default: all but data-plane under --quick")
     parser.add_argument("--heavy-codec", default="float32", choices=("float32", "float16", "int8"),
                         help="the heavy run's wire codec (training.wire_codec; default float32)")
+    parser.add_argument("--per-swarm", type=int, default=1,
+                        help="the data-plane part's volunteers per stage (default 1)")
     parser.add_argument("--runs", default=None,
                         help="the shipped runs the configs part measures, comma-separated (default: digits-mlp,charlm; "
                              "e.g. llm-tiny)")
@@ -146,7 +149,8 @@ def _benchmark(fleet: Fleet, settings: Settings, args: argparse.Namespace) -> di
             chosen = replace(chosen, runs=tuple(name.strip() for name in args.runs.split(",") if name.strip()))
         report.update(configs(fleet, maddr, reader, chosen))
     if "data-plane" in parts:
-        report.update(data_plane(fleet, maddr, reader, QUICK_DATA_PLANE if args.quick else DataPlaneSettings()))
+        chosen_plane = QUICK_DATA_PLANE if args.quick else DataPlaneSettings()
+        report.update(data_plane(fleet, maddr, reader, replace(chosen_plane, per_swarm=args.per_swarm)))
     report["machine"]["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
     return report
 

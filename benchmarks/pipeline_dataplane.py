@@ -1,13 +1,15 @@
 """The driver's bytes per micro-batch with stages pushing to each other, against the relay, in one run (the
 ``data-plane`` part of benchmarks.pipeline; issue 41's ``driver_bytes_vs_relay``).
 
-A shipped run (charlm: 4 stages, float32 activations) trains twice on loopback with one ``volunteer join`` per stage:
-stages pushing (the default) and with ``VOLUNTEER_DATA_PLANE=relay`` (the driver carries every tensor of every
-hop). Each volunteer's record says the Mb/s of tensor payload it sent and received over its last heartbeat
-(swarm/pipeline/transport/traffic.py: every RPC's tensors, per link); summed over the window's heartbeats and
-divided by the micro-batches the driver completed in that window, that is the bytes per micro-batch of the
-driver, and of every peer together. The driver's share of the relay's is what stage-to-stage transfer saves on
-a volunteer's uplink, where a home link is slowest (benchmarks.wan measures the time).
+A shipped run (charlm: 4 stages, float32 activations) trains on loopback with ``per_swarm`` ``volunteer join`` per
+stage: stages pushing (the default), with ``VOLUNTEER_DATA_PLANE=relay`` (the driver carries every tensor of every
+hop), and pushing with the run's checks off (``integrity.spot_share`` 0: no spot checks, referee, audits or stage-0
+replicas), to tell the data plane's bytes from the checks'. Each volunteer's record says the Mb/s of tensor payload
+it sent and received over its last heartbeat (swarm/pipeline/transport/traffic.py: every RPC's tensors, per link);
+summed over the window's heartbeats and divided by the micro-batches the drivers completed in that window, that is
+the bytes per micro-batch of the drivers, and of every peer together. The drivers' share of the relay's is what
+stage-to-stage transfer saves on a volunteer's uplink, where a home link is slowest (benchmarks.wan measures the
+time).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from benchmarks.fleet import Fleet
 from benchmarks.pipeline_configs import training_only
 from benchmarks.pipeline_swarm import START_TIMEOUT_S, join_all, sleep_checking, stop_in_order, wait_training
 
-MODES = ("push", "relay")
+MODES = ("push", "relay", "push_unchecked")  # the last: spot checks, referee and stage-0 replicas off (what is checks)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -29,6 +31,7 @@ class DataPlaneSettings:
     warmup_s: float = 10.0
     window_s: float = 30.0
     heartbeat_s: float = 2.0
+    per_swarm: int = 1  # volunteers per stage (2: every swarm has a second copy, the drivers check each other's)
 
 
 QUICK = DataPlaneSettings(run="digits-mlp", warmup_s=1.0, window_s=4.0, heartbeat_s=0.5)
@@ -60,15 +63,19 @@ def _one(fleet: Fleet, maddr: str, reader: Any, s: DataPlaneSettings, mode: str)
 
     config = training_only(s.run, s.heartbeat_s)
     config["name"] = f"bench-{s.run}-{mode}"  # a run id of its own: the second run never meets the first's records
+    if mode == "push_unchecked":
+        config.setdefault("integrity", {})["spot_share"] = 0.0
     run_path = write_run(fleet.workdir / f"dataplane-{mode}.yaml", config)
     run = load_run_config(run_path)
     stages, batch = run.model.stages, run.training.batch_size
-    say(f"data-plane: {s.run}, {stages} stages, stages {'pushing' if mode == 'push' else 'relayed by the driver'}")
-    procs = join_all(fleet, run_path, maddr, stages, 1, f"dataplane-{mode}", env={"VOLUNTEER_DATA_PLANE": mode})
+    how = {"push": "pushing", "relay": "relayed by the driver", "push_unchecked": "pushing, checks off"}[mode]
+    say(f"data-plane: {s.run}, {stages} stages x {s.per_swarm}, stages {how}")
+    procs = join_all(fleet, run_path, maddr, stages, s.per_swarm, f"dataplane-{mode}",
+                     env={"VOLUNTEER_DATA_PLANE": "relay" if mode == "relay" else "push"})
     flat = [p for group in procs.values() for p in group]
     membership = Membership(reader, run, b"")
     try:
-        wait_training(membership, stages, 1, flat, START_TIMEOUT_S)
+        wait_training(membership, stages, s.per_swarm, flat, START_TIMEOUT_S)
         sleep_checking(s.warmup_s, flat)
         driver, everyone = _Bytes(), _Bytes()
         views = membership.read_all()
@@ -87,6 +94,7 @@ def _one(fleet: Fleet, maddr: str, reader: Any, s: DataPlaneSettings, mode: str)
         return {"mode": mode, "microbatches": 0, "driver_bytes_per_microbatch": None}
     return {
         "mode": mode, "microbatches": round(microbatches, 1), "batch": batch, "stages": stages,
+        "per_swarm": s.per_swarm,
         "driver_bytes_per_microbatch": round(sum(driver.moved.values()) / microbatches),
         "all_peers_bytes_per_microbatch": round(sum(everyone.moved.values()) / microbatches),
         "bytes_per_microbatch_by_swarm": {
@@ -97,8 +105,10 @@ def _one(fleet: Fleet, maddr: str, reader: Any, s: DataPlaneSettings, mode: str)
 
 def data_plane(fleet: Fleet, maddr: str, reader: Any, s: DataPlaneSettings) -> dict[str, Any]:
     results = {mode: _one(fleet, maddr, reader, s, mode) for mode in MODES}
-    push, relay = (results[m]["driver_bytes_per_microbatch"] for m in MODES)
+    push, relay, unchecked = (results[m]["driver_bytes_per_microbatch"] for m in MODES)
     vs = ratio(push, relay) if push is not None and relay else None
+    vs_unchecked = ratio(unchecked, relay) if unchecked is not None and relay else None
     say(f"data-plane: the driver moves {push} bytes per micro-batch with stages pushing, {relay} relaying "
-        f"({vs if vs is None else round(vs, 3)} of the relay's)")
-    return {"driver_bytes_vs_relay": vs, "data_plane": {"run": s.run, **results}}
+        f"({vs if vs is None else round(vs, 3)} of the relay's), {unchecked} pushing without checks")
+    return {"driver_bytes_vs_relay": vs, "driver_bytes_vs_relay_unchecked": vs_unchecked,
+            "data_plane": {"run": s.run, **results}}
