@@ -123,6 +123,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="the heavy run's wire codec (training.wire_codec; default float32)")
     parser.add_argument("--per-swarm", type=int, default=1,
                         help="the data-plane part's volunteers per stage (default 1)")
+    parser.add_argument("--data-plane-warmup-s", type=float, default=None,
+                        help="the data-plane part's seconds of training before its window (default 10; checks of "
+                             "peers new to a driver are 8x as frequent in a run's first minute)")
     parser.add_argument("--runs", default=None,
                         help="the shipped runs the configs part measures, comma-separated (default: digits-mlp,charlm; "
                              "e.g. llm-tiny)")
@@ -150,7 +153,10 @@ def _benchmark(fleet: Fleet, settings: Settings, args: argparse.Namespace) -> di
         report.update(configs(fleet, maddr, reader, chosen))
     if "data-plane" in parts:
         chosen_plane = QUICK_DATA_PLANE if args.quick else DataPlaneSettings()
-        report.update(data_plane(fleet, maddr, reader, replace(chosen_plane, per_swarm=args.per_swarm)))
+        chosen_plane = replace(chosen_plane, per_swarm=args.per_swarm)
+        if args.data_plane_warmup_s is not None:
+            chosen_plane = replace(chosen_plane, warmup_s=args.data_plane_warmup_s)
+        report.update(data_plane(fleet, maddr, reader, chosen_plane))
     report["machine"]["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
     return report
 
