@@ -617,3 +617,23 @@ def test_a_last_stage_whose_signed_loss_does_not_follow_from_its_weights_is_conv
     assert reply.get("ok") is True and banned[0][0] == "QmSigner" and "signed loss" in banned[0][1], (reply, banned)
     _, reply = asyncio.run(desk().receive("QmFramer", tensors, {**meta, "loss": loss}))  # not the signed loss
     assert not reply.get("ok") and struck == ["QmFramer"] and len(banned) == 1
+
+
+def test_the_weights_a_referee_fetches_are_counted_on_the_signers_link():
+    """A referee's fetch is on the driver's link as much as a hop's tensors: the dashboard's Mb/s and
+    benchmarks.pipeline's data-plane figures count it (they did not before session 18)."""
+    from swarm.pipeline.transport.traffic import Traffic
+
+    worker, key = StageWorker(RUN, 1), ReceiptKey("QmSigner")
+    x = torch.randn(8, HIDDEN).relu()
+    y = worker.forward("mb", x)
+    receipt = _signed_forward(worker, key, y)
+    referee, executor = _referee(_Door(worker))
+    referee.traffic = Traffic()
+    try:
+        assert asyncio.run(referee.judge(1, "forward", [x], y, receipt, "QmSigner")).outcome == HOLDS
+    finally:
+        executor.shutdown()
+    weights = sum(t.numel() * t.element_size() for t in worker.module.state_dict().values())
+    assert referee.traffic.bytes_in == weights and referee.traffic.bytes_out == 0
+    assert referee.traffic.links() == {"QmSigner": (weights, 0)}

@@ -30,6 +30,8 @@ def attach_checks(peer: Any) -> None:
         gate = peer.gate
         peer._servicer.spot0 = Stage0Checker(peer.run, peer.p2p, peer.keys, lambda: list(gate.view.current),
                                              gate.strike, share=peer.run.integrity.spot_share, device=peer.device)
+        if peer._servicer.spot0.referee is not None:
+            peer._servicer.spot0.referee.traffic = peer.traffic
 
 
 def prefetch_keys(peer: Any, views: dict[str, list[Any]]) -> None:

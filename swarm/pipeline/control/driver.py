@@ -119,6 +119,7 @@ class PipelineDriver(LaneFailures):
         self.others_seen_at = float("-inf")  # when a view last showed another online driver (swarm/pipeline/peer.py)
         if self.referee is not None:
             self.referee.alone = lambda: time.monotonic() - self.others_seen_at > ALONE_S
+            self.referee.traffic = self.traffic
         self.spot = SpotChecker(self.hops, share=run.integrity.spot_share, seed=seed, referee=self.referee)
         # what each copy's weights do to the loss of what went through it (chance: ln of the model's outputs)
         outputs = run.model.num_classes if run.model.kind == "mlp" else run.model.vocab_size

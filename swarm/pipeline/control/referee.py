@@ -106,6 +106,7 @@ class Referee(UpdateAuditor):
         ``device``: where (the driver's device); ``versions``: the weights digests the driver's verified receipts
         named per peer and version (swarm/integrity/audit.py), for the audit of an upheld update."""
         self.versions = versions if versions is not None else VersionBook()
+        self.traffic: Any = None  # the driver's Traffic: a fetch's bytes are counted on the signer's link
         self.audits = UpdateAudits()
         self.audited = 0  # upheld updates whose step was also audited (the weights they produced were named)
         self.run = run
@@ -283,7 +284,7 @@ class Referee(UpdateAuditor):
         started = time.perf_counter()
         try:
             weights = await fetch_weights(self.p2p, peer, self.namespaces[f"layer{k}"], digest, expect_bytes=size,
-                                          timeout_s=timeout_s, call=self.call)
+                                          timeout_s=timeout_s, call=self.call, traffic=self.traffic)
         finally:
             self.fetches += 1
             self.fetch_s += time.perf_counter() - started

@@ -44,6 +44,7 @@ class Stage0Referee:
         self._spare: list[torch.nn.Module] = []  # modules no judgement holds now (_recompute; list ops are atomic)
         self.counts = {HOLDS: 0, CONVICTED: 0, UNSHOWN: 0}
         self.last_reason = ""
+        self.traffic: Any = None  # the stage's Traffic: the driver's weights it fetches are counted on its link
 
     async def judge(self, author: str, x: torch.Tensor, ids: torch.Tensor, digest: bytes, timeout_s: float) -> str:
         """HOLDS, CONVICTED or UNSHOWN for ``x``, the stage-0 output ``author`` signed for ``ids`` with ``digest``."""
@@ -56,7 +57,7 @@ class Stage0Referee:
             module, x_train = await self._ready()
             left_s = max(0.05, timeout_s - (time.monotonic() - started))
             weights = await fetch_weights(self.p2p, author, self.namespace, digest, call=self.call, timeout_s=left_s,
-                                          expect_bytes=tensors_bytes(module.state_dict()))
+                                          expect_bytes=tensors_bytes(module.state_dict()), traffic=self.traffic)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # busy, slow, gone: no evidence either way

@@ -75,11 +75,12 @@ class WeightsDoor:
 
 
 async def fetch_weights(p2p: Any, peer: str, namespace: str, digest: bytes, *, expect_bytes: int, timeout_s: float,
-                        call: Any = None, tries: int = FETCH_TRIES) -> dict[str, torch.Tensor]:
+                        call: Any = None, tries: int = FETCH_TRIES, traffic: Any = None) -> dict[str, torch.Tensor]:
     """The tensors ``peer`` committed to under ``digest`` (not yet checked against it: the caller hashes them). A
     ``busy`` door is asked again after its retry_after_s (busy is no reason to give a verdict up), within
     ``timeout_s`` in all. Raises StageError (``weights_gone``, ``busy``...), WireError for a malformed reply, or a
-    transport error or timeout."""
+    transport error or timeout. ``traffic``: where the bytes received are counted against ``peer`` (a referee's
+    fetches are on its link as much as a hop's tensors: the dashboard's Mb/s and benchmarks.pipeline's data-plane)."""
     from swarm.pipeline.transport.stage_client import call_stage
 
     call = call or call_stage
@@ -96,6 +97,8 @@ async def fetch_weights(p2p: Any, peer: str, namespace: str, digest: bytes, *, e
             if getattr(exc, "code", "") != "busy" or attempt == tries - 1 or time.monotonic() + wait_s >= deadline:
                 raise
             await asyncio.sleep(wait_s)
+    if traffic is not None:
+        traffic.count(peer, inbound=sum(t.numel() * t.element_size() for t in tensors))
     return unpack(tensors, reply)
 
 
