@@ -76,6 +76,8 @@ def _train(run: RunConfig, dht0, peers: list[SwarmPeer]) -> tuple[float, float, 
             dataset = load_dataset(run.data, run.model)
             shards = make_shards(dataset.y_train, run.data, dataset.num_classes)
             driver = PipelineDriver(run, StageWorker(run, 0), p2p, executor, dataset, shards, 0, peer_tag="codec")
+            if driver.referee is not None:  # measured here: the codec's bytes, the hops' tensors. A referee's fetches
+                driver.referee.traffic = None  # (float32 weights, on a volunteer's Traffic: tests/test_referee.py)
             for peer in peers:
                 driver.set_peers(peer.swarm, [str(peer.dht.peer_id)])
             before, _ = await asyncio.wait_for(driver.evaluate(), 60)
