@@ -637,3 +637,4 @@ def test_the_weights_a_referee_fetches_are_counted_on_the_signers_link():
     weights = sum(t.numel() * t.element_size() for t in worker.module.state_dict().values())
     assert referee.traffic.bytes_in == weights and referee.traffic.bytes_out == 0
     assert referee.traffic.links() == {"QmSigner": (weights, 0)}
+    assert referee.traffic.by_op == {"referee weights": [weights, 0]}

@@ -76,3 +76,17 @@ def test_records_carry_the_rates_and_status_and_the_dashboard_show_them():
     shown = console.export_text()
     assert "4.00 in, 1.50 out" in shown and "farpeer1" in shown and "3.00 in, 1.00 out" in shown
     assert list(snap.to_json()["links"]) == [{"peer_id": "12D3KooWfarpeer1", "mbps_in": 3.0, "mbps_out": 1.0}]
+
+
+def test_bytes_are_also_counted_by_op_and_a_strangers_made_up_ops_cannot_grow_the_table():
+    from swarm.pipeline.transport.traffic import MAX_OPS
+
+    traffic = Traffic()
+    traffic.count("a", inbound=10, outbound=5, op="forward")
+    traffic.count("b", inbound=1, op="forward")
+    traffic.count("a", outbound=7)  # no op named: in the totals only
+    assert traffic.by_op == {"forward": [11, 5]} and (traffic.bytes_in, traffic.bytes_out) == (11, 12)
+    for i in range(3 * MAX_OPS):
+        traffic.count("evil", inbound=1, op=f"made-up-{i}")
+    assert len(traffic.by_op) <= MAX_OPS + 1 and traffic.by_op["other"][0] > 0
+    assert sum(b[0] for b in traffic.by_op.values()) == traffic.bytes_in

@@ -198,9 +198,8 @@ class SwarmPeer:
         self._serve_replicas(dataset)
         self.driver = PipelineDriver(
             self.run, self.worker, self.p2p, self.executor, dataset, shards, shard % len(shards),
-            peer_tag=str(self.dht.peer_id)[-8:], seed=shard, traffic=self.traffic,
+            peer_tag=str(self.dht.peer_id)[-8:], seed=shard, traffic=self.traffic, keys=self.keys,
             notify=lambda level, text: self.notify(level, "pipeline", text), receipt_key=self.receipt_key,
-            keys=self.keys,
         )
         self._tasks.append(asyncio.create_task(self._guard(self.driver.run_forever(), "driver")))
         self.evaluations.driver, self.evaluations.worker = self.driver, self.worker
@@ -246,8 +245,9 @@ class SwarmPeer:
             return
 
         async def _teardown() -> None:
-            logger.info("at the stop: receipt signatures %s; resent updates answered with their first reply %s",
-                        verification_stats(), getattr(getattr(self._servicer, "replies", None), "replayed", 0))
+            replies = getattr(self._servicer, "replies", None)
+            logger.info("at the stop: receipt signatures %s; resends replayed %s; tensor bytes (in, out) by op %s",
+                        verification_stats(), getattr(replies, "replayed", 0), self.traffic.by_op)
             if self.driver is not None:
                 self.driver.stop()
             if self._servicer is not None and self._servicer.spot0 is not None:

@@ -131,20 +131,20 @@ class StageServicer(Stage0Ops, StageRPC):
     async def _one_message(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> tuple[list[Any], dict]:
         """A call that came in one message (unary, or on a session): its reply's tensors and metadata, bytes counted."""
         remote = str(context.remote_id)
-        self.traffic.count(remote, inbound=buffer_bytes(request.tensors))
+        self.traffic.count(remote, inbound=buffer_bytes(request.tensors), op="served")
         serialized, meta = await self._handle(list(request.tensors), request.metadata, context)
-        self.traffic.count(remote, outbound=buffer_bytes(serialized))
+        self.traffic.count(remote, outbound=buffer_bytes(serialized), op="served")
         return [as_proto(t) for t in serialized], meta
 
     async def rpc_call_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                               context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         try:
             serialized, metadata = await join_stream(requests, self.max_bytes)
-            self.traffic.count(str(context.remote_id), inbound=buffer_bytes(serialized))
+            self.traffic.count(str(context.remote_id), inbound=buffer_bytes(serialized), op="served")
             out, meta = await self._handle(serialized, metadata, context)
         except WireError as exc:
             out, meta = [], _refusal("rejected", str(exc))
-        self.traffic.count(str(context.remote_id), outbound=buffer_bytes(out))
+        self.traffic.count(str(context.remote_id), outbound=buffer_bytes(out), op="served")
         for message in split_message(out, pack_metadata(meta), runtime_pb2.ExpertResponse):
             yield message
 

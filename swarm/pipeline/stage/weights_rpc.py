@@ -98,7 +98,7 @@ async def fetch_weights(p2p: Any, peer: str, namespace: str, digest: bytes, *, e
                 raise
             await asyncio.sleep(wait_s)
     if traffic is not None:
-        traffic.count(peer, inbound=sum(t.numel() * t.element_size() for t in tensors))
+        traffic.count(peer, inbound=sum(t.numel() * t.element_size() for t in tensors), op="referee weights")
     return unpack(tensors, reply)
 
 

@@ -108,7 +108,7 @@ async def call_stage(p2p: Any, peer_id: str, namespace: str, op: str, tensors: l
     if session is None:
         reply_meta = unpack_metadata(out_meta)
     if traffic is not None:
-        traffic.count(peer_id, inbound=buffer_bytes(out_serialized), outbound=sent)
+        traffic.count(peer_id, inbound=buffer_bytes(out_serialized), outbound=sent, op=op)
     if not reply_meta:
         raise StageError("broken", f"{peer_id[-8:]} sent a reply without metadata (did it fail mid-reply?)")
     if reply_meta.get("ok") is not True:

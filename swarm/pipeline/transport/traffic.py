@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass, field
 
 MAX_LINKS = 256
+MAX_OPS = 32  # ops named in by_op (ours are ~20); a stranger's made-up names go to "other"
 SHOWN_LINKS = 8  # the busiest links a snapshot carries
 
 
@@ -25,12 +26,17 @@ class Traffic:
         self.bytes_out = 0
         self.max_links = max_links
         self._links: dict[str, list[int]] = {}  # peer id -> [bytes in, bytes out]
+        self.by_op: dict[str, list[int]] = {}  # op -> [bytes in, bytes out]: what the link carries, by purpose
         self._lock = threading.Lock()
 
-    def count(self, peer: str, inbound: int = 0, outbound: int = 0) -> None:
+    def count(self, peer: str, inbound: int = 0, outbound: int = 0, op: str = "") -> None:
         with self._lock:
             self.bytes_in += inbound
             self.bytes_out += outbound
+            if op:
+                kind = self.by_op.get(op) or self.by_op.setdefault(op if len(self.by_op) < MAX_OPS else "other", [0, 0])
+                kind[0] += inbound
+                kind[1] += outbound
             link = self._links.get(peer)
             if link is None:
                 if len(self._links) >= self.max_links:
