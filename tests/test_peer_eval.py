@@ -40,8 +40,19 @@ def test_the_gap_keeps_the_runs_evaluations_within_their_share_between_the_floor
     assert ev.drivers == 1
 
 
+def test_the_runs_period_still_sets_the_scale_a_benchmarks_never_stays_never():
+    from swarm.pipeline.peer_eval import EVAL_MAX_SPEEDUP
+
+    ev = _evaluations()
+    for period in (60.0, 1e6):  # a run that asks for a minute; benchmarks.pipeline_configs' "no evaluation"
+        ev.run = ev.run.model_copy(update={"training": ev.run.training.model_copy(update={"eval_every_s": period})})
+        ev.took_s = 0.01
+        assert ev.gap_s() == period / EVAL_MAX_SPEEDUP
+
+
 def test_a_cheap_evaluation_runs_again_after_the_floor_not_after_the_period(monkeypatch):
     monkeypatch.setattr(peer_eval, "EVAL_MIN_GAP_S", 0.2)
+    monkeypatch.setattr(peer_eval, "EVAL_MAX_SPEEDUP", 1000.0)
     said: list[str] = []
     ev = Evaluations(load_run("digits-mlp")[0], notify=lambda level, kind, text: said.append(kind),
                      accepting=lambda: True)

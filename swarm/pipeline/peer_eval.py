@@ -3,8 +3,9 @@
 The driver runs an evaluation (swarm/pipeline/control/driver.py ``evaluate``); this decides when. At most
 ``eval_every_s`` apart, and as often as ``EVAL_SHARE`` of the run's time allows: an evaluation that took t seconds is
 followed by the next one after t / EVAL_SHARE seconds times the run's drivers (each evaluates through the same last
-stage), never sooner than ``EVAL_MIN_GAP_S``. On a small model the figure a user waits for is then seconds old,
-not a period (digits: a 0.1 s evaluation every 2 s instead of every 10: the demo saw 95 % up to 10 s late).
+stage), never sooner than ``EVAL_MIN_GAP_S`` nor than ``eval_every_s / EVAL_MAX_SPEEDUP``. On a small model the
+figure a user waits for is then seconds old, not a period (digits: a 0.1 s evaluation every 2 s instead of every 10:
+the demo saw 95 % up to 10 s late).
 Sooner too (after half a period) when a copy anywhere in the run healed since the last one, because the published
 figure then describes a copy that no longer exists. When the peer finishes, one more, retried until a deadline: a
 hop can time out on a busy machine, a stage can be between peers. Each figure is stamped with when it ran, the
@@ -28,6 +29,8 @@ logger = logging.getLogger(__name__)
 Notify = Callable[[str, str, str], None]  # (level, kind, text), as SwarmPeer's
 EVAL_SHARE = 0.03  # of the run's time spent evaluating, by every driver together (an evaluation's wall time counts)
 EVAL_MIN_GAP_S = 2.0  # between two evaluations of one driver, however cheap (a record carries each: DHT traffic)
+EVAL_MAX_SPEEDUP = 5.0  # and never more often than eval_every_s / this: the run's period still sets the scale (a
+# benchmark's 1e6 s means none; a run that asks for 60 s is never evaluated every 2 s)
 
 
 class Evaluations:
@@ -58,7 +61,7 @@ class Evaluations:
         """Seconds from one evaluation to the next: what keeps the run's evaluations within EVAL_SHARE of its time,
         between EVAL_MIN_GAP_S and ``eval_every_s``."""
         period_s = self.run.training.eval_every_s
-        return min(period_s, max(EVAL_MIN_GAP_S, self.took_s * self.drivers / EVAL_SHARE))
+        return min(period_s, max(EVAL_MIN_GAP_S, period_s / EVAL_MAX_SPEEDUP, self.took_s * self.drivers / EVAL_SHARE))
 
     async def run_forever(self) -> None:
         """Every ``gap_s()``; sooner (after half a period) when a copy of the run healed since the last one.
