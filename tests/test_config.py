@@ -147,3 +147,14 @@ def test_help_imports_neither_torch_nor_hivemind():
     help_text = subprocess.run([volunteer_exe(), "--help"], capture_output=True, text=True, timeout=60).stdout
     for command in ("join", "bootstrap", "status", "ctl", "doctor", "service", "export", "eval", "demo"):
         assert command in help_text
+
+
+@pytest.mark.parametrize("value", ["-3", "0", "nan", "inf", "soon"])
+def test_a_demo_time_limit_that_is_not_a_positive_number_is_refused_before_anything_starts(value, capsys):
+    from volunteer_cli.main import EXIT_USAGE, build_parser
+
+    with pytest.raises(SystemExit) as stopped:
+        build_parser().parse_args(["demo", "--time-limit-s", value])
+    assert stopped.value.code == EXIT_USAGE
+    assert "--time-limit-s" in capsys.readouterr().err
+    assert build_parser().parse_args(["demo", "--time-limit-s", "30"]).time_limit_s == 30.0

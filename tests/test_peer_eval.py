@@ -80,7 +80,7 @@ def test_a_cheap_evaluation_runs_again_after_the_floor_not_after_the_period(monk
     assert said == ["evaluated"]  # the event log says it once a period (10 s), the figure is published every time
 
 
-def test_a_new_evaluation_is_announced_at_the_next_tick_once():
+def test_a_new_evaluation_is_announced_at_the_next_tick_once_and_at_most_once_between_heartbeats():
     announced: list[float] = []
     node = SimpleNamespace(run=load_run("digits-mlp")[0], board=SimpleNamespace(publish=lambda **kw: None))
     announcer = Announcer(node)
@@ -96,4 +96,11 @@ def test_a_new_evaluation_is_announced_at_the_next_tick_once():
     assert announced == [100.0]  # once, at the first tick after it ran
     metrics.eval_at = 103.0
     announcer.tick(3.0)
+    assert announced == [100.0], "one early record between two heartbeats: the next one carries this figure"
+    announcer.next_beat_s = 4.0
+    announcer.heartbeat = lambda: announcer._new_evaluation() and announced.append(metrics.eval_at)
+    announcer.tick(4.0)  # the heartbeat's record carries it
     assert announced == [100.0, 103.0]
+    metrics.eval_at = 106.0
+    announcer.tick(5.0)
+    assert announced == [100.0, 103.0, 106.0]  # and the next one may go early again

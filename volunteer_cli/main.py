@@ -177,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="train a whole local swarm on this machine (real processes on loopback)")
     demo.add_argument("--run", default=None, help="run config: a YAML path or a built-in run name (default: digits-mlp)")
     demo.add_argument("--per-swarm", type=int, default=1, help="volunteers per layer swarm")
-    demo.add_argument("--time-limit-s", type=float, default=180.0)
+    demo.add_argument("--time-limit-s", type=_positive, default=180.0,
+                      help="give up after this many seconds (default 180)")
     demo.add_argument("--target-accuracy", type=float, default=None,
                       help="classifiers: stop at this test accuracy (default: the run's training.target_accuracy)")
     demo.add_argument("--target-bits-per-byte", type=float, default=None,

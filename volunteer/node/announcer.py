@@ -35,6 +35,7 @@ class Announcer:
         self.started_at_s = time.time()
         self.next_beat_s = 0.0  # monotonic
         self._announced_eval_at = -1.0  # the evaluation (its wall time) our record carries
+        self._early = False  # a record announced between two heartbeats for a new evaluation (one at most)
         self._process: Any = None
         self._history_speed: deque[float] = deque(maxlen=SPARKLINE_POINTS)
         self._history_loss: deque[float] = deque(maxlen=SPARKLINE_POINTS)
@@ -51,9 +52,13 @@ class Announcer:
         if now_s >= self.next_beat_s:
             self.heartbeat()
             self.next_beat_s = now_s + self.node.run.timeouts.heartbeat_s
+            self._early = False
         else:
             self.node.board.publish(**self.work_fields())
-            if self._new_evaluation():  # a fresh figure is published now, not up to a heartbeat later
+            # a fresh figure is published now, not up to a heartbeat later; at most one such record between two
+            # heartbeats (evaluations come every 2 s on a small model: a DHT store each would triple a layer0 peer's)
+            if not self._early and self._new_evaluation():
+                self._early = True
                 self.announce()
 
     def _new_evaluation(self) -> bool:
