@@ -204,6 +204,86 @@ def test_a_micro_batch_resent_to_a_stage_that_applied_it_is_refused_not_applied_
     assert layer1._servicer.replies.replayed == 1
 
 
+def test_an_update_whose_caller_left_mid_compute_lands_once_and_its_resend_gets_its_reply(stage_servers):
+    """A caller that leaves while the last stage computes its forward_backward (a pushing layer1 peer killed: its
+    session's running calls are cancelled, swarm/pipeline/transport/sessions.py) cannot take back the update the
+    compute thread applies. The stage finishes the request anyway: the micro-batch stays claimed, its signed reply is
+    kept, and the driver's resend is answered with it. Before, the cancelled handler released the claim while the
+    update landed, and the resend was applied a second time: the suite's clean-stop test saw the last stage's sample
+    clock one micro-batch past its driver's count (CI, session 18). A request cancelled before its compute began
+    applies nothing and leaves its micro-batch free."""
+    import threading
+    from types import SimpleNamespace
+
+    from swarm.pipeline.transport.wire import as_proto, encode_tensors, pack_metadata
+
+    dht0, peers = stage_servers
+    layer1, layer2 = peers
+    servicer = layer2._servicer
+    started, release = threading.Event(), threading.Event()
+    original = layer2.worker.forward_backward
+
+    def slow(*args, **kwargs):
+        started.set()
+        release.wait(10)  # the caller leaves while this runs
+        return original(*args, **kwargs)
+
+    def cancelled_on_layer2(tensors, meta, context, when):
+        """``_handle`` on layer2's loop, as a session runs it, cancelled ``when`` "queued" or "computing"."""
+        async def run():
+            serialized = [as_proto(t) for t in encode_tensors(tensors)]
+            task = asyncio.ensure_future(servicer._handle(serialized, pack_metadata({**meta, "op": "forward_backward"}),
+                                                          context))
+            if when == "queued":  # the compute thread is busy with another request: ours waits its turn
+                blocker = asyncio.ensure_future(servicer.fair.run("another driver", release.wait, 10))
+                await asyncio.sleep(0.2)
+                task.cancel()
+                release.set()
+                await blocker
+            else:
+                while not started.is_set():
+                    await asyncio.sleep(0.01)
+                task.cancel()
+                release.set()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            deadline = time.monotonic() + 10
+            while servicer.active and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            return servicer.active
+
+        return asyncio.run_coroutine_threadsafe(run(), layer2._loop).result(30)
+
+    async def body(driver, p2p, dataset):
+        ids = torch.as_tensor(make_shards(dataset.y_train, RUN.data, dataset.num_classes)[0][24:32], dtype=torch.int64)
+        key, context = driver.receipt_key, SimpleNamespace(remote_id=p2p.peer_id)
+        results = {}
+        for when in ("queued", "computing"):
+            mb = f"left-{when}"
+            started.clear(), release.clear()
+            h0 = driver.worker.forward(mb, dataset.x_train[ids])
+            (h1,), m1, _ = await _hop(p2p, layer1, "forward", [h0], stage0_meta(key, RUN.run_id, mb, h0, ids))
+            version = layer2.worker.stats.param_version
+            layer2.worker.forward_backward = slow
+            try:
+                active = await asyncio.get_running_loop().run_in_executor(
+                    None, cancelled_on_layer2, [h1, ids], relay_meta(key, mb, m1["rc"]), context, when)
+            finally:
+                release.set()
+                layer2.worker.forward_backward = original
+            applied = layer2.worker.stats.param_version - version
+            (g1,), meta, _ = await _hop(p2p, layer2, "forward_backward", [h1, ids], relay_meta(key, mb, m1["rc"]))
+            results[when] = (active, applied, layer2.worker.stats.param_version - version, meta["ok"], g1.shape)
+        return results
+
+    replayed = servicer.replies.replayed
+    results = _with_driver(dht0, peers, body)
+    # queued: nothing ran, so the resend is the micro-batch's first update; computing: applied once, replayed once
+    assert results["queued"] == (0, 0, 1, True, (8, 32)), results
+    assert results["computing"] == (0, 1, 1, True, (8, 32)), "a micro-batch whose caller left was applied twice"
+    assert servicer.replies.replayed == replayed + 1
+
+
 @pytest.mark.parametrize(
     ("tensors", "meta", "expected"),
     [

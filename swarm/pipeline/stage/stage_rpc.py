@@ -118,6 +118,7 @@ class StageServicer(Stage0Ops, StageRPC):
         self.traffic = traffic or Traffic()
         self.active = 0  # requests being served right now (a leaving peer waits for these)
         self.session_tasks: set[asyncio.Task] = set()  # hivemind's tasks that run our sessions (ended at a stop)
+        self.finishing: set[asyncio.Future] = set()  # requests whose callers left while their compute ran (_handle)
         self.shown = WeightsDoor()  # the committed weights a referee asks to see (swarm/pipeline/stage/weights_rpc.py)
         self.convictions: Any = None  # a ConvictionDesk: referees' evidence re-checked here (convictions.py)
         self.push: Any = None  # a PushServer: micro-batches pushed to us and on by us (push.py)
@@ -170,6 +171,11 @@ class StageServicer(Stage0Ops, StageRPC):
         if tasks:
             await asyncio.wait(tasks, timeout=timeout_s)
             await asyncio.sleep(0.05)  # hivemind's handler notices its processing task ended, and closes the stream
+        finishing = list(self.finishing)  # requests whose compute ran when their caller left: their update is applied
+        if finishing:
+            _, late = await asyncio.wait(finishing, timeout=timeout_s)
+            for work in late:
+                work.cancel()
 
     async def rpc_receipt_key(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         """This peer's receipt key, asked of it over its own connection (swarm/pipeline/transport/keybook.py)."""
@@ -177,11 +183,30 @@ class StageServicer(Stage0Ops, StageRPC):
         return runtime_pb2.ExpertResponse(metadata=pack_metadata({"key": key}))
 
     async def _handle(self, serialized: list[Any], metadata: bytes, context: Any) -> tuple[list[Any], dict]:
+        """A request, served to its end once its compute began, whether or not its caller is still there: a caller
+        that leaves (a cut stream, a dead pushing stage) does not take back an update the compute thread applies, so
+        what follows it (the signed reply kept for a resend, the claim on its micro-batch, a push's outbox and its
+        "running" mark) must still happen. Before then, a caller that leaves takes its request with it."""
         self.active += 1
+        work = asyncio.ensure_future(self._serve(serialized, metadata, context))
+        work.add_done_callback(self._served)
         try:
-            return await self._serve(serialized, metadata, context)
-        finally:
-            self.active -= 1
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            if work in self.fair.started:
+                self.finishing.add(work)  # ended by end_sessions at the latest
+            else:
+                work.cancel()
+            raise
+
+    def _served(self, work: asyncio.Future) -> None:
+        self.active -= 1
+        left = work in self.finishing
+        self.finishing.discard(work)
+        error = None if work.cancelled() else work.exception()  # retrieved here: its caller may have left
+        if left and error is not None:
+            logger.error("a request whose caller left failed", exc_info=error)
+
 
     async def _serve(self, serialized: list[Any], metadata: bytes, context: Any) -> tuple[list[Any], dict]:
         requester = str(context.remote_id)
