@@ -297,6 +297,50 @@ def test_a_broken_push_resumes_from_what_the_route_kept(stages):
     assert recover([None, None]) is None, "nothing known past our own stage 0: relayed from the start"
 
 
+def test_a_check_of_stage_1s_pushed_hop_asks_only_for_what_its_driver_does_not_hold(stages):
+    """Stage 1's input is the driver's own stage-0 output and its input gradient the push's reply: a check drawn on its
+    hop asks it to show only the rest (its output, the gradient it received). What the check gets is the same either
+    way, and the show's bytes are about half (issue 41: the checks' bytes were the shows of drawn hops)."""
+    from types import SimpleNamespace
+
+    from swarm.integrity.audit import VersionBook
+    from swarm.pipeline.control.push_driver import Pusher
+    from swarm.pipeline.transport.keybook import KeyBook
+    from swarm.pipeline.transport.traffic import Traffic
+
+    driver, other, (layer1, layer2) = stages
+    x, ids = _batch("s")
+
+    async def main():
+        p2p = await fresh_p2p(driver)
+        key = ReceiptKey(str(p2p.peer_id))
+        worker0 = StageWorker(RUN, 0)
+        try:
+            await _relayed(p2p, key, layer1, layer2, worker0, x, ids, "warm-s")
+            h0 = worker0.forward("s1", x)
+            meta = _push_meta(key, "s1", h0, ids, [layer1, layer2])
+            (g0,), reply, _ = await _call(p2p, layer1, PUSH_FORWARD, [h0], meta)
+            trail = [Receipt.from_wire(raw) for raw in reply["trail"]]
+            forwards = {0: Receipt.from_wire(meta["rc"][0]), 1: trail[0], 2: trail[1]}
+            backwards = {1: trail[2]}
+            traffic = Traffic()
+            hops = SimpleNamespace(run=RUN, routers={}, p2p=p2p, call=call_stage, traffic=traffic,
+                                   namespaces={"layer1": stage_namespace(RUN.run_id, "layer1")}, versions=VersionBook())
+            pusher = Pusher(SimpleNamespace(run=RUN, keys=KeyBook(), notify=lambda *a: None, hops=hops))
+            peer = str(layer1.dht.peer_id)
+            whole = await pusher._show("s1", 1, peer, forwards, backwards, 8, True, True)
+            whole_bytes = traffic.bytes_in
+            lean = await pusher._show("s1", 1, peer, forwards, backwards, 8, True, True, held={"x": h0, "gx": g0})
+            return whole, whole_bytes, lean, traffic.bytes_in - whole_bytes
+        finally:
+            await p2p.shutdown()
+
+    whole, whole_bytes, lean, lean_bytes = asyncio.run(main())
+    assert sorted(whole) == sorted(lean) == ["g", "gx", "x", "y"]
+    assert all(torch.equal(whole[name], lean[name]) for name in whole)
+    assert 0 < lean_bytes <= 0.55 * whole_bytes, (lean_bytes, whole_bytes)
+
+
 def test_doctor_counts_what_a_stages_outbox_may_hold():
     """The outbox keeps each pushed hop's tensors for its driver's checks: `volunteer doctor` counts it beside the
     stage's parameters (a middle stage keeps x, y, g and gx per micro-batch, the last x and gx, OUTBOX_PER_DRIVER

@@ -14,7 +14,7 @@ from swarm.integrity.receipts import Receipt, tensor_digest
 from swarm.pipeline.stage.push import SHOW_OP
 from swarm.pipeline.transport.replies import Vouch, check_reply_tensor
 from swarm.pipeline.stage.stage0_replicas import ids_bytes
-from swarm.pipeline.transport.wire import payload_of
+from swarm.pipeline.transport.wire import decode_tensors, payload_of
 from swarm.run.models import stage_input_spec, stage_output_spec
 
 from swarm.pipeline.control.push_trail import TrailError
@@ -30,7 +30,10 @@ SHOW_TIMEOUT_S = 10.0
 class PushChecks:
     # ----- spot checks after the fact
     def _check_later(self, mb: str, route: list[str], forwards: dict[int, Receipt], backwards: dict[int, Receipt],
-                     ids: torch.Tensor, ids_d: bytes, loss: float, batch: int) -> None:
+                     ids: torch.Tensor, ids_d: bytes, loss: float, batch: int,
+                     held: dict[str, torch.Tensor] | None = None) -> None:
+        """Draw the hops of ``mb`` to check; ``held``: stage 1's tensors we hold already (its input, our own stage-0
+        output; its input gradient, the push's reply), not asked of it again."""
         spot = self.driver.spot
         if spot.share <= 0:
             return
@@ -45,14 +48,15 @@ class PushChecks:
                 spot.referee_skipped += 1
                 continue
             task = asyncio.ensure_future(self._check(mb, k, peer, forwards, backwards, ids, ids_d, loss, batch,
-                                                     forward, gradient))
+                                                     forward, gradient, (held or {}) if k == 1 else {}))
             self._checks.add(task)
             task.add_done_callback(self._checks.discard)
 
     async def _check(self, mb: str, k: int, peer: str, forwards: dict[int, Receipt], backwards: dict[int, Receipt],
-                     ids: torch.Tensor, ids_d: bytes, loss: float, batch: int, forward: bool, gradient: bool) -> None:
+                     ids: torch.Tensor, ids_d: bytes, loss: float, batch: int, forward: bool, gradient: bool,
+                     held: dict[str, torch.Tensor]) -> None:
         try:
-            shown = await self._show(mb, k, peer, forwards, backwards, batch, forward, gradient)
+            shown = await self._show(mb, k, peer, forwards, backwards, batch, forward, gradient, held)
             if shown is None:
                 return
             await self._recheck(mb, k, peer, shown, forwards, backwards, ids, ids_d, loss, forward, gradient)
@@ -63,10 +67,11 @@ class PushChecks:
                 logger.exception("a check of a pushed hop failed")
 
     async def _show(self, mb: str, k: int, peer: str, forwards: dict[int, Receipt], backwards: dict[int, Receipt],
-                    batch: int, forward: bool = True, gradient: bool = True) -> dict[str, torch.Tensor] | None:
+                    batch: int, forward: bool = True, gradient: bool = True,
+                    held: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor] | None:
         """What ``peer`` received and sent at hop ``k`` of ``mb`` that the drawn checks need (a forward check: x, y; a
         gradient check: x, g, gx), each checked against its receipt; None (and the peer's misses counted) when it
-        cannot show them."""
+        cannot show them. What we ``held`` (by name, as it travelled) is not asked for."""
         last = self.stages - 1
         model, bound = self.run.model, self.run.timeouts.reply_max_abs
         digests = {"x": forwards[k - 1].output, "gx": (backwards[k] if k < last else forwards[last]).output}
@@ -76,15 +81,18 @@ class PushChecks:
             digests["g"] = (backwards[k + 1] if k + 1 < last else forwards[last]).output
             specs["y"] = specs["g"] = stage_output_spec(model, k, batch)
         wanted = {"x"} | ({"y"} if forward and k < last else set()) | ({"gx", "g"} if gradient else set())
-        digests = {name: digest for name, digest in digests.items() if name in wanted}
+        local = {name: _as_received(tensor, self.run) for name, tensor in (held or {}).items() if name in wanted}
+        digests = {name: digest for name, digest in digests.items() if name in wanted and name not in local}
         training = self.run.training
+        if not digests:
+            return local
         try:
             out, reply, _ = await self.hops.call(
                 self.hops.p2p, peer, self.hops.namespaces[f"layer{k}"], SHOW_OP, [],
                 {"mb": mb, "want": sorted(digests)}, timeout_s=SHOW_TIMEOUT_S, codec=training.codec,
                 rank=training.wire_rank,
                 max_bytes=int(training.max_payload_mb * 2**20), traffic=self.hops.traffic,
-                expect_bytes=self._shown_bytes(k, batch))
+                expect_bytes=self._shown_bytes(k, batch, digests))
             have = reply.get("have")
             if not isinstance(have, list) or sorted(have) != sorted(digests) or len(out) != len(have):
                 raise TrailError(f"it showed {str(have)[:60]}")
@@ -110,7 +118,7 @@ class PushChecks:
                                UNSHOWN_AVOID_S)
             return None
         self.unshown.pop(peer, None)
-        return shown
+        return {**shown, **local}
 
     async def _recheck(self, mb: str, k: int, peer: str, shown: dict[str, torch.Tensor],
                        forwards: dict[int, Receipt], backwards: dict[int, Receipt], ids: torch.Tensor, ids_d: bytes,
@@ -135,3 +143,13 @@ class PushChecks:
         await spot.after_gradient(k, "backward_check", [shown["g"], shown["x"]], chain, vouch, peer, shown["gx"],
                                   backwards[k], drawn=True)
 
+
+
+def _as_received(tensor: torch.Tensor, run) -> torch.Tensor:
+    """A tensor we sent or received, as its peer had it: decoded from the payload that travelled (a lossy codec's
+    output is not the float32 tensor it was coded from); as it is when it carries none."""
+    item = payload_of(tensor)
+    if item is None:
+        return tensor
+    (decoded,) = decode_tensors([item], max(int(run.training.max_payload_mb * 2**20), 1), coded=True)
+    return decoded

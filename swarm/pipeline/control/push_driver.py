@@ -140,7 +140,7 @@ class Pusher(PushRecovery, PushChecks):
         try:
             if reply.get("partial") is True:
                 return self._partial(mb, out, reply, route, ids_d, r0, batch)
-            pushed = self._full(mb, out, reply, route, ids, ids_d, r0, batch)
+            pushed = self._full(mb, out, reply, route, h, ids, ids_d, r0, batch)
         except (TrailError, BadReply, ReceiptError, WireError) as exc:
             self.avoid[route[0]] = time.monotonic() + AVOID_S
             logger.warning("a pushed micro-batch came back through layer1 peer %s with a trail that does not hold "
@@ -151,7 +151,8 @@ class Pusher(PushRecovery, PushChecks):
         self.pushed += 1
         return pushed
 
-    def _full(self, mb: str, out: list[torch.Tensor], reply: dict, route: list[str], ids: torch.Tensor, ids_d: bytes,
+    def _full(self, mb: str, out: list[torch.Tensor], reply: dict, route: list[str], h: torch.Tensor,
+              ids: torch.Tensor, ids_d: bytes,
               r0: Receipt, batch: int) -> Pushed:
         last = self.stages - 1
         if len(out) != 1:
@@ -175,7 +176,9 @@ class Pusher(PushRecovery, PushChecks):
         if tensor_digest(payload_of(grad)) != (backwards[1].output if last > 1 else final.output):
             raise TrailError("the gradient is not the one stage 1 signed")
         served_by = dict(enumerate(route, 1))
-        self._check_later(mb, route, forwards, backwards, ids, ids_d, float(loss), batch)
+        # stage 1's input is our own output and its input gradient the one that came back: a check of its hop asks
+        # it to show only what we do not hold
+        self._check_later(mb, route, forwards, backwards, ids, ids_d, float(loss), batch, {"x": h, "gx": grad})
         return Pushed(served_by=served_by, forwards=forwards, grad=grad, loss=float(loss))
 
     def _partial(self, mb: str, out: list[torch.Tensor], reply: dict, route: list[str], ids_d: bytes, r0: Receipt,

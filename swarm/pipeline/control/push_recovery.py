@@ -7,6 +7,7 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -129,12 +130,15 @@ class PushRecovery:
         except TrailError:
             return False
 
-    def _shown_bytes(self, k: int, batch: int) -> int:
-        """About how large a ``show`` of hop ``k`` is (a reply over a session's limit must take a stream of its own)."""
+    def _shown_bytes(self, k: int, batch: int, names: Iterable[str] = ("x", "gx", "y", "g")) -> int:
+        """About how large a ``show`` of hop ``k`` is with the tensors ``names`` (x, gx: of its input's shape; y, g:
+        of its output's), so that a reply over a session's limit takes a stream of its own."""
         training, model = self.run.training, self.run.model
-        shapes = [stage_input_spec(model, k, batch).shape, stage_output_spec(model, k, batch).shape]
-        return 2 * sum(coded_bytes(tuple(batch if d is None else d for d in shape), training.codec, training.wire_rank)
-                       for shape in shapes)
+        spec = {"x": stage_input_spec(model, k, batch), "gx": stage_input_spec(model, k, batch)}
+        if k + 1 < self.stages:
+            spec["y"] = spec["g"] = stage_output_spec(model, k, batch)
+        return sum(coded_bytes(tuple(batch if d is None else d for d in spec[name].shape), training.codec,
+                               training.wire_rank) for name in names if name in spec)
 
 
 def _receipt(shown: dict[str, Any] | None, name: str) -> Receipt | None:
