@@ -126,6 +126,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--data-plane-warmup-s", type=float, default=None,
                         help="the data-plane part's seconds of training before its window (default 10; checks of "
                              "peers new to a driver are 8x as frequent in a run's first minute)")
+    parser.add_argument("--data-plane-window-s", type=float, default=None,
+                        help="the data-plane part's measuring window (default 30 s; the checks are drawn at random: "
+                             "a longer window narrows the spread)")
+    parser.add_argument("--data-plane-modes", default=None,
+                        help="the data-plane part's modes, comma-separated (default: push,relay,push_unchecked)")
     parser.add_argument("--runs", default=None,
                         help="the shipped runs the configs part measures, comma-separated (default: digits-mlp,charlm; "
                              "e.g. llm-tiny)")
@@ -156,6 +161,10 @@ def _benchmark(fleet: Fleet, settings: Settings, args: argparse.Namespace) -> di
         chosen_plane = replace(chosen_plane, per_swarm=args.per_swarm)
         if args.data_plane_warmup_s is not None:
             chosen_plane = replace(chosen_plane, warmup_s=args.data_plane_warmup_s)
+        if args.data_plane_window_s is not None:
+            chosen_plane = replace(chosen_plane, window_s=args.data_plane_window_s)
+        if args.data_plane_modes:
+            chosen_plane = replace(chosen_plane, modes=tuple(m.strip() for m in args.data_plane_modes.split(",")))
         report.update(data_plane(fleet, maddr, reader, chosen_plane))
     report["machine"]["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
     return report

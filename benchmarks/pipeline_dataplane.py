@@ -32,6 +32,7 @@ class DataPlaneSettings:
     window_s: float = 30.0
     heartbeat_s: float = 2.0
     per_swarm: int = 1  # volunteers per stage (2: every swarm has a second copy, the drivers check each other's)
+    modes: tuple[str, ...] = MODES
 
 
 QUICK = DataPlaneSettings(run="digits-mlp", warmup_s=1.0, window_s=4.0, heartbeat_s=0.5)
@@ -104,8 +105,11 @@ def _one(fleet: Fleet, maddr: str, reader: Any, s: DataPlaneSettings, mode: str)
 
 
 def data_plane(fleet: Fleet, maddr: str, reader: Any, s: DataPlaneSettings) -> dict[str, Any]:
-    results = {mode: _one(fleet, maddr, reader, s, mode) for mode in MODES}
-    push, relay, unchecked = (results[m]["driver_bytes_per_microbatch"] for m in MODES)
+    unknown = set(s.modes) - set(MODES)
+    if unknown:
+        raise SystemExit(f"--data-plane-modes: {sorted(unknown)} are not among {list(MODES)}")
+    results = {mode: _one(fleet, maddr, reader, s, mode) for mode in MODES if mode in s.modes}
+    push, relay, unchecked = (results.get(m, {}).get("driver_bytes_per_microbatch") for m in MODES)
     vs = ratio(push, relay) if push is not None and relay else None
     vs_unchecked = ratio(unchecked, relay) if unchecked is not None and relay else None
     say(f"data-plane: the driver moves {push} bytes per micro-batch with stages pushing, {relay} relaying "
