@@ -105,8 +105,7 @@ class SwarmPeer:
             self.worker, self.executor, max_bytes=int(self.run.training.max_payload_mb * 2**20),
             codec=self.run.training.codec, rank=self.run.training.wire_rank, is_accepting=lambda: self._accepting,
             traffic=self.traffic, gate=self.gate,
-            desk=ReceiptDesk(self.run.run_id, self.index, self.receipt_key, self.keys),
-        )
+            desk=ReceiptDesk(self.run.run_id, self.index, self.receipt_key, self.keys))
         attach_checks(self)  # convictions re-checked, stage 0's outputs recomputed, pushes (swarm/pipeline/peer_checks.py)
         await self._servicer.add_p2p_handlers(self.p2p, namespace=stage_namespace(self.run.run_id, self.swarm))
         from swarm.dht.reachability import DialBackServicer, namespace
@@ -199,8 +198,7 @@ class SwarmPeer:
         self.driver = PipelineDriver(
             self.run, self.worker, self.p2p, self.executor, dataset, shards, shard % len(shards),
             peer_tag=str(self.dht.peer_id)[-8:], seed=shard, traffic=self.traffic, keys=self.keys,
-            notify=lambda level, text: self.notify(level, "pipeline", text), receipt_key=self.receipt_key,
-        )
+            notify=lambda level, text: self.notify(level, "pipeline", text), receipt_key=self.receipt_key)
         self._tasks.append(asyncio.create_task(self._guard(self.driver.run_forever(), "driver")))
         self.evaluations.driver, self.evaluations.worker = self.driver, self.worker
         if self.evaluate_enabled:
@@ -305,10 +303,12 @@ class SwarmPeer:
     def drain(self, timeout_s: float = DRAIN_TIMEOUT_S, stop: threading.Event | None = None,
               stalled_s: float = DRAIN_STALLED_S) -> bool:
         """After pause(): wait until our own micro-batches are done and our cached forwards used. Gives up
-        early when nothing moves for ``stalled_s``: no hop of ours answered, no micro-batch ended and nobody's
+        early when nothing moves for ``stalled_s``, or for twice our slowest micro-batch lately (a pushed one is
+        one call: nothing moves here until it is back): no hop of ours answered, no micro-batch ended and nobody's
         request is being computed here (when the whole run stops at once, or the next swarm left before us,
         our lanes only retry peers that are gone; waiting for them was 5 s of every leave)."""
         deadline = time.monotonic() + timeout_s
+        stalled_s = max(stalled_s, 2 * self.driver.round_trip_s) if self.driver is not None else stalled_s
         progress, moved_at = self._progress(), time.monotonic()
         while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
             if self.in_flight() == 0:

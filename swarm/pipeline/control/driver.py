@@ -38,15 +38,7 @@ from swarm.run.data import Dataset, MicroBatches
 from swarm.pipeline.control.depth import DepthController
 from swarm.pipeline.control.driver_failures import COVER_HOLD_S, LaneFailures  # noqa: F401  (COVER_HOLD_S re-exported)
 from swarm.pipeline.control.hops import (  # noqa: F401  (DriverStats, DriverStopped, HopGivenUp: re-exported for callers)
-    AlreadyApplied,
-    Blockage,
-    CallStage,
-    DriverStats,
-    DriverStopped,
-    HopCaller,
-    HopGivenUp,
-    NeedInputReply,
-    Refused,
+    AlreadyApplied, Blockage, CallStage, DriverStats, DriverStopped, HopCaller, HopGivenUp, NeedInputReply, Refused,
 )
 from swarm.integrity.health import SickCopy
 from swarm.integrity.receipts import Receipt, ReceiptKey, ids_digest, tensor_digest
@@ -71,14 +63,15 @@ logger = logging.getLogger(__name__)
 def lanes_cap(run: RunConfig) -> int:
     """Lanes a driver runs: ``in_flight``, or with ``auto`` the most it may use (``in_flight_max``, and no
     more than a stage serves one driver at once)."""
-    if run.training.in_flight != "auto":
-        return int(run.training.in_flight)
-    return max(1, min(run.training.in_flight_max, run.integrity.max_in_flight_per_requester))
+    training = run.training
+    return int(training.in_flight) if training.in_flight != "auto" else \
+        max(1, min(training.in_flight_max, run.integrity.max_in_flight_per_requester))
 
 
 SICK_POLL_S = 0.5
 ALONE_S = 300.0  # an audit verdict convicts only when no other driver was seen for this long (referee_audits.py)
 LANE_BUG_PAUSE_S = 0.1
+ROUND_TRIP_DECAY = 0.8  # per micro-batch completed, of the slowest round trip kept (``round_trip_s``)
 
 
 class PipelineDriver(LaneFailures):
@@ -88,8 +81,7 @@ class PipelineDriver(LaneFailures):
                  receipt_key: ReceiptKey | None = None, keys: KeyBook | None = None):
         self.run = run
         self.run_id = run.run_id  # a property that hashes the whole config (0.14 ms): read once, not per hop
-        # we sign stage 0's outputs (our own copy, our own data) and check every receipt a stage returns before
-        # relaying it (swarm/integrity/receipts.py)
+        # we sign stage 0's outputs and check every receipt a stage returns before relaying it (integrity/receipts.py)
         self.receipt_key = receipt_key or ReceiptKey(str(p2p.peer_id))
         self.keys = keys or KeyBook()
         self.worker = worker
@@ -107,6 +99,7 @@ class PipelineDriver(LaneFailures):
         policy = HopPolicy.from_config(run.timeouts)
         self.routers = {name: SwarmRouter(policy=policy) for name in run.swarm_names}
         self.stats = DriverStats()
+        self.round_trip_s = 0.0  # the slowest micro-batch lately (decaying): a leave's drain waits about as long
         self.traffic = traffic or Traffic()
         self.blockage = Blockage(self.stats, self.notify)
         self.hops = HopCaller(run, p2p, self.routers, self.stats, self.blockage, traffic=self.traffic,
@@ -373,10 +366,11 @@ class PipelineDriver(LaneFailures):
                     await asyncio.sleep(SICK_POLL_S)
 
     def _completed(self, started_at: float, alone: bool) -> None:
-        """``in_flight: auto``: feed the round trip to the depth controller; wake lanes when it allows more."""
+        """Keep the round trip; ``in_flight: auto``: feed it to the depth controller, wake lanes when it allows more."""
+        now = time.monotonic()
+        self.round_trip_s = max(now - started_at, ROUND_TRIP_DECAY * self.round_trip_s)
         if self.depth is None:
             return
-        now = time.monotonic()
         self.depth.completed(now, now - started_at, alone)
         allowed = self.depth.decide(now)
         self.stats.depth = allowed
