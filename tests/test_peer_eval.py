@@ -82,7 +82,7 @@ def test_a_cheap_evaluation_runs_again_after_the_floor_not_after_the_period(monk
 
 def test_a_new_evaluation_is_announced_at_the_next_tick_once_and_at_most_once_between_heartbeats():
     announced: list[float] = []
-    node = SimpleNamespace(run=load_run("digits-mlp")[0], board=SimpleNamespace(publish=lambda **kw: None))
+    node = SimpleNamespace(run=load_run("digits-mlp")[0], board=SimpleNamespace(publish=lambda **kw: None), peer=None)
     announcer = Announcer(node)
     announcer.next_beat_s = 1e18  # no heartbeat in this test: only the tick's own publishing
     metrics = SimpleNamespace(eval_at=-1.0)
@@ -104,3 +104,34 @@ def test_a_new_evaluation_is_announced_at_the_next_tick_once_and_at_most_once_be
     metrics.eval_at = 106.0
     announcer.tick(5.0)
     assert announced == [100.0, 103.0, 106.0]  # and the next one may go early again
+
+
+def test_a_driver_held_at_an_empty_swarm_reads_it_every_second_not_only_at_heartbeats():
+    """The shipped runs beat every 5 s; a driver that read layer3 empty just before its volunteer's record went up
+    waited for the next heartbeat to route to it (`volunteer demo`: 3 s at 0 samples with every swarm online). While
+    it waits on a swarm, its node reads that swarm (and only it) every second; once it flows, only heartbeats read."""
+    reads: list[list[str]] = []
+    given: list[tuple[dict, set]] = []
+    stats = SimpleNamespace(waiting_for="layer3")
+    layer3 = [SimpleNamespace(peer_id="Q3ww", state="online")]
+
+    def read_all(names):
+        reads.append(list(names))
+        return {name: layer3 for name in names}
+
+    membership = SimpleNamespace(read_all=read_all, fresh={"layer3"})
+    peer = SimpleNamespace(driver=SimpleNamespace(stats=stats),
+                           update_views=lambda views, fresh=None: given.append((dict(views), set(fresh))))
+    node = SimpleNamespace(run=load_run("digits-mlp")[0], board=SimpleNamespace(publish=lambda **kw: None),
+                           peer=peer, membership=membership)
+    announcer = Announcer(node)
+    announcer.next_beat_s = 1e18
+    announcer.work_fields = lambda: {}
+    announcer.views = {"layer0": [], "layer3": []}
+    for now in (0.0, 0.5, 1.0, 1.6, 2.0):
+        announcer.tick(now)
+    assert reads == [["layer3"], ["layer3"], ["layer3"]]  # at 0, 1 and 2 s: no more than once a second
+    assert given[-1] == ({"layer0": [], "layer3": layer3}, {"layer3"})  # the driver routes to it at once
+    stats.waiting_for = ""
+    announcer.tick(3.5)
+    assert len(reads) == 3, "a flowing pipeline reads at heartbeats only"
