@@ -370,7 +370,7 @@ def test_stage0_recomputes_on_ids_for_layer1_peers_only_and_signs_it():
     ids = torch.tensor([5, 9, 2], dtype=torch.int64)
 
     async def ask(requester: str, op: str = "infer", tensors=(ids,)):
-        out, meta = await servicer._serve(encode_tensors(list(tensors)), pack_metadata({"op": op, "mb": "m1"}),
+        out, meta = await servicer._handle(encode_tensors(list(tensors)), pack_metadata({"op": op, "mb": "m1"}),
                                           SimpleNamespace(remote_id=requester))
         return decode_tensors(out, 2**24, coded=True), unpack_metadata(pack_metadata(meta))
 
@@ -423,7 +423,7 @@ def test_stage1_refuses_a_made_up_stage0_output_before_anything_applies_it():
         return servicer, struck
 
     async def send(servicer, op, tensors, meta):
-        out, reply = await servicer._serve(encode_tensors(tensors), pack_metadata({**meta, "op": op}),
+        out, reply = await servicer._handle(encode_tensors(tensors), pack_metadata({**meta, "op": op}),
                                            SimpleNamespace(remote_id="driver"))
         return decode_tensors(out, 2**24, coded=True), unpack_metadata(pack_metadata(reply))
 
