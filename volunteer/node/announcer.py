@@ -24,8 +24,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SPARKLINE_POINTS = 120
-# a driver held at an empty swarm reads that swarm this often between heartbeats (its get is of an empty key: cheap)
+# a driver held at an empty swarm reads that swarm this often between heartbeats (its get is of an empty key: cheap),
+# each read bounded by AWAITED_READ_TIMEOUT_S (the node's thread waits on it; a slow DHT is the heartbeat's to wait for)
 AWAITED_READ_S = 1.0
+AWAITED_READ_TIMEOUT_S = 1.0
 
 
 class Announcer:
@@ -39,6 +41,7 @@ class Announcer:
         self._announced_eval_at = -1.0  # the evaluation (its wall time) our record carries
         self._early = False  # a record announced between two heartbeats for a new evaluation (one at most)
         self._awaited_read_s = float("-inf")  # monotonic: our last read of the empty swarm our driver waits on
+        self._awaited_every_s = AWAITED_READ_S  # doubled by each read that failed (a slow DHT), up to a heartbeat
         self._process: Any = None
         self._history_speed: deque[float] = deque(maxlen=SPARKLINE_POINTS)
         self._history_loss: deque[float] = deque(maxlen=SPARKLINE_POINTS)
@@ -72,18 +75,21 @@ class Announcer:
         node = self.node
         driver = getattr(node.peer, "driver", None)
         swarm = driver.stats.waiting_for if driver is not None else ""
-        if not swarm or node.membership is None or now_s - self._awaited_read_s < AWAITED_READ_S:
+        if not swarm or node.membership is None or now_s - self._awaited_read_s < self._awaited_every_s:
             return
         self._awaited_read_s = now_s
         try:
-            read = node.membership.read_all([swarm])
+            read = node.membership.read_all([swarm], timeout_s=min(AWAITED_READ_TIMEOUT_S, node.run.timeouts.rpc_s))
         except Exception as exc:
             logger.debug("reading %s, which our driver waits on, failed: %s", swarm, exc)
+            read = {}
+        if swarm not in read or swarm not in node.membership.fresh:
+            self._awaited_every_s = min(2 * self._awaited_every_s, node.run.timeouts.heartbeat_s)
             return
-        if swarm in node.membership.fresh:
-            self.reads.done(read)
-            self.views = {**self.views, **read}
-            node.peer.update_views(self.views, fresh={swarm})
+        self._awaited_every_s = AWAITED_READ_S
+        self.reads.done(read)
+        self.views = {**self.views, **read}
+        node.peer.update_views(self.views, fresh={swarm})
 
     def _new_evaluation(self) -> bool:
         """True once per evaluation our driver ran since the record we last announced."""
