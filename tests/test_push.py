@@ -56,6 +56,16 @@ async def _relayed(p2p, key, layer1, layer2, worker0, x, ids, mb):
     await _call(p2p, layer1, "backward", [g1], {**relay_meta(key, mb, m2["rc"]), "loss": m2["loss"]})
 
 
+async def _pushed(p2p, key, layer1, layer2, worker0, x, ids, mb):
+    """One micro-batch relayed (both stages learn the driver's key), then ``mb`` pushed layer1 -> layer2:
+    (its stage-0 output, the push's metadata, the input gradient that came back, the reply)."""
+    await _relayed(p2p, key, layer1, layer2, worker0, x, ids, f"warm-{mb}")
+    h0 = worker0.forward(mb, x)
+    meta = _push_meta(key, mb, h0, ids, [layer1, layer2])
+    (g0,), reply, _ = await _call(p2p, layer1, PUSH_FORWARD, [h0], meta)
+    return h0, meta, g0, reply
+
+
 def _push_meta(key, mb, h0, ids, route):
     """What a driver sends stage 1: its stage-0 output's receipt and the route it chose (every stage's peer), signed."""
     meta = stage0_meta(key, RUN.run_id, mb, h0, ids)
@@ -256,10 +266,7 @@ def test_a_broken_push_resumes_from_what_the_route_kept(stages):
         key = ReceiptKey(str(p2p.peer_id))
         worker0 = StageWorker(RUN, 0)
         try:
-            await _relayed(p2p, key, layer1, layer2, worker0, x, ids, "warm4")
-            h0 = worker0.forward("k1", x)
-            meta = _push_meta(key, "k1", h0, ids, [layer1, layer2])
-            (g0,), _, _ = await _call(p2p, layer1, PUSH_FORWARD, [h0], meta)
+            h0, meta, g0, _ = await _pushed(p2p, key, layer1, layer2, worker0, x, ids, "k1")
             shows = []
             for peer in (layer1, layer2):
                 out, reply, _ = await _call(p2p, peer, SHOW_OP, [], {"mb": "k1"})
@@ -316,10 +323,7 @@ def test_a_check_of_stage_1s_pushed_hop_asks_only_for_what_its_driver_does_not_h
         key = ReceiptKey(str(p2p.peer_id))
         worker0 = StageWorker(RUN, 0)
         try:
-            await _relayed(p2p, key, layer1, layer2, worker0, x, ids, "warm-s")
-            h0 = worker0.forward("s1", x)
-            meta = _push_meta(key, "s1", h0, ids, [layer1, layer2])
-            (g0,), reply, _ = await _call(p2p, layer1, PUSH_FORWARD, [h0], meta)
+            h0, meta, g0, reply = await _pushed(p2p, key, layer1, layer2, worker0, x, ids, "s1")
             trail = [Receipt.from_wire(raw) for raw in reply["trail"]]
             forwards = {0: Receipt.from_wire(meta["rc"][0]), 1: trail[0], 2: trail[1]}
             backwards = {1: trail[2]}
