@@ -284,6 +284,25 @@ def test_an_update_whose_caller_left_mid_compute_lands_once_and_its_resend_gets_
     assert servicer.replies.replayed == replayed + 1
 
 
+def test_an_op_that_is_not_a_string_is_refused_as_unknown(stage_servers):
+    """A hostile op of another type (a list: unhashable) is refused like any unknown op, before any set lookup could
+    raise on it."""
+    from types import SimpleNamespace
+
+    from swarm.pipeline.transport.wire import encode_tensors, pack_metadata
+
+    _, (layer1, _) = stage_servers
+
+    async def ask():
+        return await layer1._servicer._handle(encode_tensors([torch.zeros(8, 32)]),
+                                              pack_metadata({"op": ["forward"], "mb": "m7"}),
+                                              SimpleNamespace(remote_id="a-stranger"))
+
+    out, reply = asyncio.run_coroutine_threadsafe(ask(), layer1._loop).result(10)
+    assert out == [] and reply["code"] == "rejected" and "unknown op" in reply["error"], reply
+    assert layer1._servicer.active == 0
+
+
 @pytest.mark.parametrize(
     ("tensors", "meta", "expected"),
     [

@@ -196,7 +196,8 @@ class StageServicer(Stage0Ops, StageRPC):
         except WireError as exc:
             return [], _refusal("rejected", str(exc))
         self.active += 1
-        if meta.get("op") not in LASTING_OPS:
+        op = meta.get("op")
+        if not isinstance(op, str) or op not in LASTING_OPS:  # (a hostile op may be unhashable: _serve refuses it)
             try:
                 return await self._serve(serialized, meta, context)
             finally:
