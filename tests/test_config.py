@@ -110,6 +110,17 @@ def test_run_id_is_name_plus_canonical_hash():
     assert a.run_id.startswith("x-") and len(a.run_id) == len("x-") + 8
 
 
+def test_the_run_id_is_computed_once_per_object_and_a_changed_copy_computes_its_own():
+    """``config_hash`` is kept on the (frozen) object after the first read; ``model_copy(update=...)`` copies the
+    object's ``__dict__``, the kept hash with it, and must not answer with the original's."""
+    run = RunConfig(name="x")
+    first = run.run_id
+    assert run.run_id == first and run == RunConfig(name="x"), "the kept hash is no field: equality is unchanged"
+    bigger = run.model_copy(update={"training": run.training.model_copy(update={"batch_size": 64})})
+    assert bigger.run_id == RunConfig(name="x", training={"batch_size": 64}).run_id != first
+    assert "_config_hash_memo" not in run.model_dump() and run.run_id == first
+
+
 def test_a_removed_field_keeps_the_run_id_earlier_clients_compute():
     """The direction check's fields (integrity.ascent_*) left with it; a run keeps the id it had, and a config
     that still sets one is refused instead of silently ignored."""

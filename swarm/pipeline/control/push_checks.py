@@ -125,7 +125,7 @@ class PushChecks:
                        loss: float, forward: bool, gradient: bool) -> None:
         """The check a relayed hop gets (swarm/pipeline/control/spot_checks.py), on what the peer showed."""
         driver, spot, last = self.driver, self.driver.spot, self.stages - 1
-        vouch = Vouch(self.run_id, mb, forwards[k - 1].output, ids_d)
+        vouch = Vouch(self.run.run_id, mb, forwards[k - 1].output, ids_d)
         meta = driver._meta(mb, forwards[k - 1])
         if k == 1:
             meta["ids"] = ids_bytes(ids)

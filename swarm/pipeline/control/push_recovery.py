@@ -124,7 +124,7 @@ class PushRecovery:
 
     def _follows(self, receipt: Receipt, k: int, op: str, mb: str, input: bytes, ids_d: bytes, peer: str) -> bool:
         try:
-            self._holds(receipt, Expect(self.run_id, k, frozenset({op}), receipt.output, mb=mb, input=input,
+            self._holds(receipt, Expect(self.run.run_id, k, frozenset({op}), receipt.output, mb=mb, input=input,
                                         ids=ids_d, signer=peer))
             return True
         except TrailError:
