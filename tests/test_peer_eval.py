@@ -118,7 +118,7 @@ def test_a_driver_held_at_an_empty_swarm_reads_it_every_second_not_only_at_heart
     def read_all(names, timeout_s=None):
         assert timeout_s is not None and timeout_s <= 1.0  # the node's thread waits on it: never a heartbeat's rpc_s
         reads.append(list(names))
-        return {name: layer3 for name in names}
+        return {name: layer3 if len(reads) >= 3 else [] for name in names}  # its peer shows up at the third read
 
     membership = SimpleNamespace(read_all=read_all, fresh={"layer3"})
     peer = SimpleNamespace(driver=SimpleNamespace(stats=stats),
@@ -136,7 +136,10 @@ def test_a_driver_held_at_an_empty_swarm_reads_it_every_second_not_only_at_heart
     stats.waiting_for = ""
     announcer.tick(3.5)
     assert len(reads) == 3, "a flowing pipeline reads at heartbeats only"
-    stats.waiting_for, membership.fresh = "layer3", set()  # waiting again, and the DHT answers nothing in time
+    stats.waiting_for = "layer3"  # a paused driver's flag stays set (no hop of it clears it) ...
+    announcer.tick(3.6)
+    assert len(reads) == 3, "... and its view has layer3's peer already: nothing to read for it"
+    announcer.views["layer3"], membership.fresh = [], set()  # empty again, and the DHT answers nothing in time
     for now in (4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0):
         announcer.tick(now)
     assert len(reads) == 3 + 3, "a read that failed doubles the wait before the next (1, 2, 4 s): a slow DHT is not " \

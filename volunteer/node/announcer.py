@@ -77,6 +77,10 @@ class Announcer:
         swarm = driver.stats.waiting_for if driver is not None else ""
         if not swarm or node.membership is None or now_s - self._awaited_read_s < self._awaited_every_s:
             return
+        # the flag clears only when a hop of ours passes that swarm: a paused driver keeps it for as long as it is
+        # paused, and its view already has the peer that came
+        if any(r.state == "online" for r in self.views.get(swarm, [])):
+            return
         self._awaited_read_s = now_s
         try:
             read = node.membership.read_all([swarm], timeout_s=min(AWAITED_READ_TIMEOUT_S, node.run.timeouts.rpc_s))
