@@ -241,8 +241,10 @@ def test_an_update_whose_caller_left_mid_compute_lands_once_and_its_resend_gets_
                 release.set()
                 await blocker
             else:
-                while not started.is_set():
+                deadline = time.monotonic() + 10
+                while not started.is_set() and time.monotonic() < deadline:
                     await asyncio.sleep(0.01)
+                assert started.is_set(), "layer2 never began computing the forward_backward"
                 task.cancel()
                 release.set()
             with pytest.raises(asyncio.CancelledError):

@@ -6,6 +6,7 @@ the push leaves the micro-batch to the driver's relay (partial), one that cannot
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 import torch
@@ -54,6 +55,16 @@ async def _relayed(p2p, key, layer1, layer2, worker0, x, ids, mb):
     (h1,), m1, _ = await _call(p2p, layer1, "forward", [h0], stage0_meta(key, RUN.run_id, mb, h0, ids))
     (g1,), m2, _ = await _call(p2p, layer2, "forward_backward", [h1, ids], relay_meta(key, mb, m1["rc"]))
     await _call(p2p, layer1, "backward", [g1], {**relay_meta(key, mb, m2["rc"]), "loss": m2["loss"]})
+
+
+@contextlib.asynccontextmanager
+async def _driver_side(driver):
+    """The driver's P2P (its identity: the stages know it as a layer0 driver), its receipt key and its stage 0."""
+    p2p = await fresh_p2p(driver)
+    try:
+        yield p2p, ReceiptKey(str(p2p.peer_id)), StageWorker(RUN, 0)
+    finally:
+        await p2p.shutdown()
 
 
 async def _pushed(p2p, key, layer1, layer2, worker0, x, ids, mb):
@@ -167,10 +178,7 @@ def test_a_refused_push_leaves_the_microbatch_to_the_relay_and_an_unreachable_on
     x, ids = _batch("r")
 
     async def main():
-        p2p = await fresh_p2p(driver)
-        key = ReceiptKey(str(p2p.peer_id))
-        worker0 = StageWorker(RUN, 0)
-        try:
+        async with _driver_side(driver) as (p2p, key, worker0):
             await _relayed(p2p, key, layer1, layer2, worker0, x, ids, "warm3")
             for _ in range(2):  # out of layer2's last two views: it refuses the push at its door (unknown_driver)
                 allow([layer2], [other])
@@ -190,8 +198,6 @@ def test_a_refused_push_leaves_the_microbatch_to_the_relay_and_an_unreachable_on
             (y3,), unreached, _ = await _call(p2p, layer1, PUSH_FORWARD, [h0],
                                               _push_meta(key, "r3", h0, ids, [layer1, gone]))
             return y1, partial, g0, broken.value.code, unreached
-        finally:
-            await p2p.shutdown()
 
     gone_dht = start_dht(DHTSettings(), [])
     gone = str(gone_dht.peer_id)
@@ -262,18 +268,13 @@ def test_a_broken_push_resumes_from_what_the_route_kept(stages):
     x, ids = _batch("k")
 
     async def main():
-        p2p = await fresh_p2p(driver)
-        key = ReceiptKey(str(p2p.peer_id))
-        worker0 = StageWorker(RUN, 0)
-        try:
+        async with _driver_side(driver) as (p2p, key, worker0):
             h0, meta, g0, _ = await _pushed(p2p, key, layer1, layer2, worker0, x, ids, "k1")
             shows = []
             for peer in (layer1, layer2):
                 out, reply, _ = await _call(p2p, peer, SHOW_OP, [], {"mb": "k1"})
                 shows.append({**reply, "tensors": dict(zip(reply["have"], out))})
             return h0, Receipt.from_wire(meta["rc"][0]), g0, shows
-        finally:
-            await p2p.shutdown()
 
     h0, r0, g0, shows = asyncio.run(main())
     keys = KeyBook()
@@ -319,10 +320,7 @@ def test_a_check_of_stage_1s_pushed_hop_asks_only_for_what_its_driver_does_not_h
     x, ids = _batch("s")
 
     async def main():
-        p2p = await fresh_p2p(driver)
-        key = ReceiptKey(str(p2p.peer_id))
-        worker0 = StageWorker(RUN, 0)
-        try:
+        async with _driver_side(driver) as (p2p, key, worker0):
             h0, meta, g0, reply = await _pushed(p2p, key, layer1, layer2, worker0, x, ids, "s1")
             trail = [Receipt.from_wire(raw) for raw in reply["trail"]]
             forwards = {0: Receipt.from_wire(meta["rc"][0]), 1: trail[0], 2: trail[1]}
@@ -336,13 +334,26 @@ def test_a_check_of_stage_1s_pushed_hop_asks_only_for_what_its_driver_does_not_h
             whole_bytes = traffic.bytes_in
             lean = await pusher._show("s1", 1, peer, forwards, backwards, 8, True, True, held={"x": h0, "gx": g0})
             return whole, whole_bytes, lean, traffic.bytes_in - whole_bytes
-        finally:
-            await p2p.shutdown()
 
     whole, whole_bytes, lean, lean_bytes = asyncio.run(main())
     assert sorted(whole) == sorted(lean) == ["g", "gx", "x", "y"]
     assert all(torch.equal(whole[name], lean[name]) for name in whole)
     assert 0 < lean_bytes <= 0.55 * whole_bytes, (lean_bytes, whole_bytes)
+
+
+def test_a_held_tensor_is_checked_as_its_peer_received_it():
+    """What the driver holds of stage 1's hop stands in for a show only as it travelled: under a lossy codec the stage
+    computed on the decoded tensor, not on the float32 one the driver coded it from (a referee recomputing on the
+    latter would find an honest hop off)."""
+    from swarm.pipeline.control.push_checks import _as_received
+    from swarm.pipeline.transport.wire import serialize_once
+
+    h = torch.randn(8, 32)
+    serialize_once(h, "float16")
+    received = _as_received(h, RUN)
+    assert torch.equal(received.float(), h.half().float()) and not torch.equal(received.float(), h)
+    plain = torch.randn(4)
+    assert _as_received(plain, RUN) is plain  # nothing travelled with it: as it is
 
 
 def test_doctor_counts_what_a_stages_outbox_may_hold():
