@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -248,6 +249,11 @@ def _main(argv: Sequence[str] | None) -> int:
 
     from swarm.dht.lightdht import light_hivemind
 
+    # hivemind shares its futures' buffers by file name, through a torch_shm_manager it starts at the DHT's first
+    # start: a SIGTERM or Ctrl+C that lands while that manager comes up left torch's client spinning at 100 % CPU for
+    # good, in C, where no Python handler runs (a bootstrap stopped 1.5 s after launch: only SIGKILL ended it; the
+    # demo waited 20 s for it). File descriptors need no manager. A user's own setting wins.
+    os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
     light_hivemind()  # every command: hivemind's parts without the averager's scipy, the MoE server, the optimizer
     try:
         module_name, function_name = COMMANDS[args.command]
