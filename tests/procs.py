@@ -3,6 +3,11 @@
 Every process a test starts carries VOLUNTEER_TEST_TAG=<uuid> in its environment; children
 inherit it (the DHT process, p2pd, the watchdog), so after a test we can find anything that
 outlived it by scanning /proc/*/environ, whatever its parent or process group.
+
+Most are forked from one fork server per test process (volunteer_cli/forkserver.py: torch, hivemind and the
+client imported once, ~2.2 s of CPU a process less). A forked process's /proc/PID/environ is the server's (its
+os.environ, what p2pd and every program it execs inherit, carries the tag), so a forked process and what it forks
+in turn (its watchdog) are found by their session instead: each starts one, which its own children stay in.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 
+from volunteer_cli.forkserver import ForkRefused, Forked, ForkServer, available as forks_available
 from volunteer.hygiene import tagged_pids as pids_with_env
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -40,9 +47,35 @@ def unused_peer_id() -> str:
     return out
 
 
-def tagged_pids(tag: str) -> list[int]:
-    """Live processes (not this one) that carry our tag: see volunteer.hygiene.tagged_pids."""
-    return pids_with_env(TAG_ENV, tag)
+def tagged_pids(tag: str, sessions: Iterable[int] = ()) -> list[int]:
+    """Live processes (not this one) that carry our tag (see volunteer.hygiene.tagged_pids), or that are in one of
+    ``sessions`` (the forked processes' own)."""
+    found = set(pids_with_env(TAG_ENV, tag))
+    wanted = set(sessions)
+    if wanted:
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and int(entry.name) != os.getpid():
+                try:
+                    fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                except (OSError, IndexError):
+                    continue
+                if fields[0] != "Z" and int(fields[4]) in wanted:  # state, ppid, pgrp, session
+                    found.add(int(entry.name))
+    return sorted(found)
+
+
+_FORKS: ForkServer | None = None
+
+
+def fork_server() -> ForkServer:
+    """This test process's fork server, started at its first use (it leaves when this process does: its socket
+    closes). Its environment is this process's, as every test's processes start from (their tags and folders are
+    in each request's environment)."""
+    global _FORKS
+    if _FORKS is None or _FORKS.proc.poll() is not None:
+        env = {key: value for key, value in os.environ.items() if key != "HIVEMIND_LOGLEVEL"}
+        _FORKS = ForkServer(env=env)
+    return _FORKS
 
 
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.2, what: str = "condition"):
@@ -57,17 +90,25 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.2, what: str =
 
 
 class Proc:
-    def __init__(self, args: list[str], env: dict[str, str], log_dir: Path, name: str, prefix: list[str] = ()):
+    def __init__(self, args: list[str], env: dict[str, str], log_dir: Path, name: str, prefix: list[str] = (),
+                 forks: ForkServer | None = None):
         self.name = name
         self.swarm: str | None = None  # set by Swarm.join
         self.stdout_path = log_dir / f"{name}.out"
         self.stderr_path = log_dir / f"{name}.err"
         self._stdout = open(self.stdout_path, "wb")
         self._stderr = open(self.stderr_path, "wb")
-        self.popen = subprocess.Popen(
-            [*prefix, volunteer_exe(), *args], env=env, stdout=self._stdout, stderr=self._stderr,
-            stdin=subprocess.DEVNULL, start_new_session=True,
-        )
+        self.popen: subprocess.Popen | Forked | None = None
+        if forks is not None and not prefix:
+            try:
+                self.popen = forks.spawn(list(args), env, self._stdout.fileno(), self._stderr.fileno())
+            except ForkRefused:
+                pass
+        if self.popen is None:
+            self.popen = subprocess.Popen(
+                [*prefix, volunteer_exe(), *args], env=env, stdout=self._stdout, stderr=self._stderr,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )
 
     @property
     def pid(self) -> int:
@@ -127,12 +168,18 @@ class Proc:
 
 
 class Swarm:
-    """Starts and reaps the processes of one test."""
+    """Starts and reaps the processes of one test.
 
-    def __init__(self, tmp_path: Path):
+    Its `volunteer` processes are forked from this test process's fork server (``fork_server``); ``fork=False`` (or
+    VOLUNTEER_TEST_EXEC=1 in the environment) execs every process as a user's shell would: the tests of what happens
+    while a process imports. A process the server will not fork (its start-up environment differs, or it has a tag
+    of its own) is exec'ed."""
+
+    def __init__(self, tmp_path: Path, fork: bool = True):
         self.tag = uuid.uuid4().hex
         self.tmp = tmp_path
         self.procs: list[Proc] = []
+        self.fork = fork and forks_available() and not os.environ.get("VOLUNTEER_TEST_EXEC")
         self.readers: list = []  # swarm_client.Client, closed with the swarm
         self.env = dict(os.environ)
         self.env.update({
@@ -149,7 +196,11 @@ class Swarm:
         """`volunteer ARGS`; prefix goes before it (a network lab host's `ip netns exec NS`, which execs
         the command, so the process's pid is the volunteer's)."""
         name = name or f"p{len(self.procs)}-{args[0]}"
-        proc = Proc(list(args), {**self.env, **(env or {})}, self.tmp, name, prefix)
+        env = {**self.env, **(env or {})}
+        # a process given a tag of its own (a test finds its tree apart from the others' by it) is exec'ed: a forked
+        # one's /proc/PID/environ would not show it
+        forks = fork_server() if self.fork and not prefix and env.get(TAG_ENV) == self.tag else None
+        proc = Proc(list(args), env, self.tmp, name, prefix, forks)
         self.procs.append(proc)
         return proc
 
@@ -184,11 +235,15 @@ class Swarm:
         self.readers.append(client)
         return client
 
+    def live_pids(self) -> list[int]:
+        """Every live process this test started, and what they started (by tag, or by a forked process's session)."""
+        return tagged_pids(self.tag, [p.pid for p in self.procs if isinstance(p.popen, Forked)])
+
     def leftovers(self, timeout_s: float = 10.0) -> list[int]:
         try:
-            wait_until(lambda: not tagged_pids(self.tag), timeout_s, what="test processes to exit")
+            wait_until(lambda: not self.live_pids(), timeout_s, what="test processes to exit")
         except TimeoutError:
-            return tagged_pids(self.tag)
+            return self.live_pids()
         return []
 
     def close(self) -> list[int]:

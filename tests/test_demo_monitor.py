@@ -6,9 +6,12 @@ from __future__ import annotations
 import os
 import signal
 
+import pytest
+
 from swarm.dht.records import MemberRecord
 from volunteer_cli.commands.demo import CHILD_NICE, Children, Target
 from volunteer_cli.commands.demo_monitor import Monitor, read_figures
+from volunteer_cli.forkserver import available as forks_available
 
 NAMES = ["layer0", "layer1"]
 
@@ -51,9 +54,15 @@ def test_a_target_short_of_one_is_not_rounded_up_to_100_percent():
     assert str(Target("accuracy", 0.95)) == "95% test accuracy"
 
 
-def test_the_volunteers_run_nicer_than_the_monitor(tmp_path):
+@pytest.mark.parametrize("way", ["forked", "execed"])
+def test_the_volunteers_run_nicer_than_the_monitor(tmp_path, monkeypatch, way):
+    """Forked from the demo's fork server (which runs CHILD_NICE nicer) or exec'ed with the hook (no fork server)."""
+    if way == "execed":
+        monkeypatch.setenv("VOLUNTEER_DEMO_EXEC", "1")
     children = Children(tmp_path)
-    proc = children.start("probe", ["--help"])  # any child: the priority is set before it runs anything
+    assert (children.forks is not None) == (way == "forked" and forks_available())
+    proc = children.start("probe", ["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--identity",
+                                    str(tmp_path / "probe.key")])  # a child that stays until stopped
     try:
         nice = os.getpriority(os.PRIO_PROCESS, proc.pid)
         assert nice >= os.getpriority(os.PRIO_PROCESS, 0) + CHILD_NICE
@@ -61,3 +70,5 @@ def test_the_volunteers_run_nicer_than_the_monitor(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
+        if children.forks is not None:
+            children.forks.close()

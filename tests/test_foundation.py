@@ -157,7 +157,7 @@ def test_three_volunteers_in_two_swarms_appear_then_leave(foundation):
     # (membership.merge_view, against flicker), which once showed b online for a read after its exit
     wait_until(lambda: f.states().get(ids[1], "offline") == "offline", 5, interval_s=0.5, what="b offline")
     assert "Traceback" not in joins[1].stderr()
-    assert not [pid for pid in tagged_pids(f.harness.tag) if pid == joins[1].pid]
+    assert joins[1].pid not in f.harness.live_pids()
     assert joins[2].wait(30) == 0
 
 

@@ -6,5 +6,6 @@ package, so the engine never depends on its front ends.
 Map:
 - main.py        `volunteer ...`: argparse, dispatch to a command (imports torch/hivemind only inside commands)
 - __main__.py    ``python -m volunteer_cli`` (what the systemd unit and the demo run)
+- forkserver.py  `volunteer` processes forked from one that imported torch and hivemind once (the demo, tests)
 - commands/      one module per command (join, bootstrap, status, ctl, doctor, service, export/eval, demo)
 """

@@ -32,8 +32,9 @@ logger = logging.getLogger(__name__)
 
 REPLICAS_REFRESH_S = 30.0  # how long a key's nearest nodes, once found, take our record without a new search
 # how often a node checks that it is still connected to its bootstrap peers (one local p2pd call);
-# VOLUNTEER_REJOIN_S shortens it for a test of a bootstrap peer's restart (its own time scale: 15 s of a 60 s test)
-REJOIN_S = float(os.environ.get("VOLUNTEER_REJOIN_S", "") or 15.0)
+# VOLUNTEER_REJOIN_S shortens it for a test of a bootstrap peer's restart (its own time scale: 15 s of a 60 s test),
+# read when a node starts (not at import: a process forked from one that imported this module has its own environment)
+REJOIN_S = 15.0
 REJOIN_MAX_S = 240.0  # the longest wait between checks of a bootstrap peer found reachable but not connected
 REJOIN_DIAL_S = 10.0  # a dial (and ping) of a bootstrap peer that does not answer is given up after this
 
@@ -76,12 +77,13 @@ class Rejoin:
         self.node = node
         self.clock = clock
         self.peers = bootstrap_peers(maddrs)
-        self._wait_s = {peer_id: REJOIN_S for peer_id in self.peers}
+        self.every_s = float(os.environ.get("VOLUNTEER_REJOIN_S", "") or REJOIN_S)
+        self._wait_s = {peer_id: self.every_s for peer_id in self.peers}
         self._due = {peer_id: 0.0 for peer_id in self.peers}  # clock time of each peer's next check
 
     async def run(self) -> None:
         while True:
-            await asyncio.sleep(REJOIN_S)
+            await asyncio.sleep(self.every_s)
             try:
                 await self.check()
             except asyncio.CancelledError:
@@ -99,7 +101,7 @@ class Rejoin:
         answered = 0
         for peer_id in due:
             if peer_id in connected:
-                self._wait_s[peer_id] = REJOIN_S
+                self._wait_s[peer_id] = self.every_s
             elif await self._redial(peer_id):
                 answered += 1
                 self._wait_s[peer_id] = min(REJOIN_MAX_S, 2 * self._wait_s[peer_id])

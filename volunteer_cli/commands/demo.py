@@ -29,6 +29,7 @@ import yaml
 from volunteer_cli.commands.demo_monitor import Monitor, read_figures
 from volunteer_cli.main import UserError
 from volunteer.config import load_run
+from volunteer_cli.forkserver import ForkRefused, Forked, ForkServer, available as forks_available
 from volunteer.hygiene import die_with_parent_hook
 from volunteer.snapshot import bits_per_byte, evaluation_figure
 
@@ -64,25 +65,43 @@ def _clean_up(workdir: Path, code: int, say) -> None:
 
 
 class Children:
-    """The demo's processes: each in its own session, each told to stop if the demo dies."""
+    """The demo's processes: each in its own session, each told to stop if the demo dies. They are forked from a fork
+    server (volunteer_cli/forkserver.py) that imports torch and hivemind once for all of them, where the platform has one:
+    five processes each importing them side by side took ~11 s of CPU before the first was online on 2 cores."""
 
     def __init__(self, workdir: Path):
         self.workdir = workdir
-        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.procs: list[tuple[str, subprocess.Popen | Forked]] = []
         # Not the lowest priority (the demo is the user's explicit request, and its timings compare with earlier
         # ones), but CHILD_NICE below the monitor: 8 volunteers at the monitor's priority on 2 cores starved it
         # (its lines stopped for 3 minutes while the swarms trained, then it reported a time limit at once).
         self.env = {**os.environ, "VOLUNTEER_DATA_DIR": str(workdir / "data"), "PYTHONUNBUFFERED": "1",
                     "VOLUNTEER_LOW_PRIORITY": "0"}
+        self.forks: ForkServer | None = None
+        if forks_available() and not os.environ.get("VOLUNTEER_DEMO_EXEC"):
+            try:  # started first: it imports while the bootstrap peer's identity and the volunteers' are made
+                self.forks = ForkServer(env=self.env, preexec_fn=_nicer(die_with_parent_hook(), CHILD_NICE),
+                                        log=str(workdir / "forkserver.log"))
+            except (OSError, ForkRefused) as exc:
+                logger.info("no fork server (%s): each volunteer is its own program", exc)
 
-    def start(self, name: str, args: list[str]) -> subprocess.Popen:
+    def start(self, name: str, args: list[str]) -> subprocess.Popen | Forked:
         out = open(self.workdir / f"{name}.log", "wb")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "volunteer_cli", *args], stdout=out, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, env=self.env, start_new_session=True,
-            preexec_fn=_nicer(die_with_parent_hook(), CHILD_NICE),
-        )
-        out.close()
+        try:
+            proc: subprocess.Popen | Forked | None = None
+            if self.forks is not None:
+                try:  # the server runs CHILD_NICE nicer than the demo already, and its children with it
+                    proc = self.forks.spawn(args, self.env, out.fileno(), out.fileno(), die_with_parent=True)
+                except ForkRefused as exc:
+                    logger.info("the fork server could not start %s (%s): it execs", name, exc)
+            if proc is None:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "volunteer_cli", *args], stdout=out, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL, env=self.env, start_new_session=True,
+                    preexec_fn=_nicer(die_with_parent_hook(), CHILD_NICE),
+                )
+        finally:
+            out.close()
         self.procs.append((name, proc))
         return proc
 
@@ -113,6 +132,8 @@ class Children:
                     except ProcessLookupError:
                         pass
                     proc.wait(5)
+        if self.forks is not None:
+            self.forks.close()
 
 
 def _nicer(hook, increment: int):
@@ -155,14 +176,16 @@ def run_demo(args: argparse.Namespace) -> int:
         volunteers = run.model.stages * args.per_swarm
         # the volunteers' identities and their work, made while the bootstrap peer starts (each volunteer would
         # otherwise prove its own at once, on a machine busy starting all of them: 5-10 s more to "online" on 2 cores)
-        # The bootstrap peer is started before the identities' thread: a child started with a preexec_fn (ours: die
-        # with the demo, run nicer) runs Python's at-fork hooks, and a module the thread imports meanwhile can register
-        # one between the "before" and "after" calls (concurrent.futures: "RuntimeError: release unlocked lock",
-        # printed by a demo on a fresh clone). The volunteers start once the thread is done.
-        bootstrap = children.start("bootstrap", ["bootstrap", "--listen", LOOPBACK, "--json", "--identity",
-                                                 str(workdir / "bootstrap.key")])
+        # Without a fork server the bootstrap peer is started before the identities' thread: a child started with a
+        # preexec_fn (ours: die with the demo, run nicer) runs Python's at-fork hooks, and a module the thread imports
+        # meanwhile can register one between the "before" and "after" calls (concurrent.futures: "RuntimeError: release
+        # unlocked lock", printed by a demo on a fresh clone). The fork server was started before any thread, and
+        # its first child waits for its imports: the identities are made meanwhile. The volunteers start once they are.
+        boot_args = ["bootstrap", "--listen", LOOPBACK, "--json", "--identity", str(workdir / "bootstrap.key")]
+        bootstrap = None if children.forks is not None else children.start("bootstrap", boot_args)
         identities = _Identities(workdir / "data" / "identities", volunteers, run.integrity.identity_bits,
                                  shutdown.event)
+        bootstrap = bootstrap or children.start("bootstrap", boot_args)
         maddr = _bootstrap_address(children, bootstrap, shutdown)
         identities.wait(say)
         say(f"bootstrap peer at {maddr}; from another terminal, `volunteer status --run {demo_run} --initial-peers "

@@ -121,7 +121,7 @@ class PipelineDriver(LaneFailures):
             RouteLosses(math.log(max(2, outputs)), standing=self.spot.book.get)
         for router in self.routers.values():  # newcomers together get a bounded share of each swarm's hops
             router.established = self.spot.established
-        self.pusher = Pusher(self) if push_driver.ENABLED and run.model.stages > 1 else None
+        self.pusher = Pusher(self) if push_driver.enabled() and run.model.stages > 1 else None
         # a micro-batch's id is unique per driver start: a stage refuses an update it has applied for an id already
         # (swarm/pipeline/stage/applied.py), and a restarted driver must not meet its old ids there
         self.peer_tag = f"{peer_tag}-{secrets.token_hex(3)}"

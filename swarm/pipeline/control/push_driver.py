@@ -57,9 +57,13 @@ from swarm.run.models import stage_input_spec, stage_output_spec
 
 logger = logging.getLogger(__name__)
 
-# stages hand tensors to each other; VOLUNTEER_DATA_PLANE=relay keeps the relay (benchmarks compare both)
-ENABLED = os.environ.get("VOLUNTEER_DATA_PLANE", "push") != "relay"
 TIMING_OP = "push"  # the routers' service times of pushed hops (each hop's share of the chain's round trip)
+
+
+def enabled() -> bool:
+    """Stages hand tensors to each other; VOLUNTEER_DATA_PLANE=relay keeps the relay (benchmarks compare both). Read
+    when a driver starts, not at import (a process forked from one that imported this has its own environment)."""
+    return os.environ.get("VOLUNTEER_DATA_PLANE", "push") != "relay"
 
 
 class Pusher(PushRecovery, PushChecks):

@@ -53,8 +53,14 @@ MAX_RUNNING = 32  # calls one session runs at once on a server (at least; a stag
 MAX_CALL_ID_CHARS = 20
 MAX_UNMATCHED = 16  # replies to calls nobody made (beyond the late ones) before a session is closed as hostile
 NO_HANDLER = "protocols not supported"  # what p2pd says when the peer has no such handler (measured, 1.1.12)
-# benchmarks switch sessions off to measure the same code without them (VOLUNTEER_STAGE_SESSIONS=0)
-ENABLED = os.environ.get("VOLUNTEER_STAGE_SESSIONS", "1") != "0"
+# benchmarks switch sessions off to measure the same code without them: VOLUNTEER_STAGE_SESSIONS=0 in a process's
+# environment (read at each call, not at import: a process forked from one that imported this has its own), or
+# ENABLED set in-process (None: the environment decides)
+ENABLED: bool | None = None
+
+
+def enabled() -> bool:
+    return ENABLED if ENABLED is not None else os.environ.get("VOLUNTEER_STAGE_SESSIONS", "1") != "0"
 
 
 class SessionBroken(ConnectionError):
@@ -237,7 +243,7 @@ def open_session(p2p: Any, peer_id: str, namespace: str) -> ClientSession | None
 
 async def session_for(p2p: Any, peer_id: str, namespace: str, handle_name: str) -> ClientSession | None:
     """The open session to ``peer_id`` (opened now if there is none), or None where calls go unary."""
-    if not ENABLED:
+    if not enabled():
         return None
     key = (peer_id, namespace)
     now = time.monotonic()

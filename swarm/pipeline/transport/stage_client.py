@@ -86,7 +86,7 @@ async def call_stage(p2p: Any, peer_id: str, namespace: str, op: str, tensors: l
     sent = buffer_bytes(serialized)
     started = time.perf_counter()
     session = None
-    if sessions.ENABLED and max(sent, expect_bytes) < SESSION_LIMIT_BYTES:
+    if sessions.enabled() and max(sent, expect_bytes) < SESSION_LIMIT_BYTES:
         session = open_session(p2p, peer_id, namespace) or \
             await asyncio.wait_for(session_for(p2p, peer_id, namespace,
                                                StageRPC._get_handle_name(namespace, "rpc_session")), timeout_s)

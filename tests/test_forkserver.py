@@ -1,0 +1,98 @@
+"""The fork server (volunteer_cli/forkserver.py): a child is `volunteer ARGV` as an exec would have made it (its own
+session, streams, environment, working directory and exit status), and nothing outlives the server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.procs import LOOPBACK, volunteer_exe, wait_until
+from volunteer_cli.forkserver import ForkRefused, ForkServer, _alive, available
+
+pytestmark = pytest.mark.skipif(not available(), reason="the fork server is Linux-only")
+
+
+@pytest.fixture(scope="module")
+def forks():
+    server = ForkServer()
+    yield server
+    server.close()
+    assert server.proc.returncode is not None
+
+
+def _spawn(forks: ForkServer, tmp_path, *argv: str, env: dict[str, str] | None = None, cwd=None, **kw):
+    out = open(tmp_path / "out", "wb")
+    err = open(tmp_path / "err", "wb")
+    try:
+        return forks.spawn(list(argv), {**os.environ, **(env or {})}, out.fileno(), err.fileno(), cwd=cwd, **kw)
+    finally:
+        out.close()
+        err.close()
+
+
+def test_a_forked_command_exits_as_the_exec_of_the_same_command(forks, tmp_path):
+    """Same exit status, same output, for a command that succeeds and one that fails on its input."""
+    child = _spawn(forks, tmp_path, "--version")
+    assert child.wait(30) == 0
+    assert (tmp_path / "out").read_text().startswith("volunteer ")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nmodel: {stages: 0}\n")
+    child = _spawn(forks, tmp_path, "join", "--run", str(bad), "--swarm", "layer0", "--headless")
+    forked_code, forked_err = child.wait(60), (tmp_path / "err").read_text()
+    execd = subprocess.run([volunteer_exe(), "join", "--run", str(bad), "--swarm", "layer0", "--headless"],
+                           capture_output=True, text=True, timeout=120)
+    assert forked_code == execd.returncode != 0
+    assert "stages" in forked_err and forked_err.strip().splitlines()[-1] == execd.stderr.strip().splitlines()[-1]
+
+
+def test_a_forked_peer_has_its_own_session_environment_and_directory_and_its_signal_status(forks, tmp_path):
+    data = tmp_path / "data"
+    child = _spawn(forks, tmp_path, "bootstrap", "--listen", LOOPBACK, "--json", "--identity", "boot.key",
+                   env={"VOLUNTEER_DATA_DIR": str(data), "PYTHONUNBUFFERED": "1"}, cwd=str(tmp_path))
+    try:
+        line = wait_until(lambda: (tmp_path / "out").read_text().partition("\n")[0] or None, 60, what="its first line")
+        assert json.loads(line)["maddrs"]
+        assert (tmp_path / "boot.key").exists(), "its --identity is relative to the directory it was given"
+        assert os.getsid(child.pid) == child.pid and os.getpgid(child.pid) == child.pid
+        assert child.poll() is None
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(30) == 0, (tmp_path / "err").read_text()[-2000:]
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait(10)
+    # a child killed outright says so as Popen does: minus the signal
+    child = _spawn(forks, tmp_path, "bootstrap", "--listen", LOOPBACK, "--json", "--identity", "boot2.key",
+                   cwd=str(tmp_path))
+    time.sleep(0.5)
+    os.kill(child.pid, signal.SIGKILL)
+    assert child.wait(30) == -signal.SIGKILL
+    with pytest.raises(subprocess.TimeoutExpired):
+        _spawn(forks, tmp_path, "bootstrap", "--listen", LOOPBACK, "--identity", "boot3.key",
+               cwd=str(tmp_path)).wait(0.2)
+
+
+def test_children_that_die_with_their_parent_stop_when_the_server_dies(tmp_path):
+    server = ForkServer()
+    child = _spawn(server, tmp_path, "bootstrap", "--listen", LOOPBACK, "--json", "--identity", "boot.key",
+                   cwd=str(tmp_path), die_with_parent=True)
+    wait_until(lambda: (tmp_path / "out").read_text(), 60, what="its first line")
+    server.proc.kill()
+    server.proc.wait(10)
+    wait_until(lambda: not _alive(child.pid), 30, what="the child to stop with its server")
+    assert child.poll() is not None  # the server cannot tell its status: gone is all the client knows
+    server.close()
+
+
+def test_a_child_whose_interpreter_would_start_otherwise_is_refused_so_that_it_is_execed(forks, tmp_path):
+    """PYTHONPATH, the allocator's settings, hivemind's log level: read when a process starts, so a fork would run
+    with the server's. tests/procs.py and the demo exec such a child instead."""
+    for name, value in (("PYTHONPATH", str(tmp_path)), ("MALLOC_ARENA_MAX", "1"), ("HIVEMIND_LOGLEVEL", "DEBUG")):
+        with pytest.raises(ForkRefused, match=name):
+            _spawn(forks, tmp_path, "--version", env={name: value})
+    assert _spawn(forks, tmp_path, "--version", env={"PYTHONUNBUFFERED": "1", "VOLUNTEER_X": "1"}).wait(30) == 0
