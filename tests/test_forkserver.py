@@ -11,10 +11,13 @@ import time
 
 import pytest
 
-from tests.procs import LOOPBACK, volunteer_exe, wait_until
+from tests.procs import LOOPBACK, tagged_pids, volunteer_exe, wait_until
 from volunteer_cli.forkserver import ForkRefused, ForkServer, _alive, available
 
 pytestmark = pytest.mark.skipif(not available(), reason="the fork server is Linux-only")
+
+
+SESSIONS: list[int] = []  # every child's: what is still running in them after a test is a leftover
 
 
 @pytest.fixture(scope="module")
@@ -25,14 +28,36 @@ def forks():
     assert server.proc.returncode is not None
 
 
+@pytest.fixture(autouse=True)
+def no_leftovers():
+    yield
+    left = tagged_pids("no tag", SESSIONS)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes outlived the test: {left}"
+
+
 def _spawn(forks: ForkServer, tmp_path, *argv: str, env: dict[str, str] | None = None, cwd=None, **kw):
     out = open(tmp_path / "out", "wb")
     err = open(tmp_path / "err", "wb")
     try:
-        return forks.spawn(list(argv), {**os.environ, **(env or {})}, out.fileno(), err.fileno(), cwd=cwd, **kw)
+        child = forks.spawn(list(argv), {**os.environ, **(env or {})}, out.fileno(), err.fileno(), cwd=cwd, **kw)
     finally:
         out.close()
         err.close()
+    SESSIONS.append(child.pid)
+    return child
+
+
+def _stop(child) -> int:
+    child.send_signal(signal.SIGTERM)
+    try:
+        return child.wait(30)
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait(10)
+        wait_until(lambda: not tagged_pids("no tag", [child.pid]), 15, what="its watchdog and p2pd to leave")
 
 
 def test_a_forked_command_exits_as_the_exec_of_the_same_command(forks, tmp_path):
@@ -60,21 +85,21 @@ def test_a_forked_peer_has_its_own_session_environment_and_directory_and_its_sig
         assert (tmp_path / "boot.key").exists(), "its --identity is relative to the directory it was given"
         assert os.getsid(child.pid) == child.pid and os.getpgid(child.pid) == child.pid
         assert child.poll() is None
-        child.send_signal(signal.SIGTERM)
-        assert child.wait(30) == 0, (tmp_path / "err").read_text()[-2000:]
     finally:
-        if child.poll() is None:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait(10)
+        assert _stop(child) == 0, (tmp_path / "err").read_text()[-2000:]
     # a child killed outright says so as Popen does: minus the signal
     child = _spawn(forks, tmp_path, "bootstrap", "--listen", LOOPBACK, "--json", "--identity", "boot2.key",
                    cwd=str(tmp_path))
     time.sleep(0.5)
     os.kill(child.pid, signal.SIGKILL)
     assert child.wait(30) == -signal.SIGKILL
-    with pytest.raises(subprocess.TimeoutExpired):
-        _spawn(forks, tmp_path, "bootstrap", "--listen", LOOPBACK, "--identity", "boot3.key",
-               cwd=str(tmp_path)).wait(0.2)
+    wait_until(lambda: not tagged_pids("no tag", [child.pid]), 15, what="its watchdog to reap its p2pd")
+    child = _spawn(forks, tmp_path, "bootstrap", "--listen", LOOPBACK, "--identity", "boot3.key", cwd=str(tmp_path))
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            child.wait(0.2)
+    finally:
+        _stop(child)
 
 
 def test_children_that_die_with_their_parent_stop_when_the_server_dies(tmp_path):
