@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.procs import LOOPBACK, tagged_pids, volunteer_exe, wait_until
-from volunteer_cli.forkserver import ForkRefused, ForkServer, _alive, available
+from volunteer_cli.forkserver import ForkRefused, ForkServer, SpawnCancelled, _alive, available
 
 pytestmark = pytest.mark.skipif(not available(), reason="the fork server is Linux-only")
 
@@ -121,3 +121,18 @@ def test_a_child_whose_interpreter_would_start_otherwise_is_refused_so_that_it_i
         with pytest.raises(ForkRefused, match=name):
             _spawn(forks, tmp_path, "--version", env={name: value})
     assert _spawn(forks, tmp_path, "--version", env={"PYTHONUNBUFFERED": "1", "VOLUNTEER_X": "1"}).wait(30) == 0
+
+
+def test_a_start_cancelled_while_the_server_imports_leaves_no_child(tmp_path):
+    """A Ctrl+C while the demo's first child waits for the server's imports: the wait ends at once, and the child
+    the server forks for it afterwards is killed (the demo says "interrupted" within a second, not after them)."""
+    server = ForkServer()
+    began = time.monotonic()
+    with pytest.raises(SpawnCancelled):
+        _spawn(server, tmp_path, "bootstrap", "--listen", LOOPBACK, "--identity", "boot.key", cwd=str(tmp_path),
+               cancelled=lambda: time.monotonic() - began > 0.3)
+    assert time.monotonic() - began < 1.5
+    server.close()  # waits for the late child's pid, kills its session
+    assert server.proc.returncode is not None and len(server.killed) == 1
+    SESSIONS.extend(server.killed)  # no_leftovers checks it is gone, with anything it started
+    wait_until(lambda: not _alive(server.killed[0]), 15, what="the late child to be gone")

@@ -43,9 +43,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 PACKET = 1 << 20  # a request's bytes (the environment) fit in one packet
+CLOSE_WAIT_S = 10.0
 SPAWN_TIMEOUT_S = 120.0  # the first request waits for the server's imports: seconds, more on a loaded machine
 # What a volunteer process imports before it joins, loaded once by the server (module names; a missing one is skipped).
 PRELOAD = (
@@ -58,6 +60,10 @@ PRELOAD = (
 
 class ForkRefused(RuntimeError):
     """The server cannot fork this child (it is not single-threaded, or it is gone): exec the command instead."""
+
+
+class SpawnCancelled(RuntimeError):
+    """The caller's ``cancelled`` turned true while it waited (a Ctrl+C during the server's imports): no child."""
 
 
 def available() -> bool:
@@ -114,6 +120,7 @@ class ForkServer:
         self._replies: dict[int, dict[str, Any]] = {}
         self._asked = 0
         self._abandoned: set[int] = set()  # requests given up on: a child forked for one later is killed at once
+        self.killed: list[int] = []  # those children
         self._gone = False
         out = open(log or os.devnull, "ab")
         try:
@@ -127,9 +134,11 @@ class ForkServer:
             theirs.close()
 
     def spawn(self, argv: list[str], env: dict[str, str], stdout: int, stderr: int, stdin: int | None = None,
-              cwd: str | None = None, session: bool = True, die_with_parent: bool = False) -> Forked:
+              cwd: str | None = None, session: bool = True, die_with_parent: bool = False,
+              cancelled: Callable[[], bool] = lambda: False) -> Forked:
         """`volunteer ARGV` in a child of the server; ``stdout``/``stderr``/``stdin`` are file descriptors (they are
-        duplicated into the child, the caller keeps and closes its own). Raises ForkRefused if it cannot."""
+        duplicated into the child, the caller keeps and closes its own). Raises ForkRefused if it cannot, and
+        SpawnCancelled if ``cancelled()`` turns true while it waits (a child forked later for it is killed)."""
         null = None
         if stdin is None:
             null = stdin = os.open(os.devnull, os.O_RDONLY)
@@ -146,16 +155,21 @@ class ForkServer:
                 except OSError as exc:
                     self._gone = True
                     raise ForkRefused(f"the fork server has stopped ({exc})") from exc
-                reply = self._reply(ask, SPAWN_TIMEOUT_S)
+                reply = self._reply(ask, SPAWN_TIMEOUT_S, cancelled)
         finally:
             if null is not None:
                 os.close(null)
+        if reply.get("cancelled"):
+            raise SpawnCancelled("cancelled while the fork server started")
         if "pid" not in reply:
             raise ForkRefused(reply.get("error", "no answer from the fork server"))
         return Forked(self, int(reply["pid"]), ["volunteer", *argv])
 
     def close(self) -> None:
         with self._lock:
+            deadline = time.monotonic() + CLOSE_WAIT_S  # a child forked for a request given up on is killed first
+            while self._abandoned and not self._gone and time.monotonic() < deadline:
+                self._read(0.1)
             self._gone = True
             self._sock.close()
         try:
@@ -165,14 +179,16 @@ class ForkServer:
             self.proc.wait(5)
 
     # ----- under the lock
-    def _reply(self, ask: int, timeout_s: float) -> dict[str, Any]:
+    def _reply(self, ask: int, timeout_s: float, cancelled: Callable[[], bool]) -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s
         while ask not in self._replies:
             left = deadline - time.monotonic()
-            if self._gone or left <= 0:
+            if self._gone or left <= 0 or cancelled():
                 self._abandoned.add(ask)
+                if cancelled():
+                    return {"cancelled": True}
                 return {"error": "the fork server has stopped" if self._gone else "the fork server did not answer"}
-            self._read(left)
+            self._read(min(left, 0.1))
         return self._replies.pop(ask)
 
     def _read(self, timeout_s: float) -> bool:
@@ -195,6 +211,7 @@ class ForkServer:
             elif message.get("id") in self._abandoned:  # its caller went on without it (and exec'ed instead)
                 self._abandoned.discard(message["id"])
                 if "pid" in message:
+                    self.killed.append(int(message["pid"]))
                     _kill_session(int(message["pid"]))
             else:
                 self._replies[int(message.get("id", 0))] = message

@@ -29,7 +29,7 @@ import yaml
 from volunteer_cli.commands.demo_monitor import Monitor, read_figures
 from volunteer_cli.main import UserError
 from volunteer.config import load_run
-from volunteer_cli.forkserver import ForkRefused, Forked, ForkServer, available as forks_available
+from volunteer_cli.forkserver import ForkRefused, Forked, ForkServer, SpawnCancelled, available as forks_available
 from volunteer.hygiene import die_with_parent_hook
 from volunteer.snapshot import bits_per_byte, evaluation_figure
 
@@ -69,8 +69,9 @@ class Children:
     server (volunteer_cli/forkserver.py) that imports torch and hivemind once for all of them, where the platform has one:
     five processes each importing them side by side took ~11 s of CPU before the first was online on 2 cores."""
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, stop: threading.Event | None = None):
         self.workdir = workdir
+        self.stop_event = stop or threading.Event()  # set by a Ctrl+C: a start waiting on the fork server gives up
         self.procs: list[tuple[str, subprocess.Popen | Forked]] = []
         # Not the lowest priority (the demo is the user's explicit request, and its timings compare with earlier
         # ones), but CHILD_NICE below the monitor: 8 volunteers at the monitor's priority on 2 cores starved it
@@ -91,7 +92,10 @@ class Children:
             proc: subprocess.Popen | Forked | None = None
             if self.forks is not None:
                 try:  # the server runs CHILD_NICE nicer than the demo already, and its children with it
-                    proc = self.forks.spawn(args, self.env, out.fileno(), out.fileno(), die_with_parent=True)
+                    proc = self.forks.spawn(args, self.env, out.fileno(), out.fileno(), die_with_parent=True,
+                                            cancelled=self.stop_event.is_set)
+                except SpawnCancelled:
+                    raise KeyboardInterrupt from None
                 except ForkRefused as exc:
                     logger.info("the fork server could not start %s (%s): it execs", name, exc)
             if proc is None:
@@ -165,7 +169,7 @@ def run_demo(args: argparse.Namespace) -> int:
     config = run.model_dump(mode="json")
     config["timeouts"]["heartbeat_s"] = DEMO_HEARTBEAT_S  # a local demo can afford a faster heartbeat
     demo_run.write_text(yaml.safe_dump(config, sort_keys=False))
-    children = Children(workdir)
+    children = Children(workdir, shutdown.event)
     started = time.monotonic()
     result = {"test_accuracy": None, "test_loss": None, "test_bits_per_byte": None, "samples": 0, "seconds": 0.0,
               "lost_microbatches": 0}
