@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 
@@ -136,3 +137,57 @@ def test_a_start_cancelled_while_the_server_imports_leaves_no_child(tmp_path):
     assert server.proc.returncode is not None and len(server.killed) == 1
     SESSIONS.extend(server.killed)  # no_leftovers checks it is gone, with anything it started
     wait_until(lambda: not _alive(server.killed[0]), 15, what="the late child to be gone")
+
+
+def test_a_pid_used_again_is_a_new_child_not_its_predecessors_exit():
+    """A test run wraps Linux's 32,768 pids: a child that gets an earlier child's pid must not read that one's exit
+    status (the suite's driver "first" once got an earlier process's status, so it was never sent its SIGTERM
+    and waited 20 s for a SIGKILL at teardown). The server's side played here over the same socket."""
+    import threading
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    client = ForkServer.__new__(ForkServer)
+    client.__dict__.update(_sock=ours, _lock=threading.Lock(), _running={}, _argv={}, _replies={}, _asked=0,
+                           _abandoned=set(), killed=[], _gone=False)
+
+    def serve(messages):
+        data, fds, _, _ = socket.recv_fds(theirs, 1 << 20, 3)
+        for fd in fds:
+            os.close(fd)
+        ask = json.loads(data)["id"]
+        for message in messages:
+            theirs.send(json.dumps({**message, "id": ask} if "pid" in message else message).encode())
+
+    def spawn(messages):
+        server = threading.Thread(target=serve, args=(messages,))
+        server.start()
+        child = client.spawn(["--version"], {}, 1, 2)
+        server.join(5)
+        return child
+
+    first = spawn([{"pid": 4242}])
+    theirs.send(json.dumps({"exit": 4242, "code": 3}).encode())
+    assert first.wait(5) == 3
+    second = spawn([{"pid": 4242}])  # the same pid, a new child: still running
+    assert second.poll() is None and first.returncode == 3
+    third = spawn([{"exit": 4242, "code": -15}, {"pid": 4242}])  # the second's exit, then the pid a third time
+    assert second.poll() == -15 and third.poll() is None
+    ours.close()
+    theirs.close()
+
+
+def test_a_forked_command_quiets_hivemind_as_an_execed_one(monkeypatch):
+    """hivemind reads HIVEMIND_LOGLEVEL at import, which a forked child did in the server: the level the command
+    sets (ERROR unless -v) reaches the logger hivemind already made (a forked volunteer logged hivemind's INFO)."""
+    import logging
+
+    import hivemind.utils.logging  # noqa: F401 - as in the server
+    from volunteer.hygiene import quiet_libraries
+
+    for name in ("HIVEMIND_LOGLEVEL", "GOLOG_LOG_LEVEL"):  # recorded, so that what quiet_libraries sets is undone
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    logger = logging.getLogger("hivemind")
+    monkeypatch.setattr(logger, "level", logging.INFO)
+    quiet_libraries(0)
+    assert logger.level == logging.ERROR and os.environ["HIVEMIND_LOGLEVEL"] == "ERROR"

@@ -226,10 +226,17 @@ class ShutdownRequested:
 
 
 def quiet_libraries(verbose: int) -> None:
-    """Keep hivemind and p2pd quiet unless asked (-v: info, -vv: debug)."""
+    """Keep hivemind and p2pd quiet unless asked (-v: info, -vv: debug). hivemind reads HIVEMIND_LOGLEVEL when it is
+    imported: a process forked from one that imported it already (volunteer_cli/forkserver.py) gets the level here."""
     level = {0: "ERROR", 1: "INFO"}.get(verbose, "DEBUG")
     os.environ.setdefault("HIVEMIND_LOGLEVEL", level)
     os.environ.setdefault("GOLOG_LOG_LEVEL", "error" if verbose < 2 else "info")
+    loaded = sys.modules.get("hivemind.utils.logging")
+    if loaded is not None:
+        import logging
+
+        loaded.loglevel = os.environ["HIVEMIND_LOGLEVEL"]
+        logging.getLogger("hivemind").setLevel(os.environ["HIVEMIND_LOGLEVEL"])
 
 
 PR_SET_PDEATHSIG = 1

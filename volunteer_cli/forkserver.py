@@ -81,12 +81,12 @@ class Forked:
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self.returncode = self._server._exit_code(self.pid, timeout_s=0.0)
+            self._server._exit_code(self, timeout_s=0.0)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
-            self.returncode = self._server._exit_code(self.pid, timeout_s=timeout, wait=True)
+            self._server._exit_code(self, timeout_s=timeout, wait=True)
         if self.returncode is None:
             raise subprocess.TimeoutExpired(self.args, timeout)
         return self.returncode
@@ -116,7 +116,10 @@ class ForkServer:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sock = ours
         self._lock = threading.Lock()
-        self._exits: dict[int, int] = {}
+        # the children still running, by pid: an exit is told to the child that had the pid *then* (pids are reused:
+        # a test run wraps Linux's 32,768 and a pid's next holder must not read its predecessor's status)
+        self._running: dict[int, Forked] = {}
+        self._argv: dict[int, list[str]] = {}  # by request id, until its reply
         self._replies: dict[int, dict[str, Any]] = {}
         self._asked = 0
         self._abandoned: set[int] = set()  # requests given up on: a child forked for one later is killed at once
@@ -150,6 +153,7 @@ class ForkServer:
                     raise ForkRefused("the fork server has stopped")
                 self._asked += 1
                 request["id"] = ask = self._asked
+                self._argv[ask] = ["volunteer", *argv]
                 try:
                     socket.send_fds(self._sock, [json.dumps(request).encode()], [stdin, stdout, stderr])
                 except OSError as exc:
@@ -163,7 +167,7 @@ class ForkServer:
             raise SpawnCancelled("cancelled while the fork server started")
         if "pid" not in reply:
             raise ForkRefused(reply.get("error", "no answer from the fork server"))
-        return Forked(self, int(reply["pid"]), ["volunteer", *argv])
+        return reply["child"]
 
     def close(self) -> None:
         with self._lock:
@@ -192,7 +196,7 @@ class ForkServer:
         return self._replies.pop(ask)
 
     def _read(self, timeout_s: float) -> bool:
-        """Read what the server sent within ``timeout_s``: exits into ``_exits``, replies into ``_replies``."""
+        """Read what the server sent within ``timeout_s``: exits onto their children, replies into ``_replies``."""
         got = False
         while not self._gone:
             ready, _, _ = select.select([self._sock], [], [], timeout_s)
@@ -207,31 +211,41 @@ class ForkServer:
                 return got
             message = json.loads(data)
             if "exit" in message:
-                self._exits[int(message["exit"])] = int(message["code"])
+                child = self._running.pop(int(message["exit"]), None)  # None: a child killed as abandoned
+                if child is not None:
+                    child.returncode = int(message["code"])
             elif message.get("id") in self._abandoned:  # its caller went on without it (and exec'ed instead)
                 self._abandoned.discard(message["id"])
+                self._argv.pop(message["id"], None)
                 if "pid" in message:
                     self.killed.append(int(message["pid"]))
                     _kill_session(int(message["pid"]))
             else:
-                self._replies[int(message.get("id", 0))] = message
+                ask = int(message.get("id", 0))
+                argv = self._argv.pop(ask, ["volunteer"])
+                if "pid" in message:  # registered as it is read: its pid's earlier holder's exit was read before
+                    message["child"] = self._running[int(message["pid"])] = Forked(self, int(message["pid"]), argv)
+                self._replies[ask] = message
             got, timeout_s = True, 0.0
         return got
 
-    def _exit_code(self, pid: int, timeout_s: float | None, wait: bool = False) -> int | None:
+    def _exit_code(self, child: Forked, timeout_s: float | None, wait: bool = False) -> None:
+        """Sets ``child.returncode`` once its exit is known (within ``timeout_s`` if ``wait``)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             with self._lock:
-                if pid not in self._exits and not self._gone:
+                if child.returncode is None and not self._gone:
                     left = 0.2 if deadline is None else max(0.0, min(0.2, deadline - time.monotonic()))
                     self._read(left if wait else 0.0)
-                if pid in self._exits:
-                    return self._exits[pid]
-                if self._gone and not _alive(pid):  # nobody will tell its status: gone from /proc is all we know
-                    return -signal.SIGKILL
+                if child.returncode is not None:
+                    return
+                if self._gone and not _alive(child.pid):  # nobody will tell its status: gone from /proc is all
+                    child.returncode = -signal.SIGKILL
+                    self._running.pop(child.pid, None)
+                    return
                 gone = self._gone
             if not wait or (deadline is not None and time.monotonic() >= deadline):
-                return None
+                return
             if gone:
                 time.sleep(0.05)
 

@@ -66,8 +66,8 @@ def _clean_up(workdir: Path, code: int, say) -> None:
 
 class Children:
     """The demo's processes: each in its own session, each told to stop if the demo dies. They are forked from a fork
-    server (volunteer_cli/forkserver.py) that imports torch and hivemind once for all of them, where the platform has one:
-    five processes each importing them side by side took ~11 s of CPU before the first was online on 2 cores."""
+    server (volunteer_cli/forkserver.py) that imports torch and hivemind once for all of them, where the platform has
+    one: five processes each importing them side by side took ~11 s of CPU before the first was online on 2 cores."""
 
     def __init__(self, workdir: Path, stop: threading.Event | None = None):
         self.workdir = workdir
