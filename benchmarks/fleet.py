@@ -1,13 +1,12 @@
 """The processes of a benchmark: real processes on 127.0.0.1 that never outlive it.
 
-Every process a benchmark starts carries ``VOLUNTEER_BENCH_TAG=<uuid>`` in its environment, and so
-do their children (the DHT process, p2pd, the watchdog, torch_shm_manager). ``Fleet.close`` stops
-them in order (SIGTERM, then SIGKILL of the session), then SIGKILLs anything still tagged: nothing is
-left behind, even on Ctrl+C, SIGTERM or an exception. Children also get SIGTERM if the benchmark
-itself is killed (PR_SET_PDEATHSIG). DHTs the benchmark runs in-process live in a watchdog's process
-group (as a volunteer's do), which is reaped when they are shut down or the benchmark dies. The
-benchmark process itself is not tagged: its own torch_shm_manager must outlive the reaping (killing
-it aborts the process that uses it). Every wait is bounded.
+Every process a benchmark starts carries ``VOLUNTEER_BENCH_TAG=<uuid>`` in its environment, and so do their children
+(the DHT process, p2pd, the watchdog, torch_shm_manager; a fleet's fork server carries it, so its children show it).
+``Fleet.close`` stops them in order (SIGTERM, then SIGKILL of the session), then SIGKILLs anything still tagged:
+nothing is left behind, even on Ctrl+C, SIGTERM or an exception. Children also get SIGTERM if the benchmark itself is
+killed (PR_SET_PDEATHSIG). DHTs the benchmark runs in-process live in a watchdog's process group (as a volunteer's
+do), which is reaped when they are shut down or the benchmark dies. The benchmark process itself is not tagged: its
+own torch_shm_manager must outlive the reaping (killing it aborts the process that uses it). Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ TAG_ENV = "VOLUNTEER_BENCH_TAG"
 STOP_GRACE_S = 20.0
 REAP_GRACE_S = 10.0
 START_TIMEOUT_S = 180.0  # a cold `import torch` takes 6 s, and much longer on a loaded 2-core machine
-
 
 # ----- processes
 
@@ -62,17 +60,19 @@ def cpu_used(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, f
     return out
 
 
-def _process_kind(pid: int, fleet_pids: list[int]) -> str:
+def _process_kind(pid: int, fleet_pids: list[int], servers: tuple[int, ...] = ()) -> str:
     cmdline = _cmdline(pid)
     if "p2pd" in cmdline.split(" ", 1)[0]:
         return "p2pd"
-    if "volunteer_cli" not in cmdline:
+    if "volunteer_cli" not in cmdline or pid in servers:  # a fork server imports, then idles
         return "other"
     try:
         stat = (Path("/proc") / str(pid) / "stat").read_text()
         parent = int(stat[stat.rfind(")") + 2 :].split()[1])
     except (OSError, ValueError, IndexError):
         return "other"
+    if parent in servers:  # forked from the fork server: its command line is the server's
+        return "volunteer"
     # hivemind forks the DHT process from the volunteer process: same command line, a tagged parent
     return "dht" if parent in fleet_pids and _cmdline(parent) == cmdline else "volunteer"
 
@@ -87,16 +87,20 @@ def _cmdline(pid: int) -> str:
 class Proc:
     """One child process in its own session; stdout and stderr go to files in the work dir."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], log_dir: Path, name: str, stdin_pipe: bool = False):
+    def __init__(self, argv: list[str], env: dict[str, str], log_dir: Path, name: str, stdin_pipe: bool = False,
+                 forks: Any = None):  # forks: a ForkServer that forks `volunteer ARGV` instead of an exec of argv
         self.name = name
         self.started_at = time.time()
         self.stdout_path = log_dir / f"{name}.out"
         self.stderr_path = log_dir / f"{name}.err"
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
-            self.popen = subprocess.Popen(
-                argv, env=env, stdout=out, stderr=err, stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
-                start_new_session=True, preexec_fn=die_with_parent_hook(),
-            )
+            if forks is not None:
+                self.popen = forks.spawn(argv, env, out.fileno(), err.fileno(), die_with_parent=True)
+            else:
+                self.popen = subprocess.Popen(
+                    argv, env=env, stdout=out, stderr=err, stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
+                    start_new_session=True, preexec_fn=die_with_parent_hook(),
+                )
 
     @property
     def pid(self) -> int:
@@ -176,8 +180,12 @@ class Fleet:
 
     _live: list["Fleet"] = []
 
-    def __init__(self, prefix: str = "volunteer-bench-", keep_workdir: bool = False):
+    def __init__(self, prefix: str = "volunteer-bench-", keep_workdir: bool = False, fork: bool = False):
+        """``fork``: `volunteer` processes are forked from a fork server of the fleet's (volunteer_cli/forkserver.py:
+        ~2.2 s of CPU less each), for benchmarks that measure after start-up; VOLUNTEER_BENCH_EXEC=1 execs them."""
         self.tag = uuid.uuid4().hex
+        self.fork = fork and not os.environ.get("VOLUNTEER_BENCH_EXEC")
+        self.forks: Any = None
         self.workdir = Path(tempfile.mkdtemp(prefix=prefix))
         self.keep_workdir = keep_workdir
         self.procs: list[Proc] = []
@@ -210,6 +218,18 @@ class Fleet:
         return proc
 
     def volunteer(self, name: str, *args: str, env: dict[str, str] | None = None) -> Proc:
+        merged = {**self.env, **(env or {})}
+        if self.fork and merged.get(TAG_ENV) == self.tag:  # a forked child's /proc environ is the server's (tagged)
+            from volunteer_cli.forkserver import ForkRefused, ForkServer, available
+
+            try:
+                if self.forks is None and available():
+                    self.forks = ForkServer(self.env, die_with_parent_hook(), str(self.workdir / "forkserver.log"))
+                if self.forks is not None:
+                    self.procs.append(Proc(list(args), merged, self.workdir, name, forks=self.forks))
+                    return self.procs[-1]
+            except ForkRefused as exc:
+                say(f"{name}: not forked ({exc}); exec'ed")
         return self.start(name, [sys.executable, "-m", "volunteer_cli", *args], env=env)
 
     def bootstrap(self, timeout_s: float = START_TIMEOUT_S) -> tuple[Proc, str]:
@@ -252,7 +272,8 @@ class Fleet:
         handling, the engine), ``dht`` (the DHT process each of them forks), ``p2pd`` and ``other``.
         """
         pids = tagged_pids(self.tag)
-        return {pid: (_process_kind(pid, pids), process_cpu_seconds(pid)) for pid in pids}
+        servers = (self.forks.proc.pid,) if self.forks is not None else ()
+        return {pid: (_process_kind(pid, pids, servers), process_cpu_seconds(pid)) for pid in pids}
 
     # ----- in-process DHTs (forked processes of this one, with their p2pd)
     def _process_group(self) -> int | None:
@@ -294,6 +315,9 @@ class Fleet:
             self._wait_group_empty(self._watchdog.pgid)
             self._watchdog.stop()  # it SIGTERMs, then SIGKILLs, whatever is still in its group
             self._watchdog = None
+        if self.forks is not None:
+            self.forks.close()
+            self.forks = None
         self.procs, self.dhts = [], []
         leftovers = self._reap()
         if not self.keep_workdir:

@@ -107,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         settings.scaling_stages = args.scaling_stages
     settings.heavy_codec = args.heavy_codec
     started = time.monotonic()
-    with Fleet(prefix="volunteer-bench-pipeline-", keep_workdir=bool(os.environ.get("VOLUNTEER_BENCH_KEEP"))) as fleet:
+    # forked volunteers: every figure here is taken in windows after the swarm trains, never of a start
+    with Fleet(prefix="volunteer-bench-pipeline-", keep_workdir=bool(os.environ.get("VOLUNTEER_BENCH_KEEP")),
+               fork=True) as fleet:
         report = _benchmark(fleet, settings, args)
     return finish(report, "pipeline", started, args)
 

@@ -78,6 +78,7 @@ class Forked:
         self.pid = pid
         self.args = args
         self.returncode: int | None = None
+        self.stdin = self.stdout = self.stderr = None  # as a Popen's whose streams are not pipes
 
     def poll(self) -> int | None:
         if self.returncode is None:
