@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from volunteer_cli.forkserver import ForkRefused, Forked, ForkServer, available as forks_available
-from volunteer.hygiene import tagged_pids as pids_with_env
+from volunteer.hygiene import session_members, tagged_pids as pids_with_env
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 BASE58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
@@ -50,18 +50,7 @@ def unused_peer_id() -> str:
 def tagged_pids(tag: str, sessions: Iterable[int] = ()) -> list[int]:
     """Live processes (not this one) that carry our tag (see volunteer.hygiene.tagged_pids), or that are in one of
     ``sessions`` (the forked processes' own)."""
-    found = set(pids_with_env(TAG_ENV, tag))
-    wanted = set(sessions)
-    if wanted:
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit() and int(entry.name) != os.getpid():
-                try:
-                    fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                except (OSError, IndexError):
-                    continue
-                if fields[0] != "Z" and int(fields[4]) in wanted:  # state, ppid, pgrp, session
-                    found.add(int(entry.name))
-    return sorted(found)
+    return sorted(set(pids_with_env(TAG_ENV, tag)) | set(session_members(sessions)))
 
 
 _FORKS: ForkServer | None = None

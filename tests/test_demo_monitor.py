@@ -11,7 +11,7 @@ import pytest
 from swarm.dht.records import MemberRecord
 from volunteer_cli.commands.demo import CHILD_NICE, Children, Target
 from volunteer_cli.commands.demo_monitor import Monitor, read_figures
-from volunteer_cli.forkserver import available as forks_available
+from volunteer_cli.forkserver import Forked, available as forks_available
 
 NAMES = ["layer0", "layer1"]
 
@@ -63,6 +63,7 @@ def test_the_volunteers_run_nicer_than_the_monitor(tmp_path, monkeypatch, way):
     assert (children.forks is not None) == (way == "forked" and forks_available())
     proc = children.start("probe", ["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--identity",
                                     str(tmp_path / "probe.key")])  # a child that stays until stopped
+    assert isinstance(proc, Forked) == (children.forks is not None)  # not an exec that fell back unnoticed
     try:
         nice = os.getpriority(os.PRIO_PROCESS, proc.pid)
         assert nice >= os.getpriority(os.PRIO_PROCESS, 0) + CHILD_NICE

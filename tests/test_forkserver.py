@@ -13,7 +13,8 @@ import time
 import pytest
 
 from tests.procs import LOOPBACK, tagged_pids, volunteer_exe, wait_until
-from volunteer_cli.forkserver import ForkRefused, ForkServer, SpawnCancelled, _alive, available
+from volunteer.hygiene import session_members
+from volunteer_cli.forkserver import ForkRefused, Forked, ForkServer, SpawnCancelled, _alive, available
 
 pytestmark = pytest.mark.skipif(not available(), reason="the fork server is Linux-only")
 
@@ -85,6 +86,9 @@ def test_a_forked_peer_has_its_own_session_environment_and_directory_and_its_sig
         assert json.loads(line)["maddrs"]
         assert (tmp_path / "boot.key").exists(), "its --identity is relative to the directory it was given"
         assert os.getsid(child.pid) == child.pid and os.getpgid(child.pid) == child.pid
+        # its tree is found by its session (its /proc environ is the server's): itself and the watchdog it forked
+        tree = wait_until(lambda: len(found := session_members([child.pid])) >= 2 and found, 15, what="its watchdog")
+        assert child.pid in tree and all(os.getsid(pid) == child.pid for pid in tree)
         assert child.poll() is None
     finally:
         assert _stop(child) == 0, (tmp_path / "err").read_text()[-2000:]
@@ -191,3 +195,14 @@ def test_a_forked_command_quiets_hivemind_as_an_execed_one(monkeypatch):
     monkeypatch.setattr(logger, "level", logging.INFO)
     quiet_libraries(0)
     assert logger.level == logging.ERROR and os.environ["HIVEMIND_LOGLEVEL"] == "ERROR"
+
+
+def test_the_harness_forks_its_volunteers_and_finds_what_they_leave(swarm):
+    """tests/procs.py: a Swarm's processes come from the fork server (not an exec that fell back unnoticed), and
+    ``live_pids`` sees a forked one's tree while it runs and nothing once it has stopped."""
+    boot, _ = swarm.bootstrap()
+    assert isinstance(boot.popen, Forked)
+    assert wait_until(lambda: len(set(swarm.live_pids()) & set(session_members([boot.pid]))) >= 2, 15,
+                      what="the bootstrap peer's tree")
+    boot.stop()
+    wait_until(lambda: not swarm.live_pids(), 15, what="its tree to leave")

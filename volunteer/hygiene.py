@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 WATCHDOG_POLL_S = 0.2
@@ -94,10 +94,23 @@ def _watchdog_main(parent: int, mask: set | None) -> None:  # pragma: no cover -
 
 def group_members(pgid: int) -> list[int]:
     """Pids in process group ``pgid`` (Linux /proc; elsewhere an empty list)."""
+    return _members(STAT_PGRP, {pgid})
+
+
+def session_members(sids: Iterable[int]) -> list[int]:
+    """Pids in any of the sessions ``sids`` (a forked process's tree: volunteer_cli/forkserver.py)."""
+    return _members(STAT_SESSION, set(sids))
+
+
+STAT_PGRP, STAT_SESSION = 2, 3  # /proc/PID/stat after the command's ")": state, ppid, pgrp, session, ...
+
+
+def _members(field: int, wanted: set[int]) -> list[int]:
+    """Live (non-zombie) processes other than this one whose stat ``field`` is in ``wanted``."""
     me = os.getpid()
-    members = []
+    members: list[int] = []
     proc = Path("/proc")
-    if not proc.is_dir():
+    if not wanted or not proc.is_dir():
         return members
     for entry in proc.iterdir():
         if not entry.name.isdigit() or int(entry.name) == me:
@@ -107,7 +120,7 @@ def group_members(pgid: int) -> list[int]:
         except OSError:
             continue
         fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
+        if len(fields) > field and int(fields[field]) in wanted and fields[0] != "Z":
             members.append(int(entry.name))
     return members
 
