@@ -25,6 +25,7 @@ from typing import Any
 
 from benchmarks.common import BenchmarkError, say, wait_until
 from volunteer.hygiene import die_with_parent_hook, tagged_pids as pids_with_env
+from volunteer_cli.forkserver import ForkServer, available as forks_available, spawn_or_exec
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 TAG_ENV = "VOLUNTEER_BENCH_TAG"
@@ -95,7 +96,9 @@ class Proc:
         self.stderr_path = log_dir / f"{name}.err"
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
             if forks is not None:
-                self.popen = forks.spawn(argv, env, out.fileno(), err.fileno(), die_with_parent=True)
+                self.popen = spawn_or_exec(forks, argv, env, out.fileno(), err.fileno(),
+                                           [sys.executable, "-m", "volunteer_cli", *argv], die_with_parent_hook(),
+                                           die_with_parent=True)
             else:
                 self.popen = subprocess.Popen(
                     argv, env=env, stdout=out, stderr=err, stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
@@ -220,16 +223,11 @@ class Fleet:
     def volunteer(self, name: str, *args: str, env: dict[str, str] | None = None) -> Proc:
         merged = {**self.env, **(env or {})}
         if self.fork and merged.get(TAG_ENV) == self.tag:  # a forked child's /proc environ is the server's (tagged)
-            from volunteer_cli.forkserver import ForkRefused, ForkServer, available
-
-            try:
-                if self.forks is None and available():
-                    self.forks = ForkServer(self.env, die_with_parent_hook(), str(self.workdir / "forkserver.log"))
-                if self.forks is not None:
-                    self.procs.append(Proc(list(args), merged, self.workdir, name, forks=self.forks))
-                    return self.procs[-1]
-            except ForkRefused as exc:
-                say(f"{name}: not forked ({exc}); exec'ed")
+            if self.forks is None and forks_available():
+                self.forks = ForkServer(self.env, die_with_parent_hook(), str(self.workdir / "forkserver.log"))
+            if self.forks is not None:  # forked, or exec'ed where the server will not fork it
+                self.procs.append(Proc(list(args), merged, self.workdir, name, forks=self.forks))
+                return self.procs[-1]
         return self.start(name, [sys.executable, "-m", "volunteer_cli", *args], env=env)
 
     def bootstrap(self, timeout_s: float = START_TIMEOUT_S) -> tuple[Proc, str]:

@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
-from volunteer_cli.forkserver import ForkRefused, Forked, ForkServer, available as forks_available
+from volunteer_cli.forkserver import Forked, ForkServer, available as forks_available, spawn_or_exec
 from volunteer.hygiene import session_members, tagged_pids as pids_with_env
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -87,17 +87,8 @@ class Proc:
         self.stderr_path = log_dir / f"{name}.err"
         self._stdout = open(self.stdout_path, "wb")
         self._stderr = open(self.stderr_path, "wb")
-        self.popen: subprocess.Popen | Forked | None = None
-        if forks is not None and not prefix:
-            try:
-                self.popen = forks.spawn(list(args), env, self._stdout.fileno(), self._stderr.fileno())
-            except ForkRefused:
-                pass
-        if self.popen is None:
-            self.popen = subprocess.Popen(
-                [*prefix, volunteer_exe(), *args], env=env, stdout=self._stdout, stderr=self._stderr,
-                stdin=subprocess.DEVNULL, start_new_session=True,
-            )
+        self.popen = spawn_or_exec(None if prefix else forks, list(args), env, self._stdout.fileno(),
+                                   self._stderr.fileno(), [*prefix, volunteer_exe(), *args])
 
     @property
     def pid(self) -> int:

@@ -14,7 +14,7 @@ import pytest
 
 from tests.procs import LOOPBACK, tagged_pids, volunteer_exe, wait_until
 from volunteer.hygiene import session_members
-from volunteer_cli.forkserver import ForkRefused, Forked, ForkServer, SpawnCancelled, _alive, available
+from volunteer_cli.forkserver import ForkRefused, Forked, ForkServer, SpawnCancelled, _alive, available, spawn_or_exec
 
 pytestmark = pytest.mark.skipif(not available(), reason="the fork server is Linux-only")
 
@@ -126,6 +126,12 @@ def test_a_child_whose_interpreter_would_start_otherwise_is_refused_so_that_it_i
         with pytest.raises(ForkRefused, match=name):
             _spawn(forks, tmp_path, "--version", env={name: value})
     assert _spawn(forks, tmp_path, "--version", env={"PYTHONUNBUFFERED": "1", "VOLUNTEER_X": "1"}).wait(30) == 0
+    # what the demo, the harness and the benchmarks call: such a child is exec'ed, and runs
+    with open(tmp_path / "out", "wb") as out:
+        child = spawn_or_exec(forks, ["--version"], {**os.environ, "PYTHONPATH": str(tmp_path)}, out.fileno(),
+                              out.fileno(), [volunteer_exe(), "--version"])
+    assert isinstance(child, subprocess.Popen) and child.wait(60) == 0
+    assert (tmp_path / "out").read_text().startswith("volunteer ")
 
 
 def test_a_start_cancelled_while_the_server_imports_leaves_no_child(tmp_path):

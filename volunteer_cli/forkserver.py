@@ -19,6 +19,7 @@ parent is the server, which dies with its client when asked (``preexec_fn``), an
 from __future__ import annotations
 
 import json
+import logging
 import os
 import select
 import signal
@@ -31,6 +32,8 @@ from collections.abc import Callable
 from typing import Any
 
 from volunteer_cli.forkserver_process import PACKET
+
+logger = logging.getLogger(__name__)
 
 CLOSE_WAIT_S = 10.0
 SPAWN_TIMEOUT_S = 120.0  # the first request waits for the server's imports: seconds, more on a loaded machine
@@ -46,6 +49,20 @@ class SpawnCancelled(RuntimeError):
 
 def available() -> bool:
     return sys.platform.startswith("linux") and hasattr(os, "fork") and hasattr(socket, "SOCK_SEQPACKET")
+
+
+def spawn_or_exec(forks: ForkServer | None, args: list[str], env: dict[str, str], stdout: int, stderr: int,
+                  exec_argv: list[str], preexec_fn: Any = None, die_with_parent: bool = False,
+                  cancelled: Callable[[], bool] = lambda: False) -> Forked | subprocess.Popen:
+    """`volunteer ARGS` forked by ``forks`` if there is one and it can, else ``exec_argv`` exec'ed in a session of its
+    own (with ``preexec_fn``), stdin from /dev/null either way: what the demo, the tests and the benchmarks call."""
+    if forks is not None:
+        try:
+            return forks.spawn(args, env, stdout, stderr, die_with_parent=die_with_parent, cancelled=cancelled)
+        except ForkRefused as exc:
+            logger.info("not forked (%s): %s is exec'ed", exc, " ".join(args[:1]))
+    return subprocess.Popen(exec_argv, env=env, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
+                            start_new_session=True, preexec_fn=preexec_fn)
 
 
 class Forked:

@@ -29,7 +29,8 @@ import yaml
 from volunteer_cli.commands.demo_monitor import Monitor, read_figures
 from volunteer_cli.main import UserError
 from volunteer.config import load_run
-from volunteer_cli.forkserver import ForkRefused, Forked, ForkServer, SpawnCancelled, available as forks_available
+from volunteer_cli.forkserver import (ForkRefused, Forked, ForkServer, SpawnCancelled, available as forks_available,
+                                     spawn_or_exec)
 from volunteer.hygiene import die_with_parent_hook
 from volunteer.snapshot import bits_per_byte, evaluation_figure
 
@@ -88,22 +89,13 @@ class Children:
 
     def start(self, name: str, args: list[str]) -> subprocess.Popen | Forked:
         out = open(self.workdir / f"{name}.log", "wb")
-        try:
-            proc: subprocess.Popen | Forked | None = None
-            if self.forks is not None:
-                try:  # the server runs CHILD_NICE nicer than the demo already, and its children with it
-                    proc = self.forks.spawn(args, self.env, out.fileno(), out.fileno(), die_with_parent=True,
-                                            cancelled=self.stop_event.is_set)
-                except SpawnCancelled:
-                    raise KeyboardInterrupt from None
-                except ForkRefused as exc:
-                    logger.info("the fork server could not start %s (%s): it execs", name, exc)
-            if proc is None:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "volunteer_cli", *args], stdout=out, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL, env=self.env, start_new_session=True,
-                    preexec_fn=_nicer(die_with_parent_hook(), CHILD_NICE),
-                )
+        try:  # a forked child runs CHILD_NICE nicer with the server, an exec'ed one by the hook
+            proc = spawn_or_exec(self.forks, args, self.env, out.fileno(), out.fileno(),
+                                 [sys.executable, "-m", "volunteer_cli", *args],
+                                 _nicer(die_with_parent_hook(), CHILD_NICE), die_with_parent=True,
+                                 cancelled=self.stop_event.is_set)
+        except SpawnCancelled:
+            raise KeyboardInterrupt from None
         finally:
             out.close()
         self.procs.append((name, proc))
