@@ -352,6 +352,11 @@ class HostilePeer:
         for servicer in self.servicers:
             if isinstance(servicer, HostileStage):
                 self._loop.call_soon_threadsafe(servicer.release.set)
+            elif hasattr(servicer, "end_sessions"):  # a real stage's sessions end on the loop, as a peer's stop does
+                try:
+                    self.on_loop(servicer.end_sessions(5), 10)
+                except Exception as exc:
+                    print(f"ending a hostile's stage sessions failed: {exc}")
         try:
             self.on_loop(self.p2p.shutdown(), 10)
         except Exception as exc:

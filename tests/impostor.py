@@ -83,6 +83,7 @@ class Impostor:
         self._threads = [threading.Thread(target=self._loop.run_forever, daemon=True),
                          threading.Thread(target=self._heartbeat, daemon=True)]
         self._p2p = None
+        self._servicer: StageServicer | None = None
         self._started_at = time.time()
 
     def __enter__(self) -> "Impostor":
@@ -95,6 +96,8 @@ class Impostor:
         self._stop.set()
         self._threads[1].join(10)
         if self._p2p is not None:
+            if self._servicer is not None:  # its sessions end on the loop, as a peer's stop ends them
+                asyncio.run_coroutine_threadsafe(self._servicer.end_sessions(5), self._loop).result(10)
             asyncio.run_coroutine_threadsafe(self._p2p.shutdown(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._threads[0].join(5)
@@ -103,7 +106,8 @@ class Impostor:
 
     async def _serve(self) -> None:
         self._p2p = await fresh_p2p(self.dht)
-        await StageServicer(self).add_p2p_handlers(self._p2p, namespace=stage_namespace(self.run.run_id, self.swarm))
+        self._servicer = StageServicer(self)
+        await self._servicer.add_p2p_handlers(self._p2p, namespace=stage_namespace(self.run.run_id, self.swarm))
 
     def _heartbeat(self) -> None:
         while not self._stop.is_set():

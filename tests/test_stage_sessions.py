@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import AsyncIterator
 
 import pytest
@@ -10,13 +11,15 @@ import torch
 from hivemind.p2p import P2P, P2PContext, ServicerBase
 from hivemind.proto import runtime_pb2
 
-from swarm.pipeline.transport import sessions
-from swarm.pipeline.transport.sessions import SessionBroken, serve_session, session_for
+from swarm.pipeline.transport import frames, sessions
+from swarm.pipeline.transport.session_server import serve_session, serve_stream
+from swarm.pipeline.transport.sessions import SessionBroken, session_for
 from swarm.pipeline.stage.stage_rpc import call_stage
 from swarm.pipeline.transport.wire import pack_metadata, unpack_metadata
 
 NS = "sessions-test"
 HANDLE = f"{NS}::EchoServicer.rpc_session"
+LEAN_HANDLE = f"{NS}::LeanEcho.session"
 
 
 class EchoServicer(ServicerBase):
@@ -26,24 +29,45 @@ class EchoServicer(ServicerBase):
         self.sessions_opened = 0
         self.unary_calls = 0
 
+    @staticmethod
+    async def handle(quit_now: asyncio.Event, request):
+        meta = unpack_metadata(request.metadata)
+        if meta.get("quit"):  # this session's stream ends after this reply, calls still waiting on it or not
+            quit_now.set()
+        if meta.get("hang"):
+            await asyncio.Event().wait()
+        await asyncio.sleep(meta.get("delay_s", 0.0))
+        return list(request.tensors), {"ok": True, "echo": meta.get("n")}
+
     async def rpc_session(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                           context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         self.sessions_opened += 1
-
-        async def handle(request):
-            meta = unpack_metadata(request.metadata)
-            if meta.get("quit"):  # this session's stream ends after this reply, calls still waiting on it or not
-                quit_now.set()
-            if meta.get("hang"):
-                await asyncio.Event().wait()
-            await asyncio.sleep(meta.get("delay_s", 0.0))
-            return list(request.tensors), {"ok": True, "echo": meta.get("n")}
-
         quit_now = asyncio.Event()
-        async for reply in serve_session(requests, handle):
+        async for reply in serve_session(requests, functools.partial(self.handle, quit_now)):
             yield reply
             if quit_now.is_set():
                 return
+
+
+class LeanEcho(EchoServicer):
+    """The same, served as a stage serves its sessions: a raw stream handler that reads and writes the frames itself
+    (swarm/pipeline/transport/session_server.py ``serve_stream``), under the name ``LEAN_HANDLE``."""
+
+    async def add_p2p_handlers(self, p2p, *, namespace):
+        await super().add_p2p_handlers(p2p, namespace=namespace)
+        await p2p.add_binary_stream_handler(LEAN_HANDLE, self.lean_session)
+
+    async def lean_session(self, stream_info, reader, writer):
+        self.sessions_opened += 1
+        quit_now = asyncio.Event()
+        serving = asyncio.create_task(serve_stream(reader, writer, functools.partial(self.handle, quit_now)))
+        quitting = asyncio.create_task(quit_now.wait())
+        await asyncio.wait({serving, quitting}, return_when=asyncio.FIRST_COMPLETED)
+        if quit_now.is_set():
+            await asyncio.sleep(0.1)  # the reply that said so goes out first
+        for task in (serving, quitting):
+            task.cancel()
+        await asyncio.gather(serving, quitting, return_exceptions=True)
 
     async def rpc_call(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         self.unary_calls += 1
@@ -76,6 +100,12 @@ class UnaryOnly(ServicerBase):
 UnaryOnly.__name__ = "StageServicer"  # hivemind names a handler by its class: a stub of ours finds this one
 
 
+@pytest.fixture(params=["hivemind", "lean"])
+def echo(request):
+    """A session server either way: hivemind's stream handler (an older stage), or the stage's own (LeanEcho)."""
+    return (EchoServicer(), HANDLE) if request.param == "hivemind" else (LeanEcho(), LEAN_HANDLE)
+
+
 def with_peers(body, servicer):
     async def main():
         server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
@@ -96,11 +126,11 @@ def request_meta(n: int, **extra) -> bytes:
     return pack_metadata({"n": n, **extra})
 
 
-def test_concurrent_calls_share_one_session_and_each_reply_finds_its_call():
-    servicer = EchoServicer()
+def test_concurrent_calls_share_one_session_and_each_reply_finds_its_call(echo):
+    servicer, handle = echo
 
     async def body(server, client):
-        session = await session_for(client, str(server.peer_id), NS, HANDLE)
+        session = await session_for(client, str(server.peer_id), NS, handle)
         assert session is not None
 
         async def one(n):  # the first calls answer last: replies come back out of order
@@ -109,24 +139,24 @@ def test_concurrent_calls_share_one_session_and_each_reply_finds_its_call():
 
         echoes = await asyncio.gather(*(one(n) for n in range(16)))
         assert echoes == list(range(16))
-        again = await session_for(client, str(server.peer_id), NS, HANDLE)
+        again = await session_for(client, str(server.peer_id), NS, handle)
         assert again is session and servicer.sessions_opened == 1 and servicer.unary_calls == 0
 
     with_peers(body, servicer)
 
 
-def test_a_broken_session_fails_its_waiting_calls_and_the_next_call_opens_another():
-    servicer = EchoServicer()
+def test_a_broken_session_fails_its_waiting_calls_and_the_next_call_opens_another(echo):
+    servicer, handle = echo
 
     async def body(server, client):
-        session = await session_for(client, str(server.peer_id), NS, HANDLE)
+        session = await session_for(client, str(server.peer_id), NS, handle)
         waiting = asyncio.create_task(session.call([], request_meta(1, hang=True), timeout_s=30))
         await asyncio.sleep(0.3)
         _, meta = await session.call([], request_meta(2, quit=True), timeout_s=10)  # the server ends the stream
         with pytest.raises(SessionBroken):
             await asyncio.wait_for(waiting, 5)
         assert session.closed
-        fresh = await session_for(client, str(server.peer_id), NS, HANDLE)
+        fresh = await session_for(client, str(server.peer_id), NS, handle)
         assert fresh is not session
         _, meta = await fresh.call([], request_meta(3), timeout_s=10)
         assert meta["echo"] == 3 and servicer.sessions_opened == 2
@@ -134,11 +164,11 @@ def test_a_broken_session_fails_its_waiting_calls_and_the_next_call_opens_anothe
     with_peers(body, servicer)
 
 
-def test_a_timed_out_call_is_dropped_and_a_session_that_answers_nothing_is_closed():
-    servicer = EchoServicer()
+def test_a_timed_out_call_is_dropped_and_a_session_that_answers_nothing_is_closed(echo):
+    servicer, handle = echo
 
     async def body(server, client):
-        session = await session_for(client, str(server.peer_id), NS, HANDLE)
+        session = await session_for(client, str(server.peer_id), NS, handle)
         _, meta = await session.call([], request_meta(0), timeout_s=10)
         with pytest.raises(TimeoutError):
             await session.call([], request_meta(1, hang=True), timeout_s=0.3)
@@ -149,7 +179,7 @@ def test_a_timed_out_call_is_dropped_and_a_session_that_answers_nothing_is_close
             with pytest.raises(TimeoutError):
                 await session.call([], request_meta(n, hang=True), timeout_s=0.3)
         assert session.closed  # two in a row with nothing answered: the next call opens a new one
-        fresh = await session_for(client, str(server.peer_id), NS, HANDLE)
+        fresh = await session_for(client, str(server.peer_id), NS, handle)
         assert fresh is not session and (await fresh.call([], request_meta(5), timeout_s=10))[1]["echo"] == 5
 
     with_peers(body, servicer)
@@ -219,21 +249,85 @@ def test_a_peer_that_cannot_be_reached_fails_the_call_at_once_without_a_unary_re
     with_peers(body, EchoServicer())
 
 
-def test_a_retired_session_still_answers_the_calls_waiting_on_a_busy_peer():
+def test_a_retired_session_still_answers_the_calls_waiting_on_a_busy_peer(echo):
     """Two timeouts with nothing answered retire a session; a slow call already waiting on it is not failed (a busy
     machine is not a broken stream): it gets its reply, then the session closes, and new calls use a new one."""
-    servicer = EchoServicer()
+    servicer, handle = echo
 
     async def body(server, client):
-        session = await session_for(client, str(server.peer_id), NS, HANDLE)
+        session = await session_for(client, str(server.peer_id), NS, handle)
         slow = asyncio.create_task(session.call([], request_meta(1, delay_s=1.5), timeout_s=20))
         for n in (2, 3):
             with pytest.raises(TimeoutError):
                 await session.call([], request_meta(n, hang=True), timeout_s=0.3)
         assert session.retired and not session.closed
-        fresh = await session_for(client, str(server.peer_id), NS, HANDLE)
+        fresh = await session_for(client, str(server.peer_id), NS, handle)
         assert fresh is not session and (await fresh.call([], request_meta(4), timeout_s=10))[1]["echo"] == 4
         assert (await asyncio.wait_for(slow, 10))[1]["echo"] == 1
         assert session.closed
 
     with_peers(body, servicer)
+
+
+def test_a_caller_of_hivemind_s_own_stream_framing_is_served_by_the_stage_s_session_handler():
+    """The wire is the same either way: hivemind's stream caller (a peer of an older version) against serve_stream."""
+    async def body(server, client):
+        async def requests():
+            for n in range(3):
+                yield runtime_pb2.ExpertRequest(uid=str(n), metadata=request_meta(n, delay_s=0.05 * (3 - n)))
+
+        replies = client._iterate_protobuf_stream_handler(server.peer_id, LEAN_HANDLE, requests(),
+                                                          runtime_pb2.ExpertResponse)
+        echoes = sorted([unpack_metadata(reply.metadata)["echo"] async for reply in await replies])
+        assert echoes == [0, 1, 2]
+
+    with_peers(body, LeanEcho())
+
+
+@pytest.mark.parametrize("garbage", [b"\x00" + (2**40).to_bytes(8, "big"), b"\x07" + bytes(8)],
+                         ids=["a length of a terabyte", "an unknown message type"])
+def test_a_stream_that_carries_no_message_is_dropped_unread_and_the_server_serves_on(garbage, caplog):
+    servicer = LeanEcho()
+
+    async def body(server, client):
+        _, reader, writer = await client.call_binary_stream_handler(server.peer_id, LEAN_HANDLE)
+        writer.write(garbage)
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # the server ended the stream, answering nothing
+        writer.close()
+        session = await session_for(client, str(server.peer_id), NS, LEAN_HANDLE)
+        assert (await session.call([], request_meta(1), timeout_s=10))[1]["echo"] == 1
+
+    with caplog.at_level("INFO", logger="swarm.pipeline.transport.session_server"):
+        with_peers(body, servicer)
+    assert "was dropped" in caplog.text
+
+
+def test_a_caller_that_cuts_its_stream_cancels_its_running_calls_on_the_server():
+    """A cut stream is not an ended one: nothing is left running for a caller that is gone."""
+    started, cancelled = asyncio.Event(), []
+
+    async def handle(request):
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.append(request.uid)
+            raise
+
+    class Hanging(LeanEcho):
+        async def lean_session(self, stream_info, reader, writer):
+            await serve_stream(reader, writer, handle)
+
+    async def body(server, client):
+        _, reader, writer = await client.call_binary_stream_handler(server.peer_id, LEAN_HANDLE)
+        frames.write_message(writer, runtime_pb2.ExpertRequest(uid="7"))
+        await asyncio.wait_for(started.wait(), 10)
+        writer.close()  # no end-of-stream message: the caller is gone
+        for _ in range(100):
+            if cancelled:
+                break
+            await asyncio.sleep(0.05)
+        assert cancelled == ["7"]
+
+    with_peers(body, Hanging())

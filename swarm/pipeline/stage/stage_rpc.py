@@ -40,7 +40,6 @@ recomputations of it). The full table is in docs/ARCHITECTURE.md "Stage RPCs".
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Callable
@@ -68,7 +67,7 @@ from swarm.pipeline.transport.stage_client import (  # noqa: F401 (re-exported)
     stage_namespace,
 )
 from swarm.pipeline.transport import sessions
-from swarm.pipeline.transport.sessions import serve_session
+from swarm.pipeline.transport.session_server import SessionHandlers
 from swarm.pipeline.stage.stage_gate import SERVED_OPS, UPDATE_OPS, Outcome, StageGate
 from swarm.pipeline.stage.stage_ops import ContentError, Request, check_op_here, dispatch  # noqa: F401  (dispatch re-exported)
 from swarm.pipeline.stage.stage_receipts import NeedChain, ReceiptDesk, ReceiptRefusal, Vouched
@@ -101,7 +100,7 @@ NEW_WORK_OPS = frozenset({"forward", "forward_backward", "infer", "evaluate", "f
 LASTING_OPS = UPDATE_OPS | PUSH_OPS  # served to their end once their compute began (StageServicer._handle)
 
 
-class StageServicer(Stage0Ops, StageRPC):
+class StageServicer(SessionHandlers, Stage0Ops, StageRPC):
     """Serves one stage worker. Built with no arguments it only lends its signatures to stubs."""
 
     def __init__(self, worker: StageWorker | None = None, executor: Executor | None = None, *, max_bytes: int = 0,
@@ -152,22 +151,13 @@ class StageServicer(Stage0Ops, StageRPC):
         for message in split_message(out, pack_metadata(meta), runtime_pb2.ExpertResponse):
             yield message
 
-    async def rpc_session(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
-                          context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """Many calls on one stream, answered as each is done (swarm/pipeline/transport/sessions.py)."""
-        handle = functools.partial(self._one_message, context=context)
+    def session_cap(self) -> int:
         # the gate's own cap per driver decides; the session's only bounds what one stream holds
         per_driver = self.gate.cfg.max_in_flight_per_requester if self.gate is not None else 0
-        task = asyncio.current_task()
-        self.session_tasks.add(task)
-        try:
-            async for reply in serve_session(requests, handle, max(sessions.MAX_RUNNING, 2 * per_driver)):
-                yield reply
-        finally:
-            self.session_tasks.discard(task)
+        return max(sessions.MAX_RUNNING, 2 * per_driver)
 
     async def end_sessions(self, timeout_s: float) -> None:
-        """End every session served here (a stop): hivemind's stream handler then closes each stream itself."""
+        """End every session served here (a stop): each handler closes its stream as it ends."""
         tasks = [task for task in self.session_tasks if not task.done()]
         for task in tasks:
             task.cancel()

@@ -22,8 +22,10 @@ while its calls time out takes no new calls and closes once those still waiting 
 that opens another. A peer without the handler (an older version) gets unary calls for ``NO_SESSION_S``; a peer
 that cannot be reached fails the call at once (a unary call would only dial it again).
 
-On the server, one session runs at most ``MAX_RUNNING`` calls at once; more are answered ``busy`` unread (the
-stage's fair queue and gate still decide everything else, per requester, as for unary calls).
+On the server (session_server.py), one session runs at most ``MAX_RUNNING`` calls at once; more are answered ``busy``
+unread (the stage's fair queue and gate still decide everything else, per requester, as for unary calls). Both sides
+write each message in one piece and read with a bound (frames.py); the bytes are hivemind's framing, so a caller or
+server of an earlier version still talks to this one.
 """
 
 from __future__ import annotations
@@ -34,12 +36,12 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from hivemind.proto import runtime_pb2
 
-from swarm.pipeline.transport.wire import WireError, pack_metadata, refusal_meta, unpack_metadata
+from swarm.pipeline.transport.frames import Ended, read_message, write_end, write_message
+from swarm.pipeline.transport.wire import WireError, unpack_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -77,9 +79,9 @@ class SessionUnopened(SessionBroken):
 class ClientSession:
     """One open ``rpc_session`` stream to a peer, and the calls waiting for their replies on it.
 
-    It reads and writes hivemind's framing on the raw stream itself (``P2P.send_protobuf``/``receive_protobuf``):
-    hivemind's own stream caller waits for its writer to finish after the peer's side ends, and a session's writer
-    is never finished, so a session the peer closed would never say so.
+    It reads and writes hivemind's framing on the raw stream itself (frames.py: each message in one write, each
+    reply read with a bound): hivemind's own stream caller waits for its writer to finish after the peer's side
+    ends, and a session's writer is never finished, so a session the peer closed would never say so.
     """
 
     def __init__(self, p2p: Any, key: tuple[str, str]):
@@ -115,16 +117,13 @@ class ClientSession:
         self.opened.set_result(True)
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
-        from hivemind.p2p import P2P
-
         error: BaseException = SessionBroken("the peer closed the session")
         try:
             while True:
-                reply, err = await P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader)
-                if err is not None:
-                    error = SessionBroken(f"the peer's session failed: {err.message[:200]}")
-                    return
-                self._deliver(reply)
+                self._deliver(await read_message(reader, runtime_pb2.ExpertResponse))
+        except Ended as exc:
+            error = SessionBroken(f"the peer's session failed: {exc.message}" if exc.message else
+                                  "the peer ended the session")
         except asyncio.IncompleteReadError:  # the stream ended
             pass
         except asyncio.CancelledError:
@@ -154,8 +153,6 @@ class ClientSession:
 
     async def call(self, tensors: list[Any], metadata: bytes, timeout_s: float) -> tuple[list[Any], dict]:
         """Send one request on the session and wait for its reply: (serialized tensors, reply metadata)."""
-        from hivemind.p2p import P2P
-
         if self.closed:
             raise SessionUnopened("the session is closed")
         self.next_id += 1
@@ -165,9 +162,9 @@ class ClientSession:
         self.last_used = started = time.monotonic()
         try:
             async with asyncio.timeout(timeout_s):  # one deadline for both, and no task per call
-                # one request's bytes go out whole: send_protobuf writes them all before its only await (drain)
-                await P2P.send_protobuf(runtime_pb2.ExpertRequest(uid=cid, tensors=tensors, metadata=metadata),
-                                        self.writer)
+                # one request's bytes go out whole, in one write, before the only await (drain)
+                write_message(self.writer, runtime_pb2.ExpertRequest(uid=cid, tensors=tensors, metadata=metadata))
+                await self.writer.drain()
                 return await future
         except TimeoutError:
             self.timeouts_in_a_row += 1
@@ -205,13 +202,8 @@ class ClientSession:
         self.closed = True
         self._unregister()
         if self.writer is not None:  # the server answers what it was asked, then ends its side
-            from hivemind.p2p import P2P
-
             with contextlib.suppress(Exception):
-                self.writer.write(P2P.ERROR_MARKER)  # hivemind's end of the request stream (P2P.END_OF_STREAM)
-                self.writer.write(len(P2P.END_OF_STREAM.SerializeToString()).to_bytes(P2P.HEADER_LEN,
-                                                                                       P2P.BYTEORDER))
-                self.writer.write(P2P.END_OF_STREAM.SerializeToString())
+                write_end(self.writer)
                 self.writer.close()
         if not isinstance(error, SessionBroken):
             error = SessionBroken(f"the session was closed ({error.__class__.__name__ if error else 'by this node'})")
@@ -291,55 +283,3 @@ def close_sessions(p2p: Any) -> list[asyncio.Task]:
         if session.reader is not None:
             readers.append(session.reader)
     return readers
-
-
-# ----- server
-
-
-async def serve_session(requests: AsyncIterator[runtime_pb2.ExpertRequest],
-                        handle: Callable[[runtime_pb2.ExpertRequest], Awaitable[tuple[list[Any], dict]]],
-                        max_running: int | None = None) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-    """Answer a session's requests as each is done: ``handle(request) -> (serialized tensors, reply metadata)``;
-    more than ``max_running`` at once (default ``MAX_RUNNING``) are answered "busy", unread."""
-    max_running = max_running or MAX_RUNNING
-    done: asyncio.Queue[runtime_pb2.ExpertResponse | None] = asyncio.Queue()
-    running: set[asyncio.Task] = set()
-
-    def reply(cid: str, tensors: list[Any], meta: dict) -> runtime_pb2.ExpertResponse:
-        return runtime_pb2.ExpertResponse(tensors=tensors, metadata=pack_metadata({**meta, "cid": cid}))
-
-    async def one(cid: str, request: runtime_pb2.ExpertRequest) -> None:
-        try:
-            tensors, meta = await handle(request)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # _handle answers every refusal itself: this is a bug of ours, said as one
-            logger.exception("a session call failed")
-            tensors, meta = [], refusal_meta("broken", f"the stage failed: {exc.__class__.__name__}")
-        done.put_nowait(reply(cid, tensors, meta))
-
-    async def read() -> None:
-        try:
-            async for request in requests:
-                cid = request.uid[:MAX_CALL_ID_CHARS]
-                if len(running) >= max_running:
-                    done.put_nowait(reply(cid, [], refusal_meta(
-                        "busy", f"over {max_running} calls at once on one session", retry_after_s=0.2)))
-                    continue
-                task = asyncio.create_task(one(cid, request))
-                running.add(task)
-                task.add_done_callback(running.discard)
-            while running:  # the caller ended its side: answer what it asked, then end ours
-                await asyncio.wait(set(running))
-        finally:
-            done.put_nowait(None)
-
-    reader = asyncio.create_task(read())
-    try:
-        while (message := await done.get()) is not None:
-            yield message
-    finally:  # the caller left or the node stops: nothing of this session may outlive it on the loop
-        reader.cancel()
-        for task in list(running):
-            task.cancel()
-        await asyncio.gather(reader, *running, return_exceptions=True)

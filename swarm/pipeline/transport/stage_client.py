@@ -28,6 +28,10 @@ from swarm.pipeline.transport.wire import (
 )
 
 
+# many calls on one long-lived stream (sessions.py, session_server.py): a raw stream handler of the stage's own
+SESSION_HANDLER = "rpc_session"
+
+
 def stage_namespace(run_id: str, swarm: str) -> str:
     """The P2P namespace of a swarm's stage RPCs."""
     return f"{run_id}.{swarm}"
@@ -37,7 +41,8 @@ class StageRPC(ServicerBase):
     """The stage RPCs as they travel: their names and protobuf types, which is all a stub needs. The server
     (swarm/pipeline/stage/stage_rpc.py ``StageServicer``) implements them; a client builds its stub from this class, so
     calling a stage does not import the server (no import circle). The handles keep the name they have had on the
-    wire since the first version (``StageServicer.rpc_call``...), whichever class asks."""
+    wire since the first version (``StageServicer.rpc_call``...), whichever class asks. The session handler
+    (``SESSION_HANDLER``) is not a hivemind handler: the server registers it itself."""
 
     WIRE_NAME = "StageServicer"
 
@@ -51,10 +56,6 @@ class StageRPC(ServicerBase):
 
     async def rpc_call_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                               context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        raise NotImplementedError
-
-    async def rpc_session(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
-                          context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         raise NotImplementedError
 
     async def rpc_receipt_key(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
@@ -89,7 +90,7 @@ async def call_stage(p2p: Any, peer_id: str, namespace: str, op: str, tensors: l
     if sessions.enabled() and max(sent, expect_bytes) < SESSION_LIMIT_BYTES:
         session = open_session(p2p, peer_id, namespace) or \
             await asyncio.wait_for(session_for(p2p, peer_id, namespace,
-                                               StageRPC._get_handle_name(namespace, "rpc_session")), timeout_s)
+                                               StageRPC._get_handle_name(namespace, SESSION_HANDLER)), timeout_s)
     if session is not None:
         left_s = max(timeout_s - (time.perf_counter() - started), 0.001)
         out_serialized, reply_meta = await session.call([as_proto(t) for t in serialized], metadata, left_s)
