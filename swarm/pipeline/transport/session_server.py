@@ -142,10 +142,17 @@ class SessionHandlers:
     async def _session(self, local_id: Any, name: str, stream_info: Any, reader: asyncio.StreamReader,
                        writer: asyncio.StreamWriter) -> None:
         context = P2PContext(handle_name=name, local_id=local_id, remote_id=stream_info.peer_id)
-        task = asyncio.current_task()
-        self.session_tasks.add(task)
+        # served in a task of its own, which a stop cancels: this one is asyncio's task for p2pd's connection, whose
+        # end asyncio 3.11 reads with task.exception() (a cancelled one would log a traceback at every stop)
+        serving = asyncio.create_task(serve_stream(reader, writer, functools.partial(self._one_message,
+                                                                                     context=context),
+                                                   self.session_cap(), peer=str(stream_info.peer_id)))
+        self.session_tasks.add(serving)
         try:
-            await serve_stream(reader, writer, functools.partial(self._one_message, context=context),
-                               self.session_cap(), peer=str(stream_info.peer_id))
+            await serving
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():  # this task itself is cancelled, not only the session
+                serving.cancel()
+                raise
         finally:
-            self.session_tasks.discard(task)
+            self.session_tasks.discard(serving)
