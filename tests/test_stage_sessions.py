@@ -371,3 +371,28 @@ async def wait_for_async(condition, timeout_s: float = 10.0) -> None:
     async with asyncio.timeout(timeout_s):
         while not condition():
             await asyncio.sleep(0.02)
+
+
+def test_a_peer_that_served_sessions_and_stops_serving_them_is_leaving_not_an_older_version(caplog):
+    """A stopping stage removes its handlers before it goes: its callers fail the call (it is retried elsewhere)
+    and keep asking it for sessions, instead of saying it is an older version and calling it unary for a minute."""
+    servicer = LeanEcho()
+
+    async def body(server, client):
+        session = await session_for(client, str(server.peer_id), NS, LEAN_HANDLE)
+        assert (await session.call([], request_meta(1), timeout_s=10))[1]["echo"] == 1
+        await server.remove_binary_stream_handler(LEAN_HANDLE)
+        session.close()
+        try:
+            fresh = await asyncio.wait_for(session_for(client, str(server.peer_id), NS, LEAN_HANDLE), 10)
+        except sessions.SessionUnopened as exc:
+            assert "no longer serves" in str(exc)
+        else:  # p2pd may open a stream to a protocol it saw the peer serve, and hear the refusal only later
+            assert fresh is not None and fresh is not session
+            with pytest.raises(SessionBroken):
+                await fresh.call([], request_meta(2), timeout_s=10)
+        assert not sessions._NO_SESSION_UNTIL.get(client)
+
+    with caplog.at_level("INFO", logger="swarm.pipeline.transport.sessions"):
+        with_peers(body, servicer)
+    assert "older version" not in caplog.text

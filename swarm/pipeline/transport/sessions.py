@@ -36,6 +36,7 @@ import logging
 import os
 import time
 import weakref
+from collections import OrderedDict
 from typing import Any
 
 from hivemind.proto import runtime_pb2
@@ -115,6 +116,11 @@ class ClientSession:
             raise SessionUnopened("the session was closed while it opened")
         self.reader = asyncio.create_task(self._read(reader), name=f"stage-session-{self.key[0][-8:]}")
         self.opened.set_result(True)
+        served = _SERVED.setdefault(p2p, OrderedDict())
+        served[self.key] = None
+        served.move_to_end(self.key)
+        while len(served) > SERVED_KEEP:
+            served.popitem(last=False)
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         error: BaseException = SessionBroken("the peer closed the session")
@@ -221,6 +227,9 @@ class ClientSession:
 # per P2P instance (a node's, a test's): its sessions die with it
 _SESSIONS: weakref.WeakKeyDictionary[Any, dict[tuple[str, str], ClientSession]] = weakref.WeakKeyDictionary()
 _NO_SESSION_UNTIL: weakref.WeakKeyDictionary[Any, dict[tuple[str, str], float]] = weakref.WeakKeyDictionary()
+# (peer, namespace) that have served this node a session: such a peer without the handler is leaving, not older
+_SERVED: weakref.WeakKeyDictionary[Any, OrderedDict[tuple[str, str], None]] = weakref.WeakKeyDictionary()
+SERVED_KEEP = 4096
 
 
 def _usable(session: ClientSession | None) -> bool:
@@ -254,6 +263,8 @@ async def session_for(p2p: Any, peer_id: str, namespace: str, handle_name: str) 
         except Exception as exc:
             if NO_HANDLER not in str(exc):  # the peer cannot be reached: a unary call would dial it again in vain
                 raise SessionUnopened(f"could not open a session: {exc.__class__.__name__}: {str(exc)[:200]}") from None
+            if key in _SERVED.get(p2p, ()):  # it served us sessions: it is leaving this stage, not an older version
+                raise SessionUnopened(f"{peer_id[-8:]} no longer serves {namespace} (leaving)") from None
             unary_until[key] = now + NO_SESSION_S
             logger.info("%s serves no sessions (an older version): unary calls for %.0f s", peer_id[-8:],
                         NO_SESSION_S)
