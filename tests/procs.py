@@ -78,6 +78,13 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.2, what: str =
         time.sleep(interval_s)
 
 
+def netns_of(prefix: list[str]) -> str | None:
+    """The network namespace a network lab host's prefix (`ip netns exec NAME`) runs its command in: a forked
+    child joins it itself (volunteer_cli/forkserver_process.py), as the exec would."""
+    prefix = list(prefix)
+    return prefix[3] if len(prefix) == 4 and prefix[:3] == ["ip", "netns", "exec"] else None
+
+
 class Proc:
     def __init__(self, args: list[str], env: dict[str, str], log_dir: Path, name: str, prefix: list[str] = (),
                  forks: ForkServer | None = None):
@@ -87,8 +94,10 @@ class Proc:
         self.stderr_path = log_dir / f"{name}.err"
         self._stdout = open(self.stdout_path, "wb")
         self._stderr = open(self.stderr_path, "wb")
-        self.popen = spawn_or_exec(None if prefix else forks, list(args), env, self._stdout.fileno(),
-                                   self._stderr.fileno(), [*prefix, volunteer_exe(), *args])
+        netns = netns_of(prefix)
+        self.popen = spawn_or_exec(None if prefix and netns is None else forks, list(args), env,
+                                   self._stdout.fileno(), self._stderr.fileno(), [*prefix, volunteer_exe(), *args],
+                                   netns=netns)
 
     @property
     def pid(self) -> int:
@@ -178,8 +187,9 @@ class Swarm:
         name = name or f"p{len(self.procs)}-{args[0]}"
         env = {**self.env, **(env or {})}
         # a process given a tag of its own (a test finds its tree apart from the others' by it) is exec'ed: a forked
-        # one's /proc/PID/environ would not show it
-        forks = fork_server() if self.fork and not prefix and env.get(TAG_ENV) == self.tag else None
+        # one's /proc/PID/environ would not show it; a network lab host's process is forked into its namespace
+        forks = fork_server() if self.fork and (not prefix or netns_of(prefix)) and env.get(TAG_ENV) == self.tag \
+            else None
         proc = Proc(list(args), env, self.tmp, name, prefix, forks)
         self.procs.append(proc)
         return proc

@@ -212,3 +212,31 @@ def test_the_harness_forks_its_volunteers_and_finds_what_they_leave(swarm):
                       what="the bootstrap peer's tree")
     boot.stop()
     wait_until(lambda: not swarm.live_pids(), 15, what="its tree to leave")
+
+
+def test_a_child_forked_into_a_network_namespace_runs_there_and_a_missing_one_is_refused(forks, tmp_path):
+    """A network lab host's volunteer (tests/procs.py forks it with ``netns``, as `ip netns exec` would exec it):
+    the child and what it starts are in that namespace; a namespace that does not exist is refused (exec'ed)."""
+    from benchmarks.netlab import NS_PREFIX, lab_unavailable
+
+    reason = lab_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    name = f"{NS_PREFIX}{os.getpid()}-fs"
+    subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True)
+    try:
+        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True, capture_output=True)
+        child = _spawn(forks, tmp_path, "bootstrap", "--listen", LOOPBACK, "--json", "--identity",
+                       str(tmp_path / "boot.key"), netns=name)
+        wait_until(lambda: (tmp_path / "out").read_text().strip() or child.poll() is not None, 60,
+                   what="the bootstrap peer's first line")
+        assert child.poll() is None, (tmp_path / "err").read_text()[-2000:]
+        inside = os.stat(f"/var/run/netns/{name}").st_ino
+        assert os.stat(f"/proc/{child.pid}/ns/net").st_ino == inside != os.stat("/proc/self/ns/net").st_ino
+        started = [pid for pid in session_members([child.pid]) if pid != child.pid]
+        assert started and all(os.stat(f"/proc/{pid}/ns/net").st_ino == inside for pid in started)  # its p2pd
+        _stop(child)
+        with pytest.raises(ForkRefused, match="no network namespace"):
+            _spawn(forks, tmp_path, "--version", netns=f"{name}-gone")
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)

@@ -53,12 +53,14 @@ def available() -> bool:
 
 def spawn_or_exec(forks: ForkServer | None, args: list[str], env: dict[str, str], stdout: int, stderr: int,
                   exec_argv: list[str], preexec_fn: Any = None, die_with_parent: bool = False,
-                  cancelled: Callable[[], bool] = lambda: False) -> Forked | subprocess.Popen:
+                  cancelled: Callable[[], bool] = lambda: False, netns: str | None = None) -> Forked | subprocess.Popen:
     """`volunteer ARGS` forked by ``forks`` if there is one and it can, else ``exec_argv`` exec'ed in a session of its
-    own (with ``preexec_fn``), stdin from /dev/null either way: what the demo, the tests and the benchmarks call."""
+    own (with ``preexec_fn``), stdin from /dev/null either way: what the demo, the tests and the benchmarks call.
+    ``netns``: the forked child joins that network namespace (``exec_argv`` then says how an exec enters it)."""
     if forks is not None:
         try:
-            return forks.spawn(args, env, stdout, stderr, die_with_parent=die_with_parent, cancelled=cancelled)
+            return forks.spawn(args, env, stdout, stderr, die_with_parent=die_with_parent, cancelled=cancelled,
+                               netns=netns)
         except ForkRefused as exc:
             logger.info("not forked (%s): %s is exec'ed", exc, " ".join(args[:1]))
     return subprocess.Popen(exec_argv, env=env, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
@@ -134,7 +136,7 @@ class ForkServer:
 
     def spawn(self, argv: list[str], env: dict[str, str], stdout: int, stderr: int, stdin: int | None = None,
               cwd: str | None = None, session: bool = True, die_with_parent: bool = False,
-              cancelled: Callable[[], bool] = lambda: False) -> Forked:
+              cancelled: Callable[[], bool] = lambda: False, netns: str | None = None) -> Forked:
         """`volunteer ARGV` in a child of the server; ``stdout``/``stderr``/``stdin`` are file descriptors (they are
         duplicated into the child, the caller keeps and closes its own). Raises ForkRefused if it cannot, and
         SpawnCancelled if ``cancelled()`` turns true while it waits (a child forked later for it is killed)."""
@@ -142,7 +144,7 @@ class ForkServer:
         if stdin is None:
             null = stdin = os.open(os.devnull, os.O_RDONLY)
         request = {"argv": list(argv), "env": dict(env), "cwd": cwd or os.getcwd(), "session": session,
-                   "die_with_parent": die_with_parent}
+                   "die_with_parent": die_with_parent, "netns": netns}
         try:
             with self._lock:
                 if self._gone:

@@ -9,8 +9,8 @@ reseeded here; torch's default generator is at its import-time seed in both case
 children's output reaches their files at once.
 
 Wire (a SOCK_SEQPACKET socket pair, one JSON message per packet, in order): a request ``{"id", "argv", "env", "cwd",
-"session", "die_with_parent"}`` carries the child's stdin, stdout and stderr as file descriptors (SCM_RIGHTS); the
-answer is ``{"id", "pid"}`` once the child has its session and streams, or ``{"id", "error"}``; later ``{"exit": PID,
+"session", "die_with_parent", "netns"}`` carries the child's stdin, stdout and stderr as file descriptors
+(SCM_RIGHTS); ``netns``, a network namespace's name or null, is joined by the child before it runs. The answer is ``{"id", "pid"}`` once the child has its session and streams, or ``{"id", "error"}``; later ``{"exit": PID,
 "code": CODE}`` (negative: the signal that ended it, as ``Popen.returncode``). The server returns when the client's
 side closes.
 """
@@ -106,6 +106,9 @@ def serve(fd: int) -> None:
                 return
             request = json.loads(data)
             reason = _why_not_fork() or _startup_env_differs(started, request["env"])
+            netns = request.get("netns")
+            if reason is None and netns and not os.path.exists(os.path.join(NETNS_DIR, str(netns))):
+                reason = f"no network namespace {netns!r}"
             if reason is None and len(fds) != 3:
                 reason = "a request without its three standard streams"
             if reason is not None:
@@ -149,6 +152,26 @@ def _reap(sock: socket.socket, owners: set[int]) -> None:
         _send(sock, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
+CLONE_NEWNET = 0x40000000
+NETNS_DIR = "/var/run/netns"
+
+
+def _enter_netns(name: str) -> None:
+    """Join the named network namespace, as `ip netns exec NAME` does for the network (a network lab's host: the
+    child and the p2pd it starts see that host's interfaces only). Needs root, as `ip netns exec` does."""
+    import ctypes
+
+    if "/" in name or name in ("", ".", ".."):
+        raise ValueError(f"not a network namespace's name: {name!r}")
+    fd = os.open(os.path.join(NETNS_DIR, name), os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"setns into network namespace {name}: {os.strerror(error)}")
+    finally:
+        os.close(fd)
+
+
 def _child(request: dict[str, Any], fds: list[int], sock: socket.socket, close: list[int], server: int,
            ready: int) -> None:
     """In the forked child: become `volunteer ARGV` as an exec would have made it, run it, exit with its code."""
@@ -179,6 +202,8 @@ def _child(request: dict[str, Any], fds: list[int], sock: socket.socket, close: 
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
+        if request.get("netns"):
+            _enter_netns(str(request["netns"]))
         os.write(ready, b"1")  # the caller may signal our session from now on
         os.close(ready)
         if "numpy" in sys.modules:
