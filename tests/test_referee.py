@@ -267,6 +267,35 @@ def test_the_door_bounds_what_showing_costs():
     assert 0 < again["retry_after_s"] <= MIN_INTERVAL_S
 
 
+def test_a_large_version_is_packed_off_the_loop_and_shows_exactly_what_was_committed(monkeypatch):
+    """A stage's whole copy (48 MB on the heavy benchmark's stage 0) is packed on a worker thread: the loop goes on
+    meanwhile, and what is shown still hashes to the digest signed, while the stage commits new versions."""
+    from swarm.pipeline.stage import weights_rpc
+
+    monkeypatch.setattr(weights_rpc, "PACK_OFF_LOOP_VALUES", 0)  # every version is packed on a worker thread
+    worker = StageWorker(RUN, 1)
+    worker.infer(torch.zeros(2, HIDDEN))
+    digest = worker.committed[1]
+    ticks = []
+
+    async def show():
+        async def tick():
+            while True:
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0)
+
+        ticking = asyncio.create_task(tick())
+        try:
+            return await WeightsDoor().serve(worker, "referee", {"digest": digest})
+        finally:
+            ticking.cancel()
+
+    serialized, reply = asyncio.run(show())
+    _trained(worker, 3)  # later versions change nothing shown
+    shown = weights_rpc.unpack(decode_tensors(serialized, 2**30), reply)
+    assert reply["ok"] and weights_digest(shown) == digest and len(ticks) > 1
+
+
 # ----- stage 1 referees a driver's stage-0 output (swarm/pipeline/control/stage0_referee.py)
 
 

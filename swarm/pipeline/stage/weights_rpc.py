@@ -62,7 +62,10 @@ class WeightsDoor:
         self.showing += 1
         self._busy[requester] = self._busy.get(requester, 0) + 1
         try:
-            flats, layout = pack(tensors)
+            if sum(t.numel() for t in tensors.values()) >= PACK_OFF_LOOP_VALUES:  # a copy of the whole stage: its
+                flats, layout = await asyncio.to_thread(pack, tensors)  # 48 MB held a heavy driver's loop ~16 % of it
+            else:
+                flats, layout = pack(tensors)
             serialized = await encode_off_loop(flats, "float32")
             self.shown += 1
             return serialized, {"ok": True, **layout}
@@ -106,6 +109,8 @@ async def fetch_weights(p2p: Any, peer: str, namespace: str, digest: bytes, *, e
 # transformer stage has dozens): metadata "names", "shapes", "dtypes" in name order say how to cut them apart
 
 PACKED_DTYPES = ("float32", "float16", "bfloat16", "int64")
+PACK_OFF_LOOP_VALUES = 1 << 20  # a version this large is packed on a worker thread (the tensors stay held: the ring
+# reuses a version's buffers only when nothing outside it holds them, WeightsRing._take_spare)
 MAX_PACKED_NAMES = 4096
 
 
