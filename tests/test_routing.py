@@ -134,6 +134,27 @@ def test_a_hedge_loser_that_never_answered_is_set_aside_even_when_the_fast_peer_
     assert router.choose(now=20.1) in ("hole", "fast"), "all set aside: ignored, as bans are"
 
 
+def test_a_hedge_never_goes_to_a_peer_set_aside_or_failing_even_where_it_is_the_only_other_one():
+    """A hop never stalls on bans (``choose`` ignores them when every other peer is banned), but a hedge is optional:
+    beside a slow honest peer, a black hole that timed out or lost a hedge race gets no hedged request (it only
+    added one that hangs, per slow hop, on a loaded machine). A newcomer may get one (its probe); a peer that
+    answers again may too."""
+    router = _router("honest", "hole")
+    router.success("honest", 0.5)
+    assert router.hedge_to(0.0, "honest") == "hole"  # never measured: a probe
+    router.timed_out("hole", "forward", now=0.0)
+    assert router.choose(1.0, exclude=["honest"]) == "hole"  # a hop's choice: bans are soft
+    assert router.hedge_to(1.0, "honest") is None  # banned
+    assert router.hedge_to(100.0, "honest") is None  # its ban ran out, its last request failed
+    router.success("hole", 0.5)
+    router.slow("hole", 2.0, now=200.0)  # lost a hedge race: set aside for a while
+    assert router.hedge_to(200.5, "honest") is None
+    assert router.hedge_to(300.0, "honest") == "hole"
+    router.hold("hole", 300.0, 5.0)
+    assert router.hedge_to(301.0, "honest") is None
+    assert _router("only").hedge_to(0.0, "only") is None
+
+
 def test_timeouts_follow_the_measured_service_time():
     policy = HopPolicy(rpc_s=30.0, timeout_factor=4.0, timeout_floor_s=1.0, first_contact_s=5.0)
     router = SwarmRouter(policy=policy, rng=random.Random(0))

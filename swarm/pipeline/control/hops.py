@@ -334,8 +334,8 @@ class HopCaller:
         try:
             done, _ = await asyncio.wait({first_task}, timeout=router.hedge_after_s(op, first))
             if not done:
-                second = router.choose(time.monotonic(), exclude=[first])
-                if second is not None and second != first:
+                second = router.hedge_to(time.monotonic(), first)
+                if second is not None:
                     self.stats.hedges += 1
                     launch(second)
             return await self._first_answer(router, started)

@@ -142,6 +142,19 @@ class SwarmRouter:
             return usable
         return seniors
 
+    def hedge_to(self, now: float, first: str) -> str | None:
+        """A second peer for a request ``first`` is slow to answer, or None. Never one set aside (banned for failures
+        or a hedge it lost), holding us off, or whose last request failed: a hedge is optional, and where that peer
+        is the only other one (``choose`` ignores bans then, so that a hop never stalls) it only added a request that
+        hangs: a black hole beside one slow honest peer got one per slow hop on a loaded machine."""
+        peer = self.choose(now, exclude=[first])
+        if peer is None or peer == first:
+            return None
+        stats = self.peers[peer]
+        if stats.banned_until > now or stats.held_until > now or stats.failures:
+            return None
+        return peer
+
     def proven_only(self, now: float) -> bool:
         """Peers exist, and every one is proven to have computed a wrong tensor (``PeerStats.proven_until``)."""
         return bool(self.peers) and all(stats.proven_until > now for stats in self.peers.values())
