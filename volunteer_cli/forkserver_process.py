@@ -10,9 +10,10 @@ children's output reaches their files at once.
 
 Wire (a SOCK_SEQPACKET socket pair, one JSON message per packet, in order): a request ``{"id", "argv", "env", "cwd",
 "session", "die_with_parent", "netns"}`` carries the child's stdin, stdout and stderr as file descriptors
-(SCM_RIGHTS); ``netns``, a network namespace's name or null, is joined by the child before it runs. The answer is ``{"id", "pid"}`` once the child has its session and streams, or ``{"id", "error"}``; later ``{"exit": PID,
-"code": CODE}`` (negative: the signal that ended it, as ``Popen.returncode``). The server returns when the client's
-side closes.
+(SCM_RIGHTS); ``netns``, a network namespace's name or null, is joined by the child before it runs. The answer is
+``{"id", "pid"}`` once the child has its session and streams, or ``{"id", "error"}``; later ``{"exit": PID, "code":
+CODE}`` (negative: the signal that ended it, as ``Popen.returncode``). The server returns when the client's side
+closes.
 """
 
 from __future__ import annotations
