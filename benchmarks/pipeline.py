@@ -106,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.scaling_stages is not None:
         settings.scaling_stages = args.scaling_stages
     settings.heavy_codec = args.heavy_codec
+    if args.heavy_warmup_s is not None:
+        settings.heavy_warmup_s = args.heavy_warmup_s
+    if args.heavy_window_s is not None:
+        settings.heavy_window_s = args.heavy_window_s
     started = time.monotonic()
     # forked volunteers: every figure here is taken in windows after the swarm trains, never of a start
     with Fleet(prefix="volunteer-bench-pipeline-", keep_workdir=bool(os.environ.get("VOLUNTEER_BENCH_KEEP")),
@@ -123,6 +127,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="run only these parts (repeatable); default: all but data-plane under --quick")
     parser.add_argument("--heavy-codec", default="float32", choices=("float32", "float16", "int8"),
                         help="the heavy run's wire codec (training.wire_codec; default float32)")
+    parser.add_argument("--heavy-warmup-s", type=float, default=None,
+                        help="the heavy run's seconds of training before its window (default 20: inside the first "
+                             "minute, when checks of peers new to the driver are 8x as frequent)")
+    parser.add_argument("--heavy-window-s", type=float, default=None, help="the heavy run's window (default 30 s)")
     parser.add_argument("--per-swarm", type=int, default=1,
                         help="the data-plane part's volunteers per stage (default 1)")
     parser.add_argument("--data-plane-warmup-s", type=float, default=None,
@@ -257,6 +265,8 @@ def _heavy(fleet: Fleet, maddr: str, reader: Any, s: Settings) -> dict[str, Any]
                       "optimizer": "adam", "in_flight": s.heavy_in_flight, "wire_codec": s.heavy_codec},
             "pipeline": swarm,
             "stage_threads": 1,
+            "warmup_s": s.heavy_warmup_s,
+            "window_s": s.heavy_window_s,
             "local_samples_per_s": {str(n): rate for n, rate in local.items()},
             "local_samples_per_cpu_s_1_thread": local_cpu_1,
             "baseline_threads": best,  # the faster one-process configuration in this run
