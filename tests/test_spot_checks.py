@@ -293,6 +293,29 @@ def test_an_upheld_lone_peers_sampled_hops_are_refereed_within_the_referees_budg
     assert checker.credit.get("solo") == referee.judged
 
 
+def test_a_pushed_hops_check_that_would_come_to_nothing_asks_for_no_show():
+    """A pushed hop's check first asks its peer to show the hop's tensors; for a swarm's lone copy that the referee
+    has upheld, while the referee's budget is spent, the check would pass it unchecked anyway: it is not asked to show
+    them (on the heavy benchmark those shows moved as many bytes as the pipeline). A newcomer, a peer that did not
+    show last time, or a swarm with a second copy is asked as before."""
+    from swarm.pipeline.control.spot_checks import SpotChecker
+
+    out = torch.randn(8, 4)
+    spent, free = _BudgetReferee(False), _BudgetReferee(True)
+    checker = SpotChecker(_Hops({"solo": out}), share=1.0, referee=spent)
+    assert not checker.skips_lone(1, "solo", "forward")  # a newcomer: its hops are refereed whatever the budget
+    checker.credit.update({"solo": 1})
+    assert checker.skips_lone(1, "solo", "forward") and checker.skips_lone(1, "solo", "backward")
+    checker._unshown_in_row["solo"] = 1  # stalling must not buy unchecked hops
+    assert not checker.skips_lone(1, "solo", "forward")
+    checker._unshown_in_row.clear()
+    assert not SpotChecker(_Hops({"solo": out}), share=1.0, referee=free).skips_lone(1, "solo", "forward")
+    assert SpotChecker(_Hops({"solo": out}), share=1.0, referee=None).skips_lone(1, "solo", "forward")
+    pair = SpotChecker(_Hops({"a": out, "b": out}), share=1.0, referee=spent)
+    pair.credit.update({"a": 1})
+    assert not pair.skips_lone(1, "a", "forward")  # a second copy to compare with
+
+
 def test_a_lane_waiting_for_a_newcomers_verdict_says_so():
     """A newcomer's first sampled hop waits for the referee in the lane's path: fetching a large stage's weights
     over a slow link takes tens of seconds, and a run whose lanes all wait must say why (seen on a GPU: "no sample

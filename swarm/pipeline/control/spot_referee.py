@@ -46,6 +46,19 @@ class SpotReferee:
     book: Any
     hops: Any
 
+    def skips_lone(self, k: int, peer: str, op: str) -> bool:
+        """Whether a check of ``peer``'s ``op`` at stage ``k`` would come to nothing: the swarm has no second copy and
+        the referee would pass it unchecked (none, an op it cannot replay, or its budget spent on a peer it has
+        upheld: ``_referee_alone``). A pushed hop's check asks this before it asks the peer to show the hop's
+        tensors: on the heavy benchmark the shows of hops the referee then skipped moved as many bytes as the
+        pipeline itself."""
+        if len(self.hops.routers[f"layer{k}"].peers) >= 2:
+            return False
+        if self.referee is None or not self.referee.can_judge(op):
+            return True
+        return self.book.get(peer) > 0 and not self._unshown_in_row.get(peer) and \
+            not self.referee.has_time(True, peer)
+
     async def _referee_alone(self, k: int, tensors: list[torch.Tensor], claim: Claim) -> None:
         """A sampled hop of a swarm with no second copy, or of a newcomer: recomputed from the weights its signer
         committed to. A claim that follows earns its signer credit; one that does not is refused and its signer
