@@ -88,6 +88,11 @@ class _Router:
     def choose(self, now: float, exclude: list[str]) -> str | None:
         return next((p for p in self.peers if p not in exclude), None)
 
+    def may_ask(self, peer: str, now: float) -> bool:
+        from swarm.pipeline.control.routing import SwarmRouter
+
+        return SwarmRouter.may_ask(self, peer, now)  # the real rule over these stats
+
     def failure(self, peer: str, now: float, min_ban_s: float, convicted: bool = False) -> float:
         self.held.append(peer)
         return min_ban_s
@@ -314,6 +319,39 @@ def test_a_pushed_hops_check_that_would_come_to_nothing_asks_for_no_show():
     pair = SpotChecker(_Hops({"a": out, "b": out}), share=1.0, referee=spent)
     pair.credit.update({"a": 1})
     assert not pair.skips_lone(1, "a", "forward")  # a second copy to compare with
+
+
+@pytest.mark.parametrize("has_time", [True, False])
+def test_a_drawn_pushed_hop_is_shown_only_where_its_check_can_use_it(has_time):
+    """The driver's side of the rule above (PushChecks._check_later): with every hop drawn, a lone upheld copy's hop
+    is asked to show itself while the referee has time, and skipped (counted) when it has none."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from swarm.pipeline.control.push_checks import PushChecks
+    from swarm.pipeline.control.spot_checks import SpotChecker
+
+    out = torch.randn(8, 4)
+    checker = SpotChecker(_Hops({"solo": out}), share=1.0, referee=_BudgetReferee(has_time))
+    checker.credit.update({"solo": 1})
+    shown = []
+
+    class Pushing(PushChecks):
+        stages = 3  # the route is stage 1 only here: the fake hops know layer1
+
+        def __init__(self):
+            self.driver, self._checks = SimpleNamespace(spot=checker), set()
+
+        async def _check(self, mb, k, peer, *rest):
+            shown.append((k, peer))
+
+    async def draw():
+        Pushing()._check_later("mb", ["solo"], {}, {}, torch.zeros(8, dtype=torch.int64), b"", 0.5, 8)
+        await asyncio.sleep(0)
+
+    asyncio.run(draw())
+    assert shown == ([(1, "solo")] if has_time else [])
+    assert checker.referee_skipped == (0 if has_time else 1)
 
 
 def test_a_lane_waiting_for_a_newcomers_verdict_says_so():

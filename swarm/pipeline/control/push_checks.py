@@ -44,7 +44,8 @@ class PushChecks:
             gradient = spot.rng.random() < spot.gradient_share_for(k, peer)
             if not (forward or gradient):
                 continue
-            ops = ["forward"] * forward + [("forward_backward" if k == last else "backward")] * gradient
+            ops = [op for op, drawn in (("forward", forward),
+                                        ("forward_backward" if k == last else "backward", gradient)) if drawn]
             if all(spot.skips_lone(k, peer, op) for op in ops):  # nothing would check what it showed: not asked
                 spot.referee_skipped += 1
                 continue

@@ -148,12 +148,13 @@ class SwarmRouter:
         is the only other one (``choose`` ignores bans then, so that a hop never stalls) it only added a request that
         hangs: a black hole beside one slow honest peer got one per slow hop on a loaded machine."""
         peer = self.choose(now, exclude=[first])
-        if peer is None or peer == first:
-            return None
-        stats = self.peers[peer]
-        if stats.banned_until > now or stats.held_until > now or stats.failures:
-            return None
-        return peer
+        return peer if peer is not None and peer != first and self.may_ask(peer, now) else None
+
+    def may_ask(self, peer_id: str, now: float) -> bool:
+        """Optional work (a hedge, a spot check's second copy) may go to this peer: it is not set aside (banned for
+        failures or a lost hedge), not holding us off, and its last request did not fail."""
+        stats = self.peers.get(peer_id)
+        return stats is not None and stats.banned_until <= now and stats.held_until <= now and not stats.failures
 
     def proven_only(self, now: float) -> bool:
         """Peers exist, and every one is proven to have computed a wrong tensor (``PeerStats.proven_until``)."""

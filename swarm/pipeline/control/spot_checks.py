@@ -232,8 +232,7 @@ class SpotChecker(SpotReferee):
         if peer is None or peer in exclude:
             return None
         stats = router.peers.get(peer)
-        if stats is None or stats.service_ema_s is None or stats.banned_until > now or stats.held_until > now or \
-                stats.failures or stats.abandoned:
+        if not router.may_ask(peer, now) or stats.service_ema_s is None or stats.abandoned:
             return None
         return peer
 

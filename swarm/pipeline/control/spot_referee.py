@@ -56,8 +56,14 @@ class SpotReferee:
             return False
         if self.referee is None or not self.referee.can_judge(op):
             return True
+        return self._over_budget(peer, lone=True)
+
+    def _over_budget(self, peer: str, lone: bool) -> bool:
+        """A hop of ``peer`` passes unchecked: the referee has upheld it and its budget is spent (referee.
+        SAMPLED_BUSY_SHARE, LONE_BUSY_SHARE); never a peer that did not show its weights last time (stalling must not
+        buy it unchecked hops)."""
         return self.book.get(peer) > 0 and not self._unshown_in_row.get(peer) and \
-            not self.referee.has_time(True, peer)
+            not self.referee.has_time(lone, peer)
 
     async def _referee_alone(self, k: int, tensors: list[torch.Tensor], claim: Claim) -> None:
         """A sampled hop of a swarm with no second copy, or of a newcomer: recomputed from the weights its signer
@@ -72,10 +78,7 @@ class SpotReferee:
             # waited half a second came back 29 updates stale at its stage 0, against 12 at most without it). A lie
             # found later still convicts it and routes every later hop around it. A stranger's first sampled hop
             # waits for its verdict: a liar from its first hop is dropped there.
-            lone = len(self.hops.routers[f"layer{k}"].peers) < 2
-            if not self.referee.has_time(lone, claim.peer) and not self._unshown_in_row.get(claim.peer):
-                # its budget (referee.SAMPLED_BUSY_SHARE): this hop passes unchecked; never a peer that did not show
-                # its weights last time (stalling must not buy it unchecked hops)
+            if self._over_budget(claim.peer, lone=len(self.hops.routers[f"layer{k}"].peers) < 2):
                 self.referee_skipped += 1
                 return
             self.refereed_alone += 1
