@@ -12,7 +12,7 @@ from hivemind.p2p import P2P, P2PContext, ServicerBase
 from hivemind.proto import runtime_pb2
 
 from swarm.pipeline.transport import frames, sessions
-from swarm.pipeline.transport.session_server import SessionHandlers, serve_session, serve_stream
+from swarm.pipeline.transport.session_server import MAX_REQUEST_BYTES, SessionHandlers, _serve, serve_stream
 from swarm.pipeline.transport.stage_client import SESSION_HANDLER
 from swarm.pipeline.transport.sessions import SessionBroken, session_for
 from swarm.pipeline.stage.stage_rpc import call_stage
@@ -21,6 +21,29 @@ from swarm.pipeline.transport.wire import pack_metadata, unpack_metadata
 NS = "sessions-test"
 HANDLE = f"{NS}::EchoServicer.rpc_session"
 LEAN_HANDLE = f"{NS}::LeanEcho.session"
+
+
+async def serve_session(requests, handle, max_running: int | None = None):
+    """A session served through hivemind's protobuf stream handler, as a stage of an earlier version served it: the
+    stage's own rule (session_server._serve), its replies yielded as each call is done."""
+    done: asyncio.Queue = asyncio.Queue()
+
+    async def send(message) -> None:
+        done.put_nowait(message)
+
+    async def serve() -> None:
+        try:
+            await _serve(requests, handle, max_running or sessions.MAX_RUNNING, send)
+        finally:
+            done.put_nowait(None)
+
+    server = asyncio.create_task(serve())
+    try:
+        while (message := await done.get()) is not None:
+            yield message
+    finally:  # the caller left or the test ends
+        server.cancel()
+        await asyncio.gather(server, return_exceptions=True)
 
 
 class EchoServicer(ServicerBase):
@@ -285,8 +308,10 @@ def test_a_caller_of_hivemind_s_own_stream_framing_is_served_by_the_stage_s_sess
     with_peers(body, LeanEcho())
 
 
-@pytest.mark.parametrize("garbage", [b"\x00" + (2**40).to_bytes(8, "big"), b"\x07" + bytes(8)],
-                         ids=["a length of a terabyte", "an unknown message type"])
+@pytest.mark.parametrize("garbage", [b"\x00" + (2**40).to_bytes(8, "big"), b"\x07" + bytes(8),
+                                     b"\x00" + (MAX_REQUEST_BYTES + 1).to_bytes(8, "big")],
+                         ids=["a length of a terabyte", "an unknown message type",
+                              "a request over the session's bound"])
 def test_a_stream_that_carries_no_message_is_dropped_unread_and_the_server_serves_on(garbage, caplog):
     servicer = LeanEcho()
 

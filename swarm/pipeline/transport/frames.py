@@ -18,12 +18,12 @@ from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError, Message
+from hivemind.p2p import P2P
 
-MESSAGE = b"\x00"  # hivemind's P2P.MESSAGE_MARKER
-ERROR = b"\x01"  # P2P.ERROR_MARKER
-HEADER_LEN = 8  # P2P.HEADER_LEN, big-endian (P2P.BYTEORDER)
-# calls over SESSION_LIMIT_BYTES (2 MiB) keep their own stream, and p2pd caps a unary message at 4 MiB: a frame of
-# 16 MiB is no session message of an honest peer of any version
+MESSAGE, ERROR, HEADER_LEN, BYTEORDER = P2P.MESSAGE_MARKER, P2P.ERROR_MARKER, P2P.HEADER_LEN, P2P.BYTEORDER
+# a reply: calls whose request or expected reply pass SESSION_LIMIT_BYTES (2 MiB) keep their own stream, and p2pd
+# caps a unary message at 4 MiB: a reply of 16 MiB is no session message of an honest peer of any version (a request
+# is bounded tighter: session_server.py)
 MAX_FRAME_BYTES = 16 * 2**20
 
 M = TypeVar("M", bound=Message)
@@ -42,7 +42,7 @@ class Ended(Exception):
 
 
 def frame(payload: bytes, marker: bytes = MESSAGE) -> bytes:
-    return marker + len(payload).to_bytes(HEADER_LEN, "big") + payload
+    return marker + len(payload).to_bytes(HEADER_LEN, BYTEORDER) + payload
 
 
 def write_message(writer: asyncio.StreamWriter, message: Message) -> None:
@@ -53,7 +53,7 @@ def write_message(writer: asyncio.StreamWriter, message: Message) -> None:
 
 def write_end(writer: asyncio.StreamWriter) -> None:
     """hivemind's end of a request stream (``P2P.END_OF_STREAM``: an empty ``RPCError``, error-typed)."""
-    writer.write(frame(b"", ERROR))
+    writer.write(frame(P2P.END_OF_STREAM.SerializeToString(), ERROR))
 
 
 async def read_message(reader: asyncio.StreamReader, message_type: type[M], max_bytes: int = MAX_FRAME_BYTES) -> M:
@@ -62,7 +62,7 @@ async def read_message(reader: asyncio.StreamReader, message_type: type[M], max_
     marker = await reader.readexactly(1)
     if marker not in (MESSAGE, ERROR):
         raise FrameError(f"unknown message type {marker!r}")
-    length = int.from_bytes(await reader.readexactly(HEADER_LEN), "big")
+    length = int.from_bytes(await reader.readexactly(HEADER_LEN), BYTEORDER)
     if length > max_bytes:
         raise FrameError(f"a message of {length} bytes (at most {max_bytes})")
     data = await reader.readexactly(length)

@@ -1,10 +1,10 @@
 """The server's side of a stage session (sessions.py has the caller's): many calls on one stream, each answered as
 soon as it is done, in any order, with its call id in the reply's metadata (``"cid"``).
 
-Two ways in, one rule (``_serve``): ``serve_stream`` reads and writes the stream itself (a stage registers it as a
-binary stream handler: one read loop, each reply one ``write``, frames.py), and ``serve_session`` answers an
-iterator of requests through hivemind's protobuf stream handler (tests' servicers; the shape the stage had before).
-The wire is the same either way, so callers and servers of either kind talk to each other.
+``serve_stream`` reads and writes the stream itself (a stage registers it as a binary stream handler: one read loop,
+each reply one ``write``, frames.py); the rule of what a session runs is ``_serve``'s, whatever carries the messages
+(tests/test_stage_sessions.py also serves it through hivemind's protobuf stream handler, as a stage of an earlier
+version did: the wire is the same, so callers and servers of either kind talk to each other).
 
 What a session runs: at most ``max_running`` calls at once (more are answered ``busy``, unread); when the caller ends
 its side, what it asked is answered, then the server ends its own; when the caller leaves (a cut stream) or the node
@@ -29,6 +29,11 @@ from swarm.pipeline.transport.stage_client import SESSION_HANDLER
 from swarm.pipeline.transport.wire import pack_metadata, refusal_meta
 
 logger = logging.getLogger(__name__)
+
+# an honest caller sends a call on a session only under sessions.SESSION_LIMIT_BYTES of tensors (plus its metadata:
+# receipts, a route): twice that bounds what one request may make this stage buffer and parse (the 16 MiB of
+# frames.MAX_FRAME_BYTES is for replies, whose size a caller only estimates)
+MAX_REQUEST_BYTES = 2 * sessions.SESSION_LIMIT_BYTES
 
 Handle = Callable[[runtime_pb2.ExpertRequest], Awaitable[tuple[list[Any], dict]]]
 
@@ -82,7 +87,7 @@ async def serve_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
             pass
 
     try:
-        await _serve(read_messages(reader, runtime_pb2.ExpertRequest), handle,
+        await _serve(read_messages(reader, runtime_pb2.ExpertRequest, MAX_REQUEST_BYTES), handle,
                      max_running or sessions.MAX_RUNNING, send)
     except FrameError as exc:
         logger.info("a session from %s was dropped: %s", peer[-8:] or "a peer", exc)
@@ -90,29 +95,6 @@ async def serve_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
         pass
     finally:
         writer.close()
-
-
-async def serve_session(requests: AsyncIterator[runtime_pb2.ExpertRequest], handle: Handle,
-                        max_running: int | None = None) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-    """The same through hivemind's stream handler: replies yielded as each call is done."""
-    done: asyncio.Queue[runtime_pb2.ExpertResponse | None] = asyncio.Queue()
-
-    async def send(message: runtime_pb2.ExpertResponse) -> None:
-        done.put_nowait(message)
-
-    async def serve() -> None:
-        try:
-            await _serve(requests, handle, max_running or sessions.MAX_RUNNING, send)
-        finally:
-            done.put_nowait(None)
-
-    server = asyncio.create_task(serve())
-    try:
-        while (message := await done.get()) is not None:
-            yield message
-    finally:  # the caller left or the node stops
-        server.cancel()
-        await asyncio.gather(server, return_exceptions=True)
 
 
 class SessionHandlers:
