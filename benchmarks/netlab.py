@@ -51,6 +51,14 @@ from pathlib import Path
 from benchmarks.netlab_relay import DelayRelay
 
 NS_PREFIX = "vlab-"
+NETNS_EXEC = ("ip", "netns", "exec")
+
+
+def netns_of(prefix: list[str] | tuple[str, ...]) -> str | None:
+    """The network namespace a host's ``exec_prefix`` runs its command in, None for any other prefix (a process
+    forked there joins it itself: volunteer_cli/forkserver_process.py)."""
+    prefix = tuple(prefix)
+    return prefix[3] if len(prefix) == 4 and prefix[:3] == NETNS_EXEC else None
 NS_RE = re.compile(r"^vlab-(\d+)-([a-z])-[hr]\d+$")  # hosts, and the NAT routers of hosts behind NAT
 LINK_RE = re.compile(r"^vl(\d+)([a-z])(b|\d+)$")
 SUBNET_BASE = "10.77"
@@ -94,8 +102,8 @@ class Host:
     public_address: str = ""  # what other hosts see it as: address, or its NAT router's 10.77.S.(index + 2)
 
     def exec_prefix(self) -> list[str]:
-        """Put before a command to run it inside this host."""
-        return ["ip", "netns", "exec", self.netns]
+        """Put before a command to run it inside this host (``netns_of`` reads the namespace back)."""
+        return [*NETNS_EXEC, self.netns]
 
     def maddr(self, port: int = 0) -> str:
         return f"/ip4/{self.address}/tcp/{port}"

@@ -24,6 +24,7 @@ import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
+from benchmarks.netlab import netns_of  # a lab host's prefix: its volunteer is forked into the namespace
 from volunteer_cli.forkserver import Forked, ForkServer, available as forks_available, spawn_or_exec
 from volunteer.hygiene import session_members, tagged_pids as pids_with_env
 
@@ -76,13 +77,6 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.2, what: str =
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
         time.sleep(interval_s)
-
-
-def netns_of(prefix: list[str]) -> str | None:
-    """The network namespace a network lab host's prefix (`ip netns exec NAME`) runs its command in: a forked
-    child joins it itself (volunteer_cli/forkserver_process.py), as the exec would."""
-    prefix = list(prefix)
-    return prefix[3] if len(prefix) == 4 and prefix[:3] == ["ip", "netns", "exec"] else None
 
 
 class Proc:
