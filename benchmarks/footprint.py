@@ -24,7 +24,9 @@ prints one JSON object (progress on stderr):
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -70,6 +72,7 @@ def host_bytes(name: str) -> dict[str, Any]:
     import torch
 
     from swarm.integrity.heal import Healer
+    from swarm.integrity.snapshots import SnapshotStore
     from swarm.pipeline.stage.worker import StageWorker
     from swarm.run.memory import held_bytes, host_memory
     from swarm.run.models import stage_input_spec, target_spec
@@ -77,13 +80,15 @@ def host_bytes(name: str) -> dict[str, Any]:
 
     run, _ = load_run(name)
     out: dict[str, Any] = {}
+    folder = tempfile.mkdtemp(prefix="volunteer-bench-footprint-")
     gen = torch.Generator().manual_seed(0)
     high = run.model.vocab_size if run.model.kind == "llama" else run.model.num_classes
     for index in range(run.model.stages):
         say(f"host bytes: {name} layer{index}: building and training the stage in-process")
         worker = StageWorker(run, index)
         worker.ring.keep_s = float("inf")  # the ring fills to its memory bound however slow the updates here
-        healer = Healer(worker, notify=lambda *a: None)
+        # healing's snapshots in files, as a volunteer keeps them (swarm/integrity/snapshots.py)
+        healer = Healer(worker, notify=lambda *a: None, store=SnapshotStore(Path(folder)))
         expected = host_memory(run, index)
         version_bytes = max(1, expected.ring_copies_bytes // 4)
         steps = min(400, max(6, int(expected.ring_bytes / version_bytes) + 2))
@@ -97,7 +102,9 @@ def host_bytes(name: str) -> dict[str, Any]:
                 worker.backward(f"m{i}", 1e-3 * torch.randn(y.shape, generator=gen), None, None)
             if i in (1, steps - 2):
                 healer.take_snapshot()
+        healer.store.settle()
         held = held_bytes(worker, healer)
+        on_disk = sum(f.stat().st_size for f in healer.store.directory.glob("*.pt"))
         out[f"layer{index}"] = {
             "params": expected.params,
             "per_param": round((held - expected.fixed_bytes) / expected.params, 2),
@@ -106,8 +113,12 @@ def host_bytes(name: str) -> dict[str, Any]:
             "measured_mib": round(held / MIB, 1),
             "measured_vs_estimate": round(held / expected.total_bytes, 3),
             "versions_kept": len(worker.ring),
+            "snapshots_on_disk_mib": round(on_disk / MIB, 1),
+            "disk_vs_estimate": round(on_disk / expected.disk_bytes, 3),
         }
+        healer.close()
         del worker, healer
+    shutil.rmtree(folder, ignore_errors=True)
     return out
 
 

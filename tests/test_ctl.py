@@ -103,6 +103,11 @@ def test_ctl_pauses_and_resumes_a_training_node_and_a_restart_resumes_its_checkp
                            what="the driver's record to count the samples trained after the resume")
     assert driver["lost"] == 0, "the pause cost micro-batches"
 
+    # Healing's snapshots are files in the node's folder, not RAM (swarm/integrity/snapshots.py).
+    data_dir = Path(swarm.env["VOLUNTEER_DATA_DIR"])
+    (killed,) = wait_until(lambda: [d for d in data_dir.glob("runs/*/layer1/heal-*") if list(d.glob("*.pt"))], 30,
+                           what="layer1's first snapshot file")
+
     # A crash: at most one checkpoint interval of progress is lost.
     clock_before_crash = answer(swarm, "layer1")["clock"]
     time.sleep(2 * CHECKPOINT_INTERVAL_S + 0.5)
@@ -110,6 +115,8 @@ def test_ctl_pauses_and_resumes_a_training_node_and_a_restart_resumes_its_checkp
     layer1.wait(10)
     again = swarm.join(run, "layer1", maddr, "--prefs", str(prefs), name="layer1-again")
     again.wait_for_output("resuming from the checkpoint at clock", timeout_s=60)
+    # the killed node's snapshot files are cleaned up by the next one in that folder, when it builds its stage
+    wait_until(lambda: not killed.exists(), 30, what="the killed node's snapshot folder to be removed")
     restored = int(re.search(r"resuming from the checkpoint at clock (\d+)", again.stdout()).group(1))
     assert restored >= clock_before_crash > 0
     wait_until(lambda: node(swarm, "layer1"), 30, what="the restarted socket")
@@ -120,3 +127,4 @@ def test_ctl_pauses_and_resumes_a_training_node_and_a_restart_resumes_its_checkp
         assert ctl_json(swarm, "quit", layer)["stopped"] is True
         assert proc.wait(30) == 0
         assert "Traceback" not in proc.stderr()
+    assert not list(data_dir.glob("runs/*/*/heal-*")), "a clean leave removes its snapshot files"

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from swarm.integrity.heal import RESTORES_BEFORE_FALLBACK, Healer
+from swarm.integrity.snapshots import SnapshotStore
 from swarm.integrity.health import DEAD_FORWARDS, HealthMonitor, SickCopy, batch_spread, live_share, outputs_collapsed
 from swarm.run.runconfig import IntegrityConfig, RunConfig
 from swarm.pipeline.stage.worker import StageWorker
@@ -92,9 +93,15 @@ def test_a_dead_copy_is_never_kept_as_the_last_good_one():
     assert batch_spread(worker.forward("mb-1", x)) > 0, "healed into the copy from before the collapse"
 
 
-def test_a_snapshot_that_keeps_getting_sick_gives_way_to_the_one_before():
+def _healer(worker: StageWorker, where: str, folder) -> Healer:
+    """Snapshots in memory (a stage built in-process) or in files (a node's: swarm/integrity/snapshots.py)."""
+    return Healer(worker, notify=lambda *a: None, store=SnapshotStore(folder if where == "disk" else None))
+
+
+@pytest.mark.parametrize("where", ["memory", "disk"])
+def test_a_snapshot_that_keeps_getting_sick_gives_way_to_the_one_before(where, tmp_path):
     worker = StageWorker(_run(), 0)
-    healer = Healer(worker, notify=lambda *a: None)
+    healer = _healer(worker, where, tmp_path)
     start = {k: v.bfloat16().float() for k, v in worker.module.state_dict().items()}  # snapshots keep bfloat16
     healer.take_snapshot()  # the starting copy
     with torch.no_grad():
@@ -109,19 +116,28 @@ def test_a_snapshot_that_keeps_getting_sick_gives_way_to_the_one_before():
     assert all(torch.equal(t, start[k]) for k, t in worker.module.state_dict().items())
     # the one before is kept as weights only (4 bytes a parameter less with Adam): its optimizer starts afresh
     assert not worker.optimizer.state
+    healer.store.settle()
+    if where == "disk":  # the snapshot given up on is deleted; the one restored stays
+        assert [f.name for f in healer.store.directory.iterdir()] == [healer._snapshot.path.name]
 
 
-def test_the_snapshot_before_the_last_keeps_weights_only():
+@pytest.mark.parametrize("where", ["memory", "disk"])
+def test_the_snapshot_before_the_last_keeps_weights_only(where, tmp_path):
     worker = StageWorker(_run(), 0)
-    healer = Healer(worker, notify=lambda *a: None)
+    healer = _healer(worker, where, tmp_path)
     x = torch.randn(8, 64)
     for i in range(3):  # momentum buffers exist
         worker.forward(f"m{i}", x)
         worker.backward(f"m{i}", 1e-3 * torch.randn(8, 16), None, None)
     healer.take_snapshot()
     healer.take_snapshot()
-    assert healer._snapshot.optimizer and healer._previous.optimizer is None
-    assert set(healer._previous.params) == set(worker.module.state_dict())
+    healer.store.settle()
+    assert healer._snapshot.optimizer and not healer._previous.optimizer
+    previous = healer.store.load(healer._previous)
+    assert set(previous.params) == set(worker.module.state_dict()) and previous.optimizer is None
+    # in memory, only its weights are held; on disk, nothing is
+    held = len(healer._previous.tensors())
+    assert held == (len(previous.params) if where == "memory" else 0)
 
 
 

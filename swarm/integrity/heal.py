@@ -4,7 +4,8 @@ How it works:
 - ``on_step`` (a stage step hook: compute thread, under the stage's lock) measures the parameter
   norm every ``CHECK_EVERY_STEPS`` updates and, every ``integrity.snapshot_every_steps`` updates of
   a healthy copy, keeps a CPU snapshot of the copy (weights, optimizer state, clock) as the last
-  good one. The seeded (or downloaded) starting copy is the first snapshot, so one always exists.
+  good one. The seeded (or downloaded) starting copy is the first snapshot, so one always exists. A node keeps its
+  snapshots in files (swarm/integrity/snapshots.py: 8 bytes a parameter of RAM less) and reads one back to heal.
   Snapshots are kept in bfloat16 (``SNAPSHOT_DTYPE``: weights and Adam's moments, the step count exact): 6 bytes a
   parameter with Adam instead of 12. A restore is rare and lowers the step size anyway; the rounding it brings back
   (below 2**-9 of each weight) moved a trained digits copy's loss by under 1 % (tests/test_integrity_health.py).
@@ -33,12 +34,13 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from swarm.integrity.health import HealthMonitor
+from swarm.integrity.snapshots import Kept, SnapshotStore
 
 logger = logging.getLogger(__name__)
 
@@ -91,13 +93,15 @@ def lowered_ceiling(ceiling: float, sick_scale: float, heal_lr_scale: float) -> 
 
 
 class Healer:
-    def __init__(self, worker: Any, notify: Notify, on_change: Callable[[], None] | None = None):
+    def __init__(self, worker: Any, notify: Notify, on_change: Callable[[], None] | None = None,
+                 store: SnapshotStore | None = None):
         self.worker = worker
+        self.store = store or SnapshotStore()  # on disk where the node gives it a folder (swarm/integrity/snapshots.py)
         self.cfg = worker.run.integrity
         self.health: HealthMonitor = worker.health
         self.notify = notify
         self.on_change = on_change or (lambda: None)
-        self._snapshot = None  # swarm.pipeline.stage.worker.WorkerState
+        self._snapshot: Kept | None = None
         self._steps = 0
         self._healthy_steps = 0  # since the last heal or the last raise of the scale
         self._scale = 1.0
@@ -105,7 +109,7 @@ class Healer:
         self._ceiling_steps = 0
         # the good snapshot before the last, weights only (4 bytes a parameter less for Adam): the fallback when the
         # last keeps getting sick, restored with a fresh optimizer state (its moments were of the copy it replaces)
-        self._previous = None
+        self._previous: Kept | None = None
         self._restores = 0  # of the current snapshot
         self._status = HealStatus()
         self._healing = False
@@ -125,9 +129,12 @@ class Healer:
                 return
             if self.collapsed():
                 return
-            if self._snapshot is not None and self._restores == 0:  # one restored since is no longer "good"
-                self._previous = replace(self._snapshot, optimizer=None)
-            self._snapshot = self.worker.capture(include_optimizer=True, dtype=SNAPSHOT_DTYPE)
+            if self._snapshot is not None and self._restores == 0:
+                self.store.drop(self._previous)
+                self._previous = self._snapshot.weights_only()
+            else:  # one restored since is no longer "good"
+                self.store.drop(self._snapshot)
+            self._snapshot = self.store.keep(self.worker.capture(include_optimizer=True, dtype=SNAPSHOT_DTYPE))
             self._restores = 0
             self.health.set_baseline(norm)
 
@@ -167,9 +174,10 @@ class Healer:
                     self._previous.clock > 0 or self._snapshot.clock == 0):
                 # sick again and again from it: it is not good. One snapshot further back, never the seeded copy
                 # of a copy that has trained (a trained copy reset to its seed lost everything it learnt)
+                self.store.drop(self._snapshot)
                 self._snapshot, self._previous, self._restores = self._previous, None, 0
-            self.worker.restore(self._snapshot)
-            if self._snapshot.optimizer is None:  # the fallback, kept without its moments: Adam starts afresh
+            self.worker.restore(self.store.load(self._snapshot))
+            if not self._snapshot.optimizer:  # the fallback, kept without its moments: Adam starts afresh
                 self.worker.optimizer.state.clear()
             self._heals = [h for h in self._heals if time.time() - h[0] < FORGIVE_WINDOW_S][-MAX_HEALS_KEPT:]
             self._heals.append((time.time(), self._scale, self._ceiling))
@@ -212,6 +220,10 @@ class Healer:
         self.worker.step_size.set_heal_scale(scale)  # composes with the staleness factor (swarm/pipeline/stage/staleness.py)
         self._status = HealStatus(healing=self._status.healing, heals=self._status.heals,
                                   last_heal_at=self._status.last_heal_at, lr_scale=scale)
+
+    def close(self) -> None:
+        """The stage is stopping: its snapshots' files go."""
+        self.store.close()
 
     # ----- any thread
     def status(self) -> HealStatus:

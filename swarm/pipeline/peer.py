@@ -43,7 +43,8 @@ Notify = Callable[[str, str, str], None]  # (level, kind, text)
 
 class SwarmPeer:
     def __init__(self, run: RunConfig, dht: Any, swarm: str, *, device: str = "cpu", shard: int | None = None,
-                 notify: Notify | None = None, evaluate: bool = True, receipt_seed: bytes | None = None):
+                 notify: Notify | None = None, evaluate: bool = True, receipt_seed: bytes | None = None,
+                 snapshot_dir: Any = None):
         self.run = run
         self.dht = dht
         self.swarm = swarm
@@ -72,23 +73,25 @@ class SwarmPeer:
         self._tasks: list[asyncio.Task] = []
         self._accepting = True
         self.healer: Any = None  # swarm.integrity.heal.Healer
+        self.snapshot_dir = snapshot_dir  # healing's snapshots go to files there (None: kept in memory)
         self.evaluations = Evaluations(run, self.notify, accepting=lambda: self._accepting)  # on layer0
         # receipts (swarm/integrity/receipts.py): our per-run signing key (derived from the identity when the node
         # passes a seed, so a restarted peer keeps it) and the keys of the peers whose receipts we check
         from swarm.integrity.receipts import ReceiptKey
-        from swarm.pipeline.transport.keybook import KeyBook
+        from swarm.pipeline.transport.keybook import KeyBook, fetch_receipt_key
 
         self.receipt_key = ReceiptKey(str(dht.peer_id), receipt_seed)
-        self.keys = KeyBook(self._fetch_receipt_key)
+        self.keys = KeyBook(lambda peer_id, swarm: fetch_receipt_key(self.p2p, run.run_id, peer_id, swarm))
 
     # ----- lifecycle
     def start(self, sync_from: list[MemberRecord] | None = None) -> None:
         """Build the stage, register its RPCs, start the driver on layer0. Blocks until serving. ``sync_from``: our
         swarm's records; a newcomer first downloads its layer from one of them (``None``: the seeded initial weights)."""
         from swarm.integrity.heal import Healer
+        from swarm.integrity.snapshots import SnapshotStore
 
         self.worker = StageWorker(self.run, self.index, self.device)
-        self.healer = Healer(self.worker, self.notify)
+        self.healer = Healer(self.worker, self.notify, store=SnapshotStore(self.snapshot_dir, self.notify))
         self.worker.add_step_hook(self.healer.on_step)
         self._thread.start()
         sync_s = self.run.averaging.sync_timeout_s if sync_from is not None else 0.0
@@ -117,20 +120,6 @@ class SwarmPeer:
         self._tasks.append(asyncio.create_task(self._guard(self.healer.watch(self.executor), "healer")))
         if self.index == 0:
             await self._start_driver()
-
-    async def _fetch_receipt_key(self, peer_id: str, swarm: str) -> bytes:
-        """Ask ``peer_id`` for its receipt key in ``swarm``'s namespace (swarm/pipeline/transport/keybook.py)."""
-        from hivemind.p2p import PeerID
-        from hivemind.proto import runtime_pb2
-
-        from swarm.pipeline.transport.stage_client import StageRPC
-        from swarm.pipeline.transport.wire import unpack_metadata
-
-        stub = StageRPC.get_stub(self.p2p, PeerID.from_base58(peer_id),
-                                      namespace=stage_namespace(self.run.run_id, swarm))
-        reply = await stub.rpc_receipt_key(runtime_pb2.ExpertRequest())
-        key = unpack_metadata(reply.metadata).get("key")
-        return key if isinstance(key, bytes) else b""
 
     async def _make_gate(self) -> StageGate:
         """Who may ask this stage, and (last stage) the run's targets by sample id."""
@@ -240,6 +229,8 @@ class SwarmPeer:
         """Stop the driver, unregister the RPCs, stop the loop. Idempotent; bounded in time."""
         if not self._thread.is_alive():
             self.executor.shutdown(wait=False, cancel_futures=True)
+            if self.healer is not None:
+                self.healer.close()
             return
 
         async def _teardown() -> None:
@@ -287,6 +278,8 @@ class SwarmPeer:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5.0)
         self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.healer is not None:
+            self.healer.close()
 
     # ----- work control
     def pause(self) -> None:

@@ -113,7 +113,8 @@ def stage_memory(run: RunConfig, index: int, cuda: bool = True) -> StageMemory:
 class HostMemory:
     """Host bytes a stage server holds for stage ``index``, by what the code keeps (tests/test_memory.py measures the
     tensors a trained stage actually holds against it). On a GPU the live copy and the guard's live on the device
-    (``stage_memory``); the snapshots and the referee's ring are host memory wherever the stage computes."""
+    (``stage_memory``); the referee's ring is host memory wherever the stage computes, and a node keeps healing's
+    snapshots in files (``disk_bytes``: swarm/integrity/snapshots.py)."""
 
     index: int
     params: int
@@ -121,8 +122,9 @@ class HostMemory:
     guard_bytes: int  # the step guard's one-tensor scratch (and SGD's momentum); its copy of the weights is the ring's
     guard_peak_bytes: int  # + Adam's state, copied 1 step in 50 (swarm/integrity/guard.py) and freed after
     snapshot_bytes: int  # healing: the last good snapshot with optimizer state, the one before it as weights only
-    # (bfloat16: swarm/integrity/heal.py SNAPSHOT_DTYPE)
+    # (bfloat16: swarm/integrity/heal.py SNAPSHOT_DTYPE), where they are kept in memory (0 on a node: on disk)
     ring_bytes: int  # committed (exact) versions a referee may ask for (swarm/integrity/weights.py), at their bound
+    disk_bytes: int = 0  # healing's two snapshot files on a node (swarm/integrity/snapshots.py), each with its moments
 
     @property
     def total_bytes(self) -> int:
@@ -147,9 +149,11 @@ class HostMemory:
         return (self.total_bytes - self.fixed_bytes) / self.params if self.params else 0.0
 
 
-def host_memory(run: RunConfig, index: int) -> HostMemory:
+def host_memory(run: RunConfig, index: int, snapshots_on_disk: bool = True) -> HostMemory:
     """What stage ``index`` of ``run`` keeps on a CPU volunteer (healing, receipts and the ring on): the live copy and
-    the guard's in float32, snapshots in bfloat16, committed versions as computed with (float32)."""
+    the guard's in float32, committed versions as computed with (float32), and healing's snapshots in bfloat16, in
+    files where a node keeps them (``snapshots_on_disk``: a volunteer; False: in memory, a stage built in-process
+    without a folder for them)."""
     from swarm.integrity.weights import RING_COPIES, RING_MIN_BYTES
 
     params, largest = _param_counts(run.model, index)
@@ -164,8 +168,10 @@ def host_memory(run: RunConfig, index: int) -> HostMemory:
     guard = FLOAT32_BYTES * largest + (0 if adam else optimizer)
     return HostMemory(
         index=index, params=params, live_bytes=2 * weights + optimizer, guard_bytes=guard,
-        guard_peak_bytes=guard + (optimizer if adam else 0), snapshot_bytes=(2 * weights + optimizer) // 2,
+        guard_peak_bytes=guard + (optimizer if adam else 0),
+        snapshot_bytes=0 if snapshots_on_disk else (2 * weights + optimizer) // 2,
         ring_bytes=max(RING_MIN_BYTES, int(RING_COPIES * weights * _commit_share())),
+        disk_bytes=(weights + optimizer) if snapshots_on_disk else 0,
     )
 
 
@@ -194,8 +200,8 @@ def held_bytes(worker: Any, healer: Any = None) -> int:
     guard = worker.guard
     tensors += [*guard._param_buffers, *guard._state_buffers, *guard._scratch.values()]
     for snapshot in (() if healer is None else (healer._snapshot, healer._previous)):
-        if snapshot is not None:
-            tensors += [*snapshot.params.values(), *(snapshot.optimizer or {}).values()]
+        if snapshot is not None:  # in memory until its file is written (swarm/integrity/snapshots.py), or for good
+            tensors += snapshot.tensors()
     tensors += [t for version in worker.ring._versions.values() for t in version.tensors.values()]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())

@@ -32,6 +32,12 @@ class Checkpoints:
             self.checkpointer.close()
             self.checkpointer = None
 
+    def folder(self) -> Any:
+        """This node's folder for the run and swarm (healing's snapshots go there: swarm/integrity/snapshots.py)."""
+        from volunteer.paths import node_dir
+
+        return node_dir(self.node.options.data_dir, self.node.run.run_id, self.node.swarm)
+
     def prepare_resume(self) -> Any:
         """Before the stage is built: read our checkpoint and decide whether to continue from it."""
         from volunteer import checkpoint

@@ -115,9 +115,7 @@ class Node:
         if self.stop_requested_at_s is None:
             self.stop_requested_at_s = time.monotonic()
 
-    @property
-    def started(self) -> bool:
-        return self._thread is not None
+    started = property(lambda self: self._thread is not None)
 
     @property
     def serving(self) -> bool:
@@ -303,7 +301,8 @@ class Node:
             self.announcer.choose_shard()
         self.board.emit(f"building {self.swarm} on {described}", kind="joining")
         self.peer = SwarmPeer(self.run, self.dht, self.swarm, device=device, shard=self.announcer.shard,
-                              notify=self._on_peer_notice, receipt_seed=self._receipt_seed)
+                              notify=self._on_peer_notice, receipt_seed=self._receipt_seed,
+                              snapshot_dir=self.checkpoints.folder())
         resume = self.checkpoints.prepare_resume()
         # A newcomer (or a checkpoint the swarm has outrun) downloads its layer before it serves or drives
         # anything; with a checkpoint to restore, no download is needed.

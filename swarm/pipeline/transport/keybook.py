@@ -27,6 +27,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from swarm.integrity.receipts import PUBLIC_KEY_BYTES
 
@@ -139,3 +140,17 @@ class KeyBook:
             return False
         self._tokens -= 1.0
         return True
+
+
+async def fetch_receipt_key(p2p: Any, run_id: str, peer_id: str, swarm: str) -> bytes:
+    """Ask ``peer_id`` for its receipt key in ``swarm``'s namespace (a KeyBook's fetch; b"" when it has none)."""
+    from hivemind.p2p import PeerID
+    from hivemind.proto import runtime_pb2
+
+    from swarm.pipeline.transport.stage_client import StageRPC, stage_namespace
+    from swarm.pipeline.transport.wire import unpack_metadata
+
+    stub = StageRPC.get_stub(p2p, PeerID.from_base58(peer_id), namespace=stage_namespace(run_id, swarm))
+    reply = await stub.rpc_receipt_key(runtime_pb2.ExpertRequest())
+    key = unpack_metadata(reply.metadata).get("key")
+    return key if isinstance(key, bytes) else b""
