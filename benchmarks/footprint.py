@@ -7,10 +7,11 @@ prints one JSON object (progress on stderr):
 
 - ``host_bytes``: per run (digits-mlp, llm-tiny, llm-small) and stage, the bytes of the distinct tensor storages a
   trained stage server holds beside its activations (the live copy, gradients, optimizer state, the guard's
-  buffers, healing's snapshots, the referee's ring filled to its bound: ``swarm/run/memory.py held_bytes``),
-  against ``host_memory`` (what `volunteer doctor` shows): ``per_param`` (bytes per parameter beyond the ring's
-  fixed floor), ``fixed_mib`` and ``measured_vs_estimate``. Stages are built and trained in this process (a few
-  updates each, batch 2); llm-small's stages have 25-27 M parameters.
+  buffers, the referee's ring filled to its bound, healing's snapshots while in memory: ``swarm/run/memory.py
+  held_bytes``), against ``host_memory`` (what `volunteer doctor` shows): ``per_param`` (bytes per parameter beyond
+  the ring's fixed floor), ``fixed_mib`` and ``measured_vs_estimate``; healing's snapshots are written to files as a
+  node writes them (``snapshots_on_disk_mib``, ``disk_vs_estimate``). Stages are built and trained in this process
+  (a few updates each, batch 2); llm-small's stages have 25-27 M parameters.
 - ``volunteers``: per run in ``--runs``, a real swarm on loopback (a bootstrap peer, one `volunteer join` per
   stage), training for ``--train-s`` after every volunteer is online; the layer1 volunteer's RSS (the median of
   samples every 0.5 s over the second half, and their range: it moves by ~100 MiB within a second) and, at the end, PSS
