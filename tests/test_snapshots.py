@@ -67,6 +67,12 @@ def test_a_snapshot_that_cannot_be_written_stays_in_memory_and_the_user_is_told_
     healer.heal()
     assert all(torch.equal(t, want[k]) for k, t in worker.module.state_dict().items())
     healer.close()
+    # a folder that cannot be made at all (a data dir that is a file, read-only, gone): said, and kept in memory
+    (tmp_path / "a-file").write_text("")
+    said.clear()
+    store = SnapshotStore(tmp_path / "a-file" / "runs", notify=lambda level, kind, text: said.append(text))
+    assert not store.on_disk and store.failed == 1 and "cannot make a folder" in said[0]
+    assert store.keep(worker.capture(include_optimizer=True)).tensors()
 
 
 def test_snapshots_given_up_leave_no_file_and_a_killed_nodes_folder_is_cleaned_up_by_the_next(tmp_path):

@@ -31,6 +31,7 @@ def ensure_private_dir(path: Path) -> Path:
     return path
 
 
-def node_dir(data_dir: Path, run_id: str, swarm: str) -> Path:
-    """One folder per (run, swarm) this machine serves: checkpoint, control socket."""
-    return ensure_private_dir(data_dir / "runs" / run_id / swarm)
+def node_dir(data_dir: Path, run_id: str, swarm: str, create: bool = True) -> Path:
+    """One folder per (run, swarm) this machine serves: checkpoint, control socket, healing's snapshots."""
+    path = Path(data_dir) / "runs" / run_id / swarm
+    return ensure_private_dir(path) if create else path

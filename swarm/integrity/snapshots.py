@@ -25,7 +25,8 @@ import os
 import shutil
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+import queue
+from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -79,7 +80,7 @@ class SnapshotStore:
         self.directory: Path | None = None
         self._notify = notify or (lambda level, kind, text: None)
         self._names = itertools.count()
-        self._writer: ThreadPoolExecutor | None = None
+        self._writer: _Writer | None = None
         self._warned = False
         self._lock = threading.Lock()
         self.written = 0
@@ -87,7 +88,7 @@ class SnapshotStore:
         if directory is not None:
             try:
                 self.directory = _own_folder(Path(directory))
-                self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="heal-writer")
+                self._writer = _Writer()
             except OSError as exc:
                 self._fail(f"cannot make a folder for them in {directory}: {exc}")
 
@@ -150,7 +151,7 @@ class SnapshotStore:
         """Stop writing and remove the folder (a write in progress fails quietly)."""
         writer, self._writer = self._writer, None
         if writer is not None:
-            writer.shutdown(wait=False, cancel_futures=True)
+            writer.shutdown()
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
 
@@ -183,6 +184,39 @@ class SnapshotStore:
             text = f"healing's snapshots are kept in memory instead of on disk: {why}"
             logger.warning(text)
             self._notify("warning", "snapshots", text)
+
+
+class _Writer:
+    """One daemon thread running what it is given in order: a process that exits (a Ctrl+C) never waits on a write
+    (a ThreadPoolExecutor's thread is joined at exit, and a large stage's file takes seconds)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        threading.Thread(target=self._run, name="heal-writer", daemon=True).start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        if self._closed:
+            raise RuntimeError("closed")
+        future: Future = Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def shutdown(self) -> None:
+        """What is queued is not run; what runs finishes (or fails: its folder goes)."""
+        self._closed = True
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn, args = item
+            if self._closed:
+                future.cancel()
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 (handed to whoever waits on it)
+                future.set_exception(exc)
 
 
 def _own_folder(parent: Path) -> Path:

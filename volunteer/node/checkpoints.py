@@ -33,10 +33,11 @@ class Checkpoints:
             self.checkpointer = None
 
     def folder(self) -> Any:
-        """This node's folder for the run and swarm (healing's snapshots go there: swarm/integrity/snapshots.py)."""
+        """This node's folder for the run and swarm, not created here (healing's snapshots go there when the stage is
+        built: swarm/integrity/snapshots.py, which says so and keeps them in memory where it cannot be made)."""
         from volunteer.paths import node_dir
 
-        return node_dir(self.node.options.data_dir, self.node.run.run_id, self.node.swarm)
+        return node_dir(self.node.options.data_dir, self.node.run.run_id, self.node.swarm, create=False)
 
     def prepare_resume(self) -> Any:
         """Before the stage is built: read our checkpoint and decide whether to continue from it."""
