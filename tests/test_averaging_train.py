@@ -107,9 +107,15 @@ def _distance_after(fetch_probability: float, samples: int, until_ratio: float =
         start = _distance(a, b)
         driver.start()
         pipe.route(driver, [a, b], [_record_of(a), _record_of(b)])
-        pipe.train_until(driver, samples, lambda: _distance(a, b) < until_ratio * start or not until_ratio)
+        seen = []  # the distance the condition was met at: training goes on meanwhile, and a later look may differ
+
+        def close_enough() -> bool:
+            seen.append(_distance(a, b))
+            return seen[-1] < until_ratio * start or not until_ratio
+
+        pipe.train_until(driver, samples, close_enough)
         assert driver.driver.stats.lost == 0 and driver.driver.stats.trained >= samples
-        return start, _distance(a, b), a.events + b.events
+        return start, seen[-1] if until_ratio and seen else _distance(a, b), a.events + b.events
     finally:
         pipe.close()
 
