@@ -24,7 +24,7 @@ Failures fall back to the relay:
 Strikes for a malformed push land on its sender (``StageServicer.admitted``), never on the driver.
 
 What each pushed hop received and sent is kept a little while (``Outbox``) for the driver's spot checks: it may ask
-(``show``) after the hop, and checks the tensors against the receipts. A stage cannot know which hops will be
+(``show``) after the hop, and checks the tensors against the receipts (stage 1 keeps all but its input: the driver's). A stage cannot know which hops will be
 checked, so it cannot compute honestly only for those.
 """
 
@@ -121,15 +121,16 @@ def parse_push(meta: dict, stage: int, stages: int) -> PushRequest:
 
 def outbox_bytes(run: Any, index: int, drivers: int = 1) -> int:
     """What stage ``index``'s outbox may hold for ``drivers`` drivers, by ``Outbox``'s bounds: ``OUTBOX_PER_DRIVER``
-    micro-batches each (a middle stage keeps x, y, g and gx; the last x and gx, as they travelled), at most
-    ``OUTBOX_MAX_BYTES`` in all (``volunteer doctor``; an llm-tiny stage's 16 x 64-token micro-batches reach the cap)."""
+    micro-batches each (a middle stage keeps x, y, g and gx; the last x and gx, as they travelled; stage 1 no x), at
+    most ``OUTBOX_MAX_BYTES`` in all (``volunteer doctor``; 8 drivers' llm-tiny micro-batches of 16 x 64 tokens reach
+    the cap)."""
     from swarm.pipeline.transport.wire import coded_bytes
     from swarm.run.models import stage_input_spec, stage_output_spec
 
     model, training = run.model, run.training
     batch = training.batch_size
     shape_in = tuple(stage_input_spec(model, index, batch).shape)
-    per_mb = 2 * coded_bytes(shape_in, training.codec, training.wire_rank)
+    per_mb = (2 if index > 1 else 1) * coded_bytes(shape_in, training.codec, training.wire_rank)
     if index + 1 < model.stages:
         per_mb += 2 * coded_bytes(tuple(stage_output_spec(model, index, batch).shape), training.codec, training.wire_rank)
     return min(OUTBOX_MAX_BYTES, max(1, drivers) * OUTBOX_PER_DRIVER * per_mb)
@@ -221,7 +222,10 @@ class PushServer:
             return [], refusal
         # kept from here, marked running: a driver recovering a broken push waits for what runs here, and gives the
         # micro-batch up rather than resend it while it still runs (push_recovery.py; a resend is refused: applied.py)
-        self.outbox.put(driver, request.mb, x=serialized[0], rc_x=meta.get("rc")[0], running=True)
+        # stage 1 keeps no copy of its input: its driver sent it and holds it (a check asks for it only elsewhere, a
+        # recovery resumes from its own stage-0 output): half of a 2-stage run's last stage's outbox
+        x = serialized[0] if k > 1 else None
+        self.outbox.put(driver, request.mb, x=x, rc_x=meta.get("rc")[0], running=True)
         outcome = None
         gate = servicer.gate
         try:
@@ -236,10 +240,10 @@ class PushServer:
             if reply.get("ok") is not True:
                 return out, reply
             if last:
-                self.outbox.put(driver, request.mb, x=serialized[0], gx=out[0] if out else None,
+                self.outbox.put(driver, request.mb, x=x, gx=out[0] if out else None,
                                 rc_x=meta.get("rc")[0], rc_gx=reply["rc"], loss=reply.get("loss"))
                 return out, {**reply, "trail": [reply["rc"]]}
-            self.outbox.put(driver, request.mb, x=serialized[0], y=out[0], rc_x=meta.get("rc")[0], rc_y=reply["rc"])
+            self.outbox.put(driver, request.mb, x=x, y=out[0], rc_x=meta.get("rc")[0], rc_y=reply["rc"])
             out, reply, backward = await self._push_on(servicer, request, driver, out[0], reply)
             if backward is not None:
                 outcome = backward

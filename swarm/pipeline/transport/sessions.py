@@ -220,8 +220,17 @@ class ClientSession:
             if not future.done():
                 future.set_exception(error)
         self.waiting.clear()
-        if self.reader is not None and self.reader is not asyncio.current_task():
+        if self.reader is not None and self.reader is not _current_task():
             self.reader.cancel()
+
+
+def _current_task() -> asyncio.Task | None:
+    """The running task; None where no loop runs (a session's reader closed by the garbage collector after its loop
+    stopped: it must end quietly, not raise from its finalizer)."""
+    try:
+        return asyncio.current_task()
+    except RuntimeError:
+        return None
 
 
 # per P2P instance (a node's, a test's): its sessions die with it
