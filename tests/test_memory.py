@@ -91,6 +91,11 @@ def test_doctor_shows_each_stages_gpu_memory_for_llama_runs_only():
     host = [c for c in memory_checks(run, "cpu") if c.section.startswith("Host memory")]
     assert [c.name for c in host] == ["layer0", "layer1", "layer2", "layer3"]
     assert all("bytes each" in c.detail and "snapshots" in c.detail and "weight versions" in c.detail for c in host)
+    # healing's snapshot files against the data dir's free space (swarm/integrity/snapshots.py)
+    assert len([c for c in memory_checks(run, "cpu", disk_free=1 << 40) if c.section.startswith("Host memory")]) == 4
+    full = [c for c in memory_checks(run, "cpu", disk_free=100 * 2**20) if c.status == "warn" and "on disk" in c.detail]
+    assert [c.name for c in full] == ["layer0", "layer1", "layer2", "layer3"]
+    assert "kept in memory instead" in full[0].detail and "--data-dir" in full[0].detail
 
 
 def test_the_gpu_check_runs_without_a_gpu_and_says_what_it_skipped(capsys):

@@ -63,7 +63,7 @@ def run_doctor(args: argparse.Namespace) -> int:
     checks += network_checks(run, list(args.initial_peers or run.bootstrap_peers), args.timeout_s, args.verbose,
                              listen=listen, announce=list(prefs.network.announce), running=running[0] if running else None)
     checks += gpu_checks(prefs.device)
-    checks += memory_checks(run, prefs.device)
+    checks += memory_checks(run, prefs.device, _free_bytes(data_dir))
     ok = not any(check.status == FAIL for check in checks)
     if args.json:
         print(json.dumps({"ok": ok, "run_id": run.run_id, "data_dir": str(data_dir),
@@ -322,12 +322,19 @@ def gpu_checks(requested: str) -> list[Check]:
 # ----- memory a stage needs
 
 
-def memory_checks(run: Any, requested: str) -> list[Check]:
+def _free_bytes(path: Path) -> int | None:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def memory_checks(run: Any, requested: str, disk_free: int | None = None) -> list[Check]:
     """Every run: the host memory each stage keeps (swarm/run/memory.py ``host_memory``: the live copy on a CPU, the
     guard's copy, healing's snapshots, the referee's weight versions) against the RAM available. Llama runs also:
     each stage's GPU memory from the config (weights, gradients, optimizer state, the guard's copy, activations of
     the micro-batches in flight, CUDA's own) against the GPU's free memory where there is one."""
-    checks = host_memory_checks(run, requested)
+    checks = host_memory_checks(run, requested, disk_free)
     if run.model.kind != "llama":
         return checks
     import torch
@@ -358,8 +365,9 @@ def memory_checks(run: Any, requested: str) -> list[Check]:
     return checks
 
 
-def host_memory_checks(run: Any, requested: str) -> list[Check]:
-    """Per stage, the host bytes its server keeps (by what the code keeps; tests/test_memory.py measures it)."""
+def host_memory_checks(run: Any, requested: str, disk_free: int | None = None) -> list[Check]:
+    """Per stage, the host bytes its server keeps (by what the code keeps; tests/test_memory.py measures it), and
+    whether the data dir's ``disk_free`` holds healing's snapshot files (swarm/integrity/snapshots.py)."""
     import psutil
     import torch
 
@@ -388,4 +396,10 @@ def host_memory_checks(run: Any, requested: str) -> list[Check]:
         status = OK if host <= available else WARN
         checks.append(Check(section, f"layer{index}", status, detail + ("" if status == OK else
                             f"; more than the {available / GIB:.1f} GiB available: join a swarm of another layer")))
+        if disk_free is not None and need.disk_bytes > disk_free:
+            checks.append(Check(section, f"layer{index}", WARN,
+                                f"healing's snapshots need {need.disk_bytes / MIB:,.0f} MiB on disk, the data dir has "
+                                f"{disk_free / MIB:,.0f} MiB free: they would be kept in memory instead "
+                                f"({(host + need.disk_bytes) / MIB:,.0f} MiB in all); free some space or pass "
+                                "--data-dir on a larger disk"))
     return checks

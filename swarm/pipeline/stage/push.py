@@ -24,7 +24,8 @@ Failures fall back to the relay:
 Strikes for a malformed push land on its sender (``StageServicer.admitted``), never on the driver.
 
 What each pushed hop received and sent is kept a little while (``Outbox``) for the driver's spot checks: it may ask
-(``show``) after the hop, and checks the tensors against the receipts (stage 1 keeps all but its input: the driver's). A stage cannot know which hops will be
+(``show``) after the hop, and checks the tensors against the receipts (stage 1 keeps all but its input: the
+driver's own). A stage cannot know which hops will be
 checked, so it cannot compute honestly only for those.
 """
 
