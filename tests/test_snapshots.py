@@ -93,3 +93,22 @@ def test_snapshots_given_up_leave_no_file_and_a_killed_nodes_folder_is_cleaned_u
     assert names == sorted([healer._snapshot.path.name, healer._previous.path.name])
     healer.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_snapshot_file_removed_under_the_node_heals_from_the_one_before(tmp_path):
+    worker = _worker()
+    healer = Healer(worker, notify=lambda *a: None, store=SnapshotStore(tmp_path))
+    before = {k: v.bfloat16().float() for k, v in worker.module.state_dict().items()}
+    healer.take_snapshot()
+    with torch.no_grad():
+        worker.module[0].weight.add_(1.0)
+    healer.take_snapshot()
+    healer.store.settle()
+    healer._snapshot.path.unlink()  # a user cleaning up the data dir of a running node
+    _poison(worker)
+    worker.health.mark_sick("test")
+    healer.heal()
+    assert all(torch.equal(t, before[k]) for k, t in worker.module.state_dict().items())
+    assert not worker.optimizer.state, "the one before is restored without its moments"
+    healer.close()
+

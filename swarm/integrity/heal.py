@@ -176,7 +176,16 @@ class Healer:
                 # of a copy that has trained (a trained copy reset to its seed lost everything it learnt)
                 self.store.drop(self._snapshot)
                 self._snapshot, self._previous, self._restores = self._previous, None, 0
-            self.worker.restore(self.store.load(self._snapshot))
+            try:
+                state = self.store.load(self._snapshot)
+            except OSError:  # its file is gone (a data dir removed under the node): the one before, if any
+                if self._previous is None:
+                    raise
+                logger.warning("healing's last snapshot cannot be read: restoring the one before it")
+                self.store.drop(self._snapshot)
+                self._snapshot, self._previous, self._restores = self._previous, None, 1
+                state = self.store.load(self._snapshot)
+            self.worker.restore(state)
             if not self._snapshot.optimizer:  # the fallback, kept without its moments: Adam starts afresh
                 self.worker.optimizer.state.clear()
             self._heals = [h for h in self._heals if time.time() - h[0] < FORGIVE_WINDOW_S][-MAX_HEALS_KEPT:]
