@@ -67,11 +67,17 @@ class Rejoin:
     our own id through it (which puts its other peers in ours): the parts merge, and the next heartbeat's reads
     and stores reach everyone.
 
-    How often: every ``REJOIN_S`` while we find it connected (a restart drops the connection, so it is seen
-    within that), or while it does not answer (a failed dial costs it nothing). Found reachable but not
-    connected again and again (p2pd's connection manager trims idle connections in a large swarm), the wait
-    doubles up to ``REJOIN_MAX_S``: a thousand volunteers must not re-handshake with one bootstrap peer every
-    15 s."""
+    Connected is not enough: p2pd re-dials a restarted bootstrap peer on its own (same identity, same address),
+    often before that peer's DHT handlers are up; our DHT's calls to it then fail, our routing table drops it, and
+    the parts stayed apart for good while p2pd showed it connected (tests/test_foundation.py failed 3 times in 13
+    so). So a connected bootstrap peer is pinged over its connection (no handshake); a ping that answers with a DHT
+    id other than the last one it gave (a restarted peer draws a new one; at our first check, any) is a peer that
+    may not know us: the DHT is merged through it as after a dial.
+
+    How often: every ``REJOIN_S`` while we find it connected, or while it does not answer (a failed dial costs it
+    nothing). Found reachable but not connected again and again (p2pd's connection manager trims idle
+    connections in a large swarm), the wait doubles up to ``REJOIN_MAX_S``: a thousand volunteers must not
+    re-handshake with one bootstrap peer every 15 s."""
 
     def __init__(self, node: Any, maddrs: list[str], clock: Callable[[], float] = time.monotonic):
         self.node = node
@@ -80,6 +86,7 @@ class Rejoin:
         self.every_s = float(os.environ.get("VOLUNTEER_REJOIN_S", "") or REJOIN_S)
         self._wait_s = {peer_id: self.every_s for peer_id in self.peers}
         self._due = {peer_id: 0.0 for peer_id in self.peers}  # clock time of each peer's next check
+        self._ids: dict[Any, Any] = {}  # the DHT id each bootstrap peer last answered a ping with
 
     async def run(self) -> None:
         while True:
@@ -102,6 +109,7 @@ class Rejoin:
         for peer_id in due:
             if peer_id in connected:
                 self._wait_s[peer_id] = self.every_s
+                answered += await self._ping(peer_id)  # 1 when it is new to us since the last ping
             elif await self._redial(peer_id):
                 answered += 1
                 self._wait_s[peer_id] = min(REJOIN_MAX_S, 2 * self._wait_s[peer_id])
@@ -115,12 +123,24 @@ class Rejoin:
         try:
             # p2pd's own connect (hivemind's P2P has no public one): the address is ours to give, not the peerstore's
             await asyncio.wait_for(self.node.p2p._client.connect(peer_id, self.peers[peer_id]), REJOIN_DIAL_S)
-            pong = await asyncio.wait_for(self.node.protocol.call_ping(peer_id, validate=False, strict=False),
-                                          REJOIN_DIAL_S)
         except Exception as exc:  # TimeoutError included
             logger.debug("bootstrap peer %s does not answer: %s", peer_id, exc)
             return False
-        return pong is not None
+        return await self._ping(peer_id, changed_only=False) > 0
+
+    async def _ping(self, peer_id: Any, changed_only: bool = True) -> int:
+        """Ping ``peer_id`` (it adds us to its routing table, and we it to ours): 1 when it answered (with a DHT id
+        other than the last it gave, where ``changed_only``), else 0."""
+        try:
+            pong = await asyncio.wait_for(self.node.protocol.call_ping(peer_id, validate=False, strict=False),
+                                          REJOIN_DIAL_S)
+        except Exception as exc:  # TimeoutError included
+            logger.debug("bootstrap peer %s does not answer a ping: %s", peer_id, exc)
+            return 0
+        if pong is None:  # up, but not its DHT (yet): a restarted peer's handlers come after its p2pd
+            return 0
+        last, self._ids[peer_id] = self._ids.get(peer_id), pong
+        return int(not changed_only or last != pong)
 
 
 class RecordStores:
