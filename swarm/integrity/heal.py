@@ -174,16 +174,14 @@ class Healer:
                     self._previous.clock > 0 or self._snapshot.clock == 0):
                 # sick again and again from it: it is not good. One snapshot further back, never the seeded copy
                 # of a copy that has trained (a trained copy reset to its seed lost everything it learnt)
-                self.store.drop(self._snapshot)
-                self._snapshot, self._previous, self._restores = self._previous, None, 0
+                self._fall_back()
             try:
                 state = self.store.load(self._snapshot)
             except OSError:  # its file is gone (a data dir removed under the node): the one before, if any
                 if self._previous is None:
                     raise
                 logger.warning("healing's last snapshot cannot be read: restoring the one before it")
-                self.store.drop(self._snapshot)
-                self._snapshot, self._previous, self._restores = self._previous, None, 1
+                self._fall_back()
                 state = self.store.load(self._snapshot)
             self.worker.restore(state)
             if not self._snapshot.optimizer:  # the fallback, kept without its moments: Adam starts afresh
@@ -200,6 +198,11 @@ class Healer:
         return (f"healed: {reason}; restored the last good copy (clock {self._snapshot.clock:.0f}); step size now "
                 f"{scale:.2g}x the run's, recovering every {self.cfg.heal_steps} healthy updates up to "
                 f"{self._ceiling:.2g}x")
+
+    def _fall_back(self) -> None:
+        """The snapshot before the last becomes the one to restore (weights only); the last is forgotten."""
+        self.store.drop(self._snapshot)
+        self._snapshot, self._previous, self._restores = self._previous, None, 0
 
     def forgive(self, signer: str, now: float | None = None) -> str | None:
         """``signer`` was convicted (its tensors did not follow from its weights: swarm/pipeline/stage/convictions.py):

@@ -22,15 +22,16 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import queue
 import shutil
 import threading
 from collections.abc import Callable
-import queue
 from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 logger = logging.getLogger(__name__)
@@ -83,8 +84,7 @@ class SnapshotStore:
         self._writer: _Writer | None = None
         self._warned = False
         self._lock = threading.Lock()
-        self.written = 0
-        self.failed = 0
+        self.failed = 0  # writes that did not land (the snapshot stayed in memory)
         if directory is not None:
             try:
                 self.directory = _own_folder(Path(directory))
@@ -172,7 +172,6 @@ class SnapshotStore:
                 self._fail(f"could not write one to {path.parent} ({exc.__class__.__name__}: {exc})")
             return
         with self._lock:
-            self.written += 1
             if not entry.dropped:  # (a dropped one's file goes by the removal queued behind this write)
                 entry.state = None
 
@@ -224,7 +223,7 @@ def _own_folder(parent: Path) -> Path:
     parent.mkdir(parents=True, exist_ok=True)
     for old in parent.glob(f"{PREFIX}*"):
         pid = old.name.removeprefix(PREFIX).partition("-")[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not psutil.pid_exists(int(pid)):
             shutil.rmtree(old, ignore_errors=True)
     while True:
         folder = parent / f"{PREFIX}{os.getpid()}-{next(_FOLDERS)}"
@@ -235,20 +234,8 @@ def _own_folder(parent: Path) -> Path:
             continue
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
 def _remove(path: Path) -> None:
     try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
+        path.unlink(missing_ok=True)
     except OSError as exc:
         logger.debug("removing %s: %s", path, exc)

@@ -63,7 +63,7 @@ def run_doctor(args: argparse.Namespace) -> int:
     checks += network_checks(run, list(args.initial_peers or run.bootstrap_peers), args.timeout_s, args.verbose,
                              listen=listen, announce=list(prefs.network.announce), running=running[0] if running else None)
     checks += gpu_checks(prefs.device)
-    checks += memory_checks(run, prefs.device, _free_bytes(data_dir))
+    checks += memory_checks(run, prefs.device, shutil.disk_usage(data_dir).free if data_dir.is_dir() else None)
     ok = not any(check.status == FAIL for check in checks)
     if args.json:
         print(json.dumps({"ok": ok, "run_id": run.run_id, "data_dir": str(data_dir),
@@ -320,13 +320,6 @@ def gpu_checks(requested: str) -> list[Check]:
 
 
 # ----- memory a stage needs
-
-
-def _free_bytes(path: Path) -> int | None:
-    try:
-        return shutil.disk_usage(path).free
-    except OSError:
-        return None
 
 
 def memory_checks(run: Any, requested: str, disk_free: int | None = None) -> list[Check]:
