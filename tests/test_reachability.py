@@ -166,7 +166,7 @@ def _node(swarm: str, auto: bool, verdicts):
 
 def test_a_node_that_nobody_can_dial_says_so_stops_being_routed_and_an_auto_one_moves_to_layer0():
     from swarm.dht.reachability import Verdict
-    from volunteer.node.reachability import FIRST_CHECK_S, RECHECK_S, RETRY_S, Reachability
+    from volunteer.node.reachability import FIRST_CHECK_S, RECHECK_S, RETRY_FIRST_S, RETRY_JITTER, Reachability
 
     behind = Verdict(UNREACHABLE, "2 peer(s) could not dial /ip4/10.78.4.2/tcp/4001 (no_route)", answered=2)
     node = _node("layer2", auto=False, verdicts=[behind])
@@ -204,4 +204,29 @@ def test_a_node_that_nobody_can_dial_says_so_stops_being_routed_and_an_auto_one_
     for now in (0.0, FIRST_CHECK_S, FIRST_CHECK_S + 1, FIRST_CHECK_S + 1 + RECHECK_S, FIRST_CHECK_S + 2 + RECHECK_S):
         part.tick(now)
     assert part.record_value == 1 and flaky.board.snapshot().reachability == "reachable"
-    assert len(flaky.peer.asked) == 2 and part._next_at == FIRST_CHECK_S + 2 + RECHECK_S + RETRY_S
+    asked_again = FIRST_CHECK_S + 2 + RECHECK_S
+    assert len(flaky.peer.asked) == 2
+    assert asked_again + RETRY_FIRST_S <= part._next_at <= asked_again + RETRY_FIRST_S * (1 + RETRY_JITTER)
+
+
+def test_a_check_that_cannot_tell_is_retried_soon_then_less_often_until_one_tells():
+    """Peers that came online together are each other's only responders, and a busy one refuses: the first retry
+    comes within seconds (drivers relay to a node whose reachability is unknown), later ones back off to RETRY_S, and
+    a verdict that tells resets the backoff."""
+    from swarm.dht.reachability import Verdict
+    from volunteer.node.reachability import FIRST_CHECK_S, RECHECK_S, RETRY_FIRST_S, RETRY_JITTER, RETRY_S, Reachability
+
+    unknown = Verdict(UNKNOWN, "1 of 3 asked peer(s) could try our addresses; need 2 to tell")
+    node = _node("layer1", auto=False, verdicts=[unknown] * 5 + [Verdict(REACHABLE, "2 of 2 peer(s) dialled us")])
+    part = Reachability(node)
+    part.tick(0.0)
+    now, delays = FIRST_CHECK_S, []
+    for _ in range(6):
+        part.tick(now)  # asks
+        part.tick(now + 1)  # adopts
+        delays.append(part._next_at - (now + 1))
+        now = part._next_at
+    assert len(node.peer.asked) == 6 and part.record_value == 1
+    expected = [min(RETRY_S, RETRY_FIRST_S * 2 ** k) for k in range(5)]
+    assert all(d <= e * (1 + RETRY_JITTER) and d >= e for d, e in zip(delays, expected)), (delays, expected)
+    assert delays[-1] == RECHECK_S and part._unknowns == 0, "a verdict that tells resets the backoff"

@@ -1,7 +1,8 @@
 """Can other hosts dial this node? The node's side of swarm/dht/reachability.py.
 
 Once online (after ``FIRST_CHECK_S``), the node asks a few online peers of the run to dial its addresses
-back; again every ``RECHECK_S``, or every ``RETRY_S`` while the answer is unknown. The verdict shows in
+back; again every ``RECHECK_S``, or sooner while the answer is unknown (after ``RETRY_FIRST_S``, doubling up to
+``RETRY_S``: peers that came online together are each other's only responders, and busy ones refuse). The verdict shows in
 the snapshot (``reachability``, its detail and time: the dashboard and `status` say how old it is) and
 in our record (``reachable``), announced at once when it changes, so that drivers stop routing to a node
 they cannot dial within a heartbeat.
@@ -14,6 +15,7 @@ all it needs. In another swarm nobody can send it work: it says so in its reason
 from __future__ import annotations
 
 import logging
+import random
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +28,13 @@ logger = logging.getLogger(__name__)
 
 FIRST_CHECK_S = 3.0  # after the node is first online: its peers have read its record by then
 RECHECK_S = 600.0  # a home router's port forward or a laptop's network changes rarely
-RETRY_S = 30.0  # while the verdict is unknown (too few peers online to tell)
+# while the verdict is unknown (too few peers online or free to tell): the first retry, doubling up to RETRY_S, each
+# drawn up to RETRY_JITTER later (nodes that started together do not ask the same busy peers together again). A
+# fixed 30 s kept a node that checked while its peers were busy answering each other "unknown" for half a minute,
+# and drivers relay to a node whose reachability is unknown.
+RETRY_FIRST_S = 5.0
+RETRY_S = 30.0
+RETRY_JITTER = 0.2
 
 
 class Reachability:
@@ -35,6 +43,7 @@ class Reachability:
         self.verdict: Any = None  # swarm.dht.reachability.Verdict
         self._future: Any = None
         self._next_at: float | None = None
+        self._unknowns = 0  # checks in a row that could not tell (the retry's backoff)
 
     @property
     def record_value(self) -> int:
@@ -64,7 +73,7 @@ class Reachability:
         responders = sorted({r.peer_id for records in node.announcer.views.values() for r in records
                              if r.state == "online" and r.peer_id != me})
         if not responders:
-            self._next_at = now_s + RETRY_S
+            self._next_at = self._retry_at(now_s)
             if self.verdict is None:
                 node.board.publish(reachability_detail="no other online peer to ask yet")
             return
@@ -88,10 +97,13 @@ class Reachability:
         node = self.node
         previous = self.verdict
         if verdict.status == UNKNOWN and previous is not None and previous.status != UNKNOWN:
-            self._next_at = now_s + RETRY_S  # keep what we knew; a later check may tell again
+            self._next_at = self._retry_at(now_s)  # keep what we knew; a later check may tell again
             return
         self.verdict = verdict
-        self._next_at = now_s + (RETRY_S if verdict.status == UNKNOWN else RECHECK_S)
+        if verdict.status == UNKNOWN:
+            self._next_at = self._retry_at(now_s)
+        else:
+            self._unknowns, self._next_at = 0, now_s + RECHECK_S
         node.board.publish(reachability=verdict.status, reachability_detail=verdict.detail,
                            reachability_at=time.time())
         if previous is not None and previous.status == verdict.status:
@@ -107,6 +119,11 @@ class Reachability:
         if verdict.status == UNREACHABLE and node.rebalancer.enabled and node.swarm != "layer0":
             node.move_to("layer0", "other hosts cannot dial this node: layer0 is the one swarm that needs no "
                                    "inbound connection (its peers drive)")
+
+    def _retry_at(self, now_s: float) -> float:
+        delay = min(RETRY_S, RETRY_FIRST_S * 2 ** self._unknowns)
+        self._unknowns += 1
+        return now_s + delay * random.uniform(1.0, 1.0 + RETRY_JITTER)
 
     def close(self) -> None:
         if self._future is not None:
