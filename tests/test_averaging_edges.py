@@ -175,6 +175,24 @@ def test_the_graph_follows_the_online_records_and_says_so():
     assert "training alone" in events[-1][2]
 
 
+def test_the_first_notice_after_the_graph_changes_comes_as_soon_as_the_first_one():
+    """A user whose neighbour left sees within FIRST_NOTICE_S whether the new edges work, not a period later."""
+    from swarm.averaging.edges import FIRST_NOTICE_S, NOTICE_S
+
+    _, edges, _, events = _setup()
+    edges._notice_at = time.monotonic()  # a notice just went out
+    edges._maybe_notice()
+    assert not [e for e in events if e[1] == "averaged"]
+    edges.set_records([_record(p) for p in OTHERS[:2]] + [_record(ME)])
+    edges._unreachable.add("peer-d")  # peer-d crashed: its record lingers no longer
+    edges.set_records([_record(p) for p in OTHERS[:2]] + [_record(ME)])
+    assert edges.graph.peers == ("peer-a", ME, "peer-c")
+    assert time.monotonic() - edges._notice_at >= NOTICE_S - FIRST_NOTICE_S, "the next notice is due in 5 s"
+    edges._notice_at -= FIRST_NOTICE_S
+    edges._maybe_notice()
+    assert [e for e in events if e[1] == "averaged"]
+
+
 def test_a_step_with_a_new_graph_keeps_surviving_duals_and_rescales_eta():
     worker, edges, _, _ = _setup()
     worker.forward_backward("mb0", *_batch(0))

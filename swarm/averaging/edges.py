@@ -69,7 +69,7 @@ logger = logging.getLogger(__name__)
 
 INBOX_PER_SENDER = 8  # messages queued per neighbour while we do not step; the oldest go first
 NOTICE_S = 30.0
-FIRST_NOTICE_S = 5.0  # the first notice comes early: the user sees at once that the edges work
+FIRST_NOTICE_S = 5.0  # the first notice (and the first after the graph changes) comes early: the edges work
 LAG_WINDOW = 64  # deliveries over which the lag (our steps from sending to the reply) is measured
 Notify = Callable[[str, str, str], None]  # (level, kind, text)
 Send = Callable[[str, torch.Tensor, int], Any]  # async (peer, message, step) -> their message; raises on failure
@@ -153,6 +153,8 @@ class EdgeAveraging:
             return
         graph = self._build(view)
         self.graph = graph  # the compute thread adopts it at the next step
+        # the next notice comes soon, as the first does: the user sees at once whether the new edges work
+        self._notice_at = min(self._notice_at, now - (NOTICE_S - FIRST_NOTICE_S))
         neighbours = graph.neighbours(self.me)
         shown = ", ".join(peer[-8:] for peer in neighbours) or "none"
         why = "" if len(view) > 1 else "; training alone until another peer of the swarm is online"
