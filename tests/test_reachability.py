@@ -129,6 +129,40 @@ def test_a_crowd_of_requesters_is_served_at_most_a_few_at_a_time(requesters):
     assert codes.count("ok") == 2 and codes.count("busy") == requesters - 2, codes
 
 
+def test_a_check_soon_after_one_that_could_not_tell_asks_other_peers_and_counts_the_earlier_answers(monkeypatch):
+    """Each responder serves a requester once per RATE_PERIOD_S: a retry asks peers that have not answered lately
+    (the others would refuse it), and one answer from each of two checks tells what two answers to one check do."""
+    import swarm.dht.reachability as reach
+    from swarm.dht.reachability import RecentAnswers, check_reachability
+
+    mine = "/ip4/10.0.0.5/tcp/4001"
+    replies = {"a": {mine: "timeout"}, "b": None, "c": None, "d": {mine: "no_route"}}
+    asked: list[str] = []
+
+    async def ask(p2p, peer, run_id, maddrs):
+        asked.append(peer)
+        return replies[peer]
+
+    class P2P:
+        async def get_visible_maddrs(self):
+            return [mine + "/p2p/QmMe", "/ip4/127.0.0.1/tcp/4001/p2p/QmMe"]
+
+    monkeypatch.setattr(reach, "ask_dial_back", ask)
+    clock = [100.0]
+    recent = RecentAnswers(monotonic=lambda: clock[0])
+    first = _run(check_reachability(P2P(), "run-1", ["a", "b", "c"], recent=recent))
+    assert first.status == UNKNOWN and sorted(asked) == ["a", "b", "c"], (first, asked)
+    asked.clear()
+    clock[0] += 5.0
+    second = _run(check_reachability(P2P(), "run-1", ["a", "b", "c", "d"], recent=recent))
+    assert "a" not in asked, "a served us 5 s ago: it would refuse (rate_limited)"
+    assert second.status == UNREACHABLE and second.answered == 2, second
+    clock[0] += RATE_PERIOD_S
+    assert recent.answered_lately() == set(), "answers older than a period are forgotten"
+    alone = _run(check_reachability(P2P(), "run-1", ["b"]))  # no memory (`volunteer doctor`): one check
+    assert alone.status == UNKNOWN
+
+
 # ----- the node's side (volunteer/node/reachability.py), on a stand-in node
 class _Peer:
     def __init__(self, verdicts):
@@ -211,8 +245,8 @@ def test_a_node_that_nobody_can_dial_says_so_stops_being_routed_and_an_auto_one_
 
 def test_a_check_that_cannot_tell_is_retried_soon_then_less_often_until_one_tells():
     """Peers that came online together are each other's only responders, and a busy one refuses: the first retry
-    comes within seconds (drivers relay to a node whose reachability is unknown), later ones back off to RETRY_S, and
-    a verdict that tells resets the backoff."""
+    comes within seconds (one behind NAT stays in the drivers' routes until it knows), later ones back off to
+    RETRY_S, and a verdict that tells resets the backoff."""
     from swarm.dht.reachability import Verdict
     from volunteer.node.reachability import FIRST_CHECK_S, RECHECK_S, RETRY_FIRST_S, RETRY_JITTER, RETRY_S, Reachability
 

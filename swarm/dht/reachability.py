@@ -259,30 +259,65 @@ async def ask_dial_back(p2p, peer_id: str, run_id: str, maddrs: Sequence[str],
     return {m: o for m, o in results.items() if isinstance(m, str) and o in OUTCOMES}
 
 
+class RecentAnswers:
+    """The answers a node got to its dial-backs over the last ``RATE_PERIOD_S`` (a responder serves one requester
+    once a period): a check soon after one that could not tell asks peers that have not answered lately, and its
+    verdict counts every answer still recent for the same addresses, so two checks that got one answer each tell
+    what one check that got two would. Loop thread only."""
+
+    def __init__(self, monotonic=time.monotonic):
+        self.monotonic = monotonic
+        self._answers: dict[str, tuple[float, tuple[str, ...], dict]] = {}  # peer -> (when, our maddrs, results)
+
+    def _prune(self) -> float:
+        now = self.monotonic()
+        self._answers = {peer: a for peer, a in self._answers.items() if now - a[0] < RATE_PERIOD_S}
+        return now
+
+    def answered_lately(self) -> set[str]:
+        self._prune()
+        return set(self._answers)
+
+    def add(self, peer: str, maddrs: Sequence[str], results: dict) -> None:
+        self._answers[peer] = (self._prune(), tuple(maddrs), results)
+
+    def for_maddrs(self, maddrs: Sequence[str]) -> dict[str, dict]:
+        self._prune()
+        return {peer: results for peer, (_, asked, results) in self._answers.items() if asked == tuple(maddrs)}
+
+
 async def check_reachability(p2p, run_id: str, responders: Sequence[str], rng: random.Random | None = None,
-                             ask_peers: int = ASK_PEERS) -> Verdict:
+                             ask_peers: int = ASK_PEERS, recent: RecentAnswers | None = None) -> Verdict:
     """Ask up to ask_peers of responders (peer ids, not ours) to dial our visible addresses; at most
-    ``CHECK_TIMEOUT_S`` in all (then: unknown)."""
+    ``CHECK_TIMEOUT_S`` in all (then: unknown). ``recent``: the node's answers of the last period, read and
+    added to (None: a check on its own, as `volunteer doctor` makes)."""
     try:
-        return await asyncio.wait_for(_check(p2p, run_id, responders, rng, ask_peers), CHECK_TIMEOUT_S)
+        return await asyncio.wait_for(_check(p2p, run_id, responders, rng, ask_peers, recent or RecentAnswers()),
+                                      CHECK_TIMEOUT_S)
     except asyncio.TimeoutError:
         return Verdict(UNKNOWN, f"the check took over {CHECK_TIMEOUT_S:.0f} s")
 
 
-async def _check(p2p, run_id: str, responders: Sequence[str], rng: random.Random | None, ask_peers: int) -> Verdict:
+async def _check(p2p, run_id: str, responders: Sequence[str], rng: random.Random | None, ask_peers: int,
+                 recent: RecentAnswers) -> Verdict:
     visible = [str(m) for m in await p2p.get_visible_maddrs()]
     if is_loopback_only(visible):
         return Verdict(LOCAL, "this node listens on loopback only: a run on this machine, nothing to check")
     maddrs = dialable_maddrs(visible)
     if not maddrs:
         return verdict_from([], [])
-    chosen = list(responders)
+    lately = recent.answered_lately()
+    chosen = [peer for peer in responders if peer not in lately]  # the others would refuse: rate_limited
     (rng or random.Random()).shuffle(chosen)
     chosen = chosen[:ask_peers]
-    if not chosen:
+    if not chosen and not recent.for_maddrs(maddrs):
         return Verdict(UNKNOWN, "no other online peer to ask yet")
     answers = await asyncio.gather(*(ask_dial_back(p2p, peer, run_id, maddrs) for peer in chosen))
-    return verdict_from(maddrs, list(answers))
+    for peer, answer in zip(chosen, answers):
+        if answer is not None:
+            recent.add(peer, maddrs, answer)
+    earlier = [answer for peer, answer in recent.for_maddrs(maddrs).items() if peer not in chosen]
+    return verdict_from(maddrs, [*answers, *earlier])
 
 
 def advice(verdict: Verdict, swarm: str | None = None) -> str:

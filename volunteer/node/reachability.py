@@ -30,8 +30,8 @@ FIRST_CHECK_S = 3.0  # after the node is first online: its peers have read its r
 RECHECK_S = 600.0  # a home router's port forward or a laptop's network changes rarely
 # while the verdict is unknown (too few peers online or free to tell): the first retry, doubling up to RETRY_S, each
 # drawn up to RETRY_JITTER later (nodes that started together do not ask the same busy peers together again). A
-# fixed 30 s kept a node that checked while its peers were busy answering each other "unknown" for half a minute,
-# and drivers relay to a node whose reachability is unknown.
+# fixed 30 s kept a node that checked while its peers were busy answering each other "unknown" for half a minute:
+# its user saw no verdict, and one behind NAT stayed in the drivers' routes (only ``reachable: 0`` leaves them).
 RETRY_FIRST_S = 5.0
 RETRY_S = 30.0
 RETRY_JITTER = 0.2
