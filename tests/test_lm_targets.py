@@ -65,4 +65,4 @@ def test_status_reports_a_language_model_in_bits_per_byte():
               "evaluation": {"test_accuracy": None, "test_loss": 1.3863, "test_bits_per_byte": 2.0, "samples": 640,
                              "by": "12D3KooWabcdefgh", "age_s": 3.0, "eval_every_s": 30.0}}
     line = render_report(report).splitlines()[1]
-    assert "test 2.00 bits/byte (loss 1.386 nats)" in line and "after 640 samples" in line
+    assert "test 2.00 bits/byte (loss 1.386 nats/byte)" in line and "after 640 samples" in line

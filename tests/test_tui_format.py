@@ -102,7 +102,7 @@ def test_an_evaluation_always_says_how_old_it_is():
     assert not evaluation_is_stale(None, 10.0)
     assert "STALE" in describe_evaluation(0.97, 0.1, 25.0, 10.0)
     assert describe_evaluation(0.97, 0.1, 5.0, 10.0) == "test accuracy 97.0% (5 s ago)"
-    assert describe_evaluation(None, 1.3863, 5.0, 10.0) == "test 2.00 bits/byte (loss 1.386 nats) (5 s ago)"
+    assert describe_evaluation(None, 1.3863, 5.0, 10.0) == "test 2.00 bits/byte (loss 1.386 nats/byte) (5 s ago)"
 
 
 def test_spot_checks_are_shown_with_what_came_of_them() -> None:

@@ -44,11 +44,12 @@ def bits_per_byte(loss_nats: float) -> float:
 
 def evaluation_figure(accuracy: float | None, loss: float | None) -> str:
     """'test accuracy 97.5%' for a classifier; a language model (no accuracy) in bits per byte:
-    'test 2.01 bits/byte (loss 1.393 nats)'; '' when there is no evaluation."""
+    'test 2.01 bits/byte (loss 1.393 nats/byte)', a token-level model's loss per token spread over the bytes its
+    tokens stand for (the demo's train loss is per token); '' when there is no evaluation."""
     if accuracy is not None:
         return f"test accuracy {accuracy * 100:.1f}%"
     if loss is not None:
-        return f"test {bits_per_byte(loss):.2f} bits/byte (loss {loss:.3f} nats)"
+        return f"test {bits_per_byte(loss):.2f} bits/byte (loss {loss:.3f} nats/byte)"
     return ""
 
 
