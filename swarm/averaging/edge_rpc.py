@@ -38,8 +38,8 @@ from hivemind.proto import runtime_pb2
 
 from swarm.pipeline.stage.stage_rpc import Traffic, stage_namespace
 from swarm.pipeline.transport.wire import (
-    UNARY_LIMIT_BYTES, WireError, decode_tensors, encode_tensors, join_stream, pack_metadata, split_message,
-    unpack_metadata,
+    UNARY_LIMIT_BYTES, StreamCut, WireError, decode_tensors, encode_tensors, join_stream, pack_metadata,
+    split_message, unpack_metadata,
 )
 
 logger = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class EdgeServicer(ServicerBase):
             serialized, metadata = await join_stream(requests, self._max_bytes())
             self.traffic.count(str(context.remote_id), inbound=sum(len(t.buffer) for t in serialized))
             reply, tensors = await self._handle(serialized, metadata, str(context.remote_id))
-        except WireError as exc:
+        except (WireError, StreamCut) as exc:  # a cut request never ends (no end-of-stream): a sender's doing
             reply, tensors = _refusal("rejected", str(exc)), []
         self.traffic.count(str(context.remote_id), outbound=sum(len(t.buffer) for t in tensors))
         for part in split_message(tensors, pack_metadata(reply), runtime_pb2.ExpertResponse):

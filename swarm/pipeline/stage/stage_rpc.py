@@ -77,6 +77,7 @@ from swarm.pipeline.stage.weights_rpc import WEIGHTS_OP, WeightsDoor
 from swarm.pipeline.transport.traffic import Traffic  # noqa: F401  (re-exported: the RPC modules count their bytes in it)
 from swarm.pipeline.transport.wire import (
     DEFAULT_RANK,
+    StreamCut,
     WireError,
     as_proto,
     buffer_bytes,
@@ -145,7 +146,7 @@ class StageServicer(SessionHandlers, Stage0Ops, StageRPC):
             serialized, metadata = await join_stream(requests, self.max_bytes)
             self.traffic.count(str(context.remote_id), inbound=buffer_bytes(serialized), op="served")
             out, meta = await self._handle(serialized, metadata, context)
-        except WireError as exc:
+        except (WireError, StreamCut) as exc:  # a cut request never ends (no end-of-stream): a sender's doing
             out, meta = [], _refusal("rejected", str(exc))
         self.traffic.count(str(context.remote_id), outbound=buffer_bytes(out), op="served")
         for message in split_message(out, pack_metadata(meta), runtime_pb2.ExpertResponse):
