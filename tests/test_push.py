@@ -289,12 +289,12 @@ def test_a_broken_push_resumes_from_what_the_route_kept(stages):
     pusher = Pusher(stub)
     route = [str(layer1.dht.peer_id), str(layer2.dht.peer_id)]
 
-    def recover(kept):
+    def recover(kept, why="test"):
         async def fetch(mb, k, peer, batch):
             return kept[k - 1]
 
         pusher._fetch = fetch
-        return asyncio.run(pusher._recover("k1", route, h0, ids, ids_digest(ids), r0, "test"))
+        return asyncio.run(pusher._recover("k1", route, h0, ids, ids_digest(ids), r0, why))
 
     whole = recover(shows)
     assert whole.back_from == 0 and torch.equal(whole.grad, g0) and whole.loss is not None
@@ -306,6 +306,14 @@ def test_a_broken_push_resumes_from_what_the_route_kept(stages):
     assert no_layer2.grad is None and no_layer2.partial_at == 1 and no_layer2.forwards[1].signer == route[0]
     assert tensor_digest(payload_of(no_layer2.h)) == no_layer2.forwards[1].output
     assert recover([None, None]) is None, "nothing known past our own stage 0: relayed from the start"
+    assert set(pusher.avoid) == set(route), "a broken push: its route is relayed for a while"
+
+    # a cut stream is a transport hiccup: the first on a route is resumed and the route kept; a second within a minute
+    # (or a stage that keeps saying so) is relayed as any broken push
+    pusher.avoid.clear()
+    cut = f"push_broken: layer1 peer got no answer from layer2 peer {route[1][-8:]}: StreamCut"
+    assert recover(shows, cut).back_from == 0 and not pusher.avoid
+    assert recover(shows, cut).back_from == 0 and set(pusher.avoid) == set(route)
 
 
 def test_a_check_of_stage_1s_pushed_hop_asks_only_for_what_its_driver_does_not_hold(stages):

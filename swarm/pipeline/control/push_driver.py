@@ -83,6 +83,7 @@ class Pusher(PushRecovery, PushChecks):
         self.checked = 0  # pushed hops checked after the fact
         self.unshown_total = 0
         self.recovered = 0  # broken pushes resumed by relay from what the route held
+        self.cut_forgiven: dict[str, float] = {}  # peer -> when a cut stream on its route was last forgiven
 
     # ----- the route
     def route(self) -> list[str] | None:
