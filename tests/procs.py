@@ -128,8 +128,10 @@ class Proc:
         wait_until(found, timeout_s, what=f"{needle!r} from {self.name}")
 
     def signal(self, sig: int) -> None:
-        if self.popen.poll() is None:
-            os.kill(self.popen.pid, sig)
+        """Signal it if it still runs: a forked child that exits between the check and the signal is reaped by its
+        fork server, and os.kill then raised ProcessLookupError (tests/test_netlab.py failed so in a full run at
+        its final close); both Popen and forkserver.Forked send only to a child not yet reaped, and take that race."""
+        self.popen.send_signal(sig)
 
     def wait(self, timeout_s: float = 30.0) -> int:
         return self.popen.wait(timeout=timeout_s)
