@@ -45,7 +45,7 @@ class StepGuard:
         a stage's latest committed version (swarm/integrity/weights.py ``unchanged``: the weights an update op just
         computed with), which the guard reads and restores from instead of copying them (4 bytes a parameter)."""
         self.module = module
-        self._plist: list[nn.Parameter] | None = None
+        self._plist = list(module.parameters())  # a stage's are updated in place, never replaced: listed once
         self._kept = kept
         self.optimizer = optimizer
         self.max_step_ratio = max_step_ratio
@@ -59,18 +59,12 @@ class StepGuard:
         self.fast_steps = 0  # steps whose optimizer state was not copied nor checked (moments_stay_finite)
         self.shared_steps = 0  # steps whose pre-step weights were the ring's copy (``kept``), not ours
 
-    def _parameters(self) -> list[nn.Parameter]:
-        """The module's parameters, listed once (a stage's are updated in place, never replaced)."""
-        if self._plist is None:
-            self._plist = list(self.module.parameters())
-        return self._plist
-
     def _params(self) -> list[torch.Tensor]:
-        return [p.data for p in self._parameters()]
+        return [p.data for p in self._plist]
 
     def _state(self) -> list[torch.Tensor]:
         out = []
-        for param in self._parameters():
+        for param in self._plist:
             for value in self.optimizer.state.get(param, {}).values():
                 if isinstance(value, torch.Tensor):
                     out.append(value)
@@ -91,7 +85,7 @@ class StepGuard:
         fast = (grad_norm is not None and param_norms is not None and self._state_is_verified(state)
                 and self.steps % FULL_CHECK_EVERY_STEPS != FULL_CHECK_EVERY_STEPS - 1
                 and moments_stay_finite(self.optimizer, grad_norm, math.sqrt(sum(n * n for n in param_norms))))
-        had_state = {id(p): bool(self.optimizer.state.get(p)) for p in self._parameters()}
+        had_state = {id(p): bool(self.optimizer.state.get(p)) for p in self._plist}
         old = self._kept() if self._kept is not None else None
         if old is not None and _same_layout(old, params):
             self._param_buffers = []  # the copy lives in the ring: ours would be a second one

@@ -74,7 +74,6 @@ class SwarmPeer:
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"rpc-{swarm}", daemon=True)
         self._tasks: list[asyncio.Task] = []
         self._accepting = True
-        self._reach_answers: Any = None  # swarm.dht.reachability.RecentAnswers, made at the first check
         self.healer: Any = None  # swarm.integrity.heal.Healer
         self.snapshot_dir = snapshot_dir  # healing's snapshots go to files there (None: kept in memory)
         self.evaluations = Evaluations(run, self.notify, accepting=lambda: self._accepting)  # on layer0
@@ -83,6 +82,9 @@ class SwarmPeer:
         from swarm.integrity.receipts import ReceiptKey
         from swarm.pipeline.transport.keybook import KeyBook, fetch_receipt_key
 
+        from swarm.dht.reachability import RecentAnswers
+
+        self.reach_answers = RecentAnswers()  # the dial-backs' answers of the last 30 s (reachability retries)
         self.receipt_key = ReceiptKey(str(dht.peer_id), receipt_seed)
         self.keys = KeyBook(lambda peer_id, swarm: fetch_receipt_key(self.p2p, run.run_id, peer_id, swarm))
 
@@ -336,12 +338,10 @@ class SwarmPeer:
     def check_reachability(self, responders: list[str]) -> Any:
         """Ask some of responders (peer ids) to dial us back (swarm/dht/reachability.py): a concurrent future
         of the Verdict, so the caller's loop does not wait."""
-        from swarm.dht.reachability import RecentAnswers, check_reachability
+        from swarm.dht.reachability import check_reachability
 
-        if self._reach_answers is None:
-            self._reach_answers = RecentAnswers()
         return asyncio.run_coroutine_threadsafe(check_reachability(self.p2p, self.run.run_id, responders,
-                                                                   recent=self._reach_answers), self._loop)
+                                                                   recent=self.reach_answers), self._loop)
 
     def update_views(self, views: dict[str, list[MemberRecord]], fresh: set[str] | None = None) -> None:
         """The swarms as last read; ``fresh``: the swarms read this heartbeat (None: all of them). A swarm is

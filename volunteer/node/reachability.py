@@ -121,9 +121,10 @@ class Reachability:
                                    "inbound connection (its peers drive)")
 
     def _retry_at(self, now_s: float) -> float:
-        delay = min(RETRY_S, RETRY_FIRST_S * 2 ** self._unknowns)
+        from swarm.pipeline.control.routing import backoff_s
+
         self._unknowns += 1
-        return now_s + delay * random.uniform(1.0, 1.0 + RETRY_JITTER)
+        return now_s + backoff_s(self._unknowns, RETRY_FIRST_S, RETRY_S) * random.uniform(1.0, 1.0 + RETRY_JITTER)
 
     def close(self) -> None:
         if self._future is not None:
