@@ -89,6 +89,10 @@ def split(reps: int, width: int, batch: int, stage: int, stages: int = 4) -> dic
     from swarm.pipeline.stage import worker as stage_module
     from swarm.pipeline.stage import stage_rpc
     from swarm.pipeline.transport import wire
+    try:  # split and join live in streams.py since session 24 (an earlier commit measured: wire.py)
+        from swarm.pipeline.transport import streams
+    except ImportError:
+        streams = wire
     from swarm.pipeline.stage.worker import StageWorker
 
     torch.set_num_threads(1)
@@ -120,7 +124,7 @@ def split(reps: int, width: int, batch: int, stage: int, stages: int = 4) -> dic
     g = torch.randn(batch, width) * 1e-3
     encode = getattr(wire, "encode_lean", wire.encode_tensors)  # the stage's encoder (before issue 29: encode_tensors)
     # what arrives: the stream's messages as bytes off the socket (the sender's work is not the stage's)
-    arrived = [[m.SerializeToString() for m in wire.split_message(encode([t]), b"", runtime_pb2.ExpertRequest)]
+    arrived = [[m.SerializeToString() for m in streams.split_message(encode([t]), b"", runtime_pb2.ExpertRequest)]
                for t in (x, g)]
     loop = asyncio.new_event_loop()
 
@@ -131,14 +135,14 @@ def split(reps: int, width: int, batch: int, stage: int, stages: int = 4) -> dic
     def one(mb: str) -> None:
         for op, raw in (("forward", arrived[0]), ("backward", arrived[1])):
             with timers.section("wire: parse and join the stream's parts"):
-                serialized, _ = loop.run_until_complete(wire.join_stream(messages(raw), max_bytes))
+                serialized, _ = loop.run_until_complete(streams.join_stream(messages(raw), max_bytes))
             tensors = stage_rpc.decode_tensors(serialized, max_bytes, coded=True)
             receipts.tensor_digest(serialized[0])
             out, _ = stage_rpc.dispatch(worker, op, tensors, {"mb": mb})
             reply = encode(out)
             receipts.tensor_digest(reply[0])
             with timers.section("wire: cut into parts and serialize"):
-                for message in wire.split_message(reply, b"", runtime_pb2.ExpertResponse):
+                for message in streams.split_message(reply, b"", runtime_pb2.ExpertResponse):
                     message.SerializeToString()  # what hivemind's stream writer does with it
 
     for i in range(3):

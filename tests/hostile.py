@@ -39,7 +39,8 @@ from hivemind.proto import runtime_pb2
 from swarm.pipeline.stage import stage_rpc
 from swarm.dht.records import MemberRecord
 from swarm.run.runconfig import RunConfig
-from swarm.pipeline.transport.wire import WireError, decode_tensors, encode_tensors, join_stream, pack_metadata, split_message, unpack_metadata
+from swarm.pipeline.transport.streams import join_stream, split_message
+from swarm.pipeline.transport.wire import WireError, decode_tensors, encode_tensors, pack_metadata, unpack_metadata
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 FLOAT32_MAX = 3.0e38

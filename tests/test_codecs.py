@@ -275,7 +275,7 @@ def test_a_coded_payload_over_the_unary_limit_survives_streaming():
 
     from hivemind.proto import runtime_pb2
 
-    from swarm.pipeline.transport.wire import join_stream, split_message
+    from swarm.pipeline.transport.streams import join_stream, split_message
 
     x = torch.randn(1024, 1024)  # int8: 1 MiB, streamed in parts
     messages = list(split_message(encode_tensors([x], "int8"), b"meta", runtime_pb2.ExpertRequest))
@@ -300,7 +300,8 @@ def test_a_stream_cut_between_a_tensors_parts_is_a_cut_connection_not_a_malforme
     from hivemind.compression import serialize_torch_tensor
     from hivemind.proto import runtime_pb2
 
-    from swarm.pipeline.transport.wire import StreamCut, WireError, join_stream, split_message
+    from swarm.pipeline.transport.streams import StreamCut, join_stream, split_message
+    from swarm.pipeline.transport.wire import WireError
 
     x = torch.randn(3, 1024, 1024)  # 12 MiB: 12 parts
     serialized = encode_tensors([x], "float32") if ours else [serialize_torch_tensor(x)]

@@ -34,9 +34,8 @@ from hivemind.proto import runtime_pb2
 from swarm.averaging.agent import SwarmAveraging
 from swarm.averaging.checks import ParamsRejected, check_params
 from swarm.pipeline.stage.stage_rpc import stage_namespace
-from swarm.pipeline.transport.wire import (
-    WireError, decode_tensors, encode_tensors, join_stream, pack_metadata, split_message, unpack_metadata,
-)
+from swarm.pipeline.transport.streams import ASK_UID, join_stream, reply_stream, split_message
+from swarm.pipeline.transport.wire import WireError, decode_tensors, encode_tensors, pack_metadata, unpack_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +90,8 @@ class GroupServicer(ServicerBase):
             serialized, reply = encode_tensors([tensor], self.averager.cfg.wire_dtype), {"ok": True}
         except (RoundFailed, WireError, asyncio.TimeoutError) as exc:
             serialized, reply = [], {"ok": False, "error": str(exc)[:300]}
-        for message in split_message(serialized, pack_metadata(reply), runtime_pb2.ExpertResponse):
+        messages = split_message(serialized, pack_metadata(reply), runtime_pb2.ExpertResponse)
+        async for message in reply_stream(messages, request.uid == ASK_UID):  # streams.py
             yield message
 
 
@@ -199,7 +199,7 @@ class GroupAverager:
     async def _call(self, peer: str, current: _Round, op: str, index: int, deadline: float) -> torch.Tensor:
         stub = GroupServicer.get_stub(self.averaging.p2p, PeerID.from_base58(peer), namespace=self.namespace)
         request = runtime_pb2.ExpertRequest(metadata=pack_metadata({
-            "op": op, "round": current.round_id, "key": current.key, "index": index}))
+            "op": op, "round": current.round_id, "key": current.key, "index": index}), uid=ASK_UID)
         limit = int(self.cfg.max_state_mb * 2**20)
 
         async def call() -> tuple[list[Any], bytes]:

@@ -37,9 +37,9 @@ from hivemind.p2p import P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
 from swarm.pipeline.stage.stage_rpc import Traffic, stage_namespace
+from swarm.pipeline.transport.streams import StreamCut, join_request, join_stream, reply_stream, split_message
 from swarm.pipeline.transport.wire import (
-    UNARY_LIMIT_BYTES, StreamCut, WireError, decode_tensors, encode_tensors, join_stream, pack_metadata,
-    split_message, unpack_metadata,
+    UNARY_LIMIT_BYTES, WireError, decode_tensors, encode_tensors, pack_metadata, unpack_metadata,
 )
 
 logger = logging.getLogger(__name__)
@@ -85,14 +85,16 @@ class EdgeServicer(ServicerBase):
 
     async def rpc_edge_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                               context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        asked = False  # whether the caller closes the stream at our reply's end mark (streams.py)
         try:
-            serialized, metadata = await join_stream(requests, self._max_bytes())
+            serialized, metadata, asked = await join_request(requests, self._max_bytes())
             self.traffic.count(str(context.remote_id), inbound=sum(len(t.buffer) for t in serialized))
             reply, tensors = await self._handle(serialized, metadata, str(context.remote_id))
         except (WireError, StreamCut) as exc:  # a cut request never ends (no end-of-stream): a sender's doing
             reply, tensors = _refusal("rejected", str(exc)), []
         self.traffic.count(str(context.remote_id), outbound=sum(len(t.buffer) for t in tensors))
-        for part in split_message(tensors, pack_metadata(reply), runtime_pb2.ExpertResponse):
+        parts = split_message(tensors, pack_metadata(reply), runtime_pb2.ExpertResponse)
+        async for part in reply_stream(parts, asked):
             yield part
 
     def _max_bytes(self) -> int:
@@ -171,7 +173,8 @@ async def swap_edge_messages(p2p: Any, peer_id: str, run: Any, swarm: str, messa
         if sent < UNARY_LIMIT_BYTES:
             reply = await stub.rpc_edge(runtime_pb2.ExpertRequest(tensors=serialized, metadata=metadata))
             return list(reply.tensors), reply.metadata
-        replies = await stub.rpc_edge_stream(_aiter(split_message(serialized, metadata, runtime_pb2.ExpertRequest)))
+        requests = split_message(serialized, metadata, runtime_pb2.ExpertRequest, ask_end=True)
+        replies = await stub.rpc_edge_stream(_aiter(requests))
         return await join_stream(replies, limit)
 
     try:

@@ -37,8 +37,9 @@ from hivemind.p2p import P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
 from swarm.pipeline.stage.stage_rpc import Traffic, stage_namespace
+from swarm.pipeline.transport.streams import ASK_UID, join_stream, reply_stream
 from swarm.pipeline.transport.wire import (
-    WIRE_DTYPES, WireError, decode_tensors, encode_tensors, join_stream, pack_metadata, unpack_metadata,
+    WIRE_DTYPES, WireError, decode_tensors, encode_tensors, pack_metadata, unpack_metadata,
 )
 
 logger = logging.getLogger(__name__)
@@ -82,19 +83,24 @@ class ParamsServicer(ServicerBase):
         meta = unpack_metadata(request.metadata, MAX_PARAMS_METADATA_BYTES)
         self.serving += 1
         try:
-            state = await asyncio.to_thread(self.worker.capture, bool(meta.get("optimizer")))
-            optimizer = state.optimizer or {}
-            reply = pack_metadata({
-                "ok": True, "names": list(state.params), "optimizer_names": list(optimizer),
-                "clock": float(state.clock), "loss": state.loss_ema, "param_version": int(state.param_version),
-            })
-            tensors = [(t, str(meta.get("wire_dtype"))) for t in state.params.values()]
-            tensors += [(t, "float32") for t in optimizer.values()]  # float16 would flush Adam's 2nd moments
-            async for message in _stream(tensors, reply, self.traffic, str(context.remote_id)):
+            copy = self._copy(meta, str(context.remote_id))
+            async for message in reply_stream(copy, request.uid == ASK_UID):
                 yield message
-            self.served += 1
         finally:
             self.serving -= 1
+
+    async def _copy(self, meta: dict, peer: str) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        state = await asyncio.to_thread(self.worker.capture, bool(meta.get("optimizer")))
+        optimizer = state.optimizer or {}
+        reply = pack_metadata({
+            "ok": True, "names": list(state.params), "optimizer_names": list(optimizer),
+            "clock": float(state.clock), "loss": state.loss_ema, "param_version": int(state.param_version),
+        })
+        tensors = [(t, str(meta.get("wire_dtype"))) for t in state.params.values()]
+        tensors += [(t, "float32") for t in optimizer.values()]  # float16 would flush Adam's 2nd moments
+        async for message in _stream(tensors, reply, self.traffic, peer):
+            yield message
+        self.served += 1
 
     def _refusal(self, raw: bytes) -> dict | None:
         try:
@@ -153,7 +159,7 @@ async def fetch_params(p2p: Any, peer_id: str, run: Any, swarm: str, timeout_s: 
     stub = ParamsServicer.get_stub(p2p, PeerID.from_base58(peer_id), namespace=stage_namespace(run.run_id, swarm))
     request = runtime_pb2.ExpertRequest(metadata=pack_metadata({
         "op": PARAMS_OP, "run_id": run.run_id, "swarm": swarm, "optimizer": with_optimizer, "wire_dtype": wire_dtype,
-    }))
+    }), uid=ASK_UID)
     started = time.perf_counter()
 
     async def call() -> tuple[list[Any], bytes]:

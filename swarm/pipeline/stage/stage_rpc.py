@@ -74,19 +74,17 @@ from swarm.pipeline.stage.stage_receipts import NeedChain, ReceiptDesk, ReceiptR
 from swarm.pipeline.stage.convictions import CONVICTION_OP
 from swarm.pipeline.stage.push import PUSH_OPS, SHOW_OP
 from swarm.pipeline.stage.weights_rpc import WEIGHTS_OP, WeightsDoor
+from swarm.pipeline.transport.streams import StreamCut, join_request, reply_stream, split_message
 from swarm.pipeline.transport.traffic import Traffic  # noqa: F401  (re-exported: the RPC modules count their bytes in it)
 from swarm.pipeline.transport.wire import (
     DEFAULT_RANK,
-    StreamCut,
     WireError,
     as_proto,
     buffer_bytes,
     decode_tensors,
     encode_off_loop,
-    join_stream,
     pack_metadata,
     refusal_meta as _refusal,
-    split_message,
     unpack_metadata,
 )
 
@@ -142,14 +140,16 @@ class StageServicer(SessionHandlers, Stage0Ops, StageRPC):
 
     async def rpc_call_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                               context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        asked = False  # whether the caller closes the stream at our reply's end mark (streams.py)
         try:
-            serialized, metadata = await join_stream(requests, self.max_bytes)
+            serialized, metadata, asked = await join_request(requests, self.max_bytes)
             self.traffic.count(str(context.remote_id), inbound=buffer_bytes(serialized), op="served")
             out, meta = await self._handle(serialized, metadata, context)
         except (WireError, StreamCut) as exc:  # a cut request never ends (no end-of-stream): a sender's doing
             out, meta = [], _refusal("rejected", str(exc))
         self.traffic.count(str(context.remote_id), outbound=buffer_bytes(out), op="served")
-        for message in split_message(out, pack_metadata(meta), runtime_pb2.ExpertResponse):
+        messages = split_message(out, pack_metadata(meta), runtime_pb2.ExpertResponse)
+        async for message in reply_stream(messages, asked):
             yield message
 
     def session_cap(self) -> int:

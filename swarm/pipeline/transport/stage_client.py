@@ -13,6 +13,7 @@ from hivemind.proto import runtime_pb2
 
 from swarm.pipeline.transport import sessions
 from swarm.pipeline.transport.sessions import SESSION_LIMIT_BYTES, open_session, session_for
+from swarm.pipeline.transport.streams import join_stream, split_message
 from swarm.pipeline.transport.traffic import Traffic
 from swarm.pipeline.transport.wire import (
     DEFAULT_RANK,
@@ -21,9 +22,7 @@ from swarm.pipeline.transport.wire import (
     buffer_bytes,
     decode_tensors,
     encode_off_loop,
-    join_stream,
     pack_metadata,
-    split_message,
     unpack_metadata,
 )
 
@@ -100,7 +99,7 @@ async def call_stage(p2p: Any, peer_id: str, namespace: str, op: str, tensors: l
         out_serialized, out_meta = list(reply.tensors), reply.metadata
     else:
         async def stream_call():
-            messages = split_message(serialized, metadata, runtime_pb2.ExpertRequest)
+            messages = split_message(serialized, metadata, runtime_pb2.ExpertRequest, ask_end=True)
             replies = await stub.rpc_call_stream(_aiter(messages))
             return await join_stream(replies, max_bytes)
 

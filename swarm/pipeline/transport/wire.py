@@ -2,7 +2,7 @@
 
 A message is a hivemind ``ExpertRequest``/``ExpertResponse``: tensors plus msgpack metadata.
 Payloads under ``UNARY_LIMIT_BYTES`` (512 KiB) travel in one unary call (~1 ms round trip); larger
-ones are streamed in ``STREAM_CHUNK_BYTES`` parts (cheaper in CPU from there; p2pd caps unary at 4 MiB).
+ones are streamed in ``STREAM_CHUNK_BYTES`` parts (cheaper in CPU from there; p2pd caps unary at 4 MiB): streams.py.
 
 Everything that arrives is untrusted: ``decode`` checks the declared sizes before touching the
 buffers and raises ``WireError`` (never anything else) for a malformed or oversized message;
@@ -20,7 +20,7 @@ a tensor of our own the same property (stage 0's output, which the driver signs)
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,16 +48,10 @@ class WireError(ValueError):
     """A message that must be rejected; the text is sent back to the caller."""
 
 
-class StreamCut(ConnectionError):
-    """A streamed message ended before a tensor's declared parts had all come: the stream was cut (a peer that left,
-    a reset; p2pd ends such a stream as if it were complete, measured at ~0.5 % of 7 MiB replies on loopback), not a
-    malformed message. Callers treat it as a failed connection, never as the sender's fault."""
-
-
 @dataclass(slots=True)
 class Payload:
     """A serialized tensor held as one byte buffer, in place of hivemind's ``runtime_pb2.Tensor`` (same fields):
-    a streamed tensor joined once (``join_stream``), or a float32 tensor of ours seen as bytes without a copy
+    a streamed tensor joined once (``streams.join_stream``), or a float32 tensor of ours seen as bytes without a copy
     (``encode_lean``). Protobuf hands out a fresh copy of a bytes field on every access, and hivemind's own
     join and (de)serialization copy 2 MiB four times more (benchmarks/README.md, issue 29); a payload is
     copied once on arrival and a tensor decoded from it shares its buffer. ``as_proto`` makes the message."""
@@ -117,7 +111,7 @@ def encode_tensors(tensors: list[torch.Tensor], codec: str = "float32", rank: in
 
 def encode_lean(tensors: list[torch.Tensor], codec: str = "float32", rank: int = DEFAULT_RANK) -> list[Any]:
     """``encode_tensors`` for the stage RPCs: a float32 tensor sent as float32 becomes a ``Payload`` over the
-    tensor's own memory (no copy: the stream's parts are cut from it, ``split_message``); everything else as
+    tensor's own memory (no copy: the stream's parts are cut from it, ``streams.split_message``); everything else as
     ``encode_tensors`` does. The tensor must not be written afterwards (ours never are: outputs and gradients
     we computed and send as they are)."""
     out = []
@@ -300,68 +294,6 @@ def unpack_metadata(raw: bytes, max_bytes: int = MAX_METADATA_BYTES) -> dict[str
     if not isinstance(meta, dict):
         raise WireError("metadata is not a mapping")
     return meta
-
-
-def split_message(serialized: list[Any], metadata: bytes, message_type: type) -> Iterator[Any]:
-    """One streamed message per chunk; metadata rides on the first. A ``Payload``'s chunks are cut straight from
-    its buffer (hivemind's ``split_for_streaming`` first copies a message's whole buffer out of protobuf)."""
-    from hivemind.utils.streaming import split_for_streaming
-
-    first = True
-    for tensor in serialized:
-        parts = _payload_parts(tensor) if isinstance(tensor, Payload) else split_for_streaming(tensor, STREAM_CHUNK_BYTES)
-        for part in parts:
-            yield message_type(tensors=[part], metadata=metadata if first else b"")
-            first = False
-    if first:
-        yield message_type(tensors=[], metadata=metadata)
-
-
-def _payload_parts(item: Payload) -> Iterator[Any]:
-    from hivemind.proto import runtime_pb2
-
-    view = memoryview(item.buffer)
-    starts = range(0, len(view), STREAM_CHUNK_BYTES)
-    yield runtime_pb2.Tensor(compression=item.compression, buffer=bytes(view[:STREAM_CHUNK_BYTES]), chunks=len(starts),
-                             size=item.size, dtype=item.dtype, requires_grad=item.requires_grad)
-    for start in starts[1:]:
-        yield runtime_pb2.Tensor(buffer=bytes(view[start : start + STREAM_CHUNK_BYTES]))
-
-
-async def join_stream(stream: AsyncIterator[Any], max_bytes: int) -> tuple[list[Payload], bytes]:
-    """Collect a streamed message: (one ``Payload`` per tensor, metadata), refusing oversized streams. A tensor's
-    parts are joined once into one buffer, which its decoded tensor then shares (``decode_tensors``). A tensor's
-    first part declares how many it has (``chunks``, hivemind's and ours): fewer before the next tensor or the end
-    raise ``StreamCut``."""
-    metadata = b""
-    tensors: list[Payload] = []
-    head: Any = None
-    parts: list[bytes] = []
-    received = 0
-    async for message in stream:
-        if message.metadata:
-            metadata = message.metadata
-        for part in message.tensors:
-            buffer = part.buffer  # read once: protobuf copies a bytes field on every access
-            received += len(buffer)
-            if received > max_bytes:
-                raise WireError(f"stream larger than the {max_bytes / 2**20:.0f} MiB this stage accepts")
-            if part.dtype and parts:
-                tensors.append(_joined(head, parts))
-                parts = []
-            if not parts:
-                head = part
-            parts.append(buffer)
-    if parts:
-        tensors.append(_joined(head, parts))
-    return tensors, metadata
-
-
-def _joined(head: Any, parts: list[bytes]) -> Payload:
-    if head.chunks > len(parts):
-        raise StreamCut(f"the stream ended after {len(parts)} of a tensor's {head.chunks} parts")
-    return Payload(dtype=head.dtype, size=list(head.size), compression=int(head.compression),
-                   buffer=bytearray().join(parts), requires_grad=head.requires_grad)
 
 
 def refusal_meta(code: str, error: str, retry_after_s: float | None = None) -> dict:
