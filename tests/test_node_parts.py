@@ -164,6 +164,33 @@ def test_the_view_marks_the_bottleneck_and_me_and_shows_the_current_evaluation()
     assert run_evaluation({"layer0": [_rec("a")]}) == {}
 
 
+def test_a_swarm_read_a_while_ago_is_judged_as_of_its_read_and_says_how_old_it_is():
+    """A peer that drives nothing reads the other swarms every 5 heartbeats (25 s): judged as of now, their live
+    peers showed offline 10 s of every 25 ("online peers layer0:0!" beside micro-batches it trained on)."""
+    from dataclasses import replace
+
+    from volunteer.eventlog import format_summary
+    from volunteer.snapshot import view_age_s
+
+    read_at = NOW_S - 20
+    views = {"layer0": [replace(_rec("a", stalled_s=0.0), updated_at=read_at - 2),
+                        replace(_rec("gone"), updated_at=read_at - 30)],  # stale already when read: offline
+             "layer1": [_rec("me")]}
+    fields = view_fields(views, ["layer0", "layer1"], "layer1", "me", NOW_S, heartbeat_s=5.0,
+                         read_at_s={"layer0": read_at, "layer1": NOW_S - 1})
+    rows = {row.name: row for row in fields["swarms"]}
+    assert (rows["layer0"].online, rows["layer0"].total, rows["layer1"].online) == (1, 2, 1)
+    assert view_age_s(rows["layer0"], NOW_S) == 20 and view_age_s(rows["layer1"], NOW_S) is None
+    assert fields["run_alarms"] == ()
+    snapshot = NodeSnapshot(run_name="r", run_id="r-1", swarm="layer1", peer_id="me", state=NodeState.ONLINE,
+                            swarms=fields["swarms"])
+    line = format_summary(snapshot, now_s=NOW_S)
+    assert line.endswith("online peers layer0:1 layer1:1 (some read 20 s ago)")
+    # without the time of its read, a record is judged as of now, as before
+    alone = view_fields(views, ["layer0", "layer1"], "layer1", "me", NOW_S, heartbeat_s=5.0)
+    assert {row.name: row.online for row in alone["swarms"]} == {"layer0": 0, "layer1": 1}
+
+
 @pytest.mark.parametrize("names", [["layer0"]])
 def test_a_single_swarm_is_never_called_the_bottleneck(names):
     fields = view_fields({}, names, "layer0", "me", NOW_S)

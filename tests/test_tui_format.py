@@ -78,6 +78,9 @@ def test_swarm_marks_are_words() -> None:
     assert swarm_note(SwarmRow("layer4", 1, 2, bottleneck=True), my_swarm="layer3") == "◀ bottleneck"
     assert swarm_note(SwarmRow("layer3", 3, 3), my_swarm="layer3") == "you"
     assert swarm_note(SwarmRow("layer1", 3, 3), my_swarm="layer3") == ""
+    # figures read a while ago say their age (a node that drives nothing reads the other swarms every 25 s)
+    assert swarm_note(SwarmRow("layer1", 3, 3, read_at=100.0), my_swarm="layer3", now_s=120.0) == "read 20s ago"
+    assert swarm_note(SwarmRow("layer3", 3, 3, read_at=115.0), my_swarm="layer3", now_s=120.0) == "you"
 
 
 def test_problems_carry_a_word_not_only_a_colour() -> None:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import time
 
 from swarm.dht.alarms import own_stall_alarm
-from volunteer.snapshot import RUN_COMPLETE_PREFIX, EventLevel, NodeSnapshot, NodeState, SwarmRow, bits_per_byte
+from volunteer.snapshot import (
+    RUN_COMPLETE_PREFIX, EventLevel, NodeSnapshot, NodeState, SwarmRow, bits_per_byte, view_age_s,
+)
 
 NO_VALUE = "–"  # shown where a figure is not known yet (no loss before the first batch)
 _BYTE_UNITS = ("B", "kB", "MB", "GB", "TB", "PB")
@@ -169,13 +171,17 @@ def not_training_line(snapshot: NodeSnapshot, *, leaving: bool = False, silent_s
     return " · ".join(parts)
 
 
-def swarm_note(swarm: SwarmRow, my_swarm: str) -> str:
-    """The words that mark a swarm row, so the marking survives without colour."""
+def swarm_note(swarm: SwarmRow, my_swarm: str, now_s: float | None = None) -> str:
+    """The words that mark a swarm row, so the marking survives without colour, and its figures' age where they
+    were read a while ago (a node that drives nothing reads the other swarms every few heartbeats)."""
     notes = []
     if swarm.bottleneck:
         notes.append("◀ bottleneck")
     if swarm.name == my_swarm:
         notes.append("you")
+    age_s = None if now_s is None else view_age_s(swarm, now_s)
+    if age_s is not None:
+        notes.append(f"read {format_age(age_s)}")
     return " ".join(notes)
 
 

@@ -53,7 +53,7 @@ def _right(value: str, style: str = "") -> Text:
     return Text(value, style=style, justify="right")
 
 
-def swarm_cells(swarm: SwarmRow, my_swarm: str, *, no_color: bool = False) -> Cells:
+def swarm_cells(swarm: SwarmRow, my_swarm: str, *, no_color: bool = False, now_s: float | None = None) -> Cells:
     if swarm.bottleneck and no_color:
         style, note_style = _MINE_STYLE, _BOTTLENECK_NOTE_NO_COLOR
     elif swarm.bottleneck:
@@ -65,7 +65,7 @@ def swarm_cells(swarm: SwarmRow, my_swarm: str, *, no_color: bool = False) -> Ce
         _right(f"{swarm.online}/{swarm.total}", style),
         _right(format_rate(swarm.throughput), style),
         _right(format_loss(swarm.best_loss), style),
-        Text(swarm_note(swarm, my_swarm), style=note_style),
+        Text(swarm_note(swarm, my_swarm, now_s), style=note_style),
     )
 
 
@@ -124,7 +124,8 @@ class SwarmsPanel(Vertical):
 
     def show(self, snapshot: NodeSnapshot, now: float) -> None:
         no_color = self.app.no_color
-        rows = [(swarm.name, swarm_cells(swarm, snapshot.swarm, no_color=no_color)) for swarm in snapshot.swarms]
+        rows = [(swarm.name, swarm_cells(swarm, snapshot.swarm, no_color=no_color, now_s=now))
+                for swarm in snapshot.swarms]
         set_rows(self.query_one("#swarms", ReadOnlyTable), rows)
         count = len(snapshot.swarms)  # short: at 80 columns "1 layer swarms · acc 93.3% · 2…" lost the age
         title = f"The run: {count} swarm{'s' if count != 1 else ''}" if count else "The run: no swarm seen yet"

@@ -8,14 +8,15 @@ import threading
 import time
 from typing import TextIO
 
-from volunteer.snapshot import Event, EventLevel, NodeSnapshot, short_id
+from volunteer.snapshot import Event, EventLevel, NodeSnapshot, short_id, view_age_s
 
 
 def _clock(timestamp: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(timestamp))
 
 
-def format_summary(snap: NodeSnapshot) -> str:
+def format_summary(snap: NodeSnapshot, now_s: float | None = None) -> str:
+    now_s = time.time() if now_s is None else now_s
     parts = [f"{snap.state.value}"]
     if snap.reason:
         parts[0] += f" ({snap.reason})"
@@ -30,7 +31,8 @@ def format_summary(snap: NodeSnapshot) -> str:
         parts.append(f"test acc {snap.test_accuracy:.1%}")
     swarms = " ".join(f"{s.name}:{s.online}{'!' if s.online == 0 else ''}" for s in snap.swarms)
     if swarms:
-        parts.append(f"online peers {swarms}")
+        ages = [age for age in (view_age_s(s, now_s) for s in snap.swarms) if age is not None]
+        parts.append(f"online peers {swarms}" + (f" (some read {max(ages):.0f} s ago)" if ages else ""))
     return " | ".join(parts)
 
 

@@ -34,6 +34,16 @@ def evaluation_is_stale(age_s: float | None, eval_every_s: float) -> bool:
     return age_s is not None and age_s > STALE_EVAL_PERIODS * eval_every_s
 
 
+VIEW_AGE_SHOWN_S = 10.0  # a swarm's figures read longer ago than this say their age (its own swarm: every heartbeat)
+
+
+def view_age_s(row: SwarmRow, now_s: float) -> float | None:
+    """How old a swarm's figures are, where it is worth saying (``VIEW_AGE_SHOWN_S``); None otherwise."""
+    if row.read_at is None or now_s - row.read_at < VIEW_AGE_SHOWN_S:
+        return None
+    return now_s - row.read_at
+
+
 LN_2 = 0.6931471805599453
 
 
@@ -124,6 +134,7 @@ class SwarmRow:
     throughput: float = 0.0
     best_loss: float | None = None
     bottleneck: bool = False  # the swarm with the least online throughput (or no peer at all)
+    read_at: float | None = None  # wall time of the DHT read these figures come from (None: not said)
 
 
 @dataclass(slots=True, frozen=True)

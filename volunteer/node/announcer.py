@@ -34,6 +34,7 @@ class Announcer:
     def __init__(self, node: Node):
         self.node = node
         self.views: dict[str, list[Any]] = {}  # swarm name -> its records, as last read
+        self.read_at_s: dict[str, float] = {}  # swarm name -> wall time of that read (the dashboard judges by it)
         self.shard: int | None = None  # layer0: the data shard we hold
         self.metrics: Any = None  # the stage's last metrics (swarm.pipeline.peer)
         self.started_at_s = time.time()
@@ -93,6 +94,7 @@ class Announcer:
         self._awaited_every_s = AWAITED_READ_S
         self.reads.done(read)
         self.views = {**self.views, **read}
+        self.read_at_s[swarm] = time.time()
         node.peer.update_views(self.views, fresh={swarm})
 
     def _new_evaluation(self) -> bool:
@@ -117,11 +119,13 @@ class Announcer:
         if not every_swarm and self.views:
             drives = node.swarm == "layer0" and node.peer is not None
             names = self.reads.due(names, node.swarm, drives, node.run.timeouts.others_every_heartbeats)
+        now_s = time.time()
         read = node.membership.read_all(names) if names else {}
         fresh = node.membership.fresh if names else set()  # a failed read kept its last view: due again next beat
         self.reads.done({name: records for name, records in read.items() if name in fresh})
         self.fresh = set(fresh)
         self.views = {**self.views, **read}
+        self.read_at_s.update({name: now_s for name in read})  # failed ones too: merge_view judged them now
 
     def choose_shard(self) -> None:
         """layer0, when joining: the shard held by the fewest online layer0 peers (rarest first)."""
@@ -173,7 +177,7 @@ class Announcer:
             self._history_loss.append(snap.loss)
         marked = next((s.name for s in snap.swarms if s.bottleneck), None)
         board.publish(**view_fields(self.views, node.run.swarm_names, node.swarm, snap.peer_id, time.time(), marked,
-                                    heartbeat_s=node.run.timeouts.heartbeat_s),
+                                    heartbeat_s=node.run.timeouts.heartbeat_s, read_at_s=self.read_at_s),
                       **self._resource_fields(), samples_per_s_history=tuple(self._history_speed),
                       loss_history=tuple(self._history_loss))
 

@@ -133,22 +133,29 @@ def run_evaluation(views: dict[str, list[Any]], eval_every_s: float = 10.0) -> d
 
 
 def view_fields(views: dict[str, list[Any]], swarm_names: list[str], swarm: str, me: str,
-                now_s: float, previous_bottleneck: str | None = None, heartbeat_s: float | None = None) -> dict[str, Any]:
+                now_s: float, previous_bottleneck: str | None = None, heartbeat_s: float | None = None,
+                read_at_s: dict[str, float] | None = None) -> dict[str, Any]:
     """The snapshot's ``swarms`` (with the bottleneck marked, see ``bottleneck_swarm``), ``peers`` (our swarm's
-    records) and the run's ``alarms`` (swarm/dht/alarms.py). With ``heartbeat_s``, a record whose heartbeat is
-    stale at ``now_s`` shows offline, however recently it was read (records.py ``as_seen``)."""
+    records) and the run's ``alarms`` (swarm/dht/alarms.py). With ``heartbeat_s``, a record whose heartbeat was
+    stale when its swarm was last read (``read_at_s``: wall time per swarm; ``now_s`` for a swarm not in it) shows
+    offline (records.py ``as_seen``), and each swarm's row says when that read was. A record is judged as of its
+    read, not as of now: a peer that drives nothing reads the other swarms every 5 heartbeats, and judged as of now
+    their live peers showed offline 10 s of every 25 (a layer1 volunteer's status said "layer0:0!" while it trained
+    on layer0's micro-batches, and its run alarms were computed from that)."""
     from swarm.dht.alarms import run_alarms
     from swarm.dht.membership import summarize
     from swarm.dht.records import as_seen
 
+    read_at_s = read_at_s or {}
     if heartbeat_s is not None:
-        views = {name: [as_seen(r, now_s, heartbeat_s) for r in records] for name, records in views.items()}
+        views = {name: [as_seen(r, min(now_s, read_at_s.get(name, now_s)), heartbeat_s) for r in records]
+                 for name, records in views.items()}
 
     swarms = []
     for name in swarm_names:
         online, throughput, best_loss = summarize(views.get(name, []))
         swarms.append(SwarmRow(name=name, online=online, total=len(views.get(name, [])),
-                               throughput=throughput, best_loss=best_loss))
+                               throughput=throughput, best_loss=best_loss, read_at=read_at_s.get(name)))
     marked = bottleneck_swarm(swarms, previous_bottleneck)
     swarms = [replace(s, bottleneck=(s.name == marked)) for s in swarms]
     peers = tuple(
