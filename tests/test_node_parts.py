@@ -189,6 +189,10 @@ def test_a_swarm_read_a_while_ago_is_judged_as_of_its_read_and_says_how_old_it_i
     # without the time of its read, a record is judged as of now, as before
     alone = view_fields(views, ["layer0", "layer1"], "layer1", "me", NOW_S, heartbeat_s=5.0)
     assert {row.name: row.online for row in alone["swarms"]} == {"layer0": 0, "layer1": 1}
+    # the evaluation layer0 publishes is stale only if it was already old at that read (eval_every_s 10)
+    assert not replace(snapshot, test_at=read_at - 5, eval_every_s=10.0).evaluation_stale(NOW_S)  # 25 s old now
+    assert replace(snapshot, test_at=read_at - 25, eval_every_s=10.0).evaluation_stale(NOW_S)
+    assert replace(snapshot, test_at=NOW_S - 25, swarms=(), eval_every_s=10.0).evaluation_stale(NOW_S)
 
 
 @pytest.mark.parametrize("names", [["layer0"]])

@@ -11,7 +11,7 @@ from textual.containers import Vertical
 from textual.widgets import DataTable
 
 from tui.format import format_age, format_count, format_evaluation, format_loss, format_rate, swarm_note
-from volunteer.snapshot import NodeSnapshot, NodeState, PeerRow, SwarmRow, evaluation_is_stale, short_id
+from volunteer.snapshot import NodeSnapshot, NodeState, PeerRow, SwarmRow, short_id
 
 Cells = tuple[str | Text, ...]
 
@@ -132,7 +132,7 @@ class SwarmsPanel(Vertical):
         if snapshot.test_accuracy is not None or snapshot.test_loss is not None:
             age_s = None if snapshot.test_at is None else max(0.0, now - snapshot.test_at)
             title += " · " + format_evaluation(snapshot.test_accuracy, snapshot.test_loss, age_s,
-                                               evaluation_is_stale(age_s, snapshot.eval_every_s))
+                                               snapshot.evaluation_stale(now))
         self.border_title = title
 
 

@@ -63,8 +63,10 @@ def evaluation_figure(accuracy: float | None, loss: float | None) -> str:
     return ""
 
 
-def describe_evaluation(accuracy: float | None, loss: float | None, age_s: float | None, eval_every_s: float) -> str:
-    """'test accuracy 97.5% (12s ago)'; older than two eval periods: '... STALE, 3m 10s ago: no newer one'."""
+def describe_evaluation(accuracy: float | None, loss: float | None, age_s: float | None, eval_every_s: float,
+                        stale: bool | None = None) -> str:
+    """'test accuracy 97.5% (12s ago)'; older than two eval periods (or ``stale``, as a node judged it: as of its
+    read of the records): '... STALE, 3m 10s ago: no newer one'."""
     from volunteer.policy import format_duration
 
     figure = evaluation_figure(accuracy, loss)
@@ -72,7 +74,7 @@ def describe_evaluation(accuracy: float | None, loss: float | None, age_s: float
         return "no evaluation yet"
     if age_s is None:
         return f"{figure} (age unknown)"
-    if evaluation_is_stale(age_s, eval_every_s):
+    if evaluation_is_stale(age_s, eval_every_s) if stale is None else stale:
         return f"{figure} (STALE: measured {format_duration(age_s)} ago, no newer evaluation)"
     return f"{figure} ({format_duration(age_s)} ago)"
 
@@ -210,6 +212,17 @@ class NodeSnapshot:
     def evaluation_age_s(self) -> float | None:
         return None if self.test_at is None else max(0.0, time.time() - self.test_at)
 
+    def evaluation_stale(self, now_s: float | None = None) -> bool:
+        """Whether the evaluation was already old when this node last read layer0's records, which publish it: a
+        node that drives nothing reads them every few heartbeats, and judged by its age now a fresh evaluation
+        showed STALE most of the time."""
+        if self.test_at is None:
+            return False
+        read_at = next((s.read_at for s in self.swarms if s.name == "layer0" and s.read_at is not None), None)
+        now_s = time.time() if now_s is None else now_s
+        at = now_s if read_at is None else min(now_s, read_at)
+        return evaluation_is_stale(max(0.0, at - self.test_at), self.eval_every_s)
+
     @property
     def uptime_s(self) -> float:
         return max(0.0, time.time() - self.started_at)
@@ -224,7 +237,7 @@ class NodeSnapshot:
         data["uptime_s"] = round(self.uptime_s, 1)
         age = self.evaluation_age_s
         data["evaluation_age_s"] = None if age is None else round(age, 1)
-        data["evaluation_stale"] = evaluation_is_stale(age, self.eval_every_s)
+        data["evaluation_stale"] = self.evaluation_stale()
         for event in data["events"]:
             event["level"] = event["level"].value if isinstance(event["level"], EventLevel) else event["level"]
         return data

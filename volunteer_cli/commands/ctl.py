@@ -125,7 +125,8 @@ def render_status(snap: dict) -> str:
         from volunteer.snapshot import describe_evaluation
 
         work.append("run " + describe_evaluation(snap.get("test_accuracy"), snap.get("test_loss"),
-                                                 snap.get("evaluation_age_s"), snap.get("eval_every_s", 10.0)))
+                                                 snap.get("evaluation_age_s"), snap.get("eval_every_s", 10.0),
+                                                 snap.get("evaluation_stale")))
     lines.append(", ".join(work))
     swarms = snap.get("swarms") or []
     if swarms:
