@@ -136,6 +136,15 @@ def test_framing_benchmark_quick_measures_both_ways_and_leaves_no_daemon(swarm):
     assert "python_cpu_1m_lean_vs_hivemind" in report and "p2pd_cpu_1m_lean_vs_hivemind" in report
 
 
+def test_stream_cuts_benchmark_quick_calls_both_ways_and_none_that_asks_is_cut(swarm):
+    report = _quick("benchmarks.stream_cuts", swarm.env)
+    for way in ("plain", "ask"):
+        assert report["ways"][way]["calls"] == 100
+        _positive(report["ways"][way], ("cpu_ms_per_call", "ms_per_call"))
+    assert report["cut_ask"] == 0 and report["cut_plain"] >= 0  # the plain way's cuts are rare (~0.2 %)
+    _positive(report, ("cpu_ms_per_call_ask_vs_plain",))
+
+
 def test_the_data_plane_figure_sums_each_peers_bytes_over_its_heartbeats_and_skips_what_it_cannot_span():
     """benchmarks/pipeline_dataplane.py: bytes moved = Mb/s x the span since the peer's previous record (its rates
     cover that span), an offline record or one without rates adds nothing, a peer's first record only starts it."""
