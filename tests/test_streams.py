@@ -24,7 +24,8 @@ async def _items(messages):
 
 
 async def _collect(generator) -> list:
-    return [message async for message in generator]
+    """What the wire carries: each message as it is when yielded (a server may clear one it has sent)."""
+    return [type(message).FromString(message.SerializeToString()) async for message in generator]
 
 
 def _reply(asked: bool) -> list:
@@ -89,6 +90,29 @@ def test_a_server_tells_a_caller_that_asks_from_one_of_an_earlier_version():
     for messages, expected in ((asked, True), (plain, False)):
         tensors, metadata, marked = asyncio.run(join_request(_items(messages), 8 * MIB))
         assert marked is expected and metadata == b"meta" and torch.equal(decode_tensors(tensors, 8 * MIB)[0], X)
+
+
+def test_a_held_stream_keeps_nothing_of_its_reply_and_holds_are_capped(monkeypatch):
+    """A caller that never closes holds a coroutine and a stream for CLOSE_WAIT_S, not the reply's memory (hivemind's
+    handler still references the last message it sent), and past the cap a reply closes at once."""
+    import threading
+
+    async def run(holds: int) -> tuple[int, bool]:
+        monkeypatch.setattr(streams, "_HOLDS", threading.BoundedSemaphore(holds) if holds else threading.Semaphore(0))
+        replies = reply_stream(split_message(encode_tensors([X]), b"meta", runtime_pb2.ExpertResponse), True)
+        sent = [await replies.__anext__() for _ in range(6)]
+        after = asyncio.ensure_future(replies.__anext__())  # hivemind asks for more once the last one is sent
+        await asyncio.sleep(0.1)
+        held = not after.done()
+        if held:
+            after.cancel()
+        else:
+            assert isinstance(after.exception(), StopAsyncIteration)  # the reply ended: its stream closes
+        return sent[-1].ByteSize(), held
+
+    monkeypatch.setattr(streams, "CLOSE_WAIT_S", 30.0)
+    assert asyncio.run(run(holds=1)) == (0, True)
+    assert asyncio.run(run(holds=0)) == (0, False)
 
 
 class Echo(ServicerBase):

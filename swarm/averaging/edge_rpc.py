@@ -94,6 +94,7 @@ class EdgeServicer(ServicerBase):
             reply, tensors = _refusal("rejected", str(exc)), []
         self.traffic.count(str(context.remote_id), outbound=sum(len(t.buffer) for t in tensors))
         parts = split_message(tensors, pack_metadata(reply), runtime_pb2.ExpertResponse)
+        serialized = tensors = None  # the parts hold the reply alone (reply_stream drops it before a hold)
         async for part in reply_stream(parts, asked):
             yield part
 

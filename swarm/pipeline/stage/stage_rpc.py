@@ -149,6 +149,7 @@ class StageServicer(SessionHandlers, Stage0Ops, StageRPC):
             out, meta = [], _refusal("rejected", str(exc))
         self.traffic.count(str(context.remote_id), outbound=buffer_bytes(out), op="served")
         messages = split_message(out, pack_metadata(meta), runtime_pb2.ExpertResponse)
+        serialized = out = None  # the messages hold the reply alone (reply_stream drops it before a hold)
         async for message in reply_stream(messages, asked):
             yield message
 

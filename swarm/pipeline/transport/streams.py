@@ -16,6 +16,7 @@ ended without it was cut (``StreamCut``, a failed connection), even when its ten
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Iterable, Iterator
 from contextlib import suppress
 from typing import Any
@@ -23,6 +24,9 @@ from typing import Any
 from swarm.pipeline.transport.wire import STREAM_CHUNK_BYTES, Payload, WireError
 
 CLOSE_WAIT_S = 10.0  # a server waits this long at most, after its end mark, for the caller to close the stream
+# streams held open at once in this process, at most: a caller that never closes holds a coroutine and a p2pd stream
+# (nothing of the reply: see reply_stream) for CLOSE_WAIT_S; past the cap a reply is closed at once, as before
+_HOLDS = threading.BoundedSemaphore(128)
 ASK_UID = "eor"  # a request's ``uid`` that asks: "mark your streamed reply's end, I close the stream first"
 
 
@@ -54,7 +58,8 @@ def split_message(serialized: list[Any], metadata: bytes, message_type: type, *,
 async def reply_stream(messages: Iterable[Any] | AsyncIterator[Any], asked: bool) -> AsyncIterator[Any]:
     """A server's streamed reply: ``messages`` as they are to a caller that did not ask; to one that did, with an
     empty part after the first message's parts (the promise) and after the last's (the end), and then held open
-    until that caller closes (hivemind cancels this generator then)."""
+    until that caller closes (hivemind cancels this generator then). The caller passes the only reference to the
+    reply's payload (in ``messages``): a hostile caller that never closes must not hold a reply's memory."""
     if not asked:
         async for message in _aiter(messages):
             yield message
@@ -69,7 +74,13 @@ async def reply_stream(messages: Iterable[Any] | AsyncIterator[Any], asked: bool
     if held is not None:
         held.tensors.add()  # the end
         yield held
-        await asyncio.sleep(CLOSE_WAIT_S)
+        held.Clear()  # sent (hivemind writes a message before it asks for the next), and still referenced by it
+        held = messages = None  # nothing of the reply is kept while the stream is held (callers drop theirs too)
+        if _HOLDS.acquire(blocking=False):
+            try:
+                await asyncio.sleep(CLOSE_WAIT_S)
+            finally:
+                _HOLDS.release()
 
 
 async def _aiter(messages: Iterable[Any] | AsyncIterator[Any]) -> AsyncIterator[Any]:
