@@ -11,7 +11,8 @@ Map:
 - peer_views.py  what a peer remembers of the records between reads: the shards other drivers held
 
 transport/ (imports nothing of stage/ or control/)
-- wire.py        tensors on the wire: (de)serialization in the run's codec, streaming, checks on arrival
+- wire.py        tensors on the wire: (de)serialization in the run's codec, checks on arrival
+- streams.py     large messages streamed in parts and joined once; the caller closes the stream first (end marks)
 - codecs.py      boundary codecs (int8 blockwise, lowrank int8 factors): framing and hostile-payload checks
 - sessions.py    stage calls on one long-lived stream per peer: call ids, replies in any order, failures per call
 - stage_client.py  the client: the RPCs' signatures (StageRPC, the stub's source), one call, StageError

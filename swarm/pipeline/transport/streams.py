@@ -36,7 +36,8 @@ class StreamCut(ConnectionError):
     not a malformed message. Callers treat it as a failed connection, never as the sender's fault."""
 
 
-def split_message(serialized: list[Any], metadata: bytes, message_type: type, *, ask_end: bool = False) -> Iterator[Any]:
+def split_message(serialized: list[Any], metadata: bytes, message_type: type, *,
+                  ask_end: bool = False) -> Iterator[Any]:
     """One streamed message per chunk; metadata rides on the first. A ``Payload``'s chunks are cut straight from
     its buffer (hivemind's ``split_for_streaming`` first copies a message's whole buffer out of protobuf). A
     request with ``ask_end`` asks its server to mark its reply's end (``ASK_UID``)."""
@@ -44,7 +45,8 @@ def split_message(serialized: list[Any], metadata: bytes, message_type: type, *,
 
     first = True
     for tensor in serialized:
-        parts = _payload_parts(tensor) if isinstance(tensor, Payload) else split_for_streaming(tensor, STREAM_CHUNK_BYTES)
+        parts = (_payload_parts(tensor) if isinstance(tensor, Payload)
+                 else split_for_streaming(tensor, STREAM_CHUNK_BYTES))
         for part in parts:
             message = message_type(tensors=[part], metadata=metadata if first else b"")
             if first and ask_end:
