@@ -220,3 +220,17 @@ def test_ctl_status_says_a_stall_and_the_runs_alarms():
     assert lines[2] == "RUN ALARM: layer1 refuses all 4 drivers: 10 strikes"
     assert "STALLED" not in render_status(NodeSnapshot(run_name="r", run_id="r-1", swarm="layer0", peer_id="P",
                                                        state=NodeState.ONLINE).to_json())
+
+
+def test_ctl_status_says_how_old_a_swarms_figures_are_where_the_node_read_them_a_while_ago():
+    """A node that drives nothing reads the other swarms every 25 s: `volunteer ctl status` says so, as the dashboard."""
+    import time
+
+    from volunteer.snapshot import SwarmRow
+    from volunteer_cli.commands.ctl import render_status
+
+    now = time.time()
+    snap = NodeSnapshot(run_name="r", run_id="r-1", swarm="layer1", peer_id="P", state=NodeState.ONLINE,
+                        swarms=(SwarmRow("layer0", 1, 1, read_at=now - 20), SwarmRow("layer1", 2, 2, read_at=now - 1)))
+    (line,) = [line for line in render_status(snap.to_json()).splitlines() if line.startswith("swarms: ")]
+    assert line.startswith("swarms: layer0 1 online (read 2") and line.endswith("layer1 2 online")

@@ -99,6 +99,15 @@ def _print(args: argparse.Namespace, socket: Path, snapshot: dict, stopped: bool
     print(render_status(snapshot))
 
 
+def _read_age(swarm: dict) -> str:
+    """' (read 24 s ago)' for a swarm the node read a while ago (volunteer/snapshot.py ``view_age_s``)."""
+    from volunteer.snapshot import VIEW_AGE_SHOWN_S
+
+    read_at = swarm.get("read_at")
+    age_s = time.time() - read_at if isinstance(read_at, (int, float)) else 0.0
+    return f" (read {age_s:.0f} s ago)" if age_s >= VIEW_AGE_SHOWN_S else ""
+
+
 def render_status(snap: dict) -> str:
     state = snap.get("state", "?")
     reason = snap.get("reason") or ""
@@ -130,7 +139,7 @@ def render_status(snap: dict) -> str:
     lines.append(", ".join(work))
     swarms = snap.get("swarms") or []
     if swarms:
-        lines.append("swarms: " + "  ".join(f"{s['name']} {s['online']} online" for s in swarms))
+        lines.append("swarms: " + "  ".join(f"{s['name']} {s['online']} online{_read_age(s)}" for s in swarms))
     if snap.get("total_sessions"):  # what this identity gave the run, all sessions (volunteer/contribution.py)
         from volunteer.contribution import format_hours
 
