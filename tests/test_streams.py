@@ -92,27 +92,39 @@ def test_a_server_tells_a_caller_that_asks_from_one_of_an_earlier_version():
         assert marked is expected and metadata == b"meta" and torch.equal(decode_tensors(tensors, 8 * MIB)[0], X)
 
 
-def test_a_held_stream_keeps_nothing_of_its_reply_and_holds_are_capped(monkeypatch):
+def test_a_held_stream_keeps_nothing_of_its_reply_and_holds_are_capped_per_caller_and_in_all(monkeypatch):
     """A caller that never closes holds a coroutine and a stream for CLOSE_WAIT_S, not the reply's memory (hivemind's
-    handler still references the last message it sent), and past the cap a reply closes at once."""
-    import threading
-
-    async def run(holds: int) -> tuple[int, bool]:
-        monkeypatch.setattr(streams, "_HOLDS", threading.BoundedSemaphore(holds) if holds else threading.Semaphore(0))
-        replies = reply_stream(split_message(encode_tensors([X]), b"meta", runtime_pb2.ExpertResponse), True)
+    handler still references the last message it sent), and past a cap (its own, or the process's) a reply closes
+    at once, as before marks."""
+    async def reply(caller: str) -> tuple[int, asyncio.Future]:
+        replies = reply_stream(split_message(encode_tensors([X]), b"meta", runtime_pb2.ExpertResponse), True, caller)
         sent = [await replies.__anext__() for _ in range(6)]
         after = asyncio.ensure_future(replies.__anext__())  # hivemind asks for more once the last one is sent
-        await asyncio.sleep(0.1)
-        held = not after.done()
-        if held:
+        await asyncio.sleep(0.05)
+        return sent[-1].ByteSize(), after
+
+    async def run() -> None:
+        first = [await reply("a"), await reply("a")]
+        assert [size for size, _ in first] == [0, 0] and not any(after.done() for _, after in first)  # held
+        _, third = await reply("a")  # past the caller's cap: closed at once
+        assert isinstance(third.exception(), StopAsyncIteration)
+        _, other = await reply("b")  # another caller still gets its hold
+        assert not other.done()
+        for _, after in first + [(0, other)]:
             after.cancel()
-        else:
-            assert isinstance(after.exception(), StopAsyncIteration)  # the reply ended: its stream closes
-        return sent[-1].ByteSize(), held
+        await asyncio.sleep(0.05)
+        assert streams._holds == {}  # every hold given back
 
     monkeypatch.setattr(streams, "CLOSE_WAIT_S", 30.0)
-    assert asyncio.run(run(holds=1)) == (0, True)
-    assert asyncio.run(run(holds=0)) == (0, False)
+    monkeypatch.setattr(streams, "HOLDS_PER_CALLER", 2)
+    asyncio.run(run())
+
+    async def capped() -> None:
+        _, after = await reply("c")
+        assert isinstance(after.exception(), StopAsyncIteration)
+
+    monkeypatch.setattr(streams, "HOLDS_MAX", 0)  # the process's cap, whoever asks
+    asyncio.run(capped())
 
 
 class Echo(ServicerBase):

@@ -92,7 +92,7 @@ class GroupServicer(ServicerBase):
             serialized, reply = [], {"ok": False, "error": str(exc)[:300]}
         messages = split_message(serialized, pack_metadata(reply), runtime_pb2.ExpertResponse)
         serialized = tensor = None  # the messages hold the reply alone (reply_stream drops it before a hold)
-        async for message in reply_stream(messages, request.uid == ASK_UID):  # streams.py
+        async for message in reply_stream(messages, request.uid == ASK_UID, str(context.remote_id)):  # streams.py
             yield message
 
 

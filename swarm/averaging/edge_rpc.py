@@ -95,7 +95,7 @@ class EdgeServicer(ServicerBase):
         self.traffic.count(str(context.remote_id), outbound=sum(len(t.buffer) for t in tensors))
         parts = split_message(tensors, pack_metadata(reply), runtime_pb2.ExpertResponse)
         serialized = tensors = None  # the parts hold the reply alone (reply_stream drops it before a hold)
-        async for part in reply_stream(parts, asked):
+        async for part in reply_stream(parts, asked, str(context.remote_id)):
             yield part
 
     def _max_bytes(self) -> int:

@@ -84,7 +84,7 @@ class ParamsServicer(ServicerBase):
         self.serving += 1
         try:
             copy = self._copy(meta, str(context.remote_id))
-            async for message in reply_stream(copy, request.uid == ASK_UID):
+            async for message in reply_stream(copy, request.uid == ASK_UID, str(context.remote_id)):
                 yield message
         finally:
             self.serving -= 1

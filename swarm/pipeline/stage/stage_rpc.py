@@ -150,7 +150,7 @@ class StageServicer(SessionHandlers, Stage0Ops, StageRPC):
         self.traffic.count(str(context.remote_id), outbound=buffer_bytes(out), op="served")
         messages = split_message(out, pack_metadata(meta), runtime_pb2.ExpertResponse)
         serialized = out = None  # the messages hold the reply alone (reply_stream drops it before a hold)
-        async for message in reply_stream(messages, asked):
+        async for message in reply_stream(messages, asked, str(context.remote_id)):
             yield message
 
     def session_cap(self) -> int:

@@ -24,9 +24,12 @@ from typing import Any
 from swarm.pipeline.transport.wire import STREAM_CHUNK_BYTES, Payload, WireError
 
 CLOSE_WAIT_S = 10.0  # a server waits this long at most, after its end mark, for the caller to close the stream
-# streams held open at once in this process, at most: a caller that never closes holds a coroutine and a p2pd stream
-# (nothing of the reply: see reply_stream) for CLOSE_WAIT_S; past the cap a reply is closed at once, as before
-_HOLDS = threading.BoundedSemaphore(128)
+# streams held open at once in this process, and for one caller, at most: a caller that never closes holds a coroutine
+# and a p2pd stream (nothing of the reply: see reply_stream) for CLOSE_WAIT_S; past a cap a reply closes at once, as
+# before (p2pd's rare cut: a failed connection, retried, nobody blamed). An honest caller closes within a round trip.
+HOLDS_MAX, HOLDS_PER_CALLER = 128, 16
+_holds: dict[str, int] = {}  # caller -> streams held for it now (the loops of a stage and of averaging share these)
+_holds_lock = threading.Lock()
 ASK_UID = "eor"  # a request's ``uid`` that asks: "mark your streamed reply's end, I close the stream first"
 
 
@@ -57,11 +60,13 @@ def split_message(serialized: list[Any], metadata: bytes, message_type: type, *,
         yield message_type(tensors=[], metadata=metadata, **({"uid": ASK_UID} if ask_end else {}))
 
 
-async def reply_stream(messages: Iterable[Any] | AsyncIterator[Any], asked: bool) -> AsyncIterator[Any]:
+async def reply_stream(messages: Iterable[Any] | AsyncIterator[Any], asked: bool,
+                       caller: str = "") -> AsyncIterator[Any]:
     """A server's streamed reply: ``messages`` as they are to a caller that did not ask; to one that did, with an
     empty part after the first message's parts (the promise) and after the last's (the end), and then held open
-    until that caller closes (hivemind cancels this generator then). The caller passes the only reference to the
-    reply's payload (in ``messages``): a hostile caller that never closes must not hold a reply's memory."""
+    until that caller (``caller``: its peer id, for the caps) closes (hivemind cancels this generator then). The
+    server passes the only reference to the reply's payload (in ``messages``): a hostile caller that never closes
+    must not hold a reply's memory."""
     if not asked:
         async for message in _aiter(messages):
             yield message
@@ -78,11 +83,24 @@ async def reply_stream(messages: Iterable[Any] | AsyncIterator[Any], asked: bool
         yield held
         held.Clear()  # sent (hivemind writes a message before it asks for the next), and still referenced by it
         held = messages = None  # nothing of the reply is kept while the stream is held (callers drop theirs too)
-        if _HOLDS.acquire(blocking=False):
+        if _hold(caller, +1):
             try:
                 await asyncio.sleep(CLOSE_WAIT_S)
             finally:
-                _HOLDS.release()
+                _hold(caller, -1)
+
+
+def _hold(caller: str, step: int) -> bool:
+    """Take (``step`` +1: False past a cap) or give back (-1) a held stream of ``caller``'s."""
+    with _holds_lock:
+        held = _holds.get(caller, 0)
+        if step > 0 and (held >= HOLDS_PER_CALLER or sum(_holds.values()) >= HOLDS_MAX):
+            return False
+        if held + step:
+            _holds[caller] = held + step
+        else:
+            _holds.pop(caller, None)
+        return True
 
 
 async def _aiter(messages: Iterable[Any] | AsyncIterator[Any]) -> AsyncIterator[Any]:
