@@ -22,16 +22,11 @@ import time
 from typing import Any
 
 from benchmarks.common import finish, machine_notes, median, parser, ratio, say
+from benchmarks.fleet import process_cpu_seconds
 
 SIZES = {"32k": 32 * 1024, "256k": 256 * 1024, "1m": 1024 * 1024}
 WAYS = ("hivemind", "lean")
 BIG_READER_LIMIT = 2**24
-
-
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _send(way: str, payload: bytes, writer: asyncio.StreamWriter) -> None:
@@ -81,11 +76,11 @@ async def measure(reps: int) -> dict[str, Any]:
                 for _ in range(max(2, reps // 20)):  # warm-up
                     await _send(way, payload, writer)
                     await _receive(reader)
-                before, started = [_cpu_s(p) for p in pids], time.perf_counter()
+                before, started = [process_cpu_seconds(p) for p in pids], time.perf_counter()
                 for _ in range(reps):
                     await _send(way, payload, writer)
                     await _receive(reader)
-                wall, after = time.perf_counter() - started, [_cpu_s(p) for p in pids]
+                wall, after = time.perf_counter() - started, [process_cpu_seconds(p) for p in pids]
                 writer.close()
                 used = [(b - a) * 1000 / reps for a, b in zip(before, after)]
                 runs[way].append((wall * 1000 / reps, used[0], used[1] + used[2]))

@@ -20,19 +20,13 @@ import time
 from typing import Any, AsyncIterator
 
 from benchmarks.common import finish, machine_notes, parser, ratio, say
+from benchmarks.fleet import process_cpu_seconds
 
 BLOCK = 50  # calls in a row one way before the other's turn (the machine's drift falls on both)
 WAYS = ("plain", "ask")
 
 
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def measure(calls: int, mib: int) -> dict[str, dict[str, Any]]:
-    import psutil
     import torch
     from hivemind.p2p import P2P, P2PContext, ServicerBase
     from hivemind.proto import runtime_pb2
@@ -56,14 +50,14 @@ async def measure(calls: int, mib: int) -> dict[str, dict[str, Any]]:
     server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     client = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                               initial_peers=[str(m) for m in await server.get_visible_maddrs()])
-    daemons = [child.pid for child in psutil.Process().children(recursive=True) if "p2pd" in child.name()]
+    pids = [os.getpid(), server._child.pid, client._child.pid]  # this process and both daemons (as framing.py)
     out = {way: {"calls": 0, "cut": 0, "cpu_s": 0.0, "wall_s": 0.0} for way in WAYS}
     try:
         await Server().add_p2p_handlers(server)
         stub = Server.get_stub(client, server.peer_id)
         for block in range(2 * max(1, calls // BLOCK)):
             way = WAYS[block % 2]
-            cpu, wall = _cpu_s(os.getpid()) + sum(_cpu_s(pid) for pid in daemons), time.monotonic()
+            cpu, wall = sum(map(process_cpu_seconds, pids)), time.monotonic()
             for _ in range(BLOCK):
                 request = split_message([], b"q", runtime_pb2.ExpertRequest, ask_end=(way == "ask"))
                 try:
@@ -73,7 +67,7 @@ async def measure(calls: int, mib: int) -> dict[str, dict[str, Any]]:
             await asyncio.sleep(0.02)  # the servers' ends of this block's streams, counted in it
             figures = out[way]
             figures["calls"] += BLOCK
-            figures["cpu_s"] += _cpu_s(os.getpid()) + sum(_cpu_s(pid) for pid in daemons) - cpu
+            figures["cpu_s"] += sum(map(process_cpu_seconds, pids)) - cpu
             figures["wall_s"] += time.monotonic() - wall
         for way, figures in out.items():
             figures["cpu_ms_per_call"] = round(1000 * figures.pop("cpu_s") / figures["calls"], 2)

@@ -169,3 +169,61 @@ def test_over_p2pd_the_caller_closes_first_and_the_server_s_hold_ends_with_it():
             await server.shutdown()
 
     asyncio.run(asyncio.wait_for(run(), 60))
+
+
+def test_the_stage_client_and_an_averaging_pull_ask_for_marks_and_close_first_over_p2pd():
+    """The RPC clients themselves ask (a test of streams.py alone would pass if call_stage or fetch_params did not):
+    a streamed hop to a stage and a pull of a copy, each against a server that serves marks and records the ask."""
+    from types import SimpleNamespace
+
+    from swarm.averaging.params_rpc import ParamsServicer, fetch_params
+    from swarm.pipeline.transport.stage_client import StageRPC, call_stage
+    from swarm.pipeline.transport.wire import pack_metadata
+
+    asks: list[tuple[str, bool]] = []
+
+    class Stage(StageRPC):
+        async def rpc_call_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
+                                  context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+            serialized, _, asked = await join_request(requests, 16 * MIB)
+            asks.append(("stage", asked))
+            out = split_message(serialized, pack_metadata({"ok": True}), runtime_pb2.ExpertResponse)
+            async for message in reply_stream(out, asked, str(context.remote_id)):
+                yield message
+
+    class Recorder:  # the pulls' handler, as a wrapper: the handle keeps ParamsServicer's name
+        def __init__(self, params: ParamsServicer):
+            self.params = params
+
+        async def rpc_fetch(self, request: runtime_pb2.ExpertRequest,
+                            context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+            asks.append(("params", request.uid == streams.ASK_UID))
+            async for message in self.params.rpc_fetch(request, context):
+                yield message
+
+    run = SimpleNamespace(run_id="r", averaging=SimpleNamespace(max_state_mb=64.0))
+    worker = SimpleNamespace(capture=lambda optimizer: SimpleNamespace(
+        params={"w": X}, optimizer=None, clock=1.0, loss_ema=None, param_version=1))
+
+    async def main():
+        server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        client = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                  initial_peers=[str(m) for m in await server.get_visible_maddrs()])
+        try:
+            await Stage().add_p2p_handlers(server, namespace="r.layer1")
+            params = ParamsServicer(worker, run_id="r", swarm="layer1")
+            await params.add_p2p_handlers(server, Recorder(params), namespace="r.layer1")
+            (out,), _, _ = await call_stage(client, str(server.peer_id), "r.layer1", "forward", [X], {"mb": "m"},
+                                            timeout_s=20, codec="float32", max_bytes=16 * MIB)
+            state, _ = await fetch_params(client, str(server.peer_id), run, "layer1", timeout_s=20)
+            assert torch.equal(out, X) and torch.equal(state["w"], X)
+            deadline = time.monotonic() + 5
+            while params.serving and time.monotonic() < deadline:  # its hold ends at our close, not in 10 s
+                await asyncio.sleep(0.01)
+            assert params.serving == 0 and params.served == 1
+        finally:
+            await client.shutdown()
+            await server.shutdown()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+    assert asks == [("stage", True), ("params", True)]
