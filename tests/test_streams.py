@@ -114,7 +114,15 @@ def test_a_held_stream_keeps_nothing_of_its_reply_and_holds_are_capped_per_calle
             after.cancel()
         await asyncio.sleep(0.05)
         assert streams._holds == {}  # every hold given back
+        # holds whose loop stopped before they ended (never given back) expire with their deadline
+        streams._holds["a"] = [time.monotonic() - 1.0] * 2
+        _, again = await reply("a")
+        assert not again.done()
+        again.cancel()
+        await asyncio.sleep(0.05)
+        assert streams._holds == {}
 
+    monkeypatch.setattr(streams, "_holds", {})  # this process's other tests' holds are theirs
     monkeypatch.setattr(streams, "CLOSE_WAIT_S", 30.0)
     monkeypatch.setattr(streams, "HOLDS_PER_CALLER", 2)
     asyncio.run(run())

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 from contextlib import suppress
 from typing import Any
@@ -28,7 +29,9 @@ CLOSE_WAIT_S = 10.0  # a server waits this long at most, after its end mark, for
 # and a p2pd stream (nothing of the reply: see reply_stream) for CLOSE_WAIT_S; past a cap a reply closes at once, as
 # before (p2pd's rare cut: a failed connection, retried, nobody blamed). An honest caller closes within a round trip.
 HOLDS_MAX, HOLDS_PER_CALLER = 128, 16
-_holds: dict[str, int] = {}  # caller -> streams held for it now (the loops of a stage and of averaging share these)
+# caller -> when each stream held for it ends at the latest (the loops of a stage and of averaging share these): a
+# hold whose loop stopped before it ended (a stage rebuilt in the process, a test's loop) expires with its deadline
+_holds: dict[str, list[float]] = {}
 _holds_lock = threading.Lock()
 ASK_UID = "eor"  # a request's ``uid`` that asks: "mark your streamed reply's end, I close the stream first"
 
@@ -83,24 +86,36 @@ async def reply_stream(messages: Iterable[Any] | AsyncIterator[Any], asked: bool
         yield held
         held.Clear()  # sent (hivemind writes a message before it asks for the next), and still referenced by it
         held = messages = None  # nothing of the reply is kept while the stream is held (callers drop theirs too)
-        if _hold(caller, +1):
+        until = _take_hold(caller)
+        if until is not None:
             try:
                 await asyncio.sleep(CLOSE_WAIT_S)
             finally:
-                _hold(caller, -1)
+                _give_back(caller, until)
 
 
-def _hold(caller: str, step: int) -> bool:
-    """Take (``step`` +1: False past a cap) or give back (-1) a held stream of ``caller``'s."""
+def _take_hold(caller: str) -> float | None:
+    """A held stream for ``caller``: its deadline, or None past a cap (the caller's, or the process's)."""
+    now = time.monotonic()
     with _holds_lock:
-        held = _holds.get(caller, 0)
-        if step > 0 and (held >= HOLDS_PER_CALLER or sum(_holds.values()) >= HOLDS_MAX):
-            return False
-        if held + step:
-            _holds[caller] = held + step
-        else:
+        for who, deadlines in list(_holds.items()):
+            deadlines[:] = [until for until in deadlines if until > now]
+            if not deadlines:
+                del _holds[who]
+        if len(_holds.get(caller, ())) >= HOLDS_PER_CALLER or sum(map(len, _holds.values())) >= HOLDS_MAX:
+            return None
+        until = now + CLOSE_WAIT_S
+        _holds.setdefault(caller, []).append(until)
+        return until
+
+
+def _give_back(caller: str, until: float) -> None:
+    with _holds_lock:
+        deadlines = _holds.get(caller, [])
+        if until in deadlines:
+            deadlines.remove(until)
+        if not deadlines:
             _holds.pop(caller, None)
-        return True
 
 
 async def _aiter(messages: Iterable[Any] | AsyncIterator[Any]) -> AsyncIterator[Any]:
