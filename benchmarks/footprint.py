@@ -74,6 +74,7 @@ def host_bytes(name: str) -> dict[str, Any]:
 
     from swarm.integrity.heal import Healer
     from swarm.integrity.snapshots import SnapshotStore
+    from swarm.integrity.weights import RING_COPIES
     from swarm.pipeline.stage.worker import StageWorker
     from swarm.run.memory import held_bytes, host_memory
     from swarm.run.models import stage_input_spec, target_spec
@@ -91,7 +92,7 @@ def host_bytes(name: str) -> dict[str, Any]:
         # healing's snapshots in files, as a volunteer keeps them (swarm/integrity/snapshots.py)
         healer = Healer(worker, notify=lambda *a: None, store=SnapshotStore(Path(folder)))
         expected = host_memory(run, index)
-        version_bytes = max(1, expected.ring_copies_bytes // 4)
+        version_bytes = max(1, int(expected.ring_copies_bytes / RING_COPIES))
         steps = min(400, max(6, int(expected.ring_bytes / version_bytes) + 2))
         batch = 2
         for i in range(steps):

@@ -70,9 +70,11 @@ def test_a_stage_commits_each_version_once_and_keeps_it_for_its_receipts():
 
 
 def _commit_versions(ring: WeightsRing, module: torch.nn.Module, versions: range) -> list[bytes]:
-    """Each version: the weights moved a little, then committed at time = version. Their digests."""
+    """Each version: the live one released, the weights moved a little, then committed at time = version (as a
+    stage's update does: the guard's pre-step copy releases it). Their digests."""
     digests = []
     for version in versions:
+        ring.release_live(now=version - 0.5)
         with torch.no_grad():
             next(module.parameters()).add_(0.01)
         digests.append(ring.commit(module, version, now=float(version))[1])
@@ -84,10 +86,64 @@ def test_the_ring_is_bounded_in_bytes_and_time_and_keeps_the_current_version():
     size = committed_bytes(module.state_dict())
     ring = WeightsRing(max_bytes=3 * size, keep_s=10.0)
     digests = _commit_versions(ring, module, range(6))
-    assert len(ring) == 3 and ring.held_bytes <= 3 * size and ring.evicted == 3
-    assert ring.get(digests[0], now=5.0) is None and ring.get(digests[-1], now=5.0) is not None
+    # three copies of older versions, and the current one: the live weights themselves, not copied
+    assert len(ring) == 4 and ring.held_bytes <= 3 * size and ring.evicted == 2 and ring.lost == 0
+    assert ring.held_bytes == 3 * size
+    assert ring.get(digests[0], now=5.0) is None and ring.get(digests[1], now=5.0) is None
+    assert ring.get(digests[-1], now=5.0) is not None  # shown: copied out of the live weights, the oldest evicted
+    assert ring.held_bytes == 3 * size and weights_digest(ring.get(digests[-1], now=5.0).tensors) == digests[-1]
     assert ring.get(digests[-1], now=1000.0) is not None  # the current version outlives keep_s
     assert ring.get(digests[-2], now=1000.0) is None
+
+
+def test_the_live_version_is_copied_before_a_change_and_never_shown_changed():
+    """The current version of CPU weights is the live weights: a referee asking for it gets a copy that hashes to
+    it; a writer that changes the weights without releasing them first loses that version (answered as gone), it
+    never makes the ring show weights that do not hash to the digest signed."""
+    module = build_stage(RUN.model, 1)
+    size = committed_bytes(module.state_dict())
+    ring = WeightsRing(max_bytes=4 * size, keep_s=100.0)
+    first = ring.commit(module, 0, now=0.0)[1]
+    assert ring.held_bytes == 0 and ring.get(first, now=0.0) is not None  # a referee's ask copies it
+    assert ring.held_bytes == size and ring.released == 1
+    second = _commit_versions(ring, module, range(1, 2))[0]
+    with torch.no_grad():  # a writer that does not release the live version
+        next(module.parameters()).mul_(0.5)
+    assert ring.get(second, now=1.0) is None and ring.lost == 1
+    assert weights_digest(ring.get(first, now=1.0).tensors) == first
+    third = ring.commit(module, 2, now=2.0)[1]
+    with torch.no_grad():
+        next(module.parameters()).mul_(0.5)
+    assert ring.commit(module, 3, now=3.0)[1] != third and ring.lost == 2  # its copy was never taken: dropped
+    assert ring.get(third, now=3.0) is None
+    kept = ring.unchanged(module)  # the guard's pre-step copy: taken out of the live weights
+    assert kept is not None and weights_digest(kept) == ring.commit(module, 3, now=3.0)[1] and ring.released == 2
+
+
+def test_every_writer_of_a_stages_weights_releases_the_version_in_use_first():
+    """An averaging merge, a restore (healing, a sync), a checkpoint's load and the step itself change the live
+    weights: each copies the version in use out first, so a referee asking for it later gets exactly it."""
+    from volunteer.checkpoint import CheckpointState, restore
+
+    worker = StageWorker(RUN, 1)
+    x = torch.randn(8, HIDDEN).relu()
+    other = {name: t + 0.01 for name, t in worker.state_snapshot().items()}
+    writers = {
+        "mix_in": lambda: worker.mix_in(other, 0.5, 0.0),
+        "checkpoint": lambda: restore(worker, CheckpointState(
+            run_id="r", swarm="layer1", module=other, optimizer=worker.optimizer.state_dict(), clock=0.0,
+            param_version=worker.stats.param_version + 1, loss_ema=None, saved_at=0.0)),
+        "update": lambda: worker.backward("b", 0.1 * torch.randn(8, HIDDEN), None, None),
+        "restore": lambda: worker.restore(worker.capture()),  # last: the same weights again keep its copy current
+    }
+    for name, write in writers.items():
+        worker.forward("b", x)  # commits the version in use: live, not copied
+        digest = worker.committed[1]
+        write()
+        worker.infer(x)  # the next version is committed
+        kept = worker.weights_for(digest)
+        assert kept is not None and weights_digest(kept) == digest, name
+    assert worker.ring.lost == 0 and worker.ring.released == len(writers)
 
 
 def test_a_full_ring_reuses_the_oldest_versions_buffers_but_never_ones_a_door_is_showing():
@@ -97,10 +153,10 @@ def test_a_full_ring_reuses_the_oldest_versions_buffers_but_never_ones_a_door_is
     module = build_stage(RUN.model, 1)
     size = committed_bytes(module.state_dict())
     ring = WeightsRing(max_bytes=2 * size, keep_s=100.0)
-    digests = _commit_versions(ring, module, range(3))
-    assert ring.recycled == 1 and len(ring) == 2  # the third took the first one's buffers
+    digests = _commit_versions(ring, module, range(4))
+    assert ring.recycled == 1 and len(ring) == 3  # the third copy took the first one's buffers; the fourth is live
     shown = ring.get(digests[1], now=3.0).tensors  # a door holds the oldest kept version's tensors
-    digests += _commit_versions(ring, module, range(3, 5))
+    digests += _commit_versions(ring, module, range(4, 6))
     assert weights_digest(shown) == digests[1]  # what was being shown was not overwritten
     assert ring.recycled == 2  # only the version nobody held was reused
     for digest in digests:

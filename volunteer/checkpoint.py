@@ -206,6 +206,7 @@ def read(path: Path, run_id: str, swarm: str) -> CheckpointState:
 def restore(worker: Any, state: CheckpointState) -> None:
     """Load the state into the worker under its lock; CheckpointError (and no change) if it does not fit."""
     with worker.lock:
+        worker.ring.release_live()  # a referee may still ask for the version it replaces
         before_module = {name: tensor.detach().clone() for name, tensor in worker.module.state_dict().items()}
         before_optimizer = _cpu_copy(worker.optimizer.state_dict())
         try:

@@ -313,6 +313,7 @@ class EdgeAveraging:
 
     @torch.no_grad()
     def _write_back(self, flat: torch.Tensor) -> None:
+        self.worker.ring.release_live()  # under the stage's lock: a referee may still ask for the version before
         offset = 0
         for param in self._params:
             n = param.numel()

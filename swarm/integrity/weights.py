@@ -17,11 +17,19 @@ refereed delegation). The digest is computed once per version, when the first ho
 per hop and not per update (an update nobody computes with is never hashed), and the tensors of that version are
 kept beside it: a copy per served version, within ``max_bytes`` and ``keep_s``.
 
+On the CPU the version the stage computes with now is not copied: it is the live weights (``Version.tensors`` None),
+hashed in place. It is copied when the weights are about to change (``release_live``: the step guard's pre-step copy,
+an averaging merge, a restore) or when a referee asks for it (the copy is then hashed again: if anything changed the
+weights without releasing them first, the version is answered as gone, never shown wrong). A ring of ``RING_COPIES``
+copies thus covers as many versions as ``RING_COPIES + 1`` eager ones (4 bytes a parameter saved). Beside a GPU the
+commit copies to the host anyway (the digest is taken there), so that copy is kept as before.
+
 Pure except for the copies it keeps; thread-safe (the compute thread commits, the RPC loop reads).
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import time
@@ -33,12 +41,15 @@ from torch import nn
 
 from swarm.integrity.receipts import DIGEST_BYTES
 
+logger = logging.getLogger(__name__)
+
 COMMIT_DTYPE: torch.dtype | None = None  # exact (module docstring: why not bfloat16)
 KEEP_S = 30.0  # a version is shown for at least this long after it was last served (memory permitting)
 RING_MIN_BYTES = 8 * 2**20  # a small stage keeps many versions (digits: ~120): a referee asks within a round trip or two
-RING_COPIES = 4.0  # a large one keeps at most this many (committed) copies of its weights beside the live one: a referee asks
-# for the version of a hop one round trip after it, and a backward's forward version is a pipeline round trip older
-# (a heavy 16 MiB stage at ~3 updates a second; with 2 copies a referee found its version gone)
+RING_COPIES = 3.0  # a large one keeps at most this many (committed) copies of older versions beside the live one: a
+# referee asks for the version of a hop one round trip after it, and a backward's forward version is a pipeline round
+# trip older (a heavy 16 MiB stage at ~3 updates a second; with 2 older versions a referee found its version gone).
+# Beside a GPU the current version is a copy too: one more.
 
 
 def weights_digest(tensors: dict[str, torch.Tensor]) -> bytes:
@@ -79,19 +90,21 @@ def tensors_bytes(tensors: dict[str, torch.Tensor]) -> int:
 class Version:
     version: int
     digest: bytes
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor] | None  # None: the live weights (the current version on the CPU, not copied)
     nbytes: int
     served_at: float  # when a hop last ran on it (monotonic)
 
 
 class WeightsRing:
     """The versions this stage computed with recently, by digest. ``commit`` is called by every op that computes with
-    the weights, under the stage's lock; it copies and hashes the weights only when they changed since the last
-    commit (a new version, or any in-place change: the tensors' own version counters say so)."""
+    the weights, under the stage's lock; it hashes the weights only when they changed since the last commit (a new
+    version, or any in-place change: the tensors' own version counters say so). Whatever changes the weights in
+    place calls ``release_live`` first, under the stage's lock (module docstring)."""
 
-    def __init__(self, max_bytes: int = RING_MIN_BYTES, keep_s: float = KEEP_S):
+    def __init__(self, max_bytes: int = RING_MIN_BYTES, keep_s: float = KEEP_S, lazy: bool = True):
         self.max_bytes = max_bytes
         self.keep_s = keep_s
+        self.lazy = lazy  # the current version of CPU weights stays live until they change (module docstring)
         self._versions: OrderedDict[bytes, Version] = OrderedDict()
         self._key: tuple | None = None
         self._current: Version | None = None
@@ -102,25 +115,36 @@ class WeightsRing:
         self.commits = 0  # versions hashed
         self.evicted = 0
         self.recycled = 0  # versions copied into an evicted version's buffers
+        self.released = 0  # live versions copied before a change or for a referee
+        self.lost = 0  # live versions changed without ``release_live`` (or while a referee's copy was taken)
 
     @staticmethod
     def sized_for(module: nn.Module, keep_s: float = KEEP_S) -> WeightsRing:
-        """A ring for ``module``: RING_MIN_BYTES, or RING_COPIES committed copies of its weights where that is more."""
-        size = committed_bytes(module.state_dict())
-        return WeightsRing(max(RING_MIN_BYTES, int(RING_COPIES * size)), keep_s)
+        """A ring for ``module``: RING_MIN_BYTES, or RING_COPIES committed copies of its weights where that is more
+        (one more beside a GPU, whose current version is a copy)."""
+        state = module.state_dict()
+        copies = RING_COPIES + (0.0 if _stays_live(state) else 1.0)
+        return WeightsRing(max(RING_MIN_BYTES, int(copies * committed_bytes(state))), keep_s)
 
     def commit(self, module: nn.Module, version: int, now: float | None = None) -> tuple[int, bytes]:
-        """(version, digest) of ``module``'s weights now; keeps a (committed) copy of them under that digest."""
+        """(version, digest) of ``module``'s weights now; keeps them (live, or a committed copy) under that digest."""
         now = time.monotonic() if now is None else now
         state = self._state(module)
         key = (version, tuple((t.data_ptr(), t._version) for t in state.values()))
+        live = self.lazy and _stays_live(state)
         with self._lock:
             if key == self._key and self._current is not None:
                 self._current.served_at = now
                 self._versions.move_to_end(self._current.digest)
                 return self._current.version, self._current.digest
-            spare = self._take_spare(now, committed_bytes(state))
-        if spare is not None and _fits(spare, state):  # the oldest version's buffers, overwritten: no allocation
+            current = self._current
+            if current is not None and current.tensors is None and self._key is not None and self._key[1] != key[1]:
+                self._lose(current.digest)  # changed in place, never released
+            self._key, self._current = None, None
+            spare = None if live else self._take_spare(now, committed_bytes(state))
+        if live:  # the caller holds the stage's lock: nothing changes the weights while they are hashed
+            tensors = None
+        elif spare is not None and _fits(spare, state):  # the oldest version's buffers, overwritten: no allocation
             for name, t in state.items():
                 spare[name].copy_(t.detach())
             tensors = spare
@@ -128,33 +152,60 @@ class WeightsRing:
         else:  # page-locked beside a GPU: its copies to the host run at the bus's speed, and this buffer is reused
             tensors = {name: torch.empty(t.shape, dtype=committed_dtype(t), pin_memory=t.is_cuda).copy_(t.detach())
                        for name, t in state.items()}
-        digest = weights_digest(tensors)
-        entry = Version(version, digest, tensors, tensors_bytes(tensors), now)
+        digest = weights_digest(state if tensors is None else tensors)
         with self._lock:
-            self._key, self._current = key, entry
-            replaced = self._versions.get(digest)
-            self._bytes += entry.nbytes - (replaced.nbytes if replaced is not None else 0)
-            self._versions[digest] = entry
+            self._key = key
+            kept = self._versions.get(digest)
+            if tensors is None and kept is not None and kept.tensors is not None:  # the same weights again (a step
+                kept.served_at, kept.version = now, version  # undone, a restore): their copy is kept already
+                self._current = kept
+            else:
+                entry = Version(version, digest, tensors, 0 if tensors is None else tensors_bytes(tensors), now)
+                self._bytes += entry.nbytes - (kept.nbytes if kept is not None else 0)
+                self._versions[digest] = entry
+                self._current = entry
             self._versions.move_to_end(digest)
             self.commits += 1
             self._evict(now)
         return version, digest
 
-    def get(self, digest: bytes, now: float | None = None) -> Version | None:
-        """The version with this digest, if it is still kept."""
+    def release_live(self, now: float | None = None) -> None:
+        """Copy the current version out of the live weights, which the caller (holding the stage's lock) is about to
+        change: a referee may still ask for it."""
         with self._lock:
-            self._evict(time.monotonic() if now is None else now)
-            return self._versions.get(digest)
+            current = self._current
+            if current is not None and current.tensors is None:
+                self._copy_live(current, time.monotonic() if now is None else now)
+
+    def get(self, digest: bytes, now: float | None = None) -> Version | None:
+        """The version with this digest, if it is still kept. The current one is copied out of the live weights first
+        (from any thread) and hashed again: None if they no longer hash to it."""
+        with self._lock:
+            now = time.monotonic() if now is None else now
+            self._evict(now)
+            entry = self._versions.get(digest)
+            if entry is None or entry.tensors is not None:
+                return entry
+            if entry is not self._current or self._key is None or self._key[1] != self._live_key():
+                self._lose(digest)  # changed since its commit
+                return None
+            self._copy_live(entry, now)
+            if weights_digest(entry.tensors) != digest:  # changed while copied, by a writer that did not release it
+                self._lose(digest)
+                return None
+            return entry
 
     def unchanged(self, module: nn.Module) -> dict[str, torch.Tensor] | None:
         """The latest version's tensors if ``module`` has not changed since it was committed (nothing stepped it or
-        wrote into it since): an exact copy of the weights as they are now, which the step guard undoes a step from
-        instead of keeping a copy of its own (swarm/integrity/guard.py: 4 bytes a parameter). The caller must not
-        write into them; they stay the ring's."""
+        wrote into it since): an exact copy of the weights as they are now (copied out of the live weights here if
+        the ring had not copied them), which the step guard undoes a step from instead of keeping a copy of its own
+        (swarm/integrity/guard.py: 4 bytes a parameter). The caller must not write into them; they stay the ring's."""
         parts = tuple((t.data_ptr(), t._version) for t in self._state(module).values())
         with self._lock:
             if self._key is None or self._current is None or self._key[1] != parts:
                 return None
+            if self._current.tensors is None:
+                self._copy_live(self._current, time.monotonic())
             return self._current.tensors
 
     @property
@@ -171,6 +222,37 @@ class WeightsRing:
             self._module = module
         return {name: t.detach() for name, t in self._tensors}
 
+    def _live_key(self) -> tuple:
+        return tuple((t.data_ptr(), t._version) for _, t in self._tensors)
+
+    def _copy_live(self, entry: Version, now: float) -> None:
+        """``entry`` (the current version, live) copied into an evicted version's buffers or new ones. Under the lock."""
+        state = {name: t.detach() for name, t in self._tensors}
+        spare = self._take_spare(now, committed_bytes(state))
+        if spare is not None and _fits(spare, state):
+            for name, t in state.items():
+                spare[name].copy_(t)
+            self.recycled += 1
+        else:
+            spare = {name: t.clone() for name, t in state.items()}
+        entry.tensors = spare
+        entry.nbytes = tensors_bytes(spare)
+        self._bytes += entry.nbytes
+        self.released += 1
+        self._evict(now)
+
+    def _lose(self, digest: bytes) -> None:
+        """A live version whose weights changed without ``release_live``: gone (a referee's ask is answered so,
+        never with weights that do not hash to it). Under the lock."""
+        entry = self._versions.pop(digest, None)
+        if entry is not None:
+            self._bytes -= entry.nbytes
+            self.lost += 1
+            logger.warning("weights of version %d changed in place before they were copied: that version is "
+                           "gone for referees", entry.version)
+        if entry is self._current:
+            self._key, self._current = None, None
+
     def __len__(self) -> int:
         return len(self._versions)
 
@@ -183,8 +265,8 @@ class WeightsRing:
         if len(self._versions) < 2:
             return None
         digest, oldest = next(iter(self._versions.items()))
-        if oldest is self._current or (now - oldest.served_at <= self.keep_s and
-                                       self._bytes + incoming <= self.max_bytes):
+        if oldest is self._current or oldest.tensors is None or (now - oldest.served_at <= self.keep_s and
+                                                                 self._bytes + incoming <= self.max_bytes):
             return None
         # references: the Version's attribute and getrefcount's argument; for each tensor, the dict's value, the
         # loop's name and getrefcount's argument. More means someone outside the ring holds them.
@@ -204,6 +286,11 @@ class WeightsRing:
             del self._versions[digest]
             self._bytes -= oldest.nbytes
             self.evicted += 1
+
+
+def _stays_live(state: dict[str, torch.Tensor]) -> bool:
+    """Whether a ring keeps this module's current version as its live weights (on the CPU, committed as they are)."""
+    return all(t.device.type == "cpu" and committed_dtype(t) == t.dtype for t in state.values())
 
 
 def _fits(spare: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> bool:

@@ -124,6 +124,7 @@ class HostMemory:
     snapshot_bytes: int  # healing: the last good snapshot with optimizer state, the one before it as weights only
     # (bfloat16: swarm/integrity/heal.py SNAPSHOT_DTYPE), where they are kept in memory (0 on a node: on disk)
     ring_bytes: int  # committed (exact) versions a referee may ask for (swarm/integrity/weights.py), at their bound
+    ring_bytes_gpu: int  # the same beside a GPU, whose current version is a host copy too (one more)
     disk_bytes: int = 0  # healing's two snapshot files on a node (swarm/integrity/snapshots.py), each with its moments
 
     @property
@@ -171,6 +172,7 @@ def host_memory(run: RunConfig, index: int, snapshots_on_disk: bool = True) -> H
         guard_peak_bytes=guard + (optimizer if adam else 0),
         snapshot_bytes=0 if snapshots_on_disk else (2 * weights + optimizer) // 2,
         ring_bytes=max(RING_MIN_BYTES, int(RING_COPIES * weights * _commit_share())),
+        ring_bytes_gpu=max(RING_MIN_BYTES, int((RING_COPIES + 1) * weights * _commit_share())),
         disk_bytes=(weights + optimizer) if snapshots_on_disk else 0,
     )
 
@@ -202,7 +204,7 @@ def held_bytes(worker: Any, healer: Any = None) -> int:
     for snapshot in (() if healer is None else (healer._snapshot, healer._previous)):
         if snapshot is not None:  # in memory until its file is written (swarm/integrity/snapshots.py), or for good
             tensors += snapshot.tensors()
-    tensors += [t for version in worker.ring._versions.values() for t in version.tensors.values()]
+    tensors += [t for version in worker.ring._versions.values() for t in (version.tensors or {}).values()]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())
 

@@ -375,13 +375,13 @@ def host_memory_checks(run: Any, requested: str, disk_free: int | None = None) -
     checks = []
     for index in range(run.model.stages):
         need = host_memory(run, index)
-        host = need.ring_bytes if gpu else need.total_bytes
+        host = need.ring_bytes_gpu if gpu else need.total_bytes
         # what its pushed hops keep for their drivers' checks, and the replies kept for resent updates
         outbox = outbox_bytes(run, index) + replies_bytes(run, index) if index > 0 else 0
         detail = (f"{(host + outbox) / MIB:,.0f} MiB: {need.params / 1e6:.2f} M parameters, {host / need.params:.0f} "
                   f"bytes each (live copy {need.live_bytes / MIB:,.0f}" + ("" if not gpu else " on the GPU") +
                   f", guard {need.guard_bytes / MIB:,.0f} (+{(need.guard_peak_bytes - need.guard_bytes) / MIB:,.0f} "
-                  f"one step in 50), weight versions {need.ring_bytes / MIB:,.0f}; healing's snapshots "
+                  f"one step in 50), weight versions {(host if gpu else need.ring_bytes) / MIB:,.0f}; healing's snapshots "
                   f"{need.disk_bytes / MIB:,.0f} on disk)")
         if outbox:
             detail += f" + pushed hops and replies kept {outbox / MIB:,.0f} (one driver)"

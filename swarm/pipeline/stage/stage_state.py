@@ -13,7 +13,8 @@ from swarm.run.optim_state import load_optimizer_tensors, optimizer_tensors
 
 
 class StageState:
-    """Mixed into StageWorker: needs ``lock``, ``module``, ``optimizer`` and ``stats``."""
+    """Mixed into StageWorker: needs ``lock``, ``module``, ``optimizer``, ``stats`` and ``ring`` (whatever writes
+    into the weights releases the ring's live version first: swarm/integrity/weights.py)."""
 
     def state_snapshot(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """A consistent copy of the parameters (never half-updated); ``dtype``: floating tensors in it."""
@@ -43,6 +44,7 @@ class StageState:
         if not 0.0 <= factor <= 1.0:
             raise ValueError(f"interpolation factor must be within [0, 1], got {factor}")
         with self.lock:
+            self.ring.release_live()  # a referee may still ask for the version before the merge
             for name, tensor in self.module.state_dict().items():
                 other = received[name].to(tensor.device)
                 if tensor.is_floating_point():
@@ -56,6 +58,7 @@ class StageState:
     def restore(self, state: WorkerState) -> None:
         """Make ``state`` our copy (in place), with its optimizer state when it carries one."""
         with self.lock:
+            self.ring.release_live()
             for name, tensor in self.module.state_dict().items():
                 tensor.copy_(state.params[name].to(tensor.device, tensor.dtype))
             if state.optimizer is not None:

@@ -52,7 +52,7 @@ class WeightsDoor:
         if since_s < MIN_INTERVAL_S:  # ask again when the interval is over, not a quarter second later: an audit
             # fetches the version after the one its judgement just fetched (0.25 s lost per audit, 3 of a test's 4 s)
             return [], refusal_meta("busy", "one version at a time: ask again", max(0.001, MIN_INTERVAL_S - since_s))
-        tensors = worker.weights_for(digest)
+        tensors = await asyncio.to_thread(worker.weights_for, digest)  # the current version is copied out then
         if tensors is None:
             self.gone += 1
             return [], refusal_meta("weights_gone", "that version of the weights is no longer kept here")
