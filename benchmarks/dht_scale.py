@@ -42,6 +42,7 @@ from benchmarks.common import BenchmarkError, finish, machine_notes, parser, rat
 
 STAGES = 4
 CELL_TIMEOUT_S = 420.0
+START_AT_ONCE = 8  # DHT nodes started together (each spawns a p2pd)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,15 +223,23 @@ async def _cell(peers: int, args: Any) -> dict[str, Any]:
         nodes.append(boot)
         initial = [str(m) for m in await boot.p2p.get_visible_maddrs()]
         sims: list[SimPeer] = []
-        for index in range(peers):
+
+        async def start_peer(index: int) -> tuple[Any, Any]:
             identity = workdir / f"peer-{index}.key"
             P2P.generate_identity(str(identity))
             validators = make_validators(run.run_id, run.swarm_names, identity)
             node = await DHTNode.create(initial_peers=initial, host_maddrs=loopback, identity_path=str(identity),
                                         record_validator=CompositeValidator(validators), **NODE_TUNING)
-            nodes.append(node)
-            sims.append(SimPeer(index, run.swarm_names[index % len(run.swarm_names)], NodeDHT(node, loop), run,
-                                validators[0]))
+            nodes.append(node)  # as each starts: a failure of another still stops it
+            return node, validators[0]
+
+        # started together: each waits ~1 s on its p2pd and its first contact (64 peers took a minute one by one)
+        for start in range(0, peers, START_AT_ONCE):
+            started = await asyncio.gather(*(start_peer(i) for i in range(start, min(peers, start + START_AT_ONCE))))
+            for offset, (node, signer) in enumerate(started):
+                index = start + offset
+                sims.append(SimPeer(index, run.swarm_names[index % len(run.swarm_names)], NodeDHT(node, loop), run,
+                                    signer))
         say(f"  {peers} peers up")
         stop = threading.Event()
         pool = ThreadPoolExecutor(max_workers=min(16, peers))
