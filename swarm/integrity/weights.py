@@ -208,6 +208,11 @@ class WeightsRing:
                 self._copy_live(self._current, time.monotonic())
             return self._current.tensors
 
+    def counts(self) -> dict[str, int]:
+        """What the ring did (a node's log at its stop): versions hashed, copied out of the live weights, lost (changed
+        without ``release_live``), kept now."""
+        return {"hashed": self.commits, "released": self.released, "lost": self.lost, "kept": len(self)}
+
     @property
     def held_bytes(self) -> int:
         with self._lock:
@@ -226,7 +231,8 @@ class WeightsRing:
         return tuple((t.data_ptr(), t._version) for _, t in self._tensors)
 
     def _copy_live(self, entry: Version, now: float) -> None:
-        """``entry`` (the current version, live) copied into an evicted version's buffers or new ones. Under the lock."""
+        """``entry`` (the current version, live) copied into an evicted version's buffers or new ones (under the
+        lock)."""
         state = {name: t.detach() for name, t in self._tensors}
         spare = self._take_spare(now, committed_bytes(state))
         if spare is not None and _fits(spare, state):

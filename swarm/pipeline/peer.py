@@ -240,8 +240,9 @@ class SwarmPeer:
 
         async def _teardown() -> None:
             replies = getattr(self._servicer, "replies", None)
-            logger.info("at the stop: receipt signatures %s; resends replayed %s; tensor bytes (in, out) by op %s",
-                        verification_stats(), getattr(replies, "replayed", 0), self.traffic.by_op)
+            logger.info("at the stop: receipt signatures %s; resends replayed %s; tensor bytes (in, out) by op %s; "
+                        "weight versions %s", verification_stats(), getattr(replies, "replayed", 0), self.traffic.by_op,
+                        self.worker.ring.counts() if self.worker is not None else "-")
             if self.driver is not None:
                 self.driver.stop()
             if self._servicer is not None and self._servicer.spot0 is not None:
