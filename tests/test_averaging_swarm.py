@@ -53,3 +53,10 @@ def test_newcomer_syncs_before_online_then_copies_stay_together(swarm, tmp_path)
     assert apart < 0.1 * size, f"copies {apart:.3f} apart, norm {size:.3f}"
     assert not any(e["level"] == "error" for e in events(newcomer) + events(first))
     driver.stop()  # first: a driver whose layer1 peers left first takes ~20 s to exit (pipeline issue)
+    for proc in (first, newcomer):
+        proc.stop()
+    # the sync's restore and the Dpwa merges write into the weights: none lost a version a referee might ask for
+    # (weights.py; whether a merge meets a version in use is timing: tests/test_referee.py checks each writer)
+    stops = [line for log in (tmp_path / "data" / "logs").glob("join-*.log") for line in log.read_text().splitlines()
+             if "weight versions" in line]
+    assert len(stops) == 3 and all("'lost': 0" in line for line in stops), stops
