@@ -140,7 +140,8 @@ class WeightsRing:
             current = self._current
             if current is not None and current.tensors is None and self._key is not None and self._key[1] != key[1]:
                 self._lose(current.digest)  # changed in place, never released
-            self._key, self._current = None, None
+            # (a live version whose tensors did not change, only its number, stays current: a referee may still
+            # copy it out while these weights are hashed)
             spare = None if live else self._take_spare(now, committed_bytes(state))
         if live:  # the caller holds the stage's lock: nothing changes the weights while they are hashed
             tensors = None
