@@ -120,6 +120,20 @@ def test_the_live_version_is_copied_before_a_change_and_never_shown_changed():
     assert kept is not None and weights_digest(kept) == ring.commit(module, 3, now=3.0)[1] and ring.released == 2
 
 
+def test_a_ring_beside_a_gpu_copies_the_version_in_use_at_its_commit():
+    """Where the weights are not on the CPU (``lazy`` off here) the commit copies them to hash them, and that copy is
+    the version: every version, the current one included, is a copy; nothing is released."""
+    module = build_stage(RUN.model, 1)
+    size = committed_bytes(module.state_dict())
+    ring = WeightsRing(max_bytes=4 * size, keep_s=100.0, lazy=False)
+    digests = _commit_versions(ring, module, range(6))
+    assert len(ring) == 4 and ring.held_bytes == 4 * size and ring.released == 0 and ring.lost == 0
+    with torch.no_grad():  # a writer that does not release: the copy is already taken
+        next(module.parameters()).mul_(0.5)
+    kept = ring.get(digests[-1], now=6.0)
+    assert kept is not None and weights_digest(kept.tensors) == digests[-1] and ring.lost == 0
+
+
 def test_every_writer_of_a_stages_weights_releases_the_version_in_use_first():
     """An averaging merge, a restore (healing, a sync), a checkpoint's load and the step itself change the live
     weights: each copies the version in use out first, so a referee asking for it later gets exactly it."""
