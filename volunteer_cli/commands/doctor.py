@@ -381,8 +381,8 @@ def host_memory_checks(run: Any, requested: str, disk_free: int | None = None) -
         detail = (f"{(host + outbox) / MIB:,.0f} MiB: {need.params / 1e6:.2f} M parameters, {host / need.params:.0f} "
                   f"bytes each (live copy {need.live_bytes / MIB:,.0f}" + ("" if not gpu else " on the GPU") +
                   f", guard {need.guard_bytes / MIB:,.0f} (+{(need.guard_peak_bytes - need.guard_bytes) / MIB:,.0f} "
-                  f"one step in 50), weight versions {(host if gpu else need.ring_bytes) / MIB:,.0f}; healing's snapshots "
-                  f"{need.disk_bytes / MIB:,.0f} on disk)")
+                  f"one step in 50), weight versions {(host if gpu else need.ring_bytes) / MIB:,.0f}; healing's "
+                  f"snapshots {need.disk_bytes / MIB:,.0f} on disk)")
         if outbox:
             detail += f" + pushed hops and replies kept {outbox / MIB:,.0f} (one driver)"
         host += outbox
