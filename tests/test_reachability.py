@@ -243,6 +243,27 @@ def test_a_node_that_nobody_can_dial_says_so_stops_being_routed_and_an_auto_one_
     assert asked_again + RETRY_FIRST_S <= part._next_at <= asked_again + RETRY_FIRST_S * (1 + RETRY_JITTER)
 
 
+def test_a_node_on_loopback_only_knows_it_at_its_first_check_with_nobody_to_ask():
+    """A node that drives nothing reads the other swarms every few heartbeats: alone in its swarm it has nobody to
+    ask at first. On loopback only it needs nobody (the check says so at once); elsewhere it is retried soon."""
+    from swarm.dht.reachability import LOCAL, Verdict
+    from volunteer.node.reachability import FIRST_CHECK_S, RETRY_FIRST_S, Reachability
+
+    for verdict, status in ((Verdict(LOCAL, "this node listens on loopback only"), "local"),
+                            (Verdict(UNKNOWN, "no other online peer to ask yet"), "unknown")):
+        node = _node("layer1", auto=False, verdicts=[verdict])
+        node.announcer.views = {"layer1": [_Record("me")]}
+        part = Reachability(node)
+        part.tick(0.0)
+        part.tick(FIRST_CHECK_S)
+        assert node.peer.asked == [[]] and node.board.snapshot().reachability_detail == \
+            "no other online peer to ask yet"
+        part.tick(FIRST_CHECK_S + 1)
+        assert node.board.snapshot().reachability == status
+        if status == "unknown":
+            assert part._next_at <= FIRST_CHECK_S + 1 + 2 * RETRY_FIRST_S, "retried soon"
+
+
 def test_a_check_that_cannot_tell_is_retried_soon_then_less_often_until_one_tells():
     """Peers that came online together are each other's only responders, and a busy one refuses: the first retry
     comes within seconds (one behind NAT stays in the drivers' routes until it knows), later ones back off to

@@ -72,13 +72,12 @@ class Reachability:
         me = node.board.snapshot().peer_id
         responders = sorted({r.peer_id for records in node.announcer.views.values() for r in records
                              if r.state == "online" and r.peer_id != me})
-        if not responders:
-            self._next_at = self._retry_at(now_s)
-            if self.verdict is None:
-                node.board.publish(reachability_detail="no other online peer to ask yet")
-            return
+        # asked even with nobody to ask: a node on loopback only knows at once that there is nothing to check (its
+        # dashboard said "not known yet" until it read another swarm's peers, 25 s for a node that drives nothing);
+        # any other says "no other online peer to ask yet" and is retried as for any unknown
         if self.verdict is None:
-            node.board.publish(reachability="checking", reachability_detail="asking peers to dial this node back")
+            node.board.publish(reachability="checking", reachability_detail="asking peers to dial this node back"
+                               if responders else "no other online peer to ask yet")
         self._future = node.peer.check_reachability(responders)
 
     def _result(self) -> Any:
