@@ -175,6 +175,29 @@ def test_a_swarm_with_a_peer_on_its_way_in_is_read_every_heartbeat_until_it_is_i
     assert schedule.due(names, "layer1", False, 5) == ["layer1"], "in: back to every fifth heartbeat"
 
 
+def test_a_swarm_found_empty_is_read_again_at_the_next_heartbeat_until_it_has_peers():
+    """A server that started before the other swarms' peers read them empty: it reads them again at once (an empty
+    read costs no records) instead of showing them "0/0" for five heartbeats while it trains through them, and
+    again while their peers have served nothing (their figures are a heartbeat away)."""
+    from types import SimpleNamespace
+
+    from swarm.dht.membership import ReadSchedule
+
+    names = ["layer0", "layer1", "layer2"]
+    schedule = ReadSchedule()
+    online = SimpleNamespace(state="online")
+    schedule.done({"layer0": [], "layer1": [online], "layer2": []})
+    assert schedule.due(names, "layer1", False, 5) == names
+    schedule.done({"layer0": [SimpleNamespace(state="online", served=0)], "layer1": [online], "layer2": []})
+    assert schedule.due(names, "layer1", False, 5) == names, "layer0's peer has served nothing yet: its figures come"
+    started = SimpleNamespace(state="online", served=3, started_at=100.0, updated_at=110.0)
+    schedule.done({"layer0": [started], "layer1": [online], "layer2": []})
+    assert schedule.due(names, "layer1", False, 5) == names, "started 10 s ago: its figures still climb"
+    schedule.done({"layer0": [SimpleNamespace(state="online", served=30, started_at=100.0, updated_at=130.0)],
+                   "layer1": [online], "layer2": []})
+    assert schedule.due(names, "layer1", False, 5) == ["layer1", "layer2"], "layer0 has a peer: every fifth again"
+
+
 def test_a_record_that_says_joining_forever_does_not_keep_every_server_reading_its_swarm():
     """Anyone can publish a record; one stuck at "joining" boosts its swarm's reads for ARRIVING_MAX_READS reads in
     a row, then the swarm is read at the ordinary rate again."""
