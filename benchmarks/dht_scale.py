@@ -74,7 +74,8 @@ def _parser() -> Any:
     out.add_argument("--peers", default="4,8,16,32,64", help="peer counts, one cell each")
     out.add_argument("--stages", type=int, default=STAGES)
     out.add_argument("--heartbeat-s", type=float, default=5.0, help="the default run's heartbeat")
-    out.add_argument("--warmup-s", type=float, default=15.0)
+    # past a new peer's ramp (membership.RAMP_S: its swarm is read as if used while its peers are that young)
+    out.add_argument("--warmup-s", type=float, default=30.0)
     out.add_argument("--window-s", type=float, default=40.0)
     out.add_argument("--cell", type=int, default=0, help=argparse_hidden())
     return out
