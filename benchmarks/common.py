@@ -7,6 +7,7 @@ module; this module imports nothing of fleet.py, so the arrow runs one way.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -14,7 +15,7 @@ import re
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -174,3 +175,21 @@ def count_penalties(texts: list[str]) -> dict[str, int]:
     counts["total"] = sum(counts.values())
     counts["timeouts"] = len(TIMEOUT_LINE.findall(joined))
     return counts
+
+
+@contextlib.asynccontextmanager
+async def p2p_pair() -> AsyncIterator[tuple[Any, Any]]:
+    """Two of hivemind's P2P daemons on 127.0.0.1, the second connected to the first: ``(server, client)``, both
+    shut down on the way out (benchmarks that time one RPC path, and the tests of the stream transport)."""
+    from hivemind.p2p import P2P
+
+    server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        client = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                  initial_peers=[str(m) for m in await server.get_visible_maddrs()])
+        try:
+            yield server, client
+        finally:
+            await client.shutdown()
+    finally:
+        await server.shutdown()

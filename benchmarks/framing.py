@@ -21,7 +21,7 @@ import os
 import time
 from typing import Any
 
-from benchmarks.common import finish, machine_notes, median, parser, ratio, say
+from benchmarks.common import finish, machine_notes, median, p2p_pair, parser, ratio, say
 from benchmarks.fleet import process_cpu_seconds
 
 SIZES = {"32k": 32 * 1024, "256k": 256 * 1024, "1m": 1024 * 1024}
@@ -45,26 +45,22 @@ async def _receive(reader: asyncio.StreamReader) -> bytes:
 
 
 async def measure(reps: int) -> dict[str, Any]:
-    from hivemind.p2p import P2P
+    async with p2p_pair() as (server, client):
+        way_now = {"way": WAYS[0]}
 
-    server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    client = await P2P.create(initial_peers=await server.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    way_now = {"way": WAYS[0]}
+        async def echo(_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            way = way_now["way"]
+            if way == "lean":
+                reader._limit = BIG_READER_LIMIT  # asyncio's own attribute: no public setter after the stream exists
+            try:
+                while True:
+                    await _send(way, await _receive(reader), writer)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass
 
-    async def echo(_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        way = way_now["way"]
-        if way == "lean":
-            reader._limit = BIG_READER_LIMIT  # asyncio's own attribute: no public setter after the stream exists
-        try:
-            while True:
-                await _send(way, await _receive(reader), writer)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-
-    await server.add_binary_stream_handler("framing-echo", echo)
-    pids = [os.getpid(), server._child.pid, client._child.pid]
-    out: dict[str, Any] = {}
-    try:
+        await server.add_binary_stream_handler("framing-echo", echo)
+        pids = [os.getpid(), server._child.pid, client._child.pid]
+        out: dict[str, Any] = {}
         for name, size in SIZES.items():
             payload = os.urandom(size)
             runs: dict[str, list[tuple[float, float, float]]] = {way: [] for way in WAYS}
@@ -88,9 +84,6 @@ async def measure(reps: int) -> dict[str, Any]:
                                "p2pd_cpu_ms": median([r[2] for r in rs])} for way, rs in runs.items()}
             say(f"{name}: " + "; ".join(f"{way} {f['round_trip_ms']:.2f} ms, Python {f['python_cpu_ms']:.2f} ms, "
                                         f"p2pd {f['p2pd_cpu_ms']:.2f} ms of CPU" for way, f in out[name].items()))
-    finally:
-        await client.shutdown()
-        await server.shutdown()
     return out
 
 

@@ -19,7 +19,7 @@ import os
 import time
 from typing import Any, AsyncIterator
 
-from benchmarks.common import finish, machine_notes, parser, ratio, say
+from benchmarks.common import finish, machine_notes, p2p_pair, parser, ratio, say
 from benchmarks.fleet import process_cpu_seconds
 
 BLOCK = 50  # calls in a row one way before the other's turn (the machine's drift falls on both)
@@ -28,7 +28,7 @@ WAYS = ("plain", "ask")
 
 async def measure(calls: int, mib: int) -> dict[str, dict[str, Any]]:
     import torch
-    from hivemind.p2p import P2P, P2PContext, ServicerBase
+    from hivemind.p2p import P2PContext, ServicerBase
     from hivemind.proto import runtime_pb2
 
     from swarm.pipeline.transport.streams import StreamCut, join_request, join_stream, reply_stream, split_message
@@ -47,12 +47,9 @@ async def measure(calls: int, mib: int) -> dict[str, dict[str, Any]]:
         for message in messages:
             yield message
 
-    server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    client = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                              initial_peers=[str(m) for m in await server.get_visible_maddrs()])
-    pids = [os.getpid(), server._child.pid, client._child.pid]  # this process and both daemons (as framing.py)
-    out = {way: {"calls": 0, "cut": 0, "cpu_s": 0.0, "wall_s": 0.0} for way in WAYS}
-    try:
+    async with p2p_pair() as (server, client):
+        pids = [os.getpid(), server._child.pid, client._child.pid]  # this process and both daemons (as framing.py)
+        out = {way: {"calls": 0, "cut": 0, "cpu_s": 0.0, "wall_s": 0.0} for way in WAYS}
         await Server().add_p2p_handlers(server)
         stub = Server.get_stub(client, server.peer_id)
         for block in range(2 * max(1, calls // BLOCK)):
@@ -73,9 +70,6 @@ async def measure(calls: int, mib: int) -> dict[str, dict[str, Any]]:
             figures["cpu_ms_per_call"] = round(1000 * figures.pop("cpu_s") / figures["calls"], 2)
             figures["ms_per_call"] = round(1000 * figures.pop("wall_s") / figures["calls"], 2)
             say(f"{way}: {figures['cut']} of {figures['calls']} cut, {figures['cpu_ms_per_call']} ms of CPU a call")
-    finally:
-        await client.shutdown()
-        await server.shutdown()
     return out
 
 

@@ -11,6 +11,7 @@ import torch
 from hivemind.p2p import P2P, P2PContext, ServicerBase
 from hivemind.proto import runtime_pb2
 
+from benchmarks.common import p2p_pair
 from swarm.pipeline.transport import frames, sessions
 from swarm.pipeline.transport.session_server import MAX_REQUEST_BYTES, SessionHandlers, _serve, serve_stream
 from swarm.pipeline.transport.stage_client import SESSION_HANDLER
@@ -132,16 +133,12 @@ def echo(request):
 
 def with_peers(body, servicer):
     async def main():
-        server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        client = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                  initial_peers=[str(m) for m in await server.get_visible_maddrs()])
-        try:
-            await servicer.add_p2p_handlers(server, namespace=NS)
-            return await asyncio.wait_for(body(server, client), 60)
-        finally:
-            sessions.close_sessions(client)
-            await client.shutdown()
-            await server.shutdown()
+        async with p2p_pair() as (server, client):
+            try:
+                await servicer.add_p2p_handlers(server, namespace=NS)
+                return await asyncio.wait_for(body(server, client), 60)
+            finally:
+                sessions.close_sessions(client)
 
     return asyncio.run(main())
 

@@ -7,9 +7,10 @@ from typing import AsyncIterator
 
 import pytest
 import torch
-from hivemind.p2p import P2P, P2PContext, ServicerBase
+from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.proto import runtime_pb2
 
+from benchmarks.common import p2p_pair
 from swarm.pipeline.transport import streams
 from swarm.pipeline.transport.streams import StreamCut, join_request, join_stream, reply_stream, split_message
 from swarm.pipeline.transport.wire import WireError, decode_tensors, encode_tensors
@@ -154,10 +155,7 @@ class Echo(ServicerBase):
 
 def test_over_p2pd_the_caller_closes_first_and_the_server_s_hold_ends_with_it():
     async def run():
-        server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        client = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                  initial_peers=[str(m) for m in await server.get_visible_maddrs()])
-        try:
+        async with p2p_pair() as (server, client):
             echo = Echo()
             await echo.add_p2p_handlers(server)
             stub = Echo.get_stub(client, server.peer_id)
@@ -172,9 +170,6 @@ def test_over_p2pd_the_caller_closes_first_and_the_server_s_hold_ends_with_it():
                     await asyncio.sleep(0.01)
                 # the server held its side open after its end mark until the caller's close, not CLOSE_WAIT_S
                 assert echo.held_until[-1] - started < streams.CLOSE_WAIT_S / 2
-        finally:
-            await client.shutdown()
-            await server.shutdown()
 
     asyncio.run(asyncio.wait_for(run(), 60))
 
@@ -214,10 +209,7 @@ def test_the_stage_client_and_an_averaging_pull_ask_for_marks_and_close_first_ov
         params={"w": X}, optimizer=None, clock=1.0, loss_ema=None, param_version=1))
 
     async def main():
-        server = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        client = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                  initial_peers=[str(m) for m in await server.get_visible_maddrs()])
-        try:
+        async with p2p_pair() as (server, client):
             await Stage().add_p2p_handlers(server, namespace="r.layer1")
             params = ParamsServicer(worker, run_id="r", swarm="layer1")
             await params.add_p2p_handlers(server, Recorder(params), namespace="r.layer1")
@@ -229,9 +221,6 @@ def test_the_stage_client_and_an_averaging_pull_ask_for_marks_and_close_first_ov
             while params.serving and time.monotonic() < deadline:  # its hold ends at our close, not in 10 s
                 await asyncio.sleep(0.01)
             assert params.serving == 0 and params.served == 1
-        finally:
-            await client.shutdown()
-            await server.shutdown()
 
     asyncio.run(asyncio.wait_for(main(), 60))
     assert asks == [("stage", True), ("params", True)]
