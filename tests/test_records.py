@@ -178,10 +178,11 @@ def test_a_swarm_with_a_peer_on_its_way_in_is_read_every_heartbeat_until_it_is_i
 def test_a_swarm_found_empty_is_read_again_at_the_next_heartbeat_until_it_has_peers():
     """A server that started before the other swarms' peers read them empty: it reads them again at once (an empty
     read costs no records) instead of showing them "0/0" for five heartbeats while it trains through them, and
-    again while their peers have served nothing (their figures are a heartbeat away)."""
+    again while their peers have served nothing (their figures are a heartbeat away); a swarm empty for good is
+    read at the ordinary rate after ARRIVING_MAX_READS reads."""
     from types import SimpleNamespace
 
-    from swarm.dht.membership import ReadSchedule
+    from swarm.dht.membership import ARRIVING_MAX_READS, ReadSchedule
 
     names = ["layer0", "layer1", "layer2"]
     schedule = ReadSchedule()
@@ -196,6 +197,9 @@ def test_a_swarm_found_empty_is_read_again_at_the_next_heartbeat_until_it_has_pe
     schedule.done({"layer0": [SimpleNamespace(state="online", served=30, started_at=100.0, updated_at=130.0)],
                    "layer1": [online], "layer2": []})
     assert schedule.due(names, "layer1", False, 5) == ["layer1", "layer2"], "layer0 has a peer: every fifth again"
+    for _ in range(ARRIVING_MAX_READS - 3):  # layer2 found empty read after read
+        schedule.done({"layer1": [online], "layer2": []})
+    assert "layer2" not in schedule.due(names, "layer1", False, 5), "empty for good: the ordinary rate again"
 
 
 def test_a_record_that_says_joining_forever_does_not_keep_every_server_reading_its_swarm():

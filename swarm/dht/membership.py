@@ -151,6 +151,7 @@ class ReadSchedule:
         self.read_at: dict[str, int] = {}  # swarm -> beat of its last read
         self.sizes: dict[str, int] = {}  # swarm -> records in that read
         self.arriving: dict[str, int] = {}  # swarm -> reads in a row with a peer still joining or syncing
+        self.empty: dict[str, int] = {}  # swarm -> reads in a row that found it empty
 
     def due(self, swarm_names: list[str], own: str, drives: bool, others_every: int) -> list[str]:
         out = []
@@ -158,10 +159,11 @@ class ReadSchedule:
             # a swarm with a peer on its way in is read as if used, until it is in: a server's dashboard showed
             # the other swarms' new peers as "0/1" online (and the wrong swarm as the bottleneck) for ~30 s while
             # it already trained through them
-            # so is a swarm found empty (cheap to read: no records): a server that started before the other swarms'
-            # peers showed them "0/0" (the bottleneck) for 25 s while it already trained through them
-            uses = drives or name == own or own not in swarm_names or self.sizes.get(name) == 0 or \
-                0 < self.arriving.get(name, 0) <= ARRIVING_MAX_READS
+            # so is a swarm found empty, as long (a server that started before the other swarms' peers showed them
+            # "0/0", the bottleneck, for 25 s while it already trained through them; one empty for good is not
+            # read by every server every heartbeat)
+            uses = drives or name == own or own not in swarm_names or \
+                any(0 < reads.get(name, 0) <= ARRIVING_MAX_READS for reads in (self.arriving, self.empty))
             last = self.read_at.get(name)
             if last is None or self.beat - last >= read_period(self.sizes.get(name, 0), uses, others_every):
                 out.append(name)
@@ -177,6 +179,10 @@ class ReadSchedule:
                 self.arriving[name] = self.arriving.get(name, 0) + 1
             else:
                 self.arriving.pop(name, None)
+            if records:
+                self.empty.pop(name, None)
+            else:
+                self.empty[name] = self.empty.get(name, 0) + 1
         self.beat += 1
 
 

@@ -131,12 +131,12 @@ class WeightsRing:
         now = time.monotonic() if now is None else now
         state = self._state(module)
         key = (version, tuple((t.data_ptr(), t._version) for t in state.values()))
-        live = self.lazy and _stays_live(state)
         with self._lock:
-            if key == self._key and self._current is not None:
+            if key == self._key and self._current is not None:  # every op of a version but its first: no more
                 self._current.served_at = now
                 self._versions.move_to_end(self._current.digest)
                 return self._current.version, self._current.digest
+            live = self.lazy and _stays_live(state)
             current = self._current
             if current is not None and current.tensors is None and self._key is not None and self._key[1] != key[1]:
                 self._lose(current.digest)  # changed in place, never released
