@@ -160,6 +160,8 @@ def _run(fleet: Fleet, maddr: str, attack: Attack | None, shape: tuple, s: Setti
         rss_before = {p.name: _rss_mb(p.pid) for p in procs["layer1"]}
         handle = start_attack(attack, hostile, s.labels) if attack else None
         left = procs[attack.swarm] if attack is not None and attack.lone else []
+        if handle is not None and not left:  # the honest copies are measured, never a liar's
+            sampler.exclude = frozenset(handle.peer_ids)
         if left:  # the liar is its swarm's only copy from here (a leave, as a volunteer's Ctrl+C)
             fleet.stop(left)
             everyone = [p for p in everyone if p not in left]
@@ -262,6 +264,10 @@ class _Sampler:
         self.per_swarm = per_swarm
         self.sample_s = sample_s
         self.oracle = CopyOracle(hostile)
+        # the attacker's identities, never measured as the run's copies: a read that missed the honest copy's record
+        # (a copy that stopped serving to heal, a read under load) measured the oldest liar's copy instead; such a
+        # sample is skipped. Not for a lone liar: it is then its swarm's copy, what the run trains
+        self.exclude: frozenset[str] = frozenset()
         self.samples: list[Sample] = []
         self._trained: dict[str, int] = {}
         self._lost: dict[str, int] = {}
@@ -286,7 +292,8 @@ class _Sampler:
                 say(f"sample failed: {exc.__class__.__name__}: {exc}")
 
     def _sample(self) -> Sample:
-        views = {k: sorted(self.hostile.online(f"layer{k}"), key=lambda r: r.started_at) for k in range(STAGES)}
+        views = {k: sorted((r for r in self.hostile.online(f"layer{k}") if r.peer_id not in self.exclude),
+                           key=lambda r: r.started_at) for k in range(STAGES)}
         drivers = views[0]
         accuracies = []
         for m in range(self.per_swarm):

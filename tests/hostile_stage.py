@@ -93,16 +93,16 @@ def _twist(worker: Any, twist: str) -> None:
     if twist == "huge_gradient":
         honest = worker.forward_backward
 
-        def forward_backward(mb, x, y, owner=""):
-            loss, grad = honest(mb, x, y, owner=owner)
+        def forward_backward(mb, x, y, owner="", **kw):
+            loss, grad = honest(mb, x, y, owner=owner, **kw)
             return loss, torch.where(grad >= 0, HUGE_VALUE, -HUGE_VALUE)
 
         worker.forward_backward = forward_backward
     elif twist == "ascent_gradient":
         honest_fb, honest_bw, honest_check = worker.forward_backward, worker.backward, worker.input_gradient
 
-        def ascent_fb(mb, x, y, owner=""):
-            loss, grad = honest_fb(mb, x, y, owner=owner)
+        def ascent_fb(mb, x, y, owner="", **kw):
+            loss, grad = honest_fb(mb, x, y, owner=owner, **kw)
             return loss, None if grad is None else -grad
 
         def ascent_bw(mb_id, grad_out, x, loss, owner=""):
@@ -123,8 +123,8 @@ def _twist(worker: Any, twist: str) -> None:
         if twist == "hidden_harm" and worker.is_last:
             honest_fb, honest_check = worker.forward_backward, worker.input_gradient
 
-            def hiding_fb(mb, x, y, owner=""):
-                loss, grad = honest_fb(mb, x, y, owner=owner)
+            def hiding_fb(mb, x, y, owner="", **kw):
+                loss, grad = honest_fb(mb, x, y, owner=owner, **kw)
                 return loss / 4, grad
 
             def hiding_check(x, y=None, grad_out=None):

@@ -38,8 +38,8 @@ def _hostile_last_stage(worker: StageWorker) -> None:
     """Huge gradients (each validly signed by this peer), and a perfect score in every evaluation."""
     honest = worker.forward_backward
 
-    def forward_backward(mb, x, y, owner=""):
-        loss, grad = honest(mb, x, y, owner=owner)
+    def forward_backward(mb, x, y, owner="", **kw):
+        loss, grad = honest(mb, x, y, owner=owner, **kw)
         return loss, torch.where(grad >= 0, HOSTILE_VALUE, -HOSTILE_VALUE)
 
     worker.forward_backward = forward_backward
@@ -132,8 +132,8 @@ def _ascent_last_stage(worker: StageWorker) -> None:
     """Trains honestly; every input gradient it returns (training and recomputations alike) points the other way."""
     honest_fb, honest_check = worker.forward_backward, worker.input_gradient
 
-    def forward_backward(mb, x, y, owner=""):
-        loss, grad = honest_fb(mb, x, y, owner=owner)
+    def forward_backward(mb, x, y, owner="", **kw):
+        loss, grad = honest_fb(mb, x, y, owner=owner, **kw)
         return loss, -grad
 
     def input_gradient(x, y=None, grad_out=None):

@@ -68,11 +68,31 @@ def test_one_drivers_exploding_loss_does_not_make_the_copy_sick_every_drivers_do
     for t in range(90, 130):  # the copy itself breaks: every driver's loss explodes
         monitor.observe_local_loss(40.0, "honest", now=float(t))
         monitor.observe_local_loss(40.0, "liar", now=float(t))
-    assert monitor.sick and "for all 2 drivers" in monitor.sick_reason
+    assert monitor.sick and "for all 2 drivers and sources" in monitor.sick_reason
     monitor.healed()
     for t in range(200, 260):  # the honest driver left 70 s ago: its old low loss no longer vouches for the copy
         monitor.observe_local_loss(40.0, "liar", now=float(t))
     assert monitor.sick
+
+
+def test_inputs_from_an_upstream_copy_that_does_harm_do_not_make_the_last_stage_sick():
+    """Six fresh keys trained to harm beside the one honest copy of the swarm before the last stage made the honest
+    last stage heal five times in 12 s, each heal cutting its step size (benchmarks.adversary six_keys_middle_harm):
+    one driver, whose loss was high only on what the harmful copies computed. The loss is judged per driver and per
+    peer that computed the input; a copy that really broke breaks for every source."""
+    monitor = HealthMonitor(IntegrityConfig(loss_explode_ratio=4.0), chance_loss=math.log(10))
+    for t in range(30):
+        monitor.observe_local_loss(0.3, "driver", now=float(t), source="honest")
+    monitor.set_baseline(param_norm=1.0)
+    for t in range(30, 90):
+        monitor.observe_local_loss(0.3, "driver", now=float(t), source="honest")
+        for k in range(6):
+            monitor.observe_local_loss(5.0, "driver", now=float(t), source=f"harm{k}")
+    assert not monitor.sick
+    for t in range(90, 130):  # the copy itself breaks: what the honest copy sends explodes too
+        monitor.observe_local_loss(40.0, "driver", now=float(t), source="honest")
+        monitor.observe_local_loss(40.0, "driver", now=float(t), source="harm0")
+    assert monitor.sick and "for all 7 drivers and sources" in monitor.sick_reason
 
 
 def _poison(worker: StageWorker) -> None:

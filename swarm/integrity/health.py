@@ -144,7 +144,8 @@ class HealthMonitor:
         self._norms: deque[float] = deque(maxlen=NORM_HISTORY_SNAPSHOTS)  # of the recent good snapshots
         self.loss_ema: float | None = None  # of the losses computed here (last stage only)
         self._losses_seen = 0
-        self._owner_losses: dict[str, tuple[float, int, float]] = {}  # driver -> (loss EMA, losses, last seen)
+        # (driver, the peer that computed the input) -> (loss EMA, losses, last seen)
+        self._owner_losses: dict[tuple[str, str], tuple[float, int, float]] = {}
         self._loss_heals = 0  # heals for an exploded loss since the last good snapshot
         self.upstream_losses = 0  # exploded losses taken as the inputs' doing (LOSS_HEALS_MAX), not healed
         self.notice: str | None = None  # said once by the healer (heal.py), then cleared
@@ -178,22 +179,25 @@ class HealthMonitor:
             self.mark_sick(reason)
             raise SickCopy(reason)
 
-    def observe_local_loss(self, loss: float, owner: str = "", now: float | None = None) -> None:
-        """A loss this stage computed itself (last stage) on ``owner``'s micro-batch: non-finite means sick, and so
-        does an exploded loss EMA, judged per driver: the copy is sick when the loss of every driver active here
-        exploded (the lowest of their EMAs), not when one driver's did. A driver that pairs activations with the
-        wrong ids has a loss of its own that explodes; that must not make the copy heal, again and again, for
-        everyone (issue 25 item 7: "a lying loss cannot make a stage heal forever"). A copy that really broke
-        breaks for every driver."""
+    def observe_local_loss(self, loss: float, owner: str = "", now: float | None = None, source: str = "") -> None:
+        """A loss this stage computed itself (last stage) on ``owner``'s micro-batch, whose input ``source`` computed:
+        non-finite means sick, and so does an exploded loss EMA, judged per driver and source: the copy is sick when
+        the loss of every (driver, source) active here exploded (the lowest of their EMAs), not when one's did. A
+        driver that pairs activations with the wrong ids has a loss of its own that explodes; that must not make the
+        copy heal, again and again, for everyone (issue 25 item 7: "a lying loss cannot make a stage heal forever").
+        Nor must the inputs of an upstream copy trained to harm: six such keys beside one honest copy made the honest
+        last stage heal five times in 12 s and cut its step size to 0.027x (benchmarks.adversary six_keys_middle_harm),
+        while the loss of what the honest copy sent it stayed low. A copy that really broke breaks for everyone."""
         if not math.isfinite(loss):
             self.mark_sick("the loss is not finite")
             return
         self.loss_ema = loss if self.loss_ema is None else (1 - LOSS_EMA_ALPHA) * self.loss_ema + LOSS_EMA_ALPHA * loss
         self._losses_seen += 1
         now = time.monotonic() if now is None else now
-        ema, seen, _ = self._owner_losses.get(owner, (loss, 0, now))
-        self._owner_losses[owner] = (loss if seen == 0 else (1 - LOSS_EMA_ALPHA) * ema + LOSS_EMA_ALPHA * loss,
-                                     seen + 1, now)
+        key = (owner, source)
+        ema, seen, _ = self._owner_losses.get(key, (loss, 0, now))
+        self._owner_losses[key] = (loss if seen == 0 else (1 - LOSS_EMA_ALPHA) * ema + LOSS_EMA_ALPHA * loss,
+                                   seen + 1, now)
         if len(self._owner_losses) > MAX_LOSS_OWNERS:
             del self._owner_losses[min(self._owner_losses, key=lambda o: self._owner_losses[o][2])]
         judged = [e for e, n, at in self._owner_losses.values()
@@ -217,7 +221,7 @@ class HealthMonitor:
                 return
             self._loss_heals += 1
             self.mark_sick(f"the loss EMA {lowest:.3g} exploded (the limit is {limit:.3g})"
-                           + (f" for all {len(judged)} drivers" if len(judged) > 1 else ""))
+                           + (f" for all {len(judged)} drivers and sources" if len(judged) > 1 else ""))
 
     def observe_own_forward(self, inputs, outputs) -> None:
         """Stage 0, a forward of the node's own data: a copy whose outputs stopped depending on its inputs

@@ -21,6 +21,7 @@ class Request:
 
     requester: str = ""
     gate: StageGate | None = None
+    source: str = ""  # the peer that computed the request's input (its receipt's signer): the last stage's loss health
 
     def targets(self, worker: StageWorker, ids: torch.Tensor, batch: int, split: str) -> torch.Tensor:
         labels = self.gate.labels if self.gate is not None else None
@@ -86,7 +87,7 @@ def dispatch(worker: StageWorker, op: Any, tensors: list[torch.Tensor], meta: di
         if op == "evaluate":
             loss_sum, correct, count = worker.evaluate(x, y)
             return [], {"ok": True, "loss_sum": loss_sum, "correct": correct, "count": count}
-        loss, grad_in = _content(0, worker.forward_backward, mb, x, y, owner=owner)
+        loss, grad_in = _content(0, worker.forward_backward, mb, x, y, owner=owner, source=request.source)
         return ([] if grad_in is None else [grad_in]), {"ok": True, "loss": loss}
     raise WireError(f"unknown op {op!r}")
 

@@ -293,7 +293,7 @@ class StageServicer(SessionHandlers, Stage0Ops, StageRPC):
             check = self._start_stage0_check(requester, op, meta, tensors, vouched)
             if check is not None and op == "forward_backward":  # it applies the update: the verdict comes first
                 await self._stage0_verdict(check, requester, None)
-            request = Request(requester=requester, gate=self.gate)
+            request = Request(requester=requester, gate=self.gate, source=vouched.authors.get(0, ""))
             out, reply, outcome = await self.fair.run(requester, _run, self.worker, op, tensors, meta, request)
             ran.applied = outcome.applied
             committed = reply.pop(COMMITTED_KEY, None)

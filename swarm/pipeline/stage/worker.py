@@ -196,15 +196,17 @@ class StageWorker(StageState):
             self._simulate()
             return None if saved.inputs.grad is None else self._within_reply_bound(saved.inputs.grad.cpu(), peak)
 
-    def forward_backward(self, mb_id: str, x: torch.Tensor, y: torch.Tensor, owner: str = "") -> tuple[float, torch.Tensor | None]:
-        """Last stage: loss and input gradient of one micro-batch, with the update applied."""
+    def forward_backward(self, mb_id: str, x: torch.Tensor, y: torch.Tensor, owner: str = "",
+                         source: str = "") -> tuple[float, torch.Tensor | None]:
+        """Last stage: loss and input gradient of one micro-batch, with the update applied. ``source``: the peer that
+        computed ``x`` (its loss is judged per driver and source: swarm/integrity/health.py)."""
         with self.lock, self.stats.busy():
             self._refuse_if_sick()
             self._commit()
             saved = self._graph(x)
             loss = loss_fn(self.run.model, saved.outputs, y.to(self.device))
             value = float(loss.item())
-            self.health.observe_local_loss(value, owner)
+            self.health.observe_local_loss(value, owner, source=source)
             self._refuse_if_sick()
             loss.backward()
             peak = self._check_emitted(saved.inputs.grad, "input gradients")
