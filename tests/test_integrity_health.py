@@ -84,15 +84,46 @@ def test_inputs_from_an_upstream_copy_that_does_harm_do_not_make_the_last_stage_
     for t in range(30):
         monitor.observe_local_loss(0.3, "driver", now=float(t), source="honest")
     monitor.set_baseline(param_norm=1.0)
+    declined = []
     for t in range(30, 90):
-        monitor.observe_local_loss(0.3, "driver", now=float(t), source="honest")
+        assert not monitor.observe_local_loss(0.3, "driver", now=float(t), source="honest")
         for k in range(6):
-            monitor.observe_local_loss(5.0, "driver", now=float(t), source=f"harm{k}")
+            declined.append(monitor.observe_local_loss(5.0, "driver", now=float(t), source=f"harm{k}"))
     assert not monitor.sick
-    for t in range(90, 130):  # the copy itself breaks: what the honest copy sends explodes too
+    # ... and what the harmful copies compute is not learned from, once their loss EMA is known (20 losses each)
+    assert declined[-6:] == [True] * 6 and monitor.declined == declined.count(True) >= 6 * 30
+    # a driver whose own loss is high through every source (label-skewed shards early in a run) is learned from
+    skewed = []
+    for t in range(90, 130):
+        monitor.observe_local_loss(0.3, "driver", now=float(t), source="honest")
+        skewed.append(monitor.observe_local_loss(5.0, "skewed", now=float(t), source="honest"))
+    assert not any(skewed) and not monitor.sick
+    for t in range(130, 170):  # the copy itself breaks: what the honest copy sends explodes too
         monitor.observe_local_loss(40.0, "driver", now=float(t), source="honest")
+        monitor.observe_local_loss(40.0, "skewed", now=float(t), source="honest")
         monitor.observe_local_loss(40.0, "driver", now=float(t), source="harm0")
-    assert monitor.sick and "for all 7 drivers and sources" in monitor.sick_reason
+    assert monitor.sick and "drivers and sources" in monitor.sick_reason
+
+
+def test_a_last_stage_does_not_learn_from_a_source_whose_loss_exploded_and_its_version_still_counts_one():
+    """Declined: the loss and the input gradient go back as computed, the weights do not move, and the version
+    counts one (a referee's audit takes v -> v+1 as the hop's update: unchanged weights, a cosine of 0)."""
+    run = RunConfig(name="decline", model={"stages": 2})
+    worker = StageWorker(run, 1)
+    x = torch.randn(8, *stage_input_spec(run.model, 1).shape[1:])
+    y = torch.randint(0, 10, (8,))
+    worker.health.observe_local_loss = lambda *args, **kwargs: True  # this source's loss exploded, others' did not
+    before = {name: p.detach().clone() for name, p in worker.module.named_parameters()}
+    version = worker.stats.param_version
+    loss, grad = worker.forward_backward("d0", x, y, owner="driver", source="harm")
+    assert math.isfinite(loss) and grad is not None and grad.shape == x.shape and float(grad.abs().sum()) > 0
+    assert all(torch.equal(p, before[name]) for name, p in worker.module.named_parameters())
+    assert worker.stats.param_version == version + 1 and worker.last_update is not None
+    assert worker.stats.served == 0, "a declined update is not one served (staleness counts updates applied)"
+    worker.health.observe_local_loss = lambda *args, **kwargs: False
+    worker.forward_backward("d1", x, y, owner="driver", source="honest")
+    assert any(not torch.equal(p, before[name]) for name, p in worker.module.named_parameters())
+    assert worker.stats.param_version == version + 2
 
 
 def _poison(worker: StageWorker) -> None:

@@ -20,6 +20,7 @@ state and is called on the compute thread (under the stage's lock). The healing 
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -27,6 +28,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from swarm.run.runconfig import IntegrityConfig
+
+logger = logging.getLogger(__name__)
 
 NORM_EXPLODE_RATIO = 10.0  # sick when ||params|| exceeds this many times the smallest of the recent good snapshots'
 # A snapshot is retaken every few hundred updates while the copy looks healthy, so a norm that grows 1.25x per
@@ -148,6 +151,8 @@ class HealthMonitor:
         self._owner_losses: dict[tuple[str, str], tuple[float, int, float]] = {}
         self._loss_heals = 0  # heals for an exploded loss since the last good snapshot
         self.upstream_losses = 0  # exploded losses taken as the inputs' doing (LOSS_HEALS_MAX), not healed
+        self.declined = 0  # updates not learned: one source's loss exploded where others' did not
+        self._declined_from: set[str] = set()  # sources said so (once each)
         self.notice: str | None = None  # said once by the healer (heal.py), then cleared
         self.times_sick = 0
         self.live_ema: float | None = None  # stage 0: the share of its output features that vary, own batches
@@ -179,7 +184,7 @@ class HealthMonitor:
             self.mark_sick(reason)
             raise SickCopy(reason)
 
-    def observe_local_loss(self, loss: float, owner: str = "", now: float | None = None, source: str = "") -> None:
+    def observe_local_loss(self, loss: float, owner: str = "", now: float | None = None, source: str = "") -> bool:
         """A loss this stage computed itself (last stage) on ``owner``'s micro-batch, whose input ``source`` computed:
         non-finite means sick, and so does an exploded loss EMA, judged per driver and source: the copy is sick when
         the loss of every (driver, source) active here exploded (the lowest of their EMAs), not when one's did. A
@@ -187,10 +192,13 @@ class HealthMonitor:
         copy heal, again and again, for everyone (issue 25 item 7: "a lying loss cannot make a stage heal forever").
         Nor must the inputs of an upstream copy trained to harm: six such keys beside one honest copy made the honest
         last stage heal five times in 12 s and cut its step size to 0.027x (benchmarks.adversary six_keys_middle_harm),
-        while the loss of what the honest copy sent it stayed low. A copy that really broke breaks for everyone."""
+        while the loss of what the honest copy sent it stayed low. A copy that really broke breaks for everyone.
+        True: this (driver, source)'s loss exploded where the same driver's through another source did not: the
+        inputs' doing, not to be learned from (the stage declines the update, ``declined``); drivers' route losses
+        judge the source's copy."""
         if not math.isfinite(loss):
             self.mark_sick("the loss is not finite")
-            return
+            return False
         self.loss_ema = loss if self.loss_ema is None else (1 - LOSS_EMA_ALPHA) * self.loss_ema + LOSS_EMA_ALPHA * loss
         self._losses_seen += 1
         now = time.monotonic() if now is None else now
@@ -203,25 +211,45 @@ class HealthMonitor:
         judged = [e for e, n, at in self._owner_losses.values()
                   if n >= LOSS_WARMUP_UPDATES and now - at <= LOSS_OWNER_RECENT_S]
         if not judged:
-            return
+            return False
         lowest = min(judged)
         baseline = self.baseline.loss_ema if self.baseline is not None else None
         ratio = self.cfg.loss_explode_ratio
-        if loss_exploded(lowest, baseline, ratio, self.chance_loss):
-            if self.sick:  # already healing
-                return
-            limit = loss_limit(baseline, ratio, self.chance_loss)
-            if self._loss_heals >= LOSS_HEALS_MAX and math.isfinite(lowest):
-                self.upstream_losses += 1
-                self.baseline = Baseline(param_norm=self.baseline.param_norm if self.baseline else float("nan"),
-                                         loss_ema=lowest)
-                self.notice = (f"the loss EMA {lowest:.3g} stays past its limit ({limit:.3g}) after {self._loss_heals} "
-                               f"restores of good copies: its inputs changed upstream, not this copy; serving on, "
-                               f"with {lowest:.3g} as the loss to compare with until the next good snapshot")
-                return
-            self._loss_heals += 1
-            self.mark_sick(f"the loss EMA {lowest:.3g} exploded (the limit is {limit:.3g})"
-                           + (f" for all {len(judged)} drivers and sources" if len(judged) > 1 else ""))
+        if not loss_exploded(lowest, baseline, ratio, self.chance_loss):
+            ema, seen, _ = self._owner_losses[key]
+            if seen >= LOSS_WARMUP_UPDATES and loss_exploded(ema, baseline, ratio, self.chance_loss) and \
+                    self._fine_elsewhere(owner, source, now, baseline, ratio):
+                self.declined += 1
+                if source not in self._declined_from and len(self._declined_from) < MAX_LOSS_OWNERS:
+                    self._declined_from.add(source)
+                    logger.warning("not learning from the inputs %s computes for %s: their loss EMA here, %.3g, "
+                                   "exploded where the others' did not (drivers judge its copy by route losses)",
+                                   source[-8:] or "?", owner[-8:] or "?", ema)
+                return True
+            return False
+        if self.sick:  # already healing
+            return False
+        limit = loss_limit(baseline, ratio, self.chance_loss)
+        if self._loss_heals >= LOSS_HEALS_MAX and math.isfinite(lowest):
+            self.upstream_losses += 1
+            self.baseline = Baseline(param_norm=self.baseline.param_norm if self.baseline else float("nan"),
+                                     loss_ema=lowest)
+            self.notice = (f"the loss EMA {lowest:.3g} stays past its limit ({limit:.3g}) after {self._loss_heals} "
+                           f"restores of good copies: its inputs changed upstream, not this copy; serving on, "
+                           f"with {lowest:.3g} as the loss to compare with until the next good snapshot")
+            return False
+        self._loss_heals += 1
+        self.mark_sick(f"the loss EMA {lowest:.3g} exploded (the limit is {limit:.3g})"
+                       + (f" for all {len(judged)} drivers and sources" if len(judged) > 1 else ""))
+        return False
+
+    def _fine_elsewhere(self, owner: str, source: str, now: float, baseline: float | None, ratio: float) -> bool:
+        """Does the same driver's loss through another source stay within the limit? Only then is one source's
+        exploded loss its inputs' doing: a driver whose own loss is high everywhere (label-skewed shards early in a
+        run: the copy predicts the other drivers' classes) is learned from as before."""
+        return any(o == owner and s != source and n >= LOSS_WARMUP_UPDATES and now - at <= LOSS_OWNER_RECENT_S
+                   and not loss_exploded(e, baseline, ratio, self.chance_loss)
+                   for (o, s), (e, n, at) in self._owner_losses.items())
 
     def observe_own_forward(self, inputs, outputs) -> None:
         """Stage 0, a forward of the node's own data: a copy whose outputs stopped depending on its inputs

@@ -206,12 +206,18 @@ class StageWorker(StageState):
             saved = self._graph(x)
             loss = loss_fn(self.run.model, saved.outputs, y.to(self.device))
             value = float(loss.item())
-            self.health.observe_local_loss(value, owner, source=source)
+            declined = self.health.observe_local_loss(value, owner, source=source)
             self._refuse_if_sick()
             loss.backward()
             peak = self._check_emitted(saved.inputs.grad, "input gradients")
-            self._apply(saved, batch_size=x.shape[0], loss=value, owner=owner,
-                        junior=bool(owner) and self.on_probation(owner))
+            if declined:  # its loss and input gradient go back, its update is not learned (swarm/integrity/health.py);
+                # the version counts one: a referee's audit takes v -> v+1 as the update of the hop at v (unchanged
+                # weights: neither climbing nor descending), and the op is applied (a resend is refused)
+                self.stats.param_version += 1
+                self.last_update = UpdateReport(clip_scale=1.0, tensors_scaled=0, step_factor=0.0)
+            else:
+                self._apply(saved, batch_size=x.shape[0], loss=value, owner=owner,
+                            junior=bool(owner) and self.on_probation(owner))
             self._simulate(2)
             return value, None if saved.inputs.grad is None else self._within_reply_bound(saved.inputs.grad.cpu(), peak)
 
