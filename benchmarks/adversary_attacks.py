@@ -91,6 +91,7 @@ def _attacks() -> dict[str, Attack]:
         Attack("pair_last_harm", "signed_server", "trained_to_harm", swarm="layer2"),
         Attack("two_keys_middle_harm", "signed_server", "trained_to_harm", swarm="layer1", identities=2),
         Attack("six_keys_middle_harm", "signed_server", "trained_to_harm", swarm="layer1", identities=6),
+        Attack("six_keys_last_harm", "signed_server", "trained_to_harm", swarm="layer2", identities=6),
         # ... and a last stage that hides it behind the loss it signs (a quarter of the truth): its own route losses
         # look better than the honest copy's; the referee recomputes the loss from its committed weights
         Attack("pair_last_hidden_harm", "signed_server", "hidden_harm", swarm="layer2"),
