@@ -120,8 +120,11 @@ def test_a_last_stage_does_not_learn_from_a_source_whose_loss_exploded_and_its_v
     assert all(torch.equal(p, before[name]) for name, p in worker.module.named_parameters())
     assert worker.stats.param_version == version + 1 and worker.last_update is not None
     assert worker.stats.served == 0, "a declined update is not one served (staleness counts updates applied)"
+    declined_at = worker.committed
     worker.health.observe_local_loss = lambda *args, **kwargs: False
     worker.forward_backward("d1", x, y, owner="driver", source="honest")
+    # the next op computed at version v+1 with the same weights: a referee asking for either gets them
+    assert worker.committed == (declined_at[0] + 1, declined_at[1]) and worker.weights_for(declined_at[1]) is not None
     assert any(not torch.equal(p, before[name]) for name, p in worker.module.named_parameters())
     assert worker.stats.param_version == version + 2
 

@@ -127,6 +127,9 @@ def test_remote_gradients_equal_local_gradients(stage_servers):
     for peer, old in zip(peers, before):
         for name, param in peer.worker.module.named_parameters():
             assert torch.allclose(param, old[name] - 0.1 * param.grad, atol=1e-6)
+    # the last stage judged that loss as the driver's through layer1's copy: the signer of its input, not whoever
+    # relayed it (here the driver), is the source its loss health keys on (swarm/integrity/health.py)
+    assert {source for _, source in layer2.worker.health._owner_losses} == {str(layer1.dht.peer_id)}
 
 
 def test_gradient_checks_recompute_the_gradients_a_stage_returns_and_apply_nothing(stage_servers):
