@@ -242,7 +242,7 @@ class SwarmPeer:
             replies = getattr(self._servicer, "replies", None)
             logger.info("at the stop: receipt signatures %s; resends replayed %s; tensor bytes (in, out) by op %s; "
                         "weight versions %s", verification_stats(), getattr(replies, "replayed", 0), self.traffic.by_op,
-                        self.worker.ring.counts() if self.worker is not None else "-")
+                        {**w.ring.counts(), "declined": w.health.declined} if (w := self.worker) is not None else "-")
             if self.driver is not None:
                 self.driver.stop()
             if self._servicer is not None and self._servicer.spot0 is not None:
