@@ -109,6 +109,24 @@ def test_choice_shares_pulls_among_healthy_peers_and_avoids_one_that_timed_out()
     assert flow.choose([], 0.0, rng) is None
 
 
+def test_a_peer_whose_pulls_keep_failing_rests_longer_each_time_until_one_succeeds():
+    # a swarm's only other member that serves no parameters was chosen at every draw: ~8 failed dials a second
+    flow, rng = FlowControl(), random.Random(1)
+    flow.timeout("mute", 0.0)
+    assert flow.choose(["mute"], 0.5, rng) is None, "resting for REST_S after a failure, even when it is the only one"
+    assert flow.choose(["mute"], rules.REST_S, rng) == "mute"
+    flow.timeout("mute", rules.REST_S)
+    assert flow.rests("mute", rules.REST_S + 1.5) and not flow.rests("mute", rules.REST_S + 2.0), "doubled"
+    now = 10.0
+    for _ in range(20):
+        flow.timeout("mute", now)
+    assert not flow.rests("mute", now + rules.MAX_REST_S), "capped at MAX_REST_S"
+    flow.success("mute", now)
+    assert not flow.rests("mute", now), "a success ends the rest"
+    flow.timeout("mute", now)
+    assert not flow.rests("mute", now + rules.REST_S), "and starts the doubling over"
+
+
 def test_bans_expire_and_candidates_skip_me_banned_and_offline():
     bans = BanList()
     bans.ban("x", now=0.0, duration_s=10.0)

@@ -136,3 +136,37 @@ def test_a_lying_last_stage_cannot_frame_a_middle_copy_beside_an_honest_last_sta
         verdicts += routes.record({1: "victim"}, 1.5, witness="honest") + routes.record({1: "rival"}, 0.5,
                                                                                          witness="honest")
     assert verdicts and {v.peer for v in verdicts} == {"victim"}
+
+
+def _last_with_loss(run: RunConfig, k: int, loss: float):
+    """A last stage whose own weights give ``loss`` on whatever it is given (weights trained to harm: a high one)."""
+    good = honest(run, k)
+
+    def answer(op, tensors, meta):
+        out, reply = good(op, tensors, meta)
+        return out, ({**reply, "loss": loss} if op.startswith("forward_backward") else reply)
+
+    return answer
+
+
+def test_a_last_stage_whose_weights_do_harm_is_held_off_by_its_own_loss():
+    """Session 27: a last stage trained to harm beside one honest copy (benchmarks.adversary pair_last_harm) computes
+    every hop honestly from its weights, so its gradients pass every recomputation, and the driver's stage 0 and the
+    middle copies descended them: 0.50-0.87 of the clean run's accuracy. Its loss is its own claim (signed, recomputed
+    by a referee), so a last stage's copies are compared with each other's losses, and the harmful one is held off."""
+    fake = FakeSwarm({"layer1": {"mid": honest(RUN, 1)},
+                      "layer2": {"good": _last_with_loss(RUN, 2, 0.5), "harm": _last_with_loss(RUN, 2, 3.0)}})
+    driver = drive(RUN, fake, seconds=2.0, during=_no_spot_checks, min_microbatches=4 * MIN_PAIRS)
+    assert driver.route_losses.held >= 1
+    assert driver.routers["layer2"].peers["harm"].banned_until > 0
+    assert driver.routers["layer2"].peers["good"].banned_until == 0
+    assert driver.routers["layer1"].peers["mid"].banned_until == 0, "the middle copy's losses come through both"
+    assert driver.stats.lost == 0
+
+
+def test_honest_last_stages_are_not_held_off():
+    fake = FakeSwarm({"layer1": {"mid": honest(RUN, 1)},
+                      "layer2": {"a": _last_with_loss(RUN, 2, 0.5), "b": _last_with_loss(RUN, 2, 0.6)}})
+    driver = drive(RUN, fake, seconds=1.5, during=_no_spot_checks, min_microbatches=4 * MIN_PAIRS)
+    assert driver.route_losses.held == 0
+    assert all(stats.banned_until == 0 for stats in driver.routers["layer2"].peers.values())

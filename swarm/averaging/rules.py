@@ -20,6 +20,10 @@ scores decay toward 0 with a half-life of ``SCORE_HALF_LIFE_S``, so a peer that 
 tried again. The chosen peer maximises ``score + uniform(0, RANDOM_SPAN)``: healthy peers (scores
 between 0 and 1) share the pulls almost evenly, which is what mixing needs, while a peer that just
 timed out (-3) is skipped until its score has decayed to within ``RANDOM_SPAN`` of the others.
+A peer whose pulls fail in a row also *rests*: it is not chosen for ``REST_S`` after its first failure, doubling per
+failure up to ``MAX_REST_S`` and over on its next success. Scores alone left a swarm's only other member chosen at
+every draw: a peer that announces the swarm but serves no parameters (another version, a stranger) drew ~8 failed
+pulls a second, each a dial and a log line (benchmarks.adversary, session 27).
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ SCORE_TIMEOUT = -3.0
 SCORE_MAX = 1.0
 SCORE_MIN = -10.0
 SCORE_HALF_LIFE_S = 60.0
+REST_S = 1.0  # a peer whose pull failed is not chosen this long, doubling while its pulls keep failing
+MAX_REST_S = 60.0
 RANDOM_SPAN = 2.0
 DONOR_TOP_K = 3  # newcomers pick a random donor among the k most trained peers, spreading the load
 SERVING_STATES = frozenset({"online"})
@@ -102,6 +108,7 @@ class FlowControl:
     """Flow-control scores of the peers we pull from (the rule is in the module doc)."""
 
     scores: dict[str, _Score] = field(default_factory=dict)
+    resting: dict[str, tuple[float, int]] = field(default_factory=dict)  # peer -> (until, failures in a row)
 
     def score(self, peer: str, now: float) -> float:
         entry = self.scores.get(peer)
@@ -115,17 +122,29 @@ class FlowControl:
         return value
 
     def success(self, peer: str, now: float) -> float:
+        self.resting.pop(peer, None)
         return self._add(peer, SCORE_SUCCESS, now)
 
     def refusal(self, peer: str, now: float) -> float:
         return self._add(peer, SCORE_REFUSAL, now)
 
     def timeout(self, peer: str, now: float) -> float:
+        """A pull that failed (timed out, broke, or found no one serving): the peer rests (module doc)."""
+        failures = self.resting.get(peer, (0.0, 0))[1] + 1
+        if len(self.resting) > 4096:  # strangers' keys: the oldest rests are forgotten first
+            for forgotten in sorted(self.resting, key=lambda p: self.resting[p][0])[:1024]:
+                del self.resting[forgotten]
+        self.resting[peer] = (now + min(MAX_REST_S, REST_S * 2 ** (failures - 1)), failures)
         return self._add(peer, SCORE_TIMEOUT, now)
+
+    def rests(self, peer: str, now: float) -> bool:
+        return self.resting.get(peer, (0.0, 0))[0] > now
 
     def choose(self, candidates: Iterable[str], now: float, rng: random.Random) -> str | None:
         best, best_key = None, -math.inf
         for peer in sorted(candidates):
+            if self.rests(peer, now):
+                continue
             key = self.score(peer, now) + rng.uniform(0.0, RANDOM_SPAN)
             if key > best_key:
                 best, best_key = peer, key

@@ -48,7 +48,7 @@ from swarm.pipeline.control.push_driver import Pusher
 from swarm.pipeline.transport.replies import Vouch
 from swarm.pipeline.control.routing import HopPolicy, SwarmRouter
 from swarm.pipeline.control.driver_eval import evaluate
-from swarm.pipeline.control.route_losses import RouteLosses
+from swarm.pipeline.control.route_losses import SELF_WITNESS, RouteLosses
 from swarm.pipeline.control.referee import Referee
 from swarm.pipeline.control.spot_checks import SpotChecker
 from swarm.pipeline.stage.stage0_replicas import ids_bytes
@@ -303,11 +303,12 @@ class PipelineDriver(LaneFailures):
         (swarm/pipeline/control/route_losses.py: weights trained to harm pass every recomputation, not this)."""
         if self.route_losses is None:
             return
-        # middle stages only: a last stage's copies were compared too, and in benchmarks.adversary pair_last_harm that
-        # brought a 6 s stall and 2 bans of honest peers, where without the comparison the run held (1.002 of clean)
         last = self.run.model.stages - 1
         middle = {k: peer for k, peer in served_by.items() if k < last}
-        for harmful in self.route_losses.record(middle, loss, witness=served_by.get(last, "")):
+        verdicts = self.route_losses.record(middle, loss, witness=served_by.get(last, ""))
+        if last in served_by:  # a last stage's loss is its own claim, signed and recomputed by a referee: no witness
+            verdicts += self.route_losses.record({last: served_by[last]}, loss, witness=SELF_WITNESS)
+        for harmful in verdicts:
             self.routers[f"layer{harmful.stage}"].failure(harmful.peer, time.monotonic(), min_ban_s=harmful.hold_s,
                                                           convicted=True)
             self.notify("warning", f"layer{harmful.stage} peer {harmful.peer[-8:]}: {harmful.describe()}; not "

@@ -17,8 +17,13 @@ swarm, honest copies near convergence (train losses of 0.01-0.05) differ 1.5-1.9
 nat, and comparing windows not paired in time held two honest copies off in the run's first seconds; a copy trained
 to harm moves its loss towards chance and beyond, nats away. A hold, not a conviction (a copy can be worse by
 accident: a bad snapshot, a fresh copy), doubling while it repeats, its losses cleared so that it is measured afresh
-when it serves again. What it cannot see: a swarm with one copy (nothing to compare), and a last stage that reports a
-false loss (its gradients are refereed; the loss it reports is not).
+when it serves again. What it cannot see: a swarm with one copy (nothing to compare).
+
+A *last* stage's copies are judged by their own losses (``SELF_WITNESS``: each loss is the claim of the copy judged,
+signed in its receipt since format 3 and recomputed by a referee, so a copy that reports low losses for itself to get
+an honest rival held off is convicted on its first sampled hop; the standing rule below holds as well). Its gradients
+are honest ones of harmful weights, and the driver's stage 0 and the middle copies descend them: one key trained to
+harm at layer2 beside the honest copy took the run to 0.50-0.87 of the clean run's accuracy before (session 27).
 
 Every loss is a claim of the last-stage peer that computed it (the *witness*), and a lying last stage can report
 higher losses for whatever came through one middle copy (the receipts tell it whose activations it was given) and
@@ -27,8 +32,8 @@ last-stage peer, and p is held off only if every witness that saw enough of both
 one honest last-stage copy beside the framer vetoes it. With one last-stage peer it is the only witness (and could
 report any loss it likes for the whole run anyway). The price, in the other direction: a lying witness can also veto
 the hold of a copy that does harm (it reports normal losses for it); pooled, as before, it pulled the median down
-the same way. Which witness lies is for a referee that recomputes the loss to settle (the receipt does not bind the
-loss yet); until then a disagreement is counted (``disputed``) and the honest copy is not punished.
+the same way. A disagreement is counted (``disputed``) and the honest copy is not punished; a witness that reports a
+false loss is left to the referee, which recomputes the loss of its sampled hops (their receipts sign it).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ ABS_MARGIN_SHARE = 0.25  # of the chance loss: digits 0.58 nats, a 2048-token vo
 JUDGE_EVERY_S = 1.0  # a swarm's copies compared at most this often (pairs of n copies cost n^2 x WINDOW: many keys)
 HOLD_S = 60.0
 MAX_HOLD_S = 3600.0
+SELF_WITNESS = "self"  # a last stage's copies: each reports (and signs) its own loss, compared with each other's
 
 
 @dataclass(frozen=True, slots=True)

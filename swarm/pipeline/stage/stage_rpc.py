@@ -234,7 +234,8 @@ class StageServicer(SessionHandlers, Stage0Ops, StageRPC):
             return [], _refusal("paused", "this peer is paused and takes no new work")
         if op in PUSH_OPS:
             if self.push is None:
-                return [], _refusal("rejected", "this peer does not take pushed micro-batches")
+                # not in push_trail.NOT_THE_LINK: its drivers relay to it for a while instead of asking at every hop
+                return [], _refusal("no_push", "this peer does not take pushed micro-batches")
             return await self.push.serve(self, requester, op, meta, serialized)
         if op == "infer" and self.replicas is not None and self.worker is not None and self.worker.index == 0:
             return await self._serve_replica(requester, serialized, meta)
