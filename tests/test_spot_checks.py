@@ -275,6 +275,44 @@ class _BudgetReferee:
         return Verdict(HOLDS, peer)
 
 
+def test_an_output_that_follows_from_its_weights_is_passed_on_when_only_keys_without_standing_outvote_it():
+    """Session 27 (six_keys_last_harm): two keys trained to harm agreed with each other against the honest layer2 copy
+    on its sampled hops; the referee upheld all three (each follows from its own weights), the credit rule kept the
+    honest copy routed to, and yet its micro-batches were dropped, 7 in 20 s. Now an upheld output is passed on
+    unless its accusers have the standing to hold it off; one nobody could check is dropped on their word."""
+    import asyncio
+
+    from swarm.pipeline.control.hops import Refused
+    from swarm.pipeline.control.spot_checks import SpotChecker
+
+    torch.manual_seed(0)
+    good = torch.randn(8, 16)
+    outputs = {"honest": good, "k1": -good, "k2": -good * 1.01}
+
+    def check(referee, credit):
+        checker = SpotChecker(_Hops(outputs), share=1.0, referee=referee)
+        checker.credit.update(credit)
+
+        async def one():
+            await checker.after_forward(1, torch.zeros(8, 4), {}, None, "honest", good)
+            await asyncio.gather(*checker._background)
+
+        try:
+            asyncio.run(one())
+        except Refused:
+            return checker, True
+        return checker, False
+
+    upheld = _BudgetReferee(True)
+    checker, refused = check(upheld, {"honest": 30})
+    assert not refused and upheld.judged >= 2 and checker.outweighed == 1
+    assert checker.hops.routers["layer1"].held == []
+    _, refused = check(upheld, {"honest": 30, "k1": 40, "k2": 40})
+    assert refused, "accusers with more validated work still hold it off, and its output is not passed on"
+    _, refused = check(None, {"honest": 30})
+    assert refused, "without a referee nobody knows whose output is the wrong one: dropped, as before"
+
+
 @pytest.mark.parametrize("has_time", [True, False])
 def test_an_upheld_lone_peers_sampled_hops_are_refereed_within_the_referees_budget(has_time):
     """A lone copy's sampled hops are recomputed; once the referee has upheld it, only while the referee is under its

@@ -43,7 +43,7 @@ from swarm.pipeline.control.hops import HopCaller, HopGivenUp, NeedInputReply, R
 from swarm.pipeline.control.referee import Referee
 from swarm.pipeline.transport.replies import Vouch
 from swarm.pipeline.control.routing import BAD_REPLY_BAN_S
-from swarm.pipeline.control.spot_referee import Claim, SpotReferee
+from swarm.pipeline.control.spot_referee import DISPUTE_BOTH_HOLD, DISPUTE_SETTLED, Claim, SpotReferee
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +151,9 @@ class SpotChecker(SpotReferee):
         # a copy trained to harm) or neither could be checked does a third peer's word count, and then with credit
         # the second copy's loss is a claim too (its receipt signs it): a last stage that hides harm behind a false
         # loss was drawn far more often as the recomputer of an honest copy's hops than for its own (session 15)
-        if await self._referee_dispute(k, tensors, claim, Claim(other, second, second_receipt, op, second_loss), kind):
+        dispute = await self._referee_dispute(k, tensors, claim, Claim(other, second, second_receipt, op, second_loss),
+                                              kind)
+        if dispute == DISPUTE_SETTLED:
             return
         third = self._usable(router, exclude=[primary, other, *self._cannot[op]])
         arbiter = (await self._recompute(k, op, tensors, meta, vouch, third))[0] if third is not None else None
@@ -166,7 +168,8 @@ class SpotChecker(SpotReferee):
         trio = (primary, other, third)
         culprit = trio[odd]
         accusers = [p for p in trio if p != culprit]
-        if self.book.outvoted(culprit, *accusers):
+        outvoted = self.book.outvoted(culprit, *accusers)
+        if outvoted:
             self.caught += 1
             ban_s = router.failure(culprit, time.monotonic(), min_ban_s=BAD_REPLY_BAN_S, convicted=True)
             logger.warning("spot check at layer%d: peer %s computed an output (%s) two other peers disagree with; not "
@@ -175,7 +178,11 @@ class SpotChecker(SpotReferee):
             self.outweighed += 1
             logger.info("spot check at layer%d: peer %s computed an output (%s) two other peers disagree with, who "
                         "have less validated work than it has: not held off", k, culprit[-8:], kind)
-        if culprit == primary:
+        # an output the referee found to follow from its signer's weights is passed on unless its accusers have the
+        # standing to hold it off: two keys trained to harm outvoted the honest copy at layer2 and had 7 of its
+        # micro-batches dropped in 20 s (session 27, six_keys_last_harm); whether its weights do harm is for route
+        # losses to judge. An output nobody could check is dropped on their word, as before (it may be the wrong one)
+        if culprit == primary and (outvoted or dispute != DISPUTE_BOTH_HOLD):
             raise Refused("spot_check", f"layer{k} peer {primary[-8:]} failed a spot check (its {kind} disagree "
                                         "with two other peers'): not passed on")
 

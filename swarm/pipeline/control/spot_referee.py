@@ -24,6 +24,9 @@ logger = logging.getLogger("swarm.pipeline.control.spot_checks")
 
 REFEREE_SAY_S = 1.0  # a lane waiting this long for a newcomer's verdict says so (hops.Blockage: if nothing flows)
 MAX_BACKGROUND_REFEREES = 4  # sampled hops of established peers refereed off the lanes' path at once
+# what a referee made of a far disagreement (SpotReferee._referee_dispute): settled (a liar convicted or unshown),
+# both claims follow from their weights (copies that differ: weights trained to harm, or skewed ones), or neither
+DISPUTE_SETTLED, DISPUTE_BOTH_HOLD, DISPUTE_OPEN = "settled", "both hold", ""
 UNSHOWN_IN_ROW = 3  # sampled hops in a row whose weights a peer did not show before it is backed off
 
 
@@ -139,12 +142,13 @@ class SpotReferee:
         self._alone_verdict(k, claim, verdict)
 
     async def _referee_dispute(self, k: int, tensors: list[torch.Tensor], primary: Claim, other: Claim,
-                               kind: str) -> bool:
-        """Settle a far disagreement by recomputation; True when settled (a liar convicted, or one claim held while
-        the other's weights could not be had). Newcomers are refereed first (the fewest corroborated outputs), and
-        the second party only when the first held or could not be checked. Raises Refused when ``primary`` lost."""
+                               kind: str) -> str:
+        """Settle a far disagreement by recomputation: DISPUTE_SETTLED (a liar convicted, or one claim held while the
+        other's weights could not be had), DISPUTE_BOTH_HOLD or DISPUTE_OPEN (falsy). Newcomers are refereed first (the
+        fewest corroborated outputs), the second party only when the first held or could not be checked. Raises
+        Refused when ``primary`` lost."""
         if self.referee is None or not (self.referee.can_judge(primary.op) and self.referee.can_judge(other.op)):
-            return False
+            return DISPUTE_OPEN
         verdicts: dict[str, Verdict] = {}
         for claim in sorted((primary, other), key=lambda c: self.book.get(c.peer)):
             verdict = await self.referee.judge(k, claim.op, tensors, claim.out, claim.receipt, claim.peer,
@@ -155,10 +159,12 @@ class SpotReferee:
                 if claim.peer == primary.peer:
                     raise Refused("spot_check", f"layer{k} peer {primary.peer[-8:]} was convicted by recomputation "
                                                 f"(its {kind}: {verdict.describe()}): not passed on")
-                return True
+                return DISPUTE_SETTLED
         outcomes = {verdict.outcome for verdict in verdicts.values()}
+        if outcomes == {HOLDS}:
+            return DISPUTE_BOTH_HOLD  # the weights differ: a vote with credit decides
         if outcomes != {HOLDS, UNSHOWN}:
-            return False  # both hold (the weights differ: a vote with credit decides) or neither could be checked
+            return DISPUTE_OPEN  # neither could be checked
         unshown = next(peer for peer, verdict in verdicts.items() if verdict.outcome == UNSHOWN)
         self.unshown += 1
         ban_s = self.hops.routers[f"layer{k}"].failure(unshown, time.monotonic(), min_ban_s=BAD_REPLY_BAN_S)
@@ -167,7 +173,7 @@ class SpotReferee:
         if unshown == primary.peer:
             raise Refused("spot_check", f"layer{k} peer {primary.peer[-8:]} could not show the weights of its disputed "
                                         f"{kind}: not passed on")
-        return True
+        return DISPUTE_SETTLED
 
     def _climbing(self, k: int, verdict: Verdict) -> None:
         """A copy whose audited updates climb the loss (swarm/integrity/audit.py): convicted like a wrong tensor, by our
