@@ -162,6 +162,29 @@ def test_a_stage_still_getting_a_receipt_key_makes_the_micro_batch_wait_not_drop
     assert driver.stats.microbatches > 10 and driver.stats.blocked_reason == ""
 
 
+def test_a_backward_only_its_forwards_peer_can_serve_waits_for_that_peers_receipt_key():
+    """Session 27 (benchmarks.adversary --per-swarm 2): a layer1 peer still fetching the receipt key of a layer2 peer
+    that had joined a moment before answered the backward of its gradient ``key_pending``; that backward can go only to
+    the peer that ran the forward, and the driver gave it up at once: six micro-batches lost, their last stage's half
+    applied. It waits there now, as for ``busy``."""
+    import time
+
+    good = honest(RUN3, 1)
+    until = time.monotonic() + 0.6
+
+    def slow_key_at_backward(op, tensors, meta):
+        if op == "backward" and time.monotonic() < until:
+            return [], {"ok": False, "code": "key_pending", "error": "fake key_pending", "retry_after_s": 0.2}
+        return good(op, tensors, meta)
+
+    fake = FakeSwarm({"layer1": {"p": slow_key_at_backward}, "layer2": {"last": honest(RUN3, 2)}})
+    driver = drive(RUN3, fake, seconds=1.5, min_microbatches=11)
+    waited = [c for c in fake.calls_to("p", "backward") if c[4] < until]
+    assert waited, "the fake said key_pending to some backward"
+    assert driver.stats.refused == 0 and driver.stats.lost == 0, "nothing given up"
+    assert driver.stats.microbatches > 10
+
+
 def test_a_key_that_never_comes_drops_the_micro_batch_after_the_wait(monkeypatch):
     from swarm.pipeline.control import hops
 
