@@ -164,9 +164,11 @@ def test_a_last_stage_whose_weights_do_harm_is_held_off_by_its_own_loss():
     assert driver.stats.lost == 0
 
 
-def test_honest_last_stages_are_not_held_off():
+def test_honest_last_stages_are_not_held_off_even_one_that_lags_the_other():
+    """A label-skewed SGD demo (session 27) held an honest last-stage copy off 4 s into the run: 1.9x the loss of its
+    rival, a nat more. A last stage is held off only at the chance loss or above (ln 10 = 2.3 here)."""
     fake = FakeSwarm({"layer1": {"mid": honest(RUN, 1)},
-                      "layer2": {"a": _last_with_loss(RUN, 2, 0.5), "b": _last_with_loss(RUN, 2, 0.6)}})
+                      "layer2": {"a": _last_with_loss(RUN, 2, 0.5), "b": _last_with_loss(RUN, 2, 1.6)}})
     driver = drive(RUN, fake, seconds=1.5, during=_no_spot_checks, min_microbatches=4 * MIN_PAIRS)
     assert driver.route_losses.held == 0
     assert all(stats.banned_until == 0 for stats in driver.routers["layer2"].peers.values())

@@ -21,7 +21,10 @@ when it serves again. What it cannot see: a swarm with one copy (nothing to comp
 
 A *last* stage's copies are judged by their own losses (``SELF_WITNESS``: each loss is the claim of the copy judged,
 signed in its receipt since format 3 and recomputed by a referee, so a copy that reports low losses for itself to get
-an honest rival held off is convicted on its first sampled hop; the standing rule below holds as well). Its gradients
+an honest rival held off is convicted on its first sampled hop; the standing rule below holds as well), and only
+when its own loss is at the chance loss or above, worse than a copy that knows nothing: an honest last-stage copy that
+lags its rival early in a run is 1.9x and a nat worse (held off in a label-skewed SGD demo, session 27), where weights
+trained to harm climb past the chance loss within seconds. Its gradients
 are honest ones of harmful weights, and the driver's stage 0 and the middle copies descend them: one key trained to
 harm at layer2 beside the honest copy took the run to 0.50-0.87 of the clean run's accuracy before (session 27).
 
@@ -78,6 +81,7 @@ class RouteLosses:
         low losses for their own middle copy must not make an established honest copy the one held off."""
         self.clock = clock
         self.standing = standing
+        self.chance_loss = chance_loss
         self.abs_margin = ABS_MARGIN_SHARE * chance_loss
         self._losses: dict[tuple[int, str], deque[tuple[float, float, str]]] = {}  # (time, loss, witness)
         self._holds: dict[str, int] = {}  # peer -> times held off
@@ -87,7 +91,8 @@ class RouteLosses:
 
     def record(self, served_by: dict[int, str], loss: float, witness: str = "") -> list[Harmful]:
         """One completed micro-batch: the peer that served each (middle) stage, its loss and the last-stage peer that
-        reported it. Returns the copies to hold off."""
+        reported it (SELF_WITNESS: the stages of ``served_by`` are last stages, judged by their own losses and held
+        off only at the chance loss or above). Returns the copies to hold off."""
         if not math.isfinite(loss) or loss < 0:
             return []
         now = self.clock()
@@ -97,11 +102,12 @@ class RouteLosses:
         for k in sorted(set(served_by)):
             if now - self._judged_at.get(k, float("-inf")) >= JUDGE_EVERY_S:
                 self._judged_at[k] = now
-                if (verdict := self._judge(k, now)) is not None:
+                floor = self.chance_loss if witness == SELF_WITNESS else 0.0
+                if (verdict := self._judge(k, now, floor)) is not None:
                     verdicts.append(verdict)
         return verdicts
 
-    def _judge(self, k: int, now: float) -> Harmful | None:
+    def _judge(self, k: int, now: float, floor: float = 0.0) -> Harmful | None:
         windows = {}
         for (stage, peer), window in list(self._losses.items()):
             if stage != k:
@@ -119,7 +125,7 @@ class RouteLosses:
                     continue
                 if self.standing(rival) < self.standing(peer):
                     continue
-                verdict = self._compare(mine, theirs)
+                verdict = self._compare(mine, theirs, floor)
                 if verdict is not None and (found is None or verdict[0] > found[1]):
                     found = (peer, *verdict, rival)
         if found is None:
@@ -133,10 +139,11 @@ class RouteLosses:
         self.held += 1
         return Harmful(k, peer, ratio, excess, rival, min(MAX_HOLD_S, HOLD_S * 2**times))
 
-    def _compare(self, mine: list[tuple[float, float, str]],
-                 theirs: list[tuple[float, float, str]]) -> tuple[float, float] | None:
+    def _compare(self, mine: list[tuple[float, float, str]], theirs: list[tuple[float, float, str]],
+                 floor: float = 0.0) -> tuple[float, float] | None:
         """(ratio, excess) of my losses over the rival's when they show harm, witness by witness: enough pairs in all
-        (MIN_PAIRS) from witnesses that each find me worse, and no witness with VETO_PAIRS pairs that does not."""
+        (MIN_PAIRS) from witnesses that each find me worse (with a median of my losses at ``floor`` or above), and no
+        witness with VETO_PAIRS pairs that does not."""
         harmful: list[tuple[float, float]] = []
         vetoed = False
         for witness in sorted({w for _, _, w in mine}):
@@ -145,7 +152,7 @@ class RouteLosses:
                 continue
             ratio = statistics.median(a / max(b, 1e-9) for a, b in pairs)
             excess = statistics.median(a - b for a, b in pairs)
-            if ratio >= RATIO and excess >= self.abs_margin:
+            if ratio >= RATIO and excess >= self.abs_margin and statistics.median(a for a, _ in pairs) >= floor:
                 harmful += pairs
             elif len(pairs) >= VETO_PAIRS:
                 vetoed = True  # a witness that saw enough finds me no worse
