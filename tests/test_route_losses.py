@@ -4,6 +4,7 @@ Honest copies are not, nor is a copy judged on losses from another time of the r
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fake_stages import FakeSwarm, drive, honest
@@ -172,3 +173,50 @@ def test_honest_last_stages_are_not_held_off_even_one_that_lags_the_other():
     driver = drive(RUN, fake, seconds=1.5, during=_no_spot_checks, min_microbatches=4 * MIN_PAIRS)
     assert driver.route_losses.held == 0
     assert all(stats.banned_until == 0 for stats in driver.routers["layer2"].peers.values())
+
+
+def _last_with_figures(run: RunConfig, k: int, loss: float, accuracy: float):
+    """A last stage whose own weights give ``loss`` in training and ``accuracy`` on the test split."""
+    train = _last_with_loss(run, k, loss)
+
+    def answer(op, tensors, meta):
+        if op == "evaluate":
+            batch = tensors[0].shape[0]
+            return [], {"ok": True, "loss_sum": loss * batch, "correct": round(accuracy * batch), "count": batch}
+        return train(op, tensors, meta)
+
+    return answer
+
+
+def test_the_published_evaluation_leaves_out_copies_whose_own_loss_is_past_chance():
+    """Session 27 (six_keys_last_harm): keys trained to harm, not held off yet, were two of the three last-stage copies
+    evaluated, and the median published 26-78 % while the honest copy stood at 96 %. Copies whose own training loss
+    is at the chance loss or above are left out while another does better."""
+    import asyncio
+
+    from swarm.pipeline.control.driver_eval import evaluate
+
+    fake = FakeSwarm({"layer1": {"mid": honest(RUN, 1)},
+                      "layer2": {"good": _last_with_figures(RUN, 2, 0.5, 0.96),
+                                 "k1": _last_with_figures(RUN, 2, 9.0, 0.40),
+                                 "k2": _last_with_figures(RUN, 2, 9.0, 0.41)}})
+    published = {}
+
+    async def evaluate_later(driver):
+        driver.spot.share = 0.0
+        driver.route_losses = None  # nothing held off by the time of the evaluation: only the figures are judged here
+
+        async def later():
+            await asyncio.sleep(1.0)
+            from swarm.pipeline.control.route_losses import RouteLosses, SELF_WITNESS
+
+            routes = RouteLosses(chance_loss=2.3)  # what the driver's route losses had measured of each copy
+            for peer, loss in (("good", 0.5), ("k1", 9.0), ("k2", 9.0)):
+                routes.record({2: peer}, loss, witness=SELF_WITNESS)
+            driver.route_losses = routes
+            published["accuracy"] = (await evaluate(driver))[0]
+
+        asyncio.get_running_loop().create_task(later())
+
+    drive(RUN, fake, seconds=2.0, during=evaluate_later)
+    assert published["accuracy"] == pytest.approx(0.96, abs=0.01)

@@ -107,6 +107,12 @@ class RouteLosses:
                     verdicts.append(verdict)
         return verdicts
 
+    def training_loss(self, k: int, peer: str) -> float | None:
+        """The median loss of the recent micro-batches ``peer`` served at stage ``k`` (None: none kept; a copy held
+        off is measured afresh). At the last stage it is the copy's own claim, which a referee recomputes."""
+        window = self._losses.get((k, peer))
+        return statistics.median(v for _, v, _ in window) if window else None
+
     def _judge(self, k: int, now: float, floor: float = 0.0) -> Harmful | None:
         windows = {}
         for (stage, peer), window in list(self._losses.items()):
