@@ -188,11 +188,12 @@ def _last_with_figures(run: RunConfig, k: int, loss: float, accuracy: float):
     return answer
 
 
-def test_the_published_evaluation_leaves_out_copies_whose_own_loss_is_past_chance():
-    """Session 27 (six_keys_last_harm): keys trained to harm, not held off yet, were two of the three last-stage copies
-    evaluated, and the median published 26-78 % while the honest copy stood at 96 %. Copies whose own training loss
-    is at the chance loss or above are left out while another does better."""
+def test_the_published_evaluation_leaves_out_copies_held_off_or_far_worse_in_training():
+    """Session 27 (six_keys_last_harm): keys trained to harm, faster than the honest copy, were the last-stage copies
+    evaluated, and the median published 18-78 % while the honest copy stood at 96 %. Copies held off, and copies whose
+    own training loss is far worse than the best copy's, are left out while others are usable."""
     import asyncio
+    import time
 
     from swarm.pipeline.control.driver_eval import evaluate
 
@@ -211,9 +212,10 @@ def test_the_published_evaluation_leaves_out_copies_whose_own_loss_is_past_chanc
             from swarm.pipeline.control.route_losses import RouteLosses, SELF_WITNESS
 
             routes = RouteLosses(chance_loss=2.3)  # what the driver's route losses had measured of each copy
-            for peer, loss in (("good", 0.5), ("k1", 9.0), ("k2", 9.0)):
+            for peer, loss in (("good", 0.5), ("k2", 9.0)):  # k1 was held off (its losses cleared): banned
                 routes.record({2: peer}, loss, witness=SELF_WITNESS)
             driver.route_losses = routes
+            driver.routers["layer2"].peers["k1"].banned_until = time.monotonic() + 60.0
             published["accuracy"] = (await evaluate(driver))[0]
 
         asyncio.get_running_loop().create_task(later())

@@ -32,15 +32,8 @@ async def evaluate(driver: PipelineDriver) -> tuple[float | None, float]:
     if stages == 1:
         figures = [await _evaluate_through(driver, None)]
     else:
-        router = driver.routers[f"layer{stages - 1}"]
-        now = time.monotonic()
-        usable = sorted(router.peers, key=lambda p: (router.peers[p].banned_until > now, router.expected_s(p)))
-        # copies whose own training loss is at the chance loss or above are left out while another copy does better:
-        # six keys trained to harm, not yet held off, were two of the three evaluated and published 26-78 % for ~20 s
-        # while the honest copy stood at 96 % (session 27); the median of three is a vote, and keys are free
-        usable = [p for p in usable if not _doing_harm(driver, stages - 1, p)] or usable
         figures = []
-        for peer in usable[:MAX_REPLICAS] or [None]:
+        for peer in _replicas(driver, stages - 1, time.monotonic()) or [None]:
             try:
                 figures.append(await _evaluate_through(driver, peer))
             except (HopGivenUp, NeedInputReply, Refused) as exc:
@@ -60,11 +53,22 @@ async def evaluate(driver: PipelineDriver) -> tuple[float | None, float]:
     return verdict.accuracy, loss
 
 
-def _doing_harm(driver: PipelineDriver, k: int, peer: str) -> bool:
-    """Is ``peer``'s recent training loss at stage ``k`` (route losses: its own, signed) at the chance loss or above?"""
+def _replicas(driver: PipelineDriver, k: int, now: float) -> list[str]:
+    """The last-stage copies to evaluate through: up to MAX_REPLICAS, the most corroborated first (then the fastest),
+    leaving out copies held off while others are usable, and copies whose own recent training loss (route losses:
+    signed, recomputed by a referee) is far worse than the best copy's. The median of three is a vote and keys are
+    free: six keys trained to harm, faster than the honest copy and not held off yet, were the three evaluated and
+    published 18-78 % while the honest copy stood at 96 % (session 27, six_keys_last_harm)."""
+    router = driver.routers[f"layer{k}"]
+    peers = [p for p, stats in router.peers.items() if stats.banned_until <= now] or list(router.peers)
     routes = driver.route_losses
-    loss = routes.training_loss(k, peer) if routes is not None else None
-    return loss is not None and loss >= routes.chance_loss
+    if routes is not None:
+        known = {p: loss for p in peers if (loss := routes.training_loss(k, p)) is not None}
+        if known:
+            best = min(known.values())
+            peers = [p for p in peers if p not in known or not routes.far_worse(known[p], best)]
+    credit = driver.spot.book.get
+    return sorted(peers, key=lambda p: (-credit(p), router.expected_s(p)))[:MAX_REPLICAS]
 
 
 async def _evaluate_through(driver: PipelineDriver, last: str | None) -> Figures:

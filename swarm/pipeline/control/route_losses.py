@@ -113,6 +113,10 @@ class RouteLosses:
         window = self._losses.get((k, peer))
         return statistics.median(v for _, v, _ in window) if window else None
 
+    def far_worse(self, loss: float, best: float) -> bool:
+        """Is ``loss`` as far above ``best`` as a hold asks (RATIO and the absolute margin)?"""
+        return loss >= RATIO * best and loss - best >= self.abs_margin
+
     def _judge(self, k: int, now: float, floor: float = 0.0) -> Harmful | None:
         windows = {}
         for (stage, peer), window in list(self._losses.items()):
