@@ -93,7 +93,7 @@ class _TryElsewhere(Exception):
 
 class _KeyPending(_TryElsewhere):
     def __init__(self, wait_s: float, reason: str):
-        super().__init__(reason)
+        super().__init__(reason, busy_s=wait_s)  # at the one peer that can serve it, waited out as busy (_patient)
         self.wait_s = wait_s
 
 
@@ -219,18 +219,15 @@ class HopCaller:
                        vouch: Vouch | None) -> tuple[list[torch.Tensor], dict]:
         """An attempt at the one peer that can serve it (a backward whose input only it holds): ``busy`` is waited out
         there, up to ``ONLY_BUSY_MAX_S``. A stage admits a forward without its fair-share check and may refuse the
-        backward of a driver new there: giving up lost a pushed micro-batch (session 17, charlm, 2 per stage).
-        ``key_pending`` is waited out the same way: a stage fetching the key of a peer that joined a moment ago gave up
-        six backwards at once (session 27, benchmarks.adversary --per-swarm 2)."""
+        backward of a driver new there: giving up lost a pushed micro-batch (session 17), as ``key_pending`` did."""
         deadline = time.monotonic() + ONLY_BUSY_MAX_S
         while True:
             try:
                 return await self._attempt(k, op, tensors, meta, peer, vouch)
             except _TryElsewhere as exc:
-                busy_s = exc.wait_s if isinstance(exc, _KeyPending) else exc.busy_s
-                if busy_s is None or self.is_stopping():
+                if exc.busy_s is None or self.is_stopping():
                     raise
-                wait_s = max(HOLD_MIN_S, busy_s)  # a retry_after_s of 0 must not make a loop of calls
+                wait_s = max(HOLD_MIN_S, exc.busy_s)  # a retry_after_s of 0 must not make a loop of calls
                 if time.monotonic() + wait_s > deadline:  # busy for good (or saying so): not routed to for a while
                     self.routers[f"layer{k}"].failure(peer, time.monotonic())
                     raise
