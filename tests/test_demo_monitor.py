@@ -73,3 +73,24 @@ def test_the_volunteers_run_nicer_than_the_monitor(tmp_path, monkeypatch, way):
         proc.wait(10)
         if children.forks is not None:
             children.forks.close()
+
+
+def test_the_bootstrap_address_is_read_past_the_log_lines_before_it():
+    """`volunteer demo -vv` stopped with "the bootstrap peer printed something unexpected" at hivemind's first debug
+    line (session 27): the bootstrap peer's stdout and stderr share its log, and its JSON line comes after them."""
+    from types import SimpleNamespace
+
+    from volunteer_cli.commands.demo import _bootstrap_address
+    from volunteer_cli.main import UserError
+
+    def address(text: str) -> str:
+        children = SimpleNamespace(log=lambda name: text)
+        proc = SimpleNamespace(poll=lambda: None)
+        return _bootstrap_address(children, proc, SimpleNamespace(event=SimpleNamespace(is_set=lambda: False)))
+
+    debug = "Nov 30 10:58:55.914 [DEBUG] [hivemind.utils.mpfuture] Initializing MPFuture backend for pid 4108\n"
+    json_line = '{"maddrs": ["/ip4/127.0.0.1/tcp/1/p2p/QmX"], "peer_id": "QmX"}\n'
+    assert address(debug + json_line) == "/ip4/127.0.0.1/tcp/1/p2p/QmX"
+    assert address(json_line + debug) == "/ip4/127.0.0.1/tcp/1/p2p/QmX"
+    with pytest.raises(UserError, match="unexpected"):
+        address(debug + '{"no maddrs": 1}\n')

@@ -258,12 +258,15 @@ class _Identities:
 def _bootstrap_address(children: Children, proc: subprocess.Popen, shutdown) -> str:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline and not shutdown.event.is_set():
-        first = children.log("bootstrap").split("\n", 1)
-        if len(first) > 1:
+        # its stdout and stderr share the log: with -v/-vv, log lines come before its JSON line (session 27: `volunteer
+        # demo -vv` stopped at hivemind's first debug line)
+        for line in children.log("bootstrap").split("\n")[:-1]:
+            if not line.startswith("{"):
+                continue
             try:
-                return json.loads(first[0])["maddrs"][0]
-            except (ValueError, KeyError, IndexError):
-                raise UserError(f"the bootstrap peer printed something unexpected: {first[0][:200]}") from None
+                return json.loads(line)["maddrs"][0]
+            except (ValueError, KeyError, IndexError, TypeError):
+                raise UserError(f"the bootstrap peer printed something unexpected: {line[:200]}") from None
         if proc.poll() is not None:
             raise UserError(f"the bootstrap peer exited: {children.log('bootstrap')[-1000:]}")
         time.sleep(0.1)
