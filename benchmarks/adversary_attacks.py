@@ -94,6 +94,8 @@ def _attacks() -> dict[str, Attack]:
         Attack("six_keys_last_harm", "signed_server", "trained_to_harm", swarm="layer2", identities=6),
         # the same beside an honest copy that steps with SGD and momentum (the run's optimizer: everyone's)
         Attack("pair_last_harm_sgd", "signed_server", "trained_to_harm", swarm="layer2", optimizer="sgd_momentum"),
+        # ... and one that keeps its loss under the floor at which a last stage is held off (0.8 of the chance loss)
+        Attack("pair_last_capped_harm", "signed_server", "capped_harm", swarm="layer2"),
         # ... and a last stage that hides it behind the loss it signs (a quarter of the truth): its own route losses
         # look better than the honest copy's; the referee recomputes the loss from its committed weights
         Attack("pair_last_hidden_harm", "signed_server", "hidden_harm", swarm="layer2"),

@@ -13,19 +13,23 @@ with its own key, so drivers and the next stages accept its tensors as its own, 
   through it (swarm/pipeline/control/route_losses.py is what sees it);
 - ``hidden_harm``: ``trained_to_harm``, and a last stage that hides it: every loss it reports (and signs) is a
   quarter of the one it computed, so the losses of the routes through it look better than through an honest copy
-  (only a referee that recomputes the loss from its committed weights sees the lie: swarm/pipeline/recompute.py).
+  (only a referee that recomputes the loss from its committed weights sees the lie: swarm/pipeline/recompute.py);
+- ``capped_harm``: a last stage trained to harm that keeps its own loss under ``CAPPED_SHARE`` of the chance loss
+  (ascent below it, descent above), under the floor at which route losses hold a last stage off.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-TWISTS = ("huge_gradient", "lying_eval", "ascent_gradient", "trained_to_harm", "hidden_harm")
+TWISTS = ("huge_gradient", "lying_eval", "ascent_gradient", "trained_to_harm", "hidden_harm", "capped_harm")
+CAPPED_SHARE = 0.8  # capped_harm: a last stage trained to harm that keeps its loss under this share of the chance loss
 HUGE_VALUE = 9.9e5
 
 
@@ -140,5 +144,26 @@ def _twist(worker: Any, twist: str) -> None:
             optimizer.step()
 
         worker.set_update_rule(ascent_update)
+    elif twist == "capped_harm":  # a last stage: ascent while its loss is under the cap, descent above it
+        optimizer, honest_fb, seen = worker.optimizer, worker.forward_backward, {"loss": 0.0}
+        worker.health.observe_local_loss = lambda *args, **kwargs: None
+        worker._refuse_if_sick = lambda: None
+        model = worker.run.model
+        cap = CAPPED_SHARE * math.log(model.num_classes if model.kind == "mlp" else model.vocab_size)
+
+        def tracking_fb(mb, x, y, owner="", **kw):
+            loss, grad = honest_fb(mb, x, y, owner=owner, **kw)
+            seen["loss"] = loss
+            return loss, grad
+
+        def capped_update() -> None:
+            if seen["loss"] < cap:
+                for param in worker.module.parameters():
+                    if param.grad is not None:
+                        param.grad.neg_()
+            optimizer.step()
+
+        worker.forward_backward = tracking_fb
+        worker.set_update_rule(capped_update)
     elif twist == "lying_eval":
         worker.evaluate = lambda x, y: (0.0, len(y), len(y))
