@@ -95,7 +95,7 @@ class RouteLosses:
     def record(self, served_by: dict[int, str], loss: float, witness: str = "") -> list[Harmful]:
         """One completed micro-batch: the peer that served each (middle) stage, its loss and the last-stage peer that
         reported it (SELF_WITNESS: the stages of ``served_by`` are last stages, judged by their own losses and held
-        off only at the chance loss or above). Returns the copies to hold off."""
+        off at the chance loss or above, or beside a rival that has learned). Returns the copies to hold off."""
         if not math.isfinite(loss) or loss < 0:
             return []
         now = self.clock()
