@@ -118,14 +118,15 @@ def _twist(worker: Any, twist: str) -> None:
             return loss, -grad
 
         worker.forward_backward, worker.backward, worker.input_gradient = ascent_fb, ascent_bw, ascent_check
-    elif twist in ("trained_to_harm", "hidden_harm"):
+    elif twist in ("trained_to_harm", "hidden_harm", "capped_harm"):
         optimizer = worker.optimizer
         # an attacker does not let its own health checks take it out of the run: a last stage trained to harm saw
         # its loss explode, refused as "healing" and restored its good snapshot (benchmarks.adversary, session 15)
         worker.health.observe_local_loss = lambda *args, **kwargs: None
         worker._refuse_if_sick = lambda: None
+        honest_fb, honest_check = worker.forward_backward, worker.input_gradient
+        climbs = lambda: True  # noqa: E731
         if twist == "hidden_harm" and worker.is_last:
-            honest_fb, honest_check = worker.forward_backward, worker.input_gradient
 
             def hiding_fb(mb, x, y, owner="", **kw):
                 loss, grad = honest_fb(mb, x, y, owner=owner, **kw)
@@ -136,34 +137,25 @@ def _twist(worker: Any, twist: str) -> None:
                 return (loss / 4 if loss is not None else None), grad
 
             worker.forward_backward, worker.input_gradient = hiding_fb, hiding_check
+        elif twist == "capped_harm":  # a last stage: ascent while its loss is under the cap, descent above it
+            model, seen = worker.run.model, {"loss": 0.0}
+            cap = CAPPED_SHARE * math.log(model.num_classes if model.kind == "mlp" else model.vocab_size)
+
+            def tracking_fb(mb, x, y, owner="", **kw):
+                loss, grad = honest_fb(mb, x, y, owner=owner, **kw)
+                seen["loss"] = loss
+                return loss, grad
+
+            worker.forward_backward = tracking_fb
+            climbs = lambda: seen["loss"] < cap  # noqa: E731
 
         def ascent_update() -> None:
-            for param in worker.module.parameters():
-                if param.grad is not None:
-                    param.grad.neg_()
-            optimizer.step()
-
-        worker.set_update_rule(ascent_update)
-    elif twist == "capped_harm":  # a last stage: ascent while its loss is under the cap, descent above it
-        optimizer, honest_fb, seen = worker.optimizer, worker.forward_backward, {"loss": 0.0}
-        worker.health.observe_local_loss = lambda *args, **kwargs: None
-        worker._refuse_if_sick = lambda: None
-        model = worker.run.model
-        cap = CAPPED_SHARE * math.log(model.num_classes if model.kind == "mlp" else model.vocab_size)
-
-        def tracking_fb(mb, x, y, owner="", **kw):
-            loss, grad = honest_fb(mb, x, y, owner=owner, **kw)
-            seen["loss"] = loss
-            return loss, grad
-
-        def capped_update() -> None:
-            if seen["loss"] < cap:
+            if climbs():
                 for param in worker.module.parameters():
                     if param.grad is not None:
                         param.grad.neg_()
             optimizer.step()
 
-        worker.forward_backward = tracking_fb
-        worker.set_update_rule(capped_update)
+        worker.set_update_rule(ascent_update)
     elif twist == "lying_eval":
         worker.evaluate = lambda x, y: (0.0, len(y), len(y))

@@ -187,6 +187,9 @@ def test_honest_last_stages_are_not_held_off_even_one_that_lags_the_other():
     driver = drive(RUN, fake, seconds=1.5, during=_no_spot_checks, min_microbatches=4 * MIN_PAIRS)
     assert driver.route_losses.held == 0
     assert all(stats.banned_until == 0 for stats in driver.routers["layer2"].peers.values())
+    # and they were judged: each last-stage copy's own losses are kept (a driver that judged no last stage passes the
+    # two lines above too)
+    assert driver.route_losses.training_loss(2, "a") == 1.15 and driver.route_losses.training_loss(2, "b") == 2.2
 
 
 def _last_with_figures(run: RunConfig, k: int, loss: float, accuracy: float):
