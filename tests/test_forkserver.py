@@ -126,6 +126,10 @@ def test_a_child_whose_interpreter_would_start_otherwise_is_refused_so_that_it_i
         with pytest.raises(ForkRefused, match=name):
             _spawn(forks, tmp_path, "--version", env={name: value})
     assert _spawn(forks, tmp_path, "--version", env={"PYTHONUNBUFFERED": "1", "VOLUNTEER_X": "1"}).wait(30) == 0
+    # torch sets this in a process's environment once anything there asked inductor for its cache (a test of the
+    # same worker, found by the exec'ed children that followed it); it is read at each use, never at start
+    cache = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    assert _spawn(forks, tmp_path, "--version", env=cache).wait(30) == 0
     # what the demo, the harness and the benchmarks call: such a child is exec'ed, and runs
     with open(tmp_path / "out", "wb") as out:
         child = spawn_or_exec(forks, ["--version"], {**os.environ, "PYTHONPATH": str(tmp_path)}, out.fileno(),

@@ -54,10 +54,12 @@ def _preload() -> None:
 
 # Read once, when an interpreter or a library starts (the path, the allocator, thread pools, hivemind's log level): a
 # child asked for with other values than the server started with is exec'ed instead (PYTHONUNBUFFERED: the server
-# is unbuffered, which a child without it does not mind; PYTHONDONTWRITEBYTECODE only spares the disk).
+# is unbuffered, which a child without it does not mind; PYTHONDONTWRITEBYTECODE only spares the disk;
+# TORCHINDUCTOR_CACHE_DIR is read at each use, and torch writes it into the environment of any process that once
+# asked inductor for its cache folder: in a test run every child after that was exec'ed, 38 of one worker's).
 STARTUP_ENV_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "GLIBC_", "OMP_", "KMP_", "MKL_", "OPENBLAS_", "HIVEMIND_", "TORCH",
                         "CUDA", "PYTORCH")
-STARTUP_ENV_IGNORED = ("PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE")
+STARTUP_ENV_IGNORED = ("PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "TORCHINDUCTOR_CACHE_DIR")
 
 
 def _startup_env_differs(started: dict[str, str], wanted: dict[str, str]) -> str | None:
