@@ -18,6 +18,7 @@ closes.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import select
@@ -91,6 +92,11 @@ def serve(fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl+C reaches the client's whole terminal group; it decides
     started = dict(os.environ)
     _preload()
+    # Every object the imports made (~200,000) moves to the collector's permanent generation: a child's full
+    # collections no longer walk them nor write to their headers, which copied the pages the fork shared (Python's
+    # documentation recommends it to a server that forks). Measured: a volunteer of a 45-s demo ran one, 0.16-0.20 s
+    # of CPU, 0.02 s frozen
+    gc.freeze()
     owners: set[int] = set()
     while True:
         try:
