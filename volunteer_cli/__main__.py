@@ -1,7 +1,5 @@
 """``python -m volunteer_cli ...``: the same as the `volunteer` command."""
 
-import sys
+from volunteer_cli.main import entry
 
-from volunteer_cli.main import main
-
-sys.exit(main())
+entry()

@@ -36,17 +36,6 @@ def _check_local(identity: Path, listen: list[str] | None) -> None:
 
 
 def run_bootstrap(args: argparse.Namespace) -> int:
-    """Serve until a signal, stop the DHT and its daemon, and end without finalizing the interpreter: the garbage
-    collection of torch's and hivemind's heaps and torch's library finalizers took 1.3 s of the 2.9-3.7 s from a
-    SIGTERM to the exit, measured, after everything was stopped."""
-    from volunteer_cli.commands.common import exit_now
-
-    code = _serve(args)  # a UserError propagates to main(), which prints it: nothing was left running
-    exit_now(code)
-    return code  # not reached
-
-
-def _serve(args: argparse.Namespace) -> int:
     from swarm.dht.lightdht import light_hivemind
     from volunteer_cli.commands.common import check_initial_peers, setup_process
 
