@@ -79,7 +79,7 @@ def test_a_command_ends_with_its_exit_handlers_and_its_output_but_no_finalizatio
     finalization (~1 s of collecting torch's and hivemind's heap, 1.3-1.5 s in a forked child) is skipped, not the
     exit handlers nor what was printed and not yet flushed."""
     script = ("import atexit, sys\n"
-              "from volunteer_cli.commands.common import end_process\n"
+              "from volunteer.hygiene import end_process\n"
               "atexit.register(lambda: print('handler ran'))\n"
               "sys.stdout.write('buffered, ')\n"
               "end_process(3)\n"

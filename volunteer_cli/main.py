@@ -219,7 +219,7 @@ def _add_language_model_commands(sub: argparse._SubParsersAction) -> None:
 def entry() -> None:
     """The `volunteer` command and `python -m volunteer_cli`: ``main``, then the process ends without finalizing its
     interpreter (``end_process``: ~1 s after the work is done, gone). ``main`` itself returns its code."""
-    from volunteer_cli.commands.common import end_process
+    from volunteer.hygiene import end_process
 
     end_process(main())
 
