@@ -76,7 +76,7 @@ def test_ctl_into_a_closed_pipe_does_its_work_and_exits_quietly(swarm, tmp_path)
 
 def test_a_command_ends_with_its_exit_handlers_and_its_output_but_no_finalization():
     """volunteer_cli.main.entry and the fork server's children end through ``end_process``: the interpreter's
-    finalization (~1 s of collecting torch's and hivemind's heap, 1.3-1.5 s in a forked child) is skipped, not the
+    finalization (~1 s of collecting torch's and hivemind's heap, 0.6-1.5 s in a forked child) is skipped, not the
     exit handlers nor what was printed and not yet flushed."""
     script = ("import atexit, sys\n"
               "from volunteer.hygiene import end_process\n"

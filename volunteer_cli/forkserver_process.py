@@ -234,7 +234,7 @@ def _child(request: dict[str, Any], fds: list[int], sock: socket.socket, close: 
 def _end(code: int) -> None:
     """End the child as its command left it, without finalizing the interpreter (``end_process``): the collection
     of the heap inherited from the server wrote to every object's header and so copied each page the fork shared,
-    1.3-1.5 s of CPU per child at every exit, measured, where the exit handlers take 0.05 s."""
+    0.6-1.5 s of CPU per child at every exit, measured, where the exit handlers take 0.05 s."""
     from volunteer.hygiene import end_process
 
     end_process(code)
