@@ -37,9 +37,6 @@ PRELOAD = (
     "volunteer.config", "volunteer.node", "swarm.dht.dht", "swarm.pipeline.stage.worker",
     "swarm.pipeline.control.driver", "swarm.run.models", "swarm.run.data",
     "swarm.pipeline.peer", "swarm.averaging.agent", "volunteer.headless", "volunteer.checkpoint",
-    # torch.autograd.backward imports it (and sympy: ~420 modules) at a stage's first backward with a gradient:
-    # 0.45 s of CPU in each child that trains, once here
-    "torch.fx.experimental.symbolic_shapes",
 )
 
 

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from swarm.run.models import loss_fn
+from swarm.run.models import backward_root, loss_fn
 from swarm.run.runconfig import ModelConfig
 
 ACTIVATION_OPS = frozenset({"forward", "infer"})
@@ -145,7 +145,7 @@ def _recompute(model: ModelConfig, module: nn.Module, op: str, weights: dict[str
             outputs = functional_call(module, aliases, (x,))
             for name, alias in aliases.items():
                 alias.data.copy_(state[name])
-        (grad_in,) = torch.autograd.grad(outputs, x, grad_out.to(outputs.dtype))
+        (grad_in,) = torch.autograd.grad(backward_root(outputs, grad_out.to(outputs.dtype)), x)
         return grad_in.detach()
     if op in LAST_GRADIENT_OPS:
         if targets is None:
@@ -183,7 +183,7 @@ def _param_grads(model: ModelConfig, module: nn.Module, op: str, weights: dict[s
         outputs = functional_call(module, aliases, (x.detach(),))
         for name, alias in aliases.items():  # the weights of the update under the forward's activations (.data)
             alias.data.copy_(state[name])
-        grads = torch.autograd.grad(outputs, [aliases[n] for n in names], grad_out.to(outputs.dtype),
+        grads = torch.autograd.grad(backward_root(outputs, grad_out.to(outputs.dtype)), [aliases[n] for n in names],
                                     allow_unused=True)
     elif op in LAST_GRADIENT_OPS:
         if targets is None:

@@ -38,7 +38,8 @@ from swarm.integrity.receipts import NO_WEIGHTS
 from swarm.integrity.requesters import HEAVY_CLIP_SCALE
 from swarm.integrity.weights import WeightsRing
 from swarm.run.local import make_optimizer
-from swarm.run.models import EVAL_BATCH_MAX, build_stage, eval_batch, loss_fn, stage_input_spec, target_spec
+from swarm.run.models import (EVAL_BATCH_MAX, backward_root, build_stage, eval_batch, loss_fn, stage_input_spec,
+                               target_spec)
 from swarm.run.optim_light import step_of
 from swarm.run.runconfig import RunConfig
 from swarm.pipeline.stage.staleness import StalenessWindow, StepSize
@@ -188,7 +189,7 @@ class StageWorker(StageState):
                 saved = self._graph(x)
             self._commit()  # the input gradient is taken with the weights of now (the graph aliases them) ...
             self.forward_weights = saved.weights  # ... through the activations of the forward's weights
-            saved.outputs.backward(grad_out.to(self.device, saved.outputs.dtype))
+            backward_root(saved.outputs, grad_out.to(self.device, saved.outputs.dtype)).backward()
             peak = self._check_emitted(saved.inputs.grad, "input gradients")
             self._apply(saved, batch_size=grad_out.shape[0], loss=loss, owner=owner, scale=out_scale, out_rms=out_rms,
                         refuse_absurd=bool(owner),
@@ -248,7 +249,8 @@ class StageWorker(StageState):
                 scale = clip_scale(rms, self.grad_out_rms.bound(None))
                 if scale == 0.0:
                     raise WireError("output gradient: its norm is not finite")
-                (grad_in,) = torch.autograd.grad(outputs, inputs, grad_out.to(self.device, outputs.dtype) * scale)
+                grad_out = grad_out.to(self.device, outputs.dtype) * scale
+                (grad_in,) = torch.autograd.grad(backward_root(outputs, grad_out), inputs)
             peak = self._check_emitted(grad_in, "input gradients")
             self._simulate(2 if self.is_last else 1)
             return loss_value, self._within_reply_bound(grad_in.detach().cpu(), peak)
