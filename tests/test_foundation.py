@@ -26,8 +26,8 @@ def test_restarted_bootstrap_keeps_its_peer_id(swarm, tmp_path):
     first, maddr1 = swarm.bootstrap(identity=identity)
     first.signal(signal.SIGTERM)
     assert first.wait(30) == 0
-    # it ends without finalizing its interpreter (volunteer_cli/commands/bootstrap.py), and only after its DHT
-    # process and daemon have stopped
+    # it ends without finalizing its interpreter (volunteer/hygiene.py end_process), and only after its DHT process
+    # and daemon have stopped
     assert "shutting down" in first.stderr()
     assert swarm.leftovers(timeout_s=5) == []
     _, maddr2 = swarm.bootstrap(identity=identity)
