@@ -229,13 +229,8 @@ def _child(request: dict[str, Any], fds: list[int], sock: socket.socket, close: 
 
         traceback.print_exc()
         code = 1
-    _end(code)
-
-
-def _end(code: int) -> None:
-    """End the child as its command left it, without finalizing the interpreter (``end_process``): the collection
-    of the heap inherited from the server wrote to every object's header and so copied each page the fork shared,
-    0.6-1.5 s of CPU per child at every exit, measured, where the exit handlers take 0.05 s."""
+    # without finalizing the interpreter: its collection of the heap inherited from the server wrote to every
+    # object's header and so copied each page the fork shared, 0.6-1.5 s of CPU per child at every exit
     from volunteer.hygiene import end_process
 
     end_process(code)

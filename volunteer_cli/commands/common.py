@@ -38,19 +38,6 @@ def loopback_only(maddrs: list[str]) -> bool:
     return all("/ip4/127." in m or "/ip6/::1/" in m for m in maddrs)
 
 
-def exit_now(code: int) -> None:
-    """End a short-lived command without finalizing the interpreter.
-
-    Call only after every resource is released (DHT and watchdog stopped, files closed): garbage-
-    collecting the torch and scipy heaps at exit costs about 0.5 s of a 2.7 s `volunteer status`.
-    """
-    import os
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 def check_initial_peers(maddrs: list[str] | None) -> None:
     """``--initial-peers`` checked before anything loads: a bad address is a UserError (exit 2) with the shape."""
     from swarm.dht.maddrs import check_peer_maddrs

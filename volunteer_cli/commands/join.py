@@ -8,7 +8,6 @@ import sys
 import time
 from pathlib import Path
 
-from volunteer_cli.commands.common import exit_now
 from volunteer_cli.main import UserError
 from volunteer.config import load_preferences, load_run
 
@@ -189,7 +188,7 @@ def _abandon_startup(node, watchdog, code: int) -> None:
     import logging
     import os
 
-    from volunteer.hygiene import kill_group_now
+    from volunteer.hygiene import end_process, kill_group_now
 
     node.abandon()
     print("stopped before joining the swarm", file=sys.stderr, flush=True)
@@ -199,7 +198,7 @@ def _abandon_startup(node, watchdog, code: int) -> None:
     if watchdog.pgid is not None:
         kill_group_now(watchdog.pgid, spare=watchdog.pid)
     watchdog.stop()
-    exit_now(code)
+    end_process(code, handlers=False)  # the loading thread's imports hold locks the handlers may want
 
 
 def _run_headless(node, log_format: str, shutdown) -> int:
