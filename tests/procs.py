@@ -55,16 +55,21 @@ def tagged_pids(tag: str, sessions: Iterable[int] = ()) -> list[int]:
 
 
 _FORKS: ForkServer | None = None
+# The environment this test process started with. A test's processes start from it, not from os.environ as it is
+# then: a library imported by a test writes into os.environ (scikit-learn sets KMP_DUPLICATE_LIB_OK, torch's inductor
+# TORCHINDUCTOR_CACHE_DIR), and a child asked for with start-up settings other than its fork server's is exec'ed
+# (the serial suite failed on it, and a worker exec'ed every later child: ~2.5 s of CPU more each). A test that wants
+# a variable in its processes passes it (``Swarm.start(env=...)``).
+START_ENV = {key: value for key, value in os.environ.items() if key != "HIVEMIND_LOGLEVEL"}
 
 
 def fork_server() -> ForkServer:
     """This test process's fork server, started at its first use (it leaves when this process does: its socket
-    closes). Its environment is this process's, as every test's processes start from (their tags and folders are
-    in each request's environment)."""
+    closes). Its environment is ``START_ENV``, as every test's processes start from (their tags and folders are in
+    each request's environment)."""
     global _FORKS
     if _FORKS is None or _FORKS.proc.poll() is not None:
-        env = {key: value for key, value in os.environ.items() if key != "HIVEMIND_LOGLEVEL"}
-        _FORKS = ForkServer(env=env)
+        _FORKS = ForkServer(env=dict(START_ENV))
     return _FORKS
 
 
@@ -166,7 +171,7 @@ class Swarm:
         self.procs: list[Proc] = []
         self.fork = fork and forks_available() and not os.environ.get("VOLUNTEER_TEST_EXEC")
         self.readers: list = []  # swarm_client.Client, closed with the swarm
-        self.env = dict(os.environ)
+        self.env = dict(START_ENV)
         self.env.update({
             TAG_ENV: self.tag,
             "VOLUNTEER_DATA_DIR": str(tmp_path / "data"),
@@ -174,7 +179,6 @@ class Swarm:
             "PYTHONUNBUFFERED": "1",
             "VOLUNTEER_LOW_PRIORITY": "0",  # joins at normal priority: test timings on a shared machine
         })
-        self.env.pop("HIVEMIND_LOGLEVEL", None)
 
     def start(self, *args: str, name: str | None = None, env: dict[str, str] | None = None,
               prefix: list[str] = ()) -> Proc:

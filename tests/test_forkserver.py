@@ -220,6 +220,23 @@ def test_the_harness_forks_its_volunteers_and_finds_what_they_leave(swarm):
     wait_until(lambda: not swarm.live_pids(), 15, what="its tree to leave")
 
 
+def test_a_variable_a_library_writes_into_the_test_process_does_not_make_its_children_execed(swarm, monkeypatch):
+    """scikit-learn's import sets KMP_DUPLICATE_LIB_OK in os.environ (tests/test_data.py imports it): a Swarm made
+    after that still starts from the test process's start environment, so its children are forked, not exec'ed
+    (the serial suite failed here: the harness's test above found its bootstrap peer exec'ed)."""
+    first, _ = swarm.bootstrap()  # the fork server is started by then
+    assert isinstance(first.popen, Forked)
+    monkeypatch.setenv("KMP_DUPLICATE_LIB_OK", "True")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/nonexistent/inductor")
+    (swarm.tmp / "later").mkdir()
+    later = type(swarm)(swarm.tmp / "later")  # the harness of conftest.py (its module, its fork server)
+    try:
+        boot, _ = later.bootstrap()
+        assert isinstance(boot.popen, Forked)
+    finally:
+        assert not later.close()
+
+
 def test_a_child_forked_into_a_network_namespace_runs_there_and_a_missing_one_is_refused(forks, tmp_path):
     """A network lab host's volunteer (tests/procs.py forks it with ``netns``, as `ip netns exec` would exec it):
     the child and what it starts are in that namespace; a namespace that does not exist is refused (exec'ed)."""
