@@ -194,7 +194,7 @@ def test_a_bootstrap_peer_and_five_volunteers_on_their_default_listen_train_down
         assert any("/ip4/127.0.0.1/" in m for m in maddrs) and any(hosts[4].address in m for m in maddrs), maddrs
 
         out = tmp_path / "exported.pt"
-        done = lab.run(hosts[5], [str(Path(sys.executable).parent / "volunteer"), "export", "--run", str(run_path),
-                                  "--initial-peers", maddr, "--out", str(out), "--json"], 120)
-        assert out.exists() and out.stat().st_size > 0, done.stdout + done.stderr
+        export = swarm.start("export", "--run", str(run_path), "--initial-peers", maddr, "--out", str(out), "--json",
+                             name="export", prefix=hosts[5].exec_prefix())  # forked into the host's namespace
+        assert export.wait(120) == 0 and out.exists() and out.stat().st_size > 0, export.stdout() + export.stderr()
         swarm.close()  # before the namespaces go
