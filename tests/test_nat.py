@@ -34,6 +34,7 @@ def test_a_volunteer_behind_nat_joins_and_drives_and_nobody_routes_to_it(swarm, 
         reader = swarm.reader(run_path, maddr)
         target = demo_target(reader.run, None, None)
         started = time.monotonic()
+        last_seen: list = [None, None]  # what the last read found, for the message of a timeout
 
         def reached():
             for proc in swarm.procs:
@@ -41,12 +42,17 @@ def test_a_volunteer_behind_nat_joins_and_drives_and_nobody_routes_to_it(swarm, 
             views = {f"layer{k}": reader.membership.read(f"layer{k}") for k in range(4)}
             reach = {name: sorted(r.reachable for r in records) for name, records in views.items()}
             accuracy, loss = latest_evaluation(views["layer0"])
+            last_seen[:] = [accuracy, reach]
             done = target_reached(target, accuracy, loss) and reach == {
                 "layer0": [0], "layer1": [1], "layer2": [0, 1], "layer3": [1]}
             return (accuracy, reach, views) if done else None
 
-        accuracy, reach, views = wait_until(reached, SWARM_TIMEOUT_S, interval_s=1.0,
-                                             what=f"{target} driven from behind NAT, and each node's reachability")
+        what = f"{target} driven from behind NAT, and each node's reachability"
+        try:
+            accuracy, reach, views = wait_until(reached, SWARM_TIMEOUT_S, interval_s=1.0, what=what)
+        except TimeoutError as exc:  # CI keeps nothing but the failure's text: say which half was missing
+            raise AssertionError(f"{exc}: last read accuracy {last_seen[0]}, reachability {last_seen[1]} (wanted "
+                                 "layer0 [0], layer1 [1], layer2 [0, 1], layer3 [1])") from exc
         print(f"{target} reached ({accuracy:.3f}) from behind NAT in {time.monotonic() - started:.0f} s; {reach}")
         (driver,) = views["layer0"]
         assert driver.trained > 0 and driver.lost == 0, driver
