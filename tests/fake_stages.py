@@ -168,9 +168,10 @@ MAX_DRIVE_S = 30.0  # a loaded machine may need this long for the micro-batches 
 
 
 def drive(run: RunConfig, fake: FakeSwarm, seconds: float, during: Callable | None = None,
-          min_microbatches: int = 0) -> PipelineDriver:
+          min_microbatches: int = 0, until: Callable[[PipelineDriver], bool] | None = None) -> PipelineDriver:
     """Run the driver's lanes for ``seconds`` (``during(driver)``: a coroutine run alongside), then until
-    ``min_microbatches`` completed (at most MAX_DRIVE_S in all: a busy machine is slow, not broken), then stop."""
+    ``min_microbatches`` completed and ``until(driver)`` holds (at most MAX_DRIVE_S in all: a busy machine is slow,
+    not broken), then stop."""
     driver, executor = make_driver(run, fake)
 
     async def main():
@@ -180,7 +181,8 @@ def drive(run: RunConfig, fake: FakeSwarm, seconds: float, during: Callable | No
                 await during(driver)
             await asyncio.sleep(seconds)
             deadline = asyncio.get_running_loop().time() + MAX_DRIVE_S
-            while driver.stats.microbatches < min_microbatches and asyncio.get_running_loop().time() < deadline:
+            while (driver.stats.microbatches < min_microbatches or (until is not None and not until(driver))) \
+                    and asyncio.get_running_loop().time() < deadline:
                 if task.done():
                     break
                 await asyncio.sleep(0.1)

@@ -163,3 +163,9 @@ def test_the_data_plane_figure_sums_each_peers_bytes_over_its_heartbeats_and_ski
     moved.add([rec("a", 14.0, -1.0, -1.0, 640), rec("b", 12.0, 0.0, 8.0, state="offline")])
     assert moved.moved == {"a": 8e6 / 8 * 2.0}  # 8 Mb/s for 2 s; no rates (-1) and offline add nothing
     assert moved.last["a"].trained - moved.first["a"].trained == 640
+
+
+def test_p2pd_start_benchmark_quick_prices_a_daemon_against_the_import_floor(swarm):
+    report = _quick("benchmarks.p2pd_start", swarm.env)
+    _positive(report, ("ready_cpu_s", "settled_cpu_s", "import_cpu_s", "rss_mib", "p2pd_vs_import"))
+    assert report["settled_cpu_s"] >= report["ready_cpu_s"] and len(report["rounds"]) == 1

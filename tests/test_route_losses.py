@@ -52,7 +52,10 @@ async def _no_spot_checks(driver):
 def test_a_copy_whose_weights_do_harm_is_held_off_by_the_loss_through_it():
     fake = FakeSwarm({"layer1": {"good": honest(RUN, 1), "harm": _harmful(RUN, 1)},
                       "layer2": {"last": _last_judging_its_input(RUN, 2)}})
-    driver = drive(RUN, fake, seconds=2.0, during=_no_spot_checks, min_microbatches=4 * MIN_PAIRS)
+    # until it is held (or MAX_DRIVE_S): in a loaded suite 4 x MIN_PAIRS micro-batches once came before a judgement
+    # with MIN_PAIRS pairs close enough in time (a copy is judged once a second at most)
+    driver = drive(RUN, fake, seconds=2.0, during=_no_spot_checks, min_microbatches=4 * MIN_PAIRS,
+                   until=lambda d: d.route_losses.held >= 1)
     assert driver.route_losses.held >= 1
     assert driver.routers["layer1"].peers["harm"].banned_until > 0
     assert driver.routers["layer1"].peers["good"].banned_until == 0
