@@ -73,7 +73,7 @@ def test_honest_copies_pass_their_spot_checks():
 
     driver = drive(RUN, fake, seconds=1.0, during=check_every_hop, min_microbatches=20)
     assert driver.spot.checked >= 20 and driver.spot.agreed == driver.spot.checked and driver.spot.caught == 0
-    assert all(stats.banned_until == 0 for stats in driver.routers["layer1"].peers.values())
+    assert all(stats.convicted_until == 0 for stats in driver.routers["layer1"].peers.values())
 
 
 class _Router:
@@ -189,7 +189,9 @@ def test_a_peer_that_returns_ascent_gradients_is_caught_and_its_gradients_are_no
         assert driver.spot.caught >= 1 and stats["gradients_checked"] >= 1, stats
         assert driver.routers[f"layer{k}"].peers["liar"].banned_until > 0
     honest_peers = [p for j in (1, 2) for p in peers[f"layer{j}"] if p != "liar"]
-    assert all(driver.routers[f"layer{p[4]}"].peers[p].banned_until == 0 for p in honest_peers if p in
+    # no honest peer convicted; a slow one may be set aside for a while by the hedging (a loaded suite once set one
+    # aside: local routing, never a penalty, swarm/pipeline/control/routing.py `slow`)
+    assert all(driver.routers[f"layer{p[4]}"].peers[p].convicted_until == 0 for p in honest_peers if p in
                driver.routers[f"layer{p[4]}"].peers)
     # what the liar computed did not go upstream: every micro-batch whose gradient it computed (each one checked,
     # share 1) is lost there, except the first ones, before another peer of its swarm had answered us (a check goes
@@ -211,7 +213,7 @@ def test_honest_copies_pass_their_gradient_spot_checks():
     driver = drive(RUN, fake, seconds=1.0, during=_check_every_hop, min_microbatches=20)
     stats = driver.spot.stats()
     assert stats["gradients_checked"] >= 20 and stats["agreed"] == stats["checked"] and stats["caught"] == 0, stats
-    assert all(s.banned_until == 0 for r in driver.routers.values() for s in r.peers.values())
+    assert all(s.convicted_until == 0 for r in driver.routers.values() for s in r.peers.values())
 
 
 def test_a_peer_that_does_not_know_the_check_ops_is_asked_once():
