@@ -10,7 +10,7 @@ Starts hivemind's p2pd one at a time with the flags a volunteer's DHT node gives
 ``python -c "import hivemind, torch"`` (the floor of any of our commands), run back to back with each daemon;
 ``p2pd_vs_import`` is the median of the per-round ratios. Also the daemon's RSS once settled.
 
-Measured in session 29 (2-vCPU Intel Xeon): 0.6-0.9 s of CPU in the daemon's first 5 s, most of it in its first
+Measured in session 29 (2-vCPU Intel Xeon): 0.54-0.87 s of CPU in the daemon's first 5 s, most of it in its first
 second, with ~62 MB of Go heap touched (a quarter of its samples clear fresh pages), whatever hivemind's flags
 (NAT port mapping, AutoNAT, TLS, relay, the libp2p DHT's mode) or Go's (GOGC, GOMAXPROCS) say.
 """
