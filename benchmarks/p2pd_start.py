@@ -89,7 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.daemons, args.settle_s = 1, 1.0
     started = time.monotonic()
-    report = {**measure(args.daemons, args.settle_s), "machine": machine_notes()}
+    try:
+        report = {**measure(args.daemons, args.settle_s), "machine": machine_notes()}
+    except KeyboardInterrupt:  # the daemon of the round is shut down on the way out (``_one_daemon``'s finally)
+        say("interrupted: no daemon left running")
+        return 130
     return finish(report, "p2pd_start", started, args)
 
 
