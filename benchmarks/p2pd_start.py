@@ -18,7 +18,6 @@ second, with ~62 MB of Go heap touched (a quarter of its samples clear fresh pag
 from __future__ import annotations
 
 import asyncio
-import os
 import resource
 import subprocess
 import sys
@@ -26,14 +25,7 @@ import time
 from typing import Any
 
 from benchmarks.common import finish, machine_notes, median, parser, ratio, say
-
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_s(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
-
+from benchmarks.fleet import process_cpu_seconds
 
 def _rss_mib(pid: int) -> float:
     for line in open(f"/proc/{pid}/status"):
@@ -58,9 +50,9 @@ async def _one_daemon(settle_s: float) -> dict[str, float]:
     try:
         wall = time.perf_counter() - started
         pid = p2p._child.pid  # hivemind keeps the daemon's Popen there
-        ready = _cpu_s(pid)
+        ready = process_cpu_seconds(pid)
         await asyncio.sleep(settle_s)
-        return {"start_wall_s": wall, "ready_cpu_s": ready, "settled_cpu_s": _cpu_s(pid), "rss_mib": _rss_mib(pid)}
+        return {"start_wall_s": wall, "ready_cpu_s": ready, "settled_cpu_s": process_cpu_seconds(pid), "rss_mib": _rss_mib(pid)}
     finally:
         await p2p.shutdown()
 

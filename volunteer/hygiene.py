@@ -283,16 +283,19 @@ def die_with_parent_hook() -> Callable[[], None] | None:
 
 
 def end_process(code: int, handlers: bool = True) -> None:
-    """End this process with ``code``: its exit handlers run (logging's flush, multiprocessing's stop of daemonic
-    children; ``handlers`` False: not even those, for a start abandoned while a thread still loads), the interpreter's
-    finalization does not. That finalization collected the heap torch and hivemind built and ran torch's library
+    """End this process with ``code`` as a normal exit would, up to the interpreter's finalization: it waits for the
+    threads that are not daemons (a write still under way is finished, as at ``sys.exit``) and runs the exit
+    handlers (logging's flush, multiprocessing's stop of daemonic children); ``handlers`` False: neither, for a start
+    abandoned while a thread still loads. The interpreter's finalization does not run. That finalization collected the heap torch and hivemind built and ran torch's library
     finalizers: 0.6-1.5 s of CPU in a child of the fork server (which writes to, and so copies, every page the fork
     shared), ~1 s at the end of an exec'ed command, after its work was done. For the `volunteer` command and the fork
     server's children only: whatever the command started, it has stopped."""
     import atexit
+    import threading
 
     try:
         if handlers:
+            threading._shutdown()  # what the interpreter does first at an exit: join the threads that are not daemons
             atexit._run_exitfuncs()
     finally:
         for stream in (sys.stdout, sys.stderr):
