@@ -66,6 +66,7 @@ def test_a_volunteer_behind_nat_joins_and_drives_and_nobody_routes_to_it(swarm, 
                                  "--data-dir", str(tmp_path / "doctor"), "--json", name=f"doctor{attempt}",
                                  prefix=natted.exec_prefix())  # forked into the host's namespace
             doctor.wait(120)
+            assert doctor.stdout().strip(), f"doctor printed no report: {doctor.stderr()[-2000:]}"
             checks = {(c["section"], c["name"]): c for c in json.loads(doctor.stdout())["checks"]}
             reach_check = checks[("reachability", "dialled from outside")]
             if "need 2 to tell" not in reach_check["detail"]:
