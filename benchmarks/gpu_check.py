@@ -9,6 +9,10 @@ of outputs, input gradients and weights after the steps; the peak memory torch a
 ``volunteer doctor``'s estimate (swarm/run/memory.py, less its CUDA context allowance, which torch does not count
 as allocated); tokens per second. Without CUDA the CUDA checks are skipped with a message saying so, and the
 same steps run on the CPU over llm-tiny (``--cpu-run``), so the script itself is checked anywhere.
+
+Then (by default with CUDA; ``--swarm-window-s N`` anywhere) the same run's stages as a real local swarm, one
+volunteer per stage on the one device: its samples per second over the stages run one after another and over the
+slowest stage alone (benchmarks/gpu_swarm.py).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ def check_stage(run: Any, index: int, device: str, steps: int) -> dict[str, Any]
     cuda = device.startswith("cuda")
     gc.collect()  # the stage checked before is gone before this one's peak is measured
     if cuda:
+        torch.cuda.init()  # reset_peak_memory_stats refuses a device before CUDA is initialised ("Invalid device")
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     worker = StageWorker(run, index, device=device)
@@ -44,21 +49,23 @@ def check_stage(run: Any, index: int, device: str, steps: int) -> dict[str, Any]
     generator = torch.Generator().manual_seed(index)
     finite, seconds = True, []
     for step in range(WARMUP_STEPS + steps):
-        started = time.perf_counter()
+        # the inputs as they arrive from the wire (host tensors), made before the clock starts: making random
+        # activations on the host took half of a middle stage's step on an H200 (session 30)
         inputs = [stage_input_spec(model, index).example(batch, generator, high=model.vocab_size)
                   for _ in range(in_flight)]
+        second_inputs = [target_spec(model).example(batch, generator, high=model.vocab_size) if worker.is_last else
+                      stage_output_spec(model, index, batch).example(batch, generator) * 1e-3 for _ in inputs]
+        started = time.perf_counter()
         for k, x in enumerate(inputs):
             if worker.is_last:
-                loss, grad = worker.forward_backward(f"s{step}-{k}", x, target_spec(model).example(
-                    batch, generator, high=model.vocab_size))
+                loss, grad = worker.forward_backward(f"s{step}-{k}", x, second_inputs[k])
                 finite &= bool(torch.isfinite(torch.tensor(loss)))
             else:
                 out = worker.forward(f"s{step}-{k}", x)
                 finite &= bool(torch.isfinite(out).all())
         if not worker.is_last:
             for k, x in enumerate(inputs):
-                grad_out = stage_output_spec(model, index, batch).example(batch, generator) * 1e-3
-                grad = worker.backward(f"s{step}-{k}", grad_out, None, None)
+                grad = worker.backward(f"s{step}-{k}", second_inputs[k], None, None)
                 finite &= grad is None or bool(torch.isfinite(grad).all())
         if cuda:
             torch.cuda.synchronize(device)
@@ -91,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-run", default="llm-tiny", help="without CUDA: the run whose stages run on the CPU")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per stage (after one warm-up)")
     parser.add_argument("--batch-size", type=int, default=None, help="override training.batch_size")
+    parser.add_argument("--swarm-window-s", type=float, default=None,
+                        help="the local swarm's timed window (default 30 s with CUDA, 0 = no swarm without)")
+    parser.add_argument("--swarm-warmup-s", type=float, default=20.0, help="the swarm's training before its window")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     import torch
@@ -120,6 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     report["all_finite"] = all(s["finite"] for s in stages)
     if cuda:
         report["memory_within_tolerance"] = all(s["memory_within_tolerance"] for s in stages)
+        torch.cuda.empty_cache()  # the volunteers below share the GPU
+    window_s = args.swarm_window_s if args.swarm_window_s is not None else (30.0 if cuda else 0.0)
+    if window_s > 0:
+        from benchmarks.gpu_swarm import swarm_throughput
+
+        report["swarm"] = swarm_throughput(run.name, args.batch_size, stages, args.swarm_warmup_s, window_s)
     print(json.dumps(report) if args.json else json.dumps(report, indent=2))
     return 0 if report["all_finite"] else 1
 

@@ -109,6 +109,22 @@ def test_the_gpu_check_runs_without_a_gpu_and_says_what_it_skipped(capsys):
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["cuda"] is False and "CUDA checks" in report["skipped"] and report["all_finite"]
     assert [s["stage"] for s in report["stages"]] == [0, 1] and all(s["tokens_per_s"] > 0 for s in report["stages"])
+    assert "swarm" not in report  # the local swarm runs with CUDA (or --swarm-window-s): the suite does not pay it
+
+
+def test_the_gpu_checks_swarm_runs_the_checked_model_on_shipped_data_against_its_stages_in_sequence():
+    from benchmarks.gpu_swarm import in_sequence_samples_per_s, swarm_run
+    from swarm.run.runconfig import RunConfig
+
+    config = swarm_run("llm-small", batch_size=4)
+    run = RunConfig.model_validate(config)
+    assert run.model.d_model == 768 and run.model.stages == 4 and run.training.batch_size == 4
+    assert run.data.source == "text" and run.data.path is None  # the shipped corpus: nothing to download or write
+    assert run.training.eval_every_s >= 1e5  # what is timed is training
+    stages = [{"step_s": 0.4, "micro_batches_per_step": 4}, {"step_s": 0.2, "micro_batches_per_step": 4},
+              {"step_s": 0.05, "micro_batches_per_step": 1}]
+    sequence, slowest = in_sequence_samples_per_s(stages, batch=8)
+    assert sequence == pytest.approx(8 / 0.2) and slowest == pytest.approx(8 / 0.1)
 
 
 @pytest.mark.parametrize("name", ["llm-tiny", "digits-mlp"])

@@ -54,6 +54,21 @@ def test_the_weights_digest_names_every_tensor_and_byte():
     assert weights_digest({**state, name: state[name].double()}) != digest  # another dtype is another tensor
 
 
+def test_large_weights_are_hashed_on_every_core_to_the_same_digest_as_on_one():
+    import blake3
+
+    from swarm.integrity import weights
+
+    generator = torch.Generator().manual_seed(0)
+    state = {f"w{k}": torch.randn(768, 768 + k, generator=generator) for k in range(3)}  # 6.8 MiB: over the bar
+    assert sum(t.numel() * 4 for t in state.values()) >= weights.PARALLEL_HASH_BYTES
+    one_core = blake3.blake3(max_threads=1)
+    for name in sorted(state):
+        one_core.update(f"{name}|{state[name].dtype}|{list(state[name].shape)}|".encode())
+        one_core.update(state[name].reshape(-1).view(torch.uint8).numpy())
+    assert weights_digest(state) == one_core.digest(len(weights_digest(state)))
+
+
 def test_a_stage_commits_each_version_once_and_keeps_it_for_its_receipts():
     worker = StageWorker(RUN, 1)
     x = torch.randn(8, HIDDEN).relu()

@@ -1,0 +1,74 @@
+"""The second half of benchmarks.gpu_check: the run's stages as a real local swarm (a bootstrap peer and one
+``volunteer join`` per stage on loopback, every one on the machine's default device: all on the one GPU where
+there is one), its training samples per second over those of the same stages run one after another in one
+process (the per-stage figures the first half measured), and over the slowest stage alone (what a perfect
+pipeline would reach).
+
+The run is the checked run with the shipped byte corpus (llm-tiny's data block: nothing to download), evaluation
+off and a short heartbeat: what is timed is training.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from benchmarks.common import load_run_config, ratio, say, write_run
+from benchmarks.fleet import Fleet
+from benchmarks.pipeline_configs import NO_EVALUATION_S, RUNS_DIR
+from benchmarks.pipeline_swarm import START_TIMEOUT_S, join_all, measure, stop_in_order, wait_training
+
+HEARTBEAT_S = 2.0
+
+
+def swarm_run(name: str, batch_size: int | None) -> dict[str, Any]:
+    """Run ``name`` on the shipped corpus (llm-tiny's data), evaluation off, a short heartbeat."""
+    config = yaml.safe_load((RUNS_DIR / f"{name}.yaml").read_text())
+    config["data"] = yaml.safe_load((RUNS_DIR / "llm-tiny.yaml").read_text())["data"]
+    config["training"]["eval_every_s"] = NO_EVALUATION_S
+    if batch_size:
+        config["training"]["batch_size"] = batch_size
+    config.setdefault("timeouts", {})["heartbeat_s"] = HEARTBEAT_S
+    config["name"] = f"gpu-check-{name}"
+    return config
+
+
+def in_sequence_samples_per_s(stages: list[dict[str, Any]], batch: int) -> tuple[float, float]:
+    """Samples/s of the stages run one after another by one process, and of the slowest stage alone."""
+    per_mb = [s["step_s"] / s["micro_batches_per_step"] for s in stages]
+    return batch / sum(per_mb), batch / max(per_mb)
+
+
+def swarm_throughput(name: str, batch_size: int | None, stages: list[dict[str, Any]], warmup_s: float,
+                     window_s: float) -> dict[str, Any]:
+    from hivemind.dht.crypto import RSASignatureValidator
+
+    from swarm.dht.membership import Membership
+
+    with Fleet(prefix="volunteer-gpu-check-", keep_workdir=bool(os.environ.get("VOLUNTEER_BENCH_KEEP"))) as fleet:
+        run_path: Path = write_run(fleet.workdir / f"{name}.yaml", swarm_run(name, batch_size))
+        run = load_run_config(run_path)
+        say(f"swarm: a bootstrap peer and {run.model.stages} volunteers of {run.run_id} (work dir {fleet.workdir})")
+        _, maddr = fleet.bootstrap()
+        reader = fleet.dht([maddr], [RSASignatureValidator()], client_mode=True)
+        procs = join_all(fleet, run_path, maddr, run.model.stages, 1, "gpu")
+        flat = [p for group in procs.values() for p in group]
+        try:
+            wait_training(Membership(reader, run, b""), run.model.stages, 1, flat, START_TIMEOUT_S)
+            say(f"swarm: training; {warmup_s:g} s of warm-up, then a {window_s:g} s window")
+            swarm = measure(fleet, Membership(reader, run, b""), flat, warmup_s, window_s)
+        except BaseException:
+            for proc in flat:  # what the volunteers said is the only clue to a failure on a machine given back
+                say(f"swarm: {proc.name} stderr tail: {proc.stderr()[-2000:]}")
+            raise
+        finally:
+            stop_in_order(fleet, procs)
+    batch = run.training.batch_size
+    sequence, slowest = in_sequence_samples_per_s(stages, batch)
+    return {"run": run.run_id, "batch_size": batch, "in_flight": run.training.in_flight, "pipeline": swarm,
+            "stages_in_sequence_samples_per_s": round(sequence, 3), "slowest_stage_samples_per_s": round(slowest, 3),
+            "swarm_vs_stages_in_sequence": ratio(swarm["samples_per_s"], sequence),
+            "swarm_vs_slowest_stage": ratio(swarm["samples_per_s"], slowest)}
