@@ -54,6 +54,34 @@ def test_float16_halves_the_bytes_within_a_thousandth():
     assert half < 0.51 * full
 
 
+def test_our_float16_payloads_are_hiveminds_bytes_and_decode_to_hiveminds_values():
+    """encode_lean / _decode_plain code float16 in torch (15x faster than hivemind's numpy widening): the bytes on the
+    wire, and so every receipt's digest, and the values decoded are what hivemind's Float16Compression makes."""
+    from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+    from hivemind.proto import runtime_pb2
+
+    from swarm.integrity.receipts import tensor_digest
+    from swarm.pipeline.transport.wire import FLOAT16, as_proto, encode_lean
+
+    assert FLOAT16 == runtime_pb2.CompressionType.FLOAT16
+    x = torch.randn(4, 16, 24) * 3
+    x.view(-1)[:3] = torch.tensor([1e6, -1e6, 1e-9])  # clamped at float16's range; a value under its resolution
+    x = x.transpose(1, 2)  # not contiguous
+    (ours,) = encode_lean([x], "float16")
+    theirs = serialize_torch_tensor(x, runtime_pb2.CompressionType.FLOAT16)
+    assert bytes(ours.buffer) == theirs.buffer and ours.size == list(theirs.size) and ours.dtype == theirs.dtype
+    assert tensor_digest(ours) == tensor_digest(theirs)
+    for item in (ours, as_proto(ours), theirs):  # a joined stream's payload, a unary message
+        (got,) = decode_tensors([item], MAX_BYTES)
+        assert got.dtype == torch.float32 and torch.equal(got, deserialize_torch_tensor(theirs))
+    short = as_proto(ours)
+    short.buffer = short.buffer[:-2]
+    with pytest.raises(WireError, match="bytes for"):
+        decode_tensors([short], MAX_BYTES)
+    (empty,) = decode_tensors(encode_lean([torch.zeros(0, 3)], "float16"), MAX_BYTES)
+    assert empty.shape == (0, 3)
+
+
 def test_lowrank_is_near_exact_on_a_low_rank_matrix_and_ten_times_smaller():
     torch.manual_seed(2)
     x = torch.randn(2048, 6) @ torch.randn(6, 128)  # rank 6 < 8: only the int8 factors cost accuracy

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from swarm.integrity.receipts import DIGEST_BYTES
+from swarm.integrity.receipts import DIGEST_BYTES, PARALLEL_HASH_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +50,6 @@ RING_COPIES = 3.0  # a large one keeps at most this many (committed) copies of o
 # referee asks for the version of a hop one round trip after it, and a backward's forward version is a pipeline round
 # trip older (a heavy 16 MiB stage at ~3 updates a second; with 2 older versions a referee found its version gone).
 # Beside a GPU the current version is a copy too: one more.
-# Hashing 108 MiB of llm-small's stage took 24.6 ms on one core, 13.4 on two (and a GPU's step of that stage ~22 ms
-# per micro-batch on an H200, session 30); under ~1 MiB the threads cost more than they save (64 KiB: 11 -> 30 us).
-PARALLEL_HASH_BYTES = 4 * 2**20
 
 
 def weights_digest(tensors: dict[str, torch.Tensor]) -> bytes:
