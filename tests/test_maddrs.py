@@ -68,3 +68,33 @@ def test_join_refuses_a_bad_address_before_loading_anything(tmp_path):
     (tmp_path / "run.yaml").write_text("name: x\nbootstrap_peers: [/ip4/127.0.0.1/tcp/31337]\n")
     done = _cli(tmp_path, "status", "--run", "run.yaml")
     assert done.returncode == 2 and "bootstrap_peers" in done.stderr and SHAPE in done.stderr
+
+
+@pytest.mark.parametrize(("maddr", "listen", "problem"), [
+    ("/ip4/127.0.0.1/tcp/0", True, None),  # port 0: a free one
+    ("/ip4/0.0.0.0/udp/31337/quic-v1", True, None),
+    ("/ip6/::/tcp/31337", True, None),
+    ("/ip4/203.0.113.7/tcp/31337", False, None),
+    ("/ip4/203.0.113.7/tcp/0", False, "not a port"),  # announced: others dial it, so a real port
+    ("127.0.0.1", True, "starts with /"),  # what a stranger types first
+    ("/ip4/127.0.0.1", True, "expected /tcp/PORT"),
+    (f"/ip4/127.0.0.1/tcp/31337/p2p/{QM}", True, "no /p2p/PEER_ID here"),
+    ("/ip4/0.0.0.0/udp/31337/quic", True, "needs /quic-v1"),
+    ("/ip4/127.0.0.1/tcp/99999", True, "not a port"),
+])
+def test_an_address_to_listen_on_or_announce_is_checked_like_a_peers(maddr, listen, problem):
+    from swarm.dht.maddrs import listen_maddr_problem
+
+    found = listen_maddr_problem(maddr, any_port=listen)
+    assert found is None if problem is None else problem in found
+
+
+def test_bootstrap_and_join_refuse_a_bad_listen_address_before_loading_anything(tmp_path):
+    """`--listen 127.0.0.1` reached p2pd, which refused it after the libraries loaded, in Go's words."""
+    for args in (("bootstrap", "--listen", "127.0.0.1"), ("bootstrap", "--announce", "/ip4/203.0.113.7/tcp/0"),
+                 ("join", "--headless", "--listen", "127.0.0.1", "--initial-peers",
+                  f"/ip4/127.0.0.1/tcp/31337/p2p/{QM}")):
+        done = _cli(tmp_path, *args)
+        assert done.returncode == 2, done.stderr
+        assert "/ip4/HOST/tcp/PORT" in done.stderr and "loading" not in done.stdout + done.stderr, done.stderr
+        assert ("--listen" if "--listen" in args else "--announce") in done.stderr and "Daemon" not in done.stderr

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import re
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 DEFAULT_PORT = 31337
 _WINDOW_RE = re.compile(r"^([01]\d|2[0-3]):[0-5]\d-([01]\d|2[0-3]):[0-5]\d$")
@@ -28,12 +27,13 @@ class NetworkPrefs(_Strict):
 
     @field_validator("listen", "announce")
     @classmethod
-    def _are_maddrs(cls, maddrs: list[str] | None) -> list[str] | None:
+    def _are_maddrs(cls, maddrs: list[str] | None, info: ValidationInfo) -> list[str] | None:
+        from swarm.dht.maddrs import listen_maddr_problem
+
         for maddr in maddrs or []:
-            if not maddr.startswith("/ip4/") and not maddr.startswith("/ip6/") and not maddr.startswith("/dns"):
-                raise ValueError(f"{maddr!r} is not a multiaddr like /ip4/0.0.0.0/tcp/{DEFAULT_PORT}")
-            if "/quic/" in maddr or maddr.endswith("/quic"):
-                raise ValueError(f"{maddr!r} uses the old /quic form; write /quic-v1")
+            problem = listen_maddr_problem(maddr, any_port=info.field_name == "listen")
+            if problem:
+                raise ValueError(f"{maddr!r} is not a multiaddr like /ip4/0.0.0.0/tcp/{DEFAULT_PORT}: {problem}")
         return maddrs
 
 

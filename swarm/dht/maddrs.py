@@ -58,14 +58,15 @@ def _port_problem(value: str) -> str | None:
     return None
 
 
-def _transport_problems(parts: list[str], index: int) -> tuple[int, str | None]:
-    """Parse /tcp/PORT or /udp/PORT/quic-v1 at ``index``; returns the next index and any problem."""
+def _transport_problems(parts: list[str], index: int, any_port: bool = False) -> tuple[int, str | None]:
+    """Parse /tcp/PORT or /udp/PORT/quic-v1 at ``index`` (``any_port``: 0 too, a listen address's "a free one");
+    returns the next index and any problem."""
     if index >= len(parts) or parts[index] not in ("tcp", "udp"):
         found = f"/{parts[index]}" if index < len(parts) else "nothing"
         return index, f"expected /tcp/PORT after the host, found {found}"
     if index + 1 >= len(parts):
         return index + 1, f"/{parts[index]} has no port"
-    problem = _port_problem(parts[index + 1])
+    problem = None if any_port and parts[index + 1] == "0" else _port_problem(parts[index + 1])
     if problem or parts[index] == "tcp":
         return index + 2, problem
     if index + 2 < len(parts) and parts[index + 2] == "quic-v1":
@@ -109,3 +110,38 @@ def check_peer_maddrs(maddrs: list[str], source: str) -> None:
                 f"{source}: {maddr!r} is not a peer address: {problem}. A peer address has the shape "
                 f"{PEER_MADDR_SHAPE}; `volunteer bootstrap` prints the one to pass"
             )
+
+
+LISTEN_MADDR_SHAPE = "/ip4/HOST/tcp/PORT (or /ip4/HOST/udp/PORT/quic-v1)"
+
+
+def listen_maddr_problem(text: str, any_port: bool = True) -> str | None:
+    """None for an address this machine can listen on (``any_port``: port 0 = a free one) or announce, else what is
+    wrong with it: p2pd says so only after hivemind and torch have loaded, in its own words."""
+    if not text.startswith("/"):
+        return "an address starts with /"
+    parts = text.strip("/").split("/")
+    if parts[0] not in _HOST_PROTOCOLS:
+        return f"it starts with /{parts[0]}, not /ip4, /ip6 or /dns4"
+    if len(parts) < 2:
+        return f"/{parts[0]} has no host"
+    problem = _host_problem(parts[0], parts[1])
+    if problem:
+        return problem
+    index, problem = _transport_problems(parts, 2, any_port)
+    if problem:
+        return problem
+    if index != len(parts):
+        return f"unexpected /{'/'.join(parts[index:])} after the port (no /p2p/PEER_ID here: that is this peer's own)"
+    return None
+
+
+def check_listen_maddrs(maddrs: list[str], source: str, any_port: bool = True) -> None:
+    """Raise ValueError naming ``source`` (e.g. "--listen") for the first address this peer cannot listen on."""
+    for maddr in maddrs:
+        problem = listen_maddr_problem(maddr, any_port)
+        if problem:
+            example = "/ip4/127.0.0.1/tcp/0" if any_port else "/ip4/203.0.113.7/tcp/31337"
+            raise ValueError(f"{source}: {maddr!r} is not an address to {'listen on' if any_port else 'announce'}: "
+                             f"{problem}. Write {LISTEN_MADDR_SHAPE}, e.g. {example}"
+                             + (" (port 0: a free one)" if any_port else ""))

@@ -37,12 +37,13 @@ def _check_local(identity: Path, listen: list[str] | None) -> None:
 
 def run_bootstrap(args: argparse.Namespace) -> int:
     from swarm.dht.lightdht import light_hivemind
-    from volunteer_cli.commands.common import check_initial_peers, setup_process
+    from volunteer_cli.commands.common import check_initial_peers, check_own_maddrs, setup_process
 
     light_hivemind()  # a bootstrap peer needs hivemind's DHT and P2P, not its averaging (scipy) or MoE packages
     from volunteer.paths import user_data_dir
 
     check_initial_peers(args.initial_peers)
+    check_own_maddrs(args.listen, args.announce)
     identity = Path(args.identity).expanduser() if args.identity else user_data_dir() / "bootstrap" / "identity.key"
     _check_local(identity, args.listen)
 

@@ -49,6 +49,19 @@ def check_initial_peers(maddrs: list[str] | None) -> None:
         raise UserError(str(exc)) from None
 
 
+def check_own_maddrs(listen: list[str] | None, announce: list[str] | None = None) -> None:
+    """``--listen`` and ``--announce`` checked before anything loads (p2pd refuses them only after the libraries have
+    loaded, in its own words): a UserError (exit 2) with the shape."""
+    from swarm.dht.maddrs import check_listen_maddrs
+    from volunteer_cli.main import UserError
+
+    try:
+        check_listen_maddrs(list(listen or []), "--listen")
+        check_listen_maddrs(list(announce or []), "--announce", any_port=False)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
 def resolve_data_dir(data_dir: str | None, prefs_path: str | None):
     """--data-dir, else the preferences' data_dir, else the user data dir (what join uses)."""
     from pathlib import Path

@@ -37,9 +37,10 @@ def run_join(args: argparse.Namespace) -> int:
             f"--swarm {args.swarm}: run {run.name} has no such layer swarm; "
             f"valid: {', '.join(valid)}, or auto"
         )
-    from volunteer_cli.commands.common import check_initial_peers
+    from volunteer_cli.commands.common import check_initial_peers, check_own_maddrs
 
     check_initial_peers(args.initial_peers)
+    check_own_maddrs(args.listen, getattr(args, "announce", None))
     initial_peers = args.initial_peers or run.bootstrap_peers
     if not initial_peers:
         raise UserError(
