@@ -54,19 +54,51 @@ def test_the_weights_digest_names_every_tensor_and_byte():
     assert weights_digest({**state, name: state[name].double()}) != digest  # another dtype is another tensor
 
 
-def test_large_weights_are_hashed_on_every_core_to_the_same_digest_as_on_one():
-    import blake3
-
-    from swarm.integrity import weights
+def _large_state() -> dict[str, torch.Tensor]:
+    from swarm.integrity.receipts import PARALLEL_HASH_BYTES
 
     generator = torch.Generator().manual_seed(0)
     state = {f"w{k}": torch.randn(768, 768 + k, generator=generator) for k in range(3)}  # 6.8 MiB: over the bar
-    assert sum(t.numel() * 4 for t in state.values()) >= weights.PARALLEL_HASH_BYTES
+    assert sum(t.numel() * 4 for t in state.values()) >= PARALLEL_HASH_BYTES
+    return state
+
+
+def test_large_weights_are_hashed_on_every_core_to_the_same_digest_as_on_one():
+    import blake3
+
+    state = _large_state()
     one_core = blake3.blake3(max_threads=1)
     for name in sorted(state):
         one_core.update(f"{name}|{state[name].dtype}|{list(state[name].shape)}|".encode())
         one_core.update(state[name].reshape(-1).view(torch.uint8).numpy())
     assert weights_digest(state) == one_core.digest(len(weights_digest(state)))
+
+
+def test_a_process_forked_after_a_parallel_hash_still_hashes():
+    """BLAKE3's thread pool (rayon's) does not survive a fork: a child's parallel hash waited forever. A child hashes
+    on one core instead, to the same digest."""
+    import os
+    import time
+
+    state = _large_state()
+    digest = weights_digest(state)  # starts the pool here
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: hash, report, leave without running the parent's exit handlers
+        try:
+            os.write(write, weights_digest(state))
+        finally:
+            os._exit(0)
+    os.close(write)
+    deadline = time.monotonic() + 30
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's hash did not finish in 30 s")
+        time.sleep(0.01)
+    assert os.read(read, 64) == digest
+    os.close(read)
 
 
 def test_a_stage_commits_each_version_once_and_keeps_it_for_its_receipts():

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from swarm.integrity.receipts import DIGEST_BYTES, PARALLEL_HASH_BYTES
+from swarm.integrity.receipts import DIGEST_BYTES, hash_threads
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def weights_digest(tensors: dict[str, torch.Tensor]) -> bytes:
     import blake3
 
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    h = blake3.blake3(max_threads=blake3.blake3.AUTO if total >= PARALLEL_HASH_BYTES else 1)
+    h = blake3.blake3(max_threads=hash_threads(total))
     for name in sorted(tensors):
         tensor = tensors[name].detach()
         h.update(f"{name}|{tensor.dtype}|{list(tensor.shape)}|".encode())
