@@ -71,3 +71,12 @@ def resolve_data_dir(data_dir: str | None, prefs_path: str | None):
 
     prefs_dir = load_preferences(prefs_path).data_dir if not data_dir else None
     return Path(data_dir or prefs_dir or user_data_dir()).expanduser()
+
+
+def mib_text(nbytes: float) -> str:
+    """MiB as a person reads them: whole from 10 up, one decimal below ("0.4"), "<0.1" for a few KiB, "0" for none
+    (`doctor` printed every part of a digits stage, 0.02 M parameters, as "0")."""
+    mib = nbytes / 2**20
+    if mib >= 10 or mib == 0:
+        return f"{mib:,.0f}"
+    return f"{mib:.1f}" if mib >= 0.05 else "<0.1"

@@ -367,6 +367,7 @@ def host_memory_checks(run: Any, requested: str, disk_free: int | None = None) -
     from swarm.pipeline.stage.applied import replies_bytes
     from swarm.pipeline.stage.push import outbox_bytes
     from swarm.run.memory import host_memory
+    from volunteer_cli.commands.common import mib_text as _mib
 
     gpu = requested != "cpu" and torch.cuda.is_available()
     available = psutil.virtual_memory().available
@@ -378,13 +379,13 @@ def host_memory_checks(run: Any, requested: str, disk_free: int | None = None) -
         host = need.ring_bytes_gpu if gpu else need.total_bytes
         # what its pushed hops keep for their drivers' checks, and the replies kept for resent updates
         outbox = outbox_bytes(run, index) + replies_bytes(run, index) if index > 0 else 0
-        detail = (f"{(host + outbox) / MIB:,.0f} MiB: {need.params / 1e6:.2f} M parameters, {host / need.params:.0f} "
-                  f"bytes each (live copy {need.live_bytes / MIB:,.0f}" + ("" if not gpu else " on the GPU") +
-                  f", guard {need.guard_bytes / MIB:,.0f} (+{(need.guard_peak_bytes - need.guard_bytes) / MIB:,.0f} "
-                  f"one step in 50), weight versions {(host if gpu else need.ring_bytes) / MIB:,.0f}; healing's "
-                  f"snapshots {need.disk_bytes / MIB:,.0f} on disk)")
+        detail = (f"{_mib(host + outbox)} MiB: {need.params / 1e6:.2f} M parameters, {host / need.params:.0f} "
+                  f"bytes each (live copy {_mib(need.live_bytes)}" + ("" if not gpu else " on the GPU") +
+                  f", guard {_mib(need.guard_bytes)} (+{_mib(need.guard_peak_bytes - need.guard_bytes)} "
+                  f"one step in 50), weight versions {_mib(host if gpu else need.ring_bytes)}; healing's "
+                  f"snapshots {_mib(need.disk_bytes)} on disk)")
         if outbox:
-            detail += f" + pushed hops and replies kept {outbox / MIB:,.0f} (one driver)"
+            detail += f" + pushed hops and replies kept {_mib(outbox)} (one driver)"
         host += outbox
         status = OK if host <= available else WARN
         checks.append(Check(section, f"layer{index}", status, detail + ("" if status == OK else
