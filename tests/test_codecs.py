@@ -71,6 +71,8 @@ def test_our_float16_payloads_are_hiveminds_bytes_and_decode_to_hiveminds_values
     theirs = serialize_torch_tensor(x, runtime_pb2.CompressionType.FLOAT16)
     assert bytes(ours.buffer) == theirs.buffer and ours.size == list(theirs.size) and ours.dtype == theirs.dtype
     assert tensor_digest(ours) == tensor_digest(theirs)
+    (message,) = encode_tensors([x], "float16")  # the averaging RPCs' messages: the same bytes too
+    assert message.buffer == theirs.buffer and list(message.size) == list(theirs.size) and message.compression == 2
     for item in (ours, as_proto(ours), theirs):  # a joined stream's payload, a unary message
         (got,) = decode_tensors([item], MAX_BYTES)
         assert got.dtype == torch.float32 and torch.equal(got, deserialize_torch_tensor(theirs))

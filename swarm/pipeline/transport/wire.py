@@ -102,10 +102,10 @@ def encode_tensors(tensors: list[torch.Tensor], codec: str = "float32", rank: in
             buffer = codecs.encode(tensor, codec, rank)
             out.append(runtime_pb2.Tensor(buffer=buffer, size=[len(buffer)], dtype="uint8", requires_grad=False))
             continue
-        compression = runtime_pb2.CompressionType.NONE
         if tensor.is_floating_point() and codec == "float16" and tensor.dtype == torch.float32:
-            compression = runtime_pb2.CompressionType.FLOAT16
-        out.append(serialize_torch_tensor(tensor, compression))
+            out.append(as_proto(_float16_payload(tensor)))  # hivemind's bytes, in torch (_float16_payload)
+            continue
+        out.append(serialize_torch_tensor(tensor, runtime_pb2.CompressionType.NONE))
     return out
 
 
