@@ -74,19 +74,25 @@ def _transport_problems(parts: list[str], index: int, any_port: bool = False) ->
     return index + 2, "a /udp address needs /quic-v1 after its port (the old /quic form is not supported)"
 
 
-def peer_maddr_problem(text: str) -> str | None:
-    """None for a dialable peer address, else what is wrong with it (in words, without the shape)."""
+def _host_and_transport(text: str, what: str, any_port: bool = False) -> tuple[list[str], int, str | None]:
+    """The parts of ``text``, the index after /HOST/tcp/PORT (or /udp/PORT/quic-v1), and what is wrong there."""
     if not text.startswith("/"):
-        return "a peer address starts with /"
+        return [], 0, f"{what} starts with /"
     parts = text.strip("/").split("/")
     if parts[0] not in _HOST_PROTOCOLS:
-        return f"it starts with /{parts[0]}, not /ip4, /ip6 or /dns4"
+        return parts, 0, f"it starts with /{parts[0]}, not /ip4, /ip6 or /dns4"
     if len(parts) < 2:
-        return f"/{parts[0]} has no host"
+        return parts, 0, f"/{parts[0]} has no host"
     problem = _host_problem(parts[0], parts[1])
     if problem:
-        return problem
-    index, problem = _transport_problems(parts, 2)
+        return parts, 0, problem
+    index, problem = _transport_problems(parts, 2, any_port)
+    return parts, index, problem
+
+
+def peer_maddr_problem(text: str) -> str | None:
+    """None for a dialable peer address, else what is wrong with it (in words, without the shape)."""
+    parts, index, problem = _host_and_transport(text, "a peer address")
     if problem:
         return problem
     if parts[index:index + 1] == ["p2p"] and parts[index + 2:index + 3] == ["p2p-circuit"]:  # through a relay
@@ -118,17 +124,7 @@ LISTEN_MADDR_SHAPE = "/ip4/HOST/tcp/PORT (or /ip4/HOST/udp/PORT/quic-v1)"
 def listen_maddr_problem(text: str, any_port: bool = True) -> str | None:
     """None for an address this machine can listen on (``any_port``: port 0 = a free one) or announce, else what is
     wrong with it: p2pd says so only after hivemind and torch have loaded, in its own words."""
-    if not text.startswith("/"):
-        return "an address starts with /"
-    parts = text.strip("/").split("/")
-    if parts[0] not in _HOST_PROTOCOLS:
-        return f"it starts with /{parts[0]}, not /ip4, /ip6 or /dns4"
-    if len(parts) < 2:
-        return f"/{parts[0]} has no host"
-    problem = _host_problem(parts[0], parts[1])
-    if problem:
-        return problem
-    index, problem = _transport_problems(parts, 2, any_port)
+    parts, index, problem = _host_and_transport(text, "an address", any_port)
     if problem:
         return problem
     if index != len(parts):
