@@ -36,23 +36,6 @@ DIGEST_BYTES = 16
 # under ~1 MiB the threads cost more than they save (64 KiB: 11 -> 30 us).
 PARALLEL_HASH_BYTES = 4 * 2**20
 _POOL_PID: int | None = None  # the process in which BLAKE3's thread pool (rayon's global pool) was started
-
-
-def hash_threads(nbytes: int) -> int:
-    """``max_threads`` for a BLAKE3 hasher of ``nbytes``: every core from PARALLEL_HASH_BYTES on, except in a process
-    forked after its parent started the thread pool. Rayon's pool does not survive a fork: the child's first parallel
-    hash would wait forever for threads that are not there (a volunteer's DHT process, a fork server's child)."""
-    global _POOL_PID
-    if nbytes < PARALLEL_HASH_BYTES:
-        return 1
-    pid = os.getpid()
-    if _POOL_PID is None:
-        _POOL_PID = pid
-    elif _POOL_PID != pid:
-        return 1
-    import blake3
-
-    return blake3.blake3.AUTO
 SIGNATURE_BYTES = 64
 PUBLIC_KEY_BYTES = 32
 MAX_TEXT_CHARS = 160
@@ -79,10 +62,28 @@ def digest(data: bytes | bytearray | memoryview) -> bytes:
     return blake3.blake3(data).digest(DIGEST_BYTES)
 
 
+def hash_threads(nbytes: int) -> int:
+    """``max_threads`` for a BLAKE3 hasher of ``nbytes``: every core from PARALLEL_HASH_BYTES on, except in a process
+    forked after its parent started the thread pool. Rayon's pool does not survive a fork: the child's first parallel
+    hash would wait forever for threads that are not there (a volunteer's DHT process, a fork server's child)."""
+    global _POOL_PID
+    if nbytes < PARALLEL_HASH_BYTES:
+        return 1
+    pid = os.getpid()
+    if _POOL_PID is None:
+        _POOL_PID = pid
+    elif _POOL_PID != pid:
+        return 1
+    import blake3
+
+    return blake3.blake3.AUTO
+
+
 def tensor_digest(item: Any) -> bytes:
     """The digest of one serialized tensor (hivemind's ``runtime_pb2.Tensor``) as it travels: its bytes and
     what it declares about them, so the same bytes under another dtype or shape are another tensor."""
     import blake3
+
     buffer = item.buffer  # a protobuf message hands out a copy per access: read once
     h = blake3.blake3(max_threads=hash_threads(len(buffer)))
     h.update(f"{item.dtype}|{list(item.size)}|{int(item.compression)}|".encode())
