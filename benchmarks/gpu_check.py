@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     if window_s > 0:
         from benchmarks.gpu_swarm import swarm_throughput
 
-        report["swarm"] = swarm_throughput(run.name, args.batch_size, stages, args.swarm_warmup_s, window_s)
+        report["swarm"] = swarm_throughput(args.run if cuda else args.cpu_run, args.batch_size, stages,
+                                           args.swarm_warmup_s, window_s)
     print(json.dumps(report) if args.json else json.dumps(report, indent=2))
     return 0 if report["all_finite"] else 1
 

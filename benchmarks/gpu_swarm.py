@@ -27,8 +27,11 @@ HEARTBEAT_S = 2.0
 
 
 def swarm_run(name: str, batch_size: int | None) -> dict[str, Any]:
-    """Run ``name`` on the shipped corpus (llm-tiny's data), evaluation off, a short heartbeat."""
-    config = yaml.safe_load((RUNS_DIR / f"{name}.yaml").read_text())
+    """Run ``name`` (a shipped run, or a run YAML's path) on the shipped corpus (llm-tiny's data), evaluation off,
+    a short heartbeat."""
+    path = Path(name).expanduser() if name.endswith((".yaml", ".yml")) else RUNS_DIR / f"{name}.yaml"
+    config = yaml.safe_load(path.read_text())
+    name = config.get("name", path.stem)
     config["data"] = yaml.safe_load((RUNS_DIR / "llm-tiny.yaml").read_text())["data"]
     config["training"]["eval_every_s"] = NO_EVALUATION_S
     if batch_size:
@@ -87,7 +90,7 @@ def swarm_throughput(name: str, batch_size: int | None, stages: list[dict[str, A
     from swarm.dht.membership import Membership
 
     with Fleet(prefix="volunteer-gpu-check-", keep_workdir=bool(os.environ.get("VOLUNTEER_BENCH_KEEP"))) as fleet:
-        run_path: Path = write_run(fleet.workdir / f"{name}.yaml", swarm_run(name, batch_size))
+        run_path: Path = write_run(fleet.workdir / "swarm.yaml", swarm_run(name, batch_size))
         run = load_run_config(run_path)
         say(f"swarm: a bootstrap peer and {run.model.stages} volunteers of {run.run_id} (work dir {fleet.workdir})")
         _, maddr = fleet.bootstrap()
@@ -95,9 +98,9 @@ def swarm_throughput(name: str, batch_size: int | None, stages: list[dict[str, A
         procs = join_all(fleet, run_path, maddr, run.model.stages, 1, "gpu")
         flat = [p for group in procs.values() for p in group]
         try:
-            wait_training(Membership(reader, run, b""), run.model.stages, 1, flat, START_TIMEOUT_S)
-            say(f"swarm: training; {warmup_s:g} s of warm-up, then a {window_s:g} s window")
             membership = Membership(reader, run, b"")
+            wait_training(membership, run.model.stages, 1, flat, START_TIMEOUT_S)
+            say(f"swarm: training; {warmup_s:g} s of warm-up, then a {window_s:g} s window")
             with GpuUtilisation() as utilisation:
                 swarm = measure(fleet, membership, flat, warmup_s, window_s)
             swarm["gpu_utilisation_percent"] = utilisation.summary()
