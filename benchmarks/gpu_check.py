@@ -89,7 +89,53 @@ def check_stage(run: Any, index: int, device: str, steps: int) -> dict[str, Any]
     else:
         result.update(estimate_mib=round(estimate.total_bytes / 2**20, 1), peak_allocated_mib=None)
     del worker
+    gc.collect()
+    bare = bare_step_s(run, index, device, in_flight, steps)
+    result.update(bare_step_s=round(bare, 4), worker_vs_bare=round(result["step_s"] / bare, 3))
     return result
+
+
+def bare_step_s(run: Any, index: int, device: str, in_flight: int, steps: int) -> float:
+    """The same stage as a bare torch module with the run's optimizer: the same micro-batches per step, each moved to
+    the device, forward, backward, an optimizer step, its output and input gradient back on the host (what any stage
+    server must do), but no StageWorker (guard, clipping, checks, the receipts' weight versions). ``step_s`` over
+    this is what the stage server adds (an H200's middle llm-small stage, session 30: 2.7x)."""
+    import torch
+
+    from swarm.run.local import make_optimizer
+    from swarm.run.models import build_stage, loss_fn, stage_input_spec, stage_output_spec, target_spec
+
+    model, batch = run.model, run.training.batch_size
+    last = index == model.stages - 1
+    stage = build_stage(model, index).to(device)
+    optimizer = make_optimizer(stage.parameters(), run.optimizer)
+    generator = torch.Generator().manual_seed(index)
+    seconds = []
+    for step in range(WARMUP_STEPS + steps):
+        inputs = [stage_input_spec(model, index).example(batch, generator, high=model.vocab_size)
+                  for _ in range(in_flight)]
+        second_inputs = [target_spec(model).example(batch, generator, high=model.vocab_size) if last else
+                         stage_output_spec(model, index, batch).example(batch, generator) * 1e-3 for _ in inputs]
+        started = time.perf_counter()
+        for x, second in zip(inputs, second_inputs):
+            x = x.to(device)
+            if x.is_floating_point():
+                x.requires_grad_(True)
+            out = stage(x)
+            if last:
+                loss_fn(model, out, second.to(device)).backward()
+            else:
+                out.detach().cpu()
+                out.backward(second.to(device))
+            if x.grad is not None:
+                x.grad.cpu()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+        if step >= WARMUP_STEPS:
+            seconds.append(time.perf_counter() - started)
+    return min(seconds)
 
 
 def main(argv: list[str] | None = None) -> int:

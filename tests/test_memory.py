@@ -116,6 +116,8 @@ def test_the_gpu_check_runs_without_a_gpu_and_says_what_it_skipped(capsys):
     assert report["cuda"] is False and "CUDA checks" in report["skipped"] and report["all_finite"]
     assert [s["stage"] for s in report["stages"]] == [0, 1] and all(s["tokens_per_s"] > 0 for s in report["stages"])
     assert "swarm" not in report  # the local swarm runs with CUDA (or --swarm-window-s): the suite does not pay it
+    # the same stage as a bare module beside it: what the stage server adds (on an H200, 2.7x for a middle stage)
+    assert all(s["bare_step_s"] > 0 and s["worker_vs_bare"] > 0 for s in report["stages"])
 
 
 def test_the_gpu_checks_swarm_runs_the_checked_model_on_shipped_data_against_its_stages_in_sequence():
