@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -89,3 +90,17 @@ def test_a_command_ends_with_its_exit_handlers_and_its_output_but_no_finalizatio
     assert done.returncode == 3, done.stderr
     # a thread that is not a daemon finishes first, as at a normal exit (a file a command still writes is written)
     assert done.stdout == "buffered, thread done, handler ran\n"
+
+
+def test_a_thread_that_never_ends_does_not_keep_a_command_from_ending():
+    """A normal exit waits forever for a stuck thread that is not a daemon; ``end_process`` waits EXIT_THREADS_S."""
+    script = ("import sys, threading, time\n"
+              "from volunteer import hygiene\n"
+              "hygiene.EXIT_THREADS_S = 0.5\n"
+              "threading.Thread(target=threading.Event().wait, name='stuck-reader').start()\n"
+              "print('work done')\n"
+              "hygiene.end_process(3)\n")
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3 and done.stdout == "work done\n", done.stderr
+    assert "stuck-reader" in done.stderr and time.monotonic() - started < 30

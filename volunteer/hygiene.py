@@ -282,25 +282,49 @@ def die_with_parent_hook() -> Callable[[], None] | None:
     return term_when_parent_dies
 
 
+EXIT_THREADS_S = 5.0  # end_process waits this long for the threads that are not daemons, then exits without them
+
+
 def end_process(code: int, handlers: bool = True) -> None:
     """End this process with ``code`` as a normal exit would, up to the interpreter's finalization: it waits for the
-    threads that are not daemons (a write still under way is finished, as at ``sys.exit``) and runs the exit
-    handlers (logging's flush, multiprocessing's stop of daemonic children); ``handlers`` False: neither, for a start
-    abandoned while a thread still loads. The interpreter's finalization does not run. That finalization collected the heap torch and hivemind built and ran torch's library
-    finalizers: 0.6-1.5 s of CPU in a child of the fork server (which writes to, and so copies, every page the fork
-    shared), ~1 s at the end of an exec'ed command, after its work was done. For the `volunteer` command and the fork
-    server's children only: whatever the command started, it has stopped."""
+    threads that are not daemons (a write still under way is finished, as at ``sys.exit``; at most EXIT_THREADS_S,
+    where a normal exit would wait forever for a stuck one) and runs the exit handlers (logging's flush,
+    multiprocessing's stop of daemonic children); ``handlers`` False: neither, for a start abandoned while a thread
+    still loads. The interpreter's finalization does not run. That finalization collected the heap torch and hivemind
+    built and ran torch's library finalizers: 0.6-1.5 s of CPU in a child of the fork server (which writes to, and so
+    copies, every page the fork shared), ~1 s at the end of an exec'ed command, after its work was done. For the
+    `volunteer` command and the fork server's children only: whatever the command started, it has stopped."""
     import atexit
-    import threading
 
     try:
         if handlers:
+            joined = threading.Event()
+            threading.Thread(target=_exit_without_threads, args=(code, joined), name="exit-deadline",
+                             daemon=True).start()
             threading._shutdown()  # what the interpreter does first at an exit: join the threads that are not daemons
+            joined.set()
             atexit._run_exitfuncs()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):  # a reader that left, a stream the command closed
-                pass
-        os._exit(code)
+        _flush_and_exit(code)
+
+
+def _exit_without_threads(code: int, joined: threading.Event) -> None:
+    """``end_process``'s bound: threads that are not daemons still running after EXIT_THREADS_S are left behind."""
+    if joined.wait(EXIT_THREADS_S):
+        return
+    stuck = [t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()]
+    try:
+        sys.stderr.write(f"exiting without {len(stuck)} thread(s) still running after {EXIT_THREADS_S:g} s: "
+                         f"{', '.join(stuck)}\n")
+    except (OSError, ValueError):
+        pass
+    _flush_and_exit(code)
+
+
+def _flush_and_exit(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader that left, a stream the command closed
+            pass
+    os._exit(code)
