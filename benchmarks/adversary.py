@@ -34,7 +34,7 @@ from typing import Any
 from benchmarks.adversary_attacks import ATTACKS, Attack, start_attack
 from benchmarks.adversary_metrics import Sample, summarize_run, summary
 from benchmarks.common import finish, machine_notes, parser, rounded, say, wait_until, write_run
-from benchmarks.fleet import Fleet
+from benchmarks.fleet import Fleet, process_rss_mib
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from copies import CopyOracle  # noqa: E402
@@ -157,7 +157,7 @@ def _run(fleet: Fleet, maddr: str, attack: Attack | None, shape: tuple, s: Setti
         sampler = _Sampler(hostile, per_swarm, s.sample_s)
         sampler.start()
         _sleep(s.warm_s, everyone)
-        rss_before = {p.name: _rss_mb(p.pid) for p in procs["layer1"]}
+        rss_before = {p.name: process_rss_mib(p.pid) for p in procs["layer1"]}
         handle = start_attack(attack, hostile, s.labels) if attack else None
         left = procs[attack.swarm] if attack is not None and attack.lone else []
         if handle is not None and not left:  # the honest copies are measured, never a liar's
@@ -173,7 +173,7 @@ def _run(fleet: Fleet, maddr: str, attack: Attack | None, shape: tuple, s: Setti
         _sleep(s.after_s, everyone)
         samples = sampler.stop()
         alive = {p.name: p.alive() for p in everyone}
-        rss = {p.name: (rss_before[p.name], _rss_mb(p.pid)) for p in procs["layer1"]}
+        rss = {p.name: (rss_before[p.name], process_rss_mib(p.pid)) for p in procs["layer1"]}
     finally:
         hostile.close()
         fleet.stop(everyone + hogs)
@@ -244,16 +244,6 @@ def _cpu_split(volunteers: list[int]) -> dict[str, float]:
 
 def _cpu_cores(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
     return {k: round((after[k] - before[k]) / max(seconds, 1e-9), 2) for k in before}
-
-
-def _rss_mb(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
 
 
 class _Sampler:

@@ -51,6 +51,17 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def process_rss_mib(pid: int) -> float | None:
+    """A process's resident set in MiB from /proc (None if it is gone)."""
+    try:
+        for line in (Path("/proc") / str(pid) / "status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
 def cpu_used(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
     """CPU seconds between two snapshots by kind, and "total", over the processes alive at both."""
     out = {"volunteer": 0.0, "dht": 0.0, "p2pd": 0.0, "other": 0.0}

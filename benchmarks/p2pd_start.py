@@ -25,13 +25,7 @@ import time
 from typing import Any
 
 from benchmarks.common import finish, machine_notes, median, parser, ratio, say
-from benchmarks.fleet import process_cpu_seconds
-
-def _rss_mib(pid: int) -> float:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+from benchmarks.fleet import process_cpu_seconds, process_rss_mib
 
 
 def _import_cpu_s() -> float:
@@ -52,7 +46,8 @@ async def _one_daemon(settle_s: float) -> dict[str, float]:
         pid = p2p._child.pid  # hivemind keeps the daemon's Popen there
         ready = process_cpu_seconds(pid)
         await asyncio.sleep(settle_s)
-        return {"start_wall_s": wall, "ready_cpu_s": ready, "settled_cpu_s": process_cpu_seconds(pid), "rss_mib": _rss_mib(pid)}
+        return {"start_wall_s": wall, "ready_cpu_s": ready, "settled_cpu_s": process_cpu_seconds(pid),
+                "rss_mib": process_rss_mib(pid)}
     finally:
         await p2p.shutdown()
 

@@ -94,7 +94,8 @@ def test_doctor_shows_each_stages_gpu_memory_for_llama_runs_only():
     # a small stage's parts read in tenths of a MiB, not "0" each (digits: 0.02 M parameters)
     from volunteer_cli.commands.common import mib_text
 
-    assert [mib_text(n) for n in (0, 4096, 0.4 * 2**20, 9.94 * 2**20, 758.3 * 2**20)] == ["0", "<0.1", "0.4", "9.9", "758"]
+    sizes = (0, 4096, 0.4 * 2**20, 9.94 * 2**20, 758.3 * 2**20)
+    assert [mib_text(n) for n in sizes] == ["0", "<0.1", "0.4", "9.9", "758"]
     digits = [c for c in memory_checks(load_run("digits-mlp")[0], "cpu") if c.section.startswith("Host memory")]
     assert digits and all("(live copy 0," not in c.detail and "guard 0 " not in c.detail for c in digits)
     # healing's snapshot files against the data dir's free space (swarm/integrity/snapshots.py)

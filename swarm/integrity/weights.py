@@ -149,10 +149,10 @@ class WeightsRing:
         if live:  # the caller holds the stage's lock: nothing changes the weights while they are hashed
             tensors = None
         elif spare is not None and _fits(spare, state):  # the oldest version's buffers, overwritten: no allocation
-            tensors = _copy_into(spare, state)
+            tensors = _copy_to_host(spare, state)
             self.recycled += 1
         else:  # page-locked beside a GPU: its copies to the host run at the bus's speed, and this buffer is reused
-            tensors = _copy_into({name: torch.empty(t.shape, dtype=committed_dtype(t), pin_memory=t.is_cuda)
+            tensors = _copy_to_host({name: torch.empty(t.shape, dtype=committed_dtype(t), pin_memory=t.is_cuda)
                                   for name, t in state.items()}, state)
         digest = weights_digest(state if tensors is None else tensors)
         with self._lock:
@@ -301,7 +301,7 @@ def _stays_live(state: dict[str, torch.Tensor]) -> bool:
     return all(t.device.type == "cpu" and committed_dtype(t) == t.dtype for t in state.values())
 
 
-def _copy_into(out: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _copy_to_host(out: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` copied into ``out``; from a GPU every copy is queued first and waited for once (one wait per version,
     not one per tensor: llm-small's stage has 36)."""
     devices = {t.device for t in state.values() if t.is_cuda}
