@@ -29,12 +29,25 @@ MEMORY_TOLERANCE = 0.20  # the issue's bar: the estimate within 20 % of what tor
 WARMUP_STEPS = 1
 
 
+def step_inputs(run: Any, index: int, in_flight: int, generator: Any) -> tuple[list[Any], list[Any]]:
+    """One step's host tensors, as they arrive from the wire: the stage's inputs, and for each its targets (the last
+    stage) or the gradient of its output. Made before the clock starts: making random activations on the host took
+    half of a middle stage's step on an H200 (session 30)."""
+    from swarm.run.models import stage_input_spec, stage_output_spec, target_spec
+
+    model, batch = run.model, run.training.batch_size
+    last = index == model.stages - 1
+    inputs = [stage_input_spec(model, index).example(batch, generator, high=model.vocab_size) for _ in range(in_flight)]
+    seconds = [target_spec(model).example(batch, generator, high=model.vocab_size) if last else
+               stage_output_spec(model, index, batch).example(batch, generator) * 1e-3 for _ in inputs]
+    return inputs, seconds
+
+
 def check_stage(run: Any, index: int, device: str, steps: int) -> dict[str, Any]:
     import torch
 
     from swarm.pipeline.stage.worker import StageWorker
     from swarm.run.memory import stage_memory
-    from swarm.run.models import stage_input_spec, stage_output_spec, target_spec
 
     cuda = device.startswith("cuda")
     gc.collect()  # the stage checked before is gone before this one's peak is measured
@@ -49,12 +62,7 @@ def check_stage(run: Any, index: int, device: str, steps: int) -> dict[str, Any]
     generator = torch.Generator().manual_seed(index)
     finite, seconds = True, []
     for step in range(WARMUP_STEPS + steps):
-        # the inputs as they arrive from the wire (host tensors), made before the clock starts: making random
-        # activations on the host took half of a middle stage's step on an H200 (session 30)
-        inputs = [stage_input_spec(model, index).example(batch, generator, high=model.vocab_size)
-                  for _ in range(in_flight)]
-        second_inputs = [target_spec(model).example(batch, generator, high=model.vocab_size) if worker.is_last else
-                      stage_output_spec(model, index, batch).example(batch, generator) * 1e-3 for _ in inputs]
+        inputs, second_inputs = step_inputs(run, index, in_flight, generator)
         started = time.perf_counter()
         for k, x in enumerate(inputs):
             if worker.is_last:
@@ -103,19 +111,16 @@ def bare_step_s(run: Any, index: int, device: str, in_flight: int, steps: int) -
     import torch
 
     from swarm.run.local import make_optimizer
-    from swarm.run.models import build_stage, loss_fn, stage_input_spec, stage_output_spec, target_spec
+    from swarm.run.models import build_stage, loss_fn
 
-    model, batch = run.model, run.training.batch_size
+    model = run.model
     last = index == model.stages - 1
     stage = build_stage(model, index).to(device)
     optimizer = make_optimizer(stage.parameters(), run.optimizer)
     generator = torch.Generator().manual_seed(index)
     seconds = []
     for step in range(WARMUP_STEPS + steps):
-        inputs = [stage_input_spec(model, index).example(batch, generator, high=model.vocab_size)
-                  for _ in range(in_flight)]
-        second_inputs = [target_spec(model).example(batch, generator, high=model.vocab_size) if last else
-                         stage_output_spec(model, index, batch).example(batch, generator) * 1e-3 for _ in inputs]
+        inputs, second_inputs = step_inputs(run, index, in_flight, generator)
         started = time.perf_counter()
         for x, second in zip(inputs, second_inputs):
             x = x.to(device)

@@ -83,6 +83,13 @@ class GpuUtilisation:
                 "samples": len(self.samples)}
 
 
+def last_data_plane(lines: list[dict[str, Any]], now: float) -> dict[str, Any] | None:
+    """How a driver's micro-batches travelled ("stage to stage 96%"; a relayed hop crosses the driver twice), from
+    its last summary line of `--log-format json` (one every 30 s, volunteer/eventlog.py), with its age."""
+    said = [line for line in lines if line.get("type") == "summary" and line.get("data_plane")]
+    return None if not said else {"said": said[-1]["data_plane"], "age_s": round(now - said[-1]["time"], 1)}
+
+
 def swarm_throughput(name: str, batch_size: int | None, stages: list[dict[str, Any]], warmup_s: float,
                      window_s: float) -> dict[str, Any]:
     from hivemind.dht.crypto import RSASignatureValidator
@@ -104,12 +111,7 @@ def swarm_throughput(name: str, batch_size: int | None, stages: list[dict[str, A
             with GpuUtilisation() as utilisation:
                 swarm = measure(fleet, membership, flat, warmup_s, window_s)
             swarm["gpu_utilisation_percent"] = utilisation.summary()
-            # how the driver's micro-batches travelled ("stage to stage 96%"; a relayed hop crosses the driver twice):
-            # its last summary line (one every 30 s), with its age
-            summaries = [line for line in procs["layer0"][0].json_lines()
-                         if line.get("type") == "summary" and line.get("data_plane")]
-            swarm["data_plane"] = None if not summaries else {
-                "said": summaries[-1]["data_plane"], "age_s": round(time.time() - summaries[-1]["time"], 1)}
+            swarm["data_plane"] = last_data_plane(procs["layer0"][0].json_lines(), time.time())
         except BaseException:
             for proc in flat:  # what the volunteers said is the only clue to a failure on a machine given back
                 say(f"swarm: {proc.name} stderr tail: {proc.stderr()[-2000:]}")

@@ -121,6 +121,26 @@ def test_the_gpu_check_runs_without_a_gpu_and_says_what_it_skipped(capsys):
     assert all(s["bare_step_s"] > 0 and s["worker_vs_bare"] > 0 for s in report["stages"])
 
 
+def test_the_gpu_checks_swarm_reads_the_drivers_data_plane_from_its_own_summary_line():
+    """From what a headless driver really writes (volunteer/eventlog.py), not from a line made up here: the first
+    version read it from the DHT record, which does not carry it, and would have failed after the window."""
+    import io
+    import json
+
+    from benchmarks.gpu_swarm import last_data_plane
+    from fake_engine import sample_snapshot
+    from volunteer.eventlog import EventLog
+
+    stream = io.StringIO()
+    log = EventLog(stream, fmt="json", summary_every_s=0.0)
+    log.on_snapshot(sample_snapshot(data_plane=""))  # before any micro-batch: nothing said yet
+    log.on_snapshot(sample_snapshot(data_plane="stage to stage 96% · 1 peer relayed now"))
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    said = last_data_plane(lines, lines[-1]["time"] + 2.0)
+    assert said == {"said": "stage to stage 96% · 1 peer relayed now", "age_s": 2.0}
+    assert last_data_plane(lines[:1], 0.0) is None
+
+
 def test_the_gpu_checks_swarm_runs_the_checked_model_on_shipped_data_against_its_stages_in_sequence():
     from benchmarks.gpu_swarm import in_sequence_samples_per_s, swarm_run
     from swarm.run.runconfig import RunConfig
