@@ -65,7 +65,8 @@ def test_our_float16_payloads_are_hiveminds_bytes_and_decode_to_hiveminds_values
 
     assert FLOAT16 == runtime_pb2.CompressionType.FLOAT16
     x = torch.randn(4, 16, 24) * 3
-    x.view(-1)[:3] = torch.tensor([1e6, -1e6, 1e-9])  # clamped at float16's range; a value under its resolution
+    # clamped at float16's range; under its resolution; its subnormals (widened exactly by numpy and by torch alike)
+    x.view(-1)[:6] = torch.tensor([1e6, -1e6, 1e-9, 3e-6, -1e-7, 6.1e-5])
     x = x.transpose(1, 2)  # not contiguous
     (ours,) = encode_lean([x], "float16")
     theirs = serialize_torch_tensor(x, runtime_pb2.CompressionType.FLOAT16)
