@@ -12,7 +12,16 @@ Starts hivemind's p2pd one at a time with the flags a volunteer's DHT node gives
 
 Measured in session 29 (2-vCPU Intel Xeon): 0.54-0.87 s of CPU in the daemon's first 5 s, most of it in its first
 second, with ~62 MB of Go heap touched (a quarter of its samples clear fresh pages), whatever hivemind's flags
-(NAT port mapping, AutoNAT, TLS, relay, the libp2p DHT's mode) or Go's (GOGC, GOMAXPROCS) say.
+(NAT port mapping, AutoNAT, TLS, relay, the libp2p DHT's mode, or no libp2p DHT at all) or Go's (GOGC, GOMAXPROCS) say.
+Where it goes (session 31, 2-vCPU AMD EPYC: 0.30-0.39 s, all of it by 0.5 s after ``P2P.create`` returns, none later):
+hivemind's binary is packed with UPX, so each start first decompresses 25 MB of code into private memory (a copy
+unpacked from a running daemon's memory: 0.02 s of CPU at ready instead of 0.11, 0.22-0.25 s settled instead of
+0.30-0.35); then the circuit relay v2 service's background goroutine (go-libp2p 0.32.1) builds go-libp2p-asn-util
+0.3.0's IPv6-to-ASN table: its embedded list of networks parsed (``net.ParseCIDR``) and inserted into a go-cidranger
+trie, 72 % of the unpacked daemon's perf samples, and the collector after it 19 % (Go's own function table maps the
+addresses). Neither hivemind's ``use_relay=False`` nor p2pd's ``-relayService=0`` spares it (4 rounds each: the same
+CPU). go-libp2p dropped that table's construction in December 2023 (its pull request 2673, asn-util 0.4: a lookup in
+the binary's read-only data): it takes a p2pd built from a newer go-libp2p, which is hivemind's to ship.
 """
 
 from __future__ import annotations
