@@ -35,12 +35,14 @@ data: {partition: label_skewed, classes_per_shard: 4, shards: 3}
 optimizer: {name: sgd, lr: 0.05, momentum: 0.0}
 training: {batch_size: 16, in_flight: 2, eval_every_s: 5}
 averaging: {mode: pdmm_isvr, graph: {kind: ring, period_steps: 2}}
-timeouts: {heartbeat_s: 2.0, rpc_s: 5}
+timeouts: {heartbeat_s: 1.0, rpc_s: 5}
 """
 PEERS = 3
 # Each step takes 5 ms more, as on an accelerator: without it three peers of this tiny model at 1000
 # steps/s on 2 cores starve their own heartbeats, and live peers' records expire (2 ms: 38 s of CPU for the
 # test, which waits ~30 s for records to expire either way; 5 ms: 29 s, passing beside two CPU burners too).
+# With steps that paced, 1 s heartbeats hold (2 s before): a killed peer's record expires in half the time (the
+# test 35 -> 29 s alone; it passed beside two CPU burners, and beside a second copy of itself with them).
 ENV = {SIMULATED_STEP_ENV: "0.005"}
 # How far apart two copies may be, as a fraction of how far the first moved from the initial weights.
 # Measured on this set-up: 0.02-0.04 with PDMM-ISVR, 0.34-0.46 with averaging.mode none.
