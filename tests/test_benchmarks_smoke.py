@@ -5,20 +5,45 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+from procs import START_ENV, fork_server
+from volunteer_cli.forkserver import ForkRefused, available as forks_available
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK_TIMEOUT_S = 240  # each benchmark's --quick takes about a minute on an idle 2-core machine (pipeline's: 4 parts)
 
 
-def _quick(module: str, env: dict[str, str]) -> dict:
-    proc = subprocess.run([sys.executable, "-m", module, "--quick", "--json"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=QUICK_TIMEOUT_S)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
-    assert len(lines) == 1, f"stdout must be exactly one JSON line, got: {proc.stdout[:2000]}"
+def _quick(module: str, env: dict[str, str] | None = None) -> dict:
+    """``python -m MODULE --quick --json`` (``env``: the test's start environment by default), forked from this test
+    process's fork server where it can be (torch and hivemind imported once: ~2 s of CPU less a run), its one line
+    of JSON parsed."""
+    env, argv = dict(START_ENV if env is None else env), ["--quick", "--json"]
+    with tempfile.TemporaryDirectory(prefix="quick-") as tmp:
+        out_path, err_path = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        with open(out_path, "wb") as out, open(err_path, "wb") as err:
+            try:
+                if not forks_available():
+                    raise ForkRefused("no fork server here")
+                proc = fork_server().spawn(argv, env, out.fileno(), err.fileno(), cwd=str(ROOT), module=module)
+            except ForkRefused:
+                proc = subprocess.Popen([sys.executable, "-m", module, *argv], cwd=ROOT, env=env, stdout=out,
+                                        stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            code = proc.wait(QUICK_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+            raise
+        stdout, stderr = out_path.read_text(errors="replace"), err_path.read_text(errors="replace")
+    assert code == 0, stderr[-3000:]
+    lines = stdout.strip().splitlines()
+    assert len(lines) == 1, f"stdout must be exactly one JSON line, got: {stdout[:2000]}"
     return json.loads(lines[0])
 
 
@@ -39,10 +64,7 @@ def test_join_benchmark_quick_prints_its_figures(swarm):
 
 
 def test_codecs_benchmark_quick_prints_its_figures():
-    import os
-
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    report = _quick("benchmarks.codecs", env)
+    report = _quick("benchmarks.codecs")
     cells = report["runs"]["digits-mlp"]["codecs"]
     assert sorted(cells) == ["float16", "float32", "int8", "lowrank_r8"]
     for cell in cells.values():
@@ -55,9 +77,7 @@ def test_codecs_benchmark_quick_prints_its_figures():
 
 
 def test_dht_scale_benchmark_quick_measures_a_cell():
-    import os
-
-    report = _quick("benchmarks.dht_scale", {**os.environ, "PYTHONPATH": str(ROOT)})
+    report = _quick("benchmarks.dht_scale")
     (cell,) = report["cells"]
     assert cell["peers"] == 4 and cell["heartbeats"] > 0 and cell["records_read_per_peer_heartbeat"] > 0
     _positive(cell, ("cpu_ms_per_peer_heartbeat", "python_ms_per_peer_heartbeat", "gets_per_peer_heartbeat"))
@@ -66,9 +86,7 @@ def test_dht_scale_benchmark_quick_measures_a_cell():
 
 
 def test_scale_benchmark_quick_prints_its_figures():
-    import os
-
-    report = _quick("benchmarks.scale", {**os.environ, "PYTHONPATH": str(ROOT)})
+    report = _quick("benchmarks.scale")
     _positive(report, ("rebalancing_vs_optimal", "placement_only_vs_optimal"))
     assert report["rebalancing_vs_optimal"] > report["placement_only_vs_optimal"] - 0.05
     sizes = report["swarm_read_bytes"]
@@ -79,9 +97,7 @@ def test_scale_benchmark_quick_prints_its_figures():
 
 
 def test_copies_sim_quick_prints_its_figures():
-    import os
-
-    report = _quick("benchmarks.copies_sim", {**os.environ, "PYTHONPATH": str(ROOT)})
+    report = _quick("benchmarks.copies_sim")
     _positive(report, ("dpwa_default_worst_ratio", "best_ratio"))
     (cell,) = report["cells"]
     assert cell["peers"] == 2 and set(cell["ratios"]) == {"1000", "2000"}
@@ -105,11 +121,9 @@ def test_penalty_counter_counts_holds_and_strikes_not_statements():
 
 
 def test_referee_benchmark_quick_prices_the_weights_digest():
-    import os
-
     import pytest
 
-    report = _quick("benchmarks.referee", {**os.environ, "PYTHONPATH": str(ROOT)})
+    report = _quick("benchmarks.referee")
     for name in ("digits", "heavy"):
         figures = report[name]
         assert figures["step_ms"] > 0 and figures["commit_ms"] > 0, figures
@@ -120,7 +134,7 @@ def test_referee_benchmark_quick_prices_the_weights_digest():
 
 
 def test_versus_benchmark_quick_trains_one_process_and_hivemind_peers_to_the_target():
-    report = _quick("benchmarks.versus", None)
+    report = _quick("benchmarks.versus")
     for way in ("one_process", "hivemind"):
         assert report[way]["seconds_to_target"] is not None, report[way]
         _positive(report[way], ("samples", "cpu_s", "samples_per_cpu_s"))

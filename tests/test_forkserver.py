@@ -79,6 +79,21 @@ def test_a_forked_command_exits_as_the_exec_of_the_same_command(forks, tmp_path)
     assert "stages" in forked_err and forked_err.strip().splitlines()[-1] == execd.stderr.strip().splitlines()[-1]
 
 
+def test_a_forked_module_runs_as_python_dash_m_with_its_arguments_and_exit_status(forks, tmp_path):
+    """``module``: the child is ``python -m MODULE ARGV`` (the benchmarks' smoke runs), same output and status as the
+    exec: a module that succeeds, and one whose main block exits with an error on its arguments."""
+    child = _spawn(forks, tmp_path, "2026", "11", module="calendar")
+    assert child.wait(30) == 0
+    execd = subprocess.run([sys.executable, "-m", "calendar", "2026", "11"], capture_output=True, text=True, timeout=60)
+    assert (tmp_path / "out").read_text() == execd.stdout and "November 2026" in execd.stdout
+    missing = str(tmp_path / "missing.json")
+    child = _spawn(forks, tmp_path, missing, module="json.tool")
+    forked_code, forked_err = child.wait(30), (tmp_path / "err").read_text()
+    execd = subprocess.run([sys.executable, "-m", "json.tool", missing], capture_output=True, text=True, timeout=60)
+    assert forked_code == execd.returncode != 0
+    assert missing in forked_err and missing in execd.stderr
+
+
 def test_a_forked_peer_has_its_own_session_environment_and_directory_and_its_signal_status(forks, tmp_path):
     data = tmp_path / "data"
     child = _spawn(forks, tmp_path, "bootstrap", "--listen", LOOPBACK, "--json", "--identity", "boot.key",

@@ -126,7 +126,8 @@ class ForkServer:
         out = open(log or os.devnull, "ab")
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "volunteer_cli.forkserver_process", str(theirs.fileno())], pass_fds=(theirs.fileno(),),
+                [sys.executable, "-m", "volunteer_cli.forkserver_process", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
                 env={**(env if env is not None else os.environ), "PYTHONUNBUFFERED": "1"}, stdin=subprocess.DEVNULL,
                 stdout=out, stderr=out, start_new_session=True, preexec_fn=preexec_fn,
             )
@@ -136,22 +137,24 @@ class ForkServer:
 
     def spawn(self, argv: list[str], env: dict[str, str], stdout: int, stderr: int, stdin: int | None = None,
               cwd: str | None = None, session: bool = True, die_with_parent: bool = False,
-              cancelled: Callable[[], bool] = lambda: False, netns: str | None = None) -> Forked:
-        """`volunteer ARGV` in a child of the server; ``stdout``/``stderr``/``stdin`` are file descriptors (they are
-        duplicated into the child, the caller keeps and closes its own). Raises ForkRefused if it cannot, and
-        SpawnCancelled if ``cancelled()`` turns true while it waits (a child forked later for it is killed)."""
+              cancelled: Callable[[], bool] = lambda: False, netns: str | None = None,
+              module: str | None = None) -> Forked:
+        """`volunteer ARGV` in a child of the server (``python -m MODULE ARGV`` with ``module``: a benchmark);
+        ``stdout``/``stderr``/``stdin`` are file descriptors (they are duplicated into the child, the caller keeps and
+        closes its own). Raises ForkRefused if it cannot, and SpawnCancelled if ``cancelled()`` turns true while it
+        waits (a child forked later for it is killed)."""
         null = None
         if stdin is None:
             null = stdin = os.open(os.devnull, os.O_RDONLY)
         request = {"argv": list(argv), "env": dict(env), "cwd": cwd or os.getcwd(), "session": session,
-                   "die_with_parent": die_with_parent, "netns": netns}
+                   "die_with_parent": die_with_parent, "netns": netns, "module": module}
         try:
             with self._lock:
                 if self._gone:
                     raise ForkRefused("the fork server has stopped")
                 self._asked += 1
                 request["id"] = ask = self._asked
-                self._argv[ask] = ["volunteer", *argv]
+                self._argv[ask] = [sys.executable, "-m", module, *argv] if module else ["volunteer", *argv]
                 try:
                     socket.send_fds(self._sock, [json.dumps(request).encode()], [stdin, stdout, stderr])
                 except OSError as exc:

@@ -9,8 +9,9 @@ reseeded here; torch's default generator is at its import-time seed in both case
 children's output reaches their files at once.
 
 Wire (a SOCK_SEQPACKET socket pair, one JSON message per packet, in order): a request ``{"id", "argv", "env", "cwd",
-"session", "die_with_parent", "netns"}`` carries the child's stdin, stdout and stderr as file descriptors
-(SCM_RIGHTS); ``netns``, a network namespace's name or null, is joined by the child before it runs. The answer is
+"session", "die_with_parent", "netns", "module"}`` carries the child's stdin, stdout and stderr as file descriptors
+(SCM_RIGHTS); ``netns``, a network namespace's name or null, is joined by the child before it runs; ``module``, a
+module's name or null, makes the child ``python -m MODULE ARGV`` instead of `volunteer ARGV`. The answer is
 ``{"id", "pid"}`` once the child has its session and streams, or ``{"id", "error"}``; later ``{"exit": PID, "code":
 CODE}`` (negative: the signal that ended it, as ``Popen.returncode``). The server returns when the client's side
 closes.
@@ -218,10 +219,18 @@ def _child(request: dict[str, Any], fds: list[int], sock: socket.socket, close: 
         os.close(ready)
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()  # a fresh process draws its own seed; a fork would share the server's
-        sys.argv = ["volunteer", *request["argv"]]
-        from volunteer_cli.main import main
+        module = request.get("module")
+        if module:  # `python -m MODULE ARGV` (a benchmark): its `__main__` block exits with the code
+            import runpy
 
-        code = main(request["argv"])
+            sys.argv = [module, *request["argv"]]
+            runpy.run_module(str(module), run_name="__main__", alter_sys=True)
+            code = 0
+        else:
+            sys.argv = ["volunteer", *request["argv"]]
+            from volunteer_cli.main import main
+
+            code = main(request["argv"])
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:  # noqa: BLE001 - the child must never return into the server's loop
