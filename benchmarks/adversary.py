@@ -34,7 +34,8 @@ from typing import Any
 from benchmarks.adversary_attacks import ATTACKS, Attack, start_attack
 from benchmarks.adversary_metrics import Sample, summarize_run, summary
 from benchmarks.common import finish, machine_notes, parser, rounded, say, wait_until, write_run
-from benchmarks.fleet import Fleet, process_rss_mib
+from benchmarks.fleet import Fleet
+from benchmarks.procstats import process_rss_mib
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from copies import CopyOracle  # noqa: E402

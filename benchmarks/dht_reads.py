@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import finish, machine_notes, parser, ratio, rounded, say, write_run
-from benchmarks.fleet import Fleet, cpu_used
+from benchmarks.fleet import Fleet
+from benchmarks.procstats import cpu_used
 from benchmarks.staleness import present, wait_online
 from swarm.dht.validators import PLAIN_ENV
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import BenchmarkError, say, wait_until
+from benchmarks.procstats import cmdline, process_cpu_seconds, process_kind
 from volunteer.hygiene import die_with_parent_hook, tagged_pids as pids_with_env
 from volunteer_cli.forkserver import ForkServer, available as forks_available, spawn_or_exec
 
@@ -39,61 +40,6 @@ START_TIMEOUT_S = 180.0  # a cold `import torch` takes 6 s, and much longer on a
 def tagged_pids(tag: str) -> list[int]:
     """Live processes (not this one) that carry our tag: see volunteer.hygiene.tagged_pids."""
     return pids_with_env(TAG_ENV, tag)
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """utime + stime of one process from /proc (0 if it is gone)."""
-    try:
-        stat = (Path("/proc") / str(pid) / "stat").read_text()
-    except OSError:
-        return 0.0
-    fields = stat[stat.rfind(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def process_rss_mib(pid: int) -> float | None:
-    """A process's resident set in MiB from /proc (None if it is gone)."""
-    try:
-        for line in (Path("/proc") / str(pid) / "status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
-
-
-def cpu_used(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
-    """CPU seconds between two snapshots by kind, and "total", over the processes alive at both."""
-    out = {"volunteer": 0.0, "dht": 0.0, "p2pd": 0.0, "other": 0.0}
-    for pid, (kind, seconds) in after.items():
-        if pid in before:
-            out[kind] += max(0.0, seconds - before[pid][1])
-    out["total"] = sum(out.values())
-    return out
-
-
-def _process_kind(pid: int, fleet_pids: list[int], servers: tuple[int, ...] = ()) -> str:
-    cmdline = _cmdline(pid)
-    if "p2pd" in cmdline.split(" ", 1)[0]:
-        return "p2pd"
-    if "volunteer_cli" not in cmdline or pid in servers:  # a fork server imports, then idles
-        return "other"
-    try:
-        stat = (Path("/proc") / str(pid) / "stat").read_text()
-        parent = int(stat[stat.rfind(")") + 2 :].split()[1])
-    except (OSError, ValueError, IndexError):
-        return "other"
-    if parent in servers:  # forked from the fork server: its command line is the server's
-        return "volunteer"
-    # hivemind forks the DHT process from the volunteer process: same command line, a tagged parent
-    return "dht" if parent in fleet_pids and _cmdline(parent) == cmdline else "volunteer"
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return "?"
 
 
 class Proc:
@@ -282,7 +228,7 @@ class Fleet:
         """
         pids = tagged_pids(self.tag)
         servers = (self.forks.proc.pid,) if self.forks is not None else ()
-        return {pid: (_process_kind(pid, pids, servers), process_cpu_seconds(pid)) for pid in pids}
+        return {pid: (process_kind(pid, pids, servers), process_cpu_seconds(pid)) for pid in pids}
 
     # ----- in-process DHTs (forked processes of this one, with their p2pd)
     def _process_group(self) -> int | None:
@@ -361,7 +307,7 @@ class Fleet:
         left = set(group_members(pgid)) - {pgid}
         if left:
             say("in-process DHT helpers still running, the watchdog reaps them: "
-                + "; ".join(f"{pid} {_cmdline(pid)[:80]}" for pid in sorted(left)))
+                + "; ".join(f"{pid} {cmdline(pid)[:80]}" for pid in sorted(left)))
 
     def _reap(self) -> list[int]:
         deadline = time.monotonic() + REAP_GRACE_S
@@ -369,7 +315,7 @@ class Fleet:
             time.sleep(0.2)
         left = tagged_pids(self.tag)
         if left:
-            say("left over: " + "; ".join(f"{pid} {_cmdline(pid)[:120]}" for pid in left))
+            say("left over: " + "; ".join(f"{pid} {cmdline(pid)[:120]}" for pid in left))
         for pid in left:
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -34,7 +34,8 @@ from typing import Any
 
 from benchmarks.common import finish, load_run_config, machine_notes, median, parser as common_parser, say, \
     wait_until, write_run
-from benchmarks.fleet import Fleet, Proc, process_cpu_seconds, tagged_pids
+from benchmarks.fleet import Fleet, Proc, tagged_pids
+from benchmarks.procstats import process_cpu_seconds
 from benchmarks.pipeline_configs import RUNS_DIR
 
 MIB = 2**20

@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from benchmarks.common import finish, machine_notes, median, p2p_pair, parser, ratio, say
-from benchmarks.fleet import process_cpu_seconds
+from benchmarks.procstats import process_cpu_seconds
 
 SIZES = {"32k": 32 * 1024, "256k": 256 * 1024, "1m": 1024 * 1024}
 WAYS = ("hivemind", "lean")

@@ -34,7 +34,7 @@ import time
 from typing import Any
 
 from benchmarks.common import finish, machine_notes, median, parser, ratio, say
-from benchmarks.fleet import process_cpu_seconds, process_rss_mib
+from benchmarks.procstats import process_cpu_seconds, process_rss_mib
 
 
 def _import_cpu_s() -> float:

@@ -11,7 +11,8 @@ import time
 from typing import Any
 
 from benchmarks.common import BenchmarkError, median, ratio, say
-from benchmarks.fleet import Fleet, process_cpu_seconds
+from benchmarks.fleet import Fleet
+from benchmarks.procstats import process_cpu_seconds
 
 KIB = 1024
 MIB = 1024 * 1024

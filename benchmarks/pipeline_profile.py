@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import BenchmarkError, finish, machine_notes, parser as common_parser, say
-from benchmarks.fleet import Fleet, cpu_used
+from benchmarks.fleet import Fleet
+from benchmarks.procstats import cpu_used
 
 # (bucket, needles): a stack goes to the first bucket with a needle in one of its frames ("function (file:line)", read
 # from the leaf up). A needle ending in " (" is a function name (the frame starts with it), any other a path part.

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import BenchmarkError, median, ratio, wait_until
-from benchmarks.fleet import Fleet, Proc, cpu_used
+from benchmarks.fleet import Fleet, Proc
+from benchmarks.procstats import cpu_used
 
 START_TIMEOUT_S = 300.0  # many processes importing torch at once on 2 cores
 MEASURE_WINDOWS_MAX = 5  # a throughput window with no updated record is extended this many times at most

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import finish, machine_notes, parser, say, wait_until, write_run
-from benchmarks.fleet import Fleet, _process_kind, tagged_pids
+from benchmarks.fleet import Fleet, tagged_pids
+from benchmarks.procstats import process_kind
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from hostile import HostilePeer  # noqa: E402
@@ -52,7 +53,7 @@ def fleet_memory(fleet: Fleet) -> dict[str, Any]:
     out: dict[str, Any] = {f"{m}_{k}": 0.0 for m in ("pss", "rss") for k in (*KINDS, "total")}
     out["processes"] = len(pids)
     for pid in pids:
-        kind = _process_kind(pid, pids)
+        kind = process_kind(pid, pids)
         pss, rss = memory_kib(pid)
         for metric, kib in (("pss", pss), ("rss", rss)):
             if kind in KINDS:

@@ -20,7 +20,7 @@ import time
 from typing import Any, AsyncIterator
 
 from benchmarks.common import finish, machine_notes, p2p_pair, parser, ratio, say
-from benchmarks.fleet import process_cpu_seconds
+from benchmarks.procstats import process_cpu_seconds
 
 BLOCK = 50  # calls in a row one way before the other's turn (the machine's drift falls on both)
 WAYS = ("plain", "ask")
