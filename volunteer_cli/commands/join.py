@@ -40,7 +40,7 @@ def run_join(args: argparse.Namespace) -> int:
     from volunteer_cli.commands.common import check_initial_peers, check_own_maddrs
 
     check_initial_peers(args.initial_peers)
-    check_own_maddrs(args.listen, getattr(args, "announce", None))
+    check_own_maddrs(args.listen, args.announce)
     initial_peers = args.initial_peers or run.bootstrap_peers
     if not initial_peers:
         raise UserError(
