@@ -42,6 +42,27 @@ def test_bad_run_config_names_file_field_and_fix(tmp_path, content, expected):
 
 
 @pytest.mark.parametrize(
+    ("content", "fix"),
+    [
+        ("name: r\nwire_codec: float16\n",
+         "wire_codec: Extra inputs are not permitted (got 'float16'); it belongs under training: write it as "
+         "training.wire_codec"),
+        ("name: r\ntraining: {lr: 0.1}\n", "training.lr: Extra inputs are not permitted (got 0.1); it belongs under "
+                                            "optimizer: write it as optimizer.lr"),
+        ("name: r\nmodle: {stages: 2}\n", "modle: Extra inputs are not permitted; remove it or check its spelling"),
+    ],
+)
+def test_a_field_in_the_wrong_section_is_named_with_its_section(tmp_path, content, fix):
+    from volunteer.config import ConfigError, load_run
+
+    path = tmp_path / "run.yaml"
+    path.write_text(content)
+    with pytest.raises(ConfigError) as caught:
+        load_run(str(path))
+    assert fix in str(caught.value)
+
+
+@pytest.mark.parametrize(
     ("content", "fields", "fix"),
     [
         ("name: r\noptimizer: {name: adam}\naveraging: {mode: pdmm_isvr}\n",

@@ -87,7 +87,7 @@ def _load(path: Path, model: type[_ModelT], what: str) -> _ModelT:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(path, exc)) from None
+        raise ConfigError(format_validation_error(path, exc, model)) from None
 
 
 def _read_yaml(path: Path, what: str) -> dict[str, Any]:
@@ -109,16 +109,20 @@ def _read_yaml(path: Path, what: str) -> dict[str, Any]:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the file must hold a mapping of fields (key: value lines), not a {type(data).__name__}")
+        raise ConfigError(f"{path}: the file must hold a mapping of fields (key: value lines), "
+                          f"not a {type(data).__name__}")
     return data
 
 
-def format_validation_error(path: Path, exc: ValidationError) -> str:
+def format_validation_error(path: Path, exc: ValidationError, model: type[BaseModel] | None = None) -> str:
     lines = [f"{path}: {exc.error_count()} problem(s):"]
     for error in exc.errors(include_url=False):
         loc = _location(error)
         message = error["msg"].removeprefix("Value error, ")
         fix = _FIXES.get(error["type"])
+        home = _home_of(model, error["loc"]) if error["type"] == "extra_forbidden" and model else None
+        if home:  # a real field in the wrong section (`wire_codec:` at the top of a run file)
+            fix = f"it belongs under {home.rsplit('.', 1)[0]}: write it as {home}"
         got = ""
         if error["type"] not in ("missing",) and "input" in error and not isinstance(error["input"], dict):
             got = f" (got {error['input']!r})"
@@ -133,3 +137,22 @@ def _location(error: dict[str, Any]) -> str:
     if isinstance(cause, CrossFieldError):
         return ", ".join(f"{prefix}.{field}" if prefix else field for field in cause.fields)
     return prefix or "(top level)"
+
+
+def _home_of(model: type[BaseModel], loc: tuple) -> str | None:
+    """Where a field that is not allowed at ``loc`` is one: the dotted path of the one section of ``model`` (a nested
+    model, at most two levels down) that has a field of that name, or None (a misspelling, or several homes)."""
+    name = str(loc[-1])
+    homes = []
+
+    def walk(section: type[BaseModel], prefix: str, depth: int) -> None:
+        for field_name, field in section.model_fields.items():
+            kind = field.annotation
+            if isinstance(kind, type) and issubclass(kind, BaseModel) and depth < 2:
+                path = f"{prefix}{field_name}"
+                if name in kind.model_fields:  # (never the section it was refused in: there it would be allowed)
+                    homes.append(f"{path}.{name}")
+                walk(kind, f"{path}.", depth + 1)
+
+    walk(model, "", 0)
+    return homes[0] if len(homes) == 1 else None
