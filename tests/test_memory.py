@@ -8,6 +8,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.nn import functional as F
 
+from swarm.run.fused_loss import CHUNK_BYTES
 from swarm.run.memory import activation_bytes, stage_memory, stage_params
 from swarm.run.models import build_stage, stage_input_spec
 from swarm.run.runconfig import ModelConfig
@@ -20,7 +21,8 @@ BATCH = 4
 
 def saved_bytes(model: ModelConfig, index: int, batch: int, bf16: bool) -> int:
     """What torch keeps for the backward of one micro-batch (unique storages, parameters excluded), plus the stage's
-    output (a stage keeps it in its activation cache; the last stage's logits live while the loss is taken)."""
+    output (a stage keeps it in its activation cache); the last stage's training loss as the worker takes it (its
+    head and loss fused: swarm/run/fused_loss.py), plus the one chunk of logits that step holds at a time."""
     stage = build_stage(model, index)
     stage.force_autocast = bf16
     params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
@@ -35,11 +37,11 @@ def saved_bytes(model: ModelConfig, index: int, batch: int, bf16: bool) -> int:
     x = stage_input_spec(model, index).example(batch, high=model.vocab_size)
     if x.is_floating_point():
         x.requires_grad_(True)
+    last = index == model.stages - 1
     with saved_tensors_hooks(pack, lambda tensor: tensor):
-        out = stage(x)
-        if index == model.stages - 1:
-            F.cross_entropy(out.reshape(-1, out.shape[-1]), torch.zeros(out.shape[:2], dtype=torch.long).reshape(-1))
-    return sum(seen.values()) + out.untyped_storage().nbytes()
+        out = stage(x, torch.zeros((batch, model.seq_len), dtype=torch.long)) if last else stage(x)
+    chunk = min(CHUNK_BYTES, batch * model.seq_len * 4 * model.vocab_size) if last else 0
+    return sum(seen.values()) + out.untyped_storage().nbytes() + chunk
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16"])

@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
+from swarm.run.fused_loss import linear_cross_entropy
 from swarm.run.runconfig import ModelConfig
 
 INIT_STD = 0.02  # transformers' initializer_range for Llama
@@ -153,7 +154,11 @@ class LlamaStage(nn.Module):
             std = INIT_STD * depth_scale if name.endswith(("o_proj.weight", "down_proj.weight")) else INIT_STD
             nn.init.normal_(param, mean=0.0, std=std)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    fuses_loss = True  # the last stage's forward(x, targets) is its training loss (swarm/run/fused_loss.py)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (the last stage) or the residual stream; with ``targets`` (the last stage) the mean cross-entropy
+        of its logits, computed without holding them (swarm/run/fused_loss.py)."""
         with autocast_context(x.device.type, self.mixed_precision, self.force_autocast):
             hidden = self.embed_tokens(x) if self.is_first else x
             cos, sin = self.rotary(hidden.shape[1], hidden.device)
@@ -163,7 +168,10 @@ class LlamaStage(nn.Module):
                 else:
                     hidden = layer(hidden, cos, sin)
             if self.is_last:
-                hidden = self.lm_head(self.norm(hidden))
+                hidden = self.norm(hidden)
+                if targets is not None:
+                    return linear_cross_entropy(hidden, self.lm_head.weight, targets)
+                hidden = self.lm_head(hidden)
         return hidden.float()
 
 

@@ -7,7 +7,9 @@ A stage server holds, per parameter: the float32 weight (4 bytes), its gradient 
 (a forward's graph waits in the activation cache for its backward; the last stage runs forward and backward
 at once, so one) it holds the tensors autograd saved: counted per token and per decoder layer for llama from
 what each op keeps (llama.py), in bf16 where autocast computes in bf16, plus under bf16 autocast the bf16
-copies of the weights each forward makes. The last stage adds the float32 logits and their log-softmax. The counts
+copies of the weights each forward makes. The last stage adds its final norm and, since its head and loss are one
+step (swarm/run/fused_loss.py), the gradients that step computes (the hidden states' and the head weight's) and one
+chunk of logits, where it held all of them and their log-softmax (2 x 4 bytes x vocabulary per token). The counts
 were checked against the tensors torch actually saves (tests/test_memory.py); a GPU adds its CUDA context and
 the allocator's slack, which ``CUDA_OVERHEAD_BYTES`` stands for.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from swarm.run.fused_loss import CHUNK_BYTES
 from swarm.run.runconfig import ModelConfig, RunConfig
 
 FLOAT32_BYTES, BF16_BYTES, INT64_BYTES = 4, 2, 8
@@ -68,11 +71,13 @@ def activation_bytes(model: ModelConfig, index: int, batch: int, bf16: bool) -> 
     per_token = model.blocks_per_stage * per_layer + recompute + FLOAT32_BYTES * width  # + the output kept
     if index == 0:
         per_token += INT64_BYTES  # the token ids
-    if index == model.stages - 1:  # final norm, the float32 logits and their log-softmax (the loss's)
-        per_token += 3 * FLOAT32_BYTES * width + 2 * FLOAT32_BYTES * model.vocab_size
+    fused = 0
+    if index == model.stages - 1:  # final norm and the hidden states' gradient; the head weight's and one chunk
+        per_token += 4 * FLOAT32_BYTES * width
+        fused = FLOAT32_BYTES * model.vocab_size * width + min(CHUNK_BYTES, tokens * FLOAT32_BYTES * model.vocab_size)
     weight_casts = BF16_BYTES * (stage_params(model, index) - (model.vocab_size * width if index == 0 else 0)) \
         if bf16 else 0
-    return tokens * per_token + weight_casts
+    return tokens * per_token + weight_casts + fused
 
 
 def _layer_bytes(width: int, ffn: int, bf16: bool) -> int:

@@ -45,14 +45,7 @@ from swarm.run.runconfig import RunConfig
 from swarm.pipeline.stage.staleness import StalenessWindow, StepSize
 from swarm.pipeline.stage.stage_state import StageState
 from swarm.pipeline.stage.stage_stats import (  # noqa: F401  (the errors and SIMULATED_STEP_ENV re-exported for callers)
-    SIMULATED_STEP_ENV,
-    AbsurdGradient,
-    InputOutOfRange,
-    NeedInput,
-    StageStats,
-    StepInfo,
-    UpdateReport,
-    WorkerState,
+    SIMULATED_STEP_ENV, AbsurdGradient, InputOutOfRange, NeedInput, StageStats, StepInfo, UpdateReport, WorkerState,
     simulated_step_s,
 )
 from swarm.pipeline.transport.wire import WireError, check_tensor, peak_abs
@@ -126,12 +119,16 @@ class StageWorker(StageState):
         return model.num_classes if model.kind == "mlp" else model.vocab_size
 
     # ----- compute
-    def _graph(self, x: torch.Tensor) -> Saved:
+    def _graph(self, x: torch.Tensor, y: torch.Tensor | None = None) -> Saved:
+        """The forward with its graph; with targets, the loss (a llama head fuses it: swarm/run/fused_loss.py)."""
         params = {name: p.data.requires_grad_(True) for name, p in self.named_params}
         inputs = x.to(self.device)
         if inputs.is_floating_point() and not self.is_first:
             inputs.requires_grad_(True)  # the previous stage needs this gradient
-        outputs = functional_call(self.module, params, (inputs,))
+        fused = y is not None and getattr(self.module, "fuses_loss", False)
+        outputs = functional_call(self.module, params, (inputs, y.to(self.device)) if fused else (inputs,))
+        if y is not None and not fused:
+            outputs = loss_fn(self.run.model, outputs, y.to(self.device))
         return Saved(inputs=inputs, outputs=outputs, params=params, created=time.monotonic(),
                      version=self.stats.served, weights=self.committed[1])
 
@@ -150,14 +147,15 @@ class StageWorker(StageState):
             return saved.outputs.detach().cpu()
 
     @torch.no_grad()
-    def infer(self, x: torch.Tensor) -> torch.Tensor:
+    def infer(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        """Outputs without a graph; with targets (a last stage that fuses its head and loss), the mean loss."""
         with self.lock, self.stats.busy():
             self._refuse_if_sick()
             self._commit()
             was_training = self.module.training
             self.module.eval()
             try:
-                outputs = self.module(x.to(self.device))
+                outputs = self.module(*(t.to(self.device) for t in (x, y) if t is not None))
             finally:
                 self.module.train(was_training)
             self._refuse_out_of_bound(self._check_emitted(outputs, "outputs"))
@@ -165,11 +163,15 @@ class StageWorker(StageState):
 
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int, int]:
-        """Last stage: (sum of losses, correct predictions, count) over a test chunk, in sub-chunks whose logits
-        stay within models.EVAL_BYTES_MAX."""
-        loss, correct, step = 0.0, 0, eval_batch(self.run.model, wide=True)
+        """Last stage: (sum of losses, correct predictions, count) over a test chunk (logits: models.EVAL_BYTES_MAX)."""
+        fused = getattr(self.module, "fuses_loss", False)  # its logits are never held whole: no sub-chunks for them
+        loss, correct, step = 0.0, 0, eval_batch(self.run.model, wide=not fused)
         for start in range(0, len(y), step):
-            logits, part = self.infer(x[start : start + step]), y[start : start + step]
+            part = y[start : start + step]
+            if fused:
+                loss += float(self.infer(x[start : start + step], part)) * len(part)
+                continue
+            logits = self.infer(x[start : start + step])
             loss += loss_fn(self.run.model, logits, part).item() * len(part)
             correct += int((logits.argmax(-1) == part).sum().item()) if self.run.model.kind == "mlp" else 0
         return loss, correct, len(y)
@@ -204,12 +206,11 @@ class StageWorker(StageState):
         with self.lock, self.stats.busy():
             self._refuse_if_sick()
             self._commit()
-            saved = self._graph(x)
-            loss = loss_fn(self.run.model, saved.outputs, y.to(self.device))
-            value = float(loss.item())
+            saved = self._graph(x, y)
+            value = float(saved.outputs.item())
             declined = self.health.observe_local_loss(value, owner, source=source)
             self._refuse_if_sick()
-            loss.backward()
+            saved.outputs.backward()
             peak = self._check_emitted(saved.inputs.grad, "input gradients")
             if declined:  # its loss and input gradient go back, its update is not learned (swarm/integrity/health.py);
                 # the version counts one: a referee's audit takes v -> v+1 as the update of the hop at v (unchanged
