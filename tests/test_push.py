@@ -15,7 +15,8 @@ from receipting import allow, relay_meta, stage0_meta, stage_peers
 from swarm.dht.dht import DHTSettings, fresh_p2p, shutdown_dht, start_dht
 from swarm.integrity.receipts import Receipt, ReceiptKey, ids_digest, loss_digest, route_digest, tensor_digest
 from swarm.pipeline.transport.sessions import close_sessions
-from swarm.pipeline.stage.push import BROKEN_CODE, PUSH_FORWARD, PUSH_LAST, SHOW_OP, Outbox, parse_push
+from swarm.pipeline.stage.outbox import Outbox
+from swarm.pipeline.stage.push import BROKEN_CODE, PUSH_FORWARD, PUSH_LAST, SHOW_OP, parse_push
 from swarm.pipeline.stage.stage0_replicas import ids_bytes
 from swarm.pipeline.stage.stage_rpc import StageError, call_stage, stage_namespace
 from swarm.pipeline.transport.wire import Payload, WireError, payload_of
@@ -378,7 +379,7 @@ def test_doctor_counts_what_a_stages_outbox_may_hold():
     """The outbox keeps each pushed hop's tensors for its driver's checks: `volunteer doctor` counts it beside the
     stage's parameters (a middle stage keeps x, y, g and gx per micro-batch, the last x and gx, stage 1 no x: its
     driver holds it; OUTBOX_PER_DRIVER micro-batches a driver, OUTBOX_MAX_BYTES in all)."""
-    from swarm.pipeline.stage.push import OUTBOX_MAX_BYTES, OUTBOX_PER_DRIVER, outbox_bytes
+    from swarm.pipeline.stage.outbox import OUTBOX_MAX_BYTES, OUTBOX_PER_DRIVER, outbox_bytes
     from volunteer.config import load_run
 
     digits, _ = load_run("digits-mlp")
@@ -390,3 +391,34 @@ def test_doctor_counts_what_a_stages_outbox_may_hold():
     assert outbox_bytes(digits, last) == OUTBOX_PER_DRIVER * 2 * 4 * batch * width  # x and gx only
     llm, _ = load_run("llm-tiny")
     assert outbox_bytes(llm, 1, drivers=8) == OUTBOX_MAX_BYTES
+
+
+def test_an_outbox_keeps_whole_hops_of_a_large_stage_for_every_micro_batch_in_flight():
+    """An llm-small middle stage's hop is 50 MB in float16: with the 64 MiB that bounded every outbox before, the
+    forwards of a driver's later micro-batches evicted the earlier ones' x and y before their backwards came, and each
+    drawn hop's show came back without them (its honest peer then relayed). Sized for the stage, the outbox keeps
+    every hop of 4 in flight whole until its check asks, and as many completed ones."""
+    from swarm.pipeline.stage.outbox import OUTBOX_MAX_BYTES, OUTBOX_MIN_HOPS, hop_bytes, outbox_cap
+    from volunteer.config import load_run
+
+    run, _ = load_run("llm-small")
+    per_hop = hop_bytes(run, 1)
+    assert per_hop == 3 * 2 * run.training.batch_size * run.model.seq_len * run.model.d_model  # y, g, gx in float16
+    assert outbox_cap(run, 1) == OUTBOX_MIN_HOPS * per_hop > OUTBOX_MAX_BYTES
+    middle = hop_bytes(run, 2)
+    tensor = middle // 4
+
+    def item() -> Payload:
+        return Payload(dtype="float16", size=[tensor // 2], compression=0, buffer=memoryview(bytearray(tensor)))
+
+    for cap, whole in ((OUTBOX_MAX_BYTES, False), (outbox_cap(run, 2), True)):
+        box = Outbox(max_bytes=cap)
+        for m in range(4):  # a driver's 4 micro-batches in flight: their forwards, then their backwards in turn
+            box.put("d", f"m{m}", x=item(), y=item())
+        for m in range(4):
+            box.put("d", f"m{m}", g=item(), gx=item())
+            kept = box.get("d", f"m{m}")  # its check asks right after
+            assert (set(kept) == {"x", "y", "g", "gx"}) == whole, (cap, m, sorted(kept))
+            box.put("d", f"m{m + 4}", x=item(), y=item())  # that lane's next forward
+    small, _ = load_run("llm-tiny")
+    assert outbox_cap(small, 1) == OUTBOX_MAX_BYTES  # small hops: the cap as before

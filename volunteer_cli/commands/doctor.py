@@ -365,7 +365,7 @@ def host_memory_checks(run: Any, requested: str, disk_free: int | None = None) -
     import torch
 
     from swarm.pipeline.stage.applied import replies_bytes
-    from swarm.pipeline.stage.push import outbox_bytes
+    from swarm.pipeline.stage.outbox import outbox_bytes
     from swarm.run.memory import host_memory
     from volunteer_cli.commands.common import mib_text as _mib
 

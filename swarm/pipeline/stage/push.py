@@ -23,18 +23,16 @@ Failures fall back to the relay:
   refused) is answered ``push_lost``: no stage above applies anything for it (the relay's "lost").
 Strikes for a malformed push land on its sender (``StageServicer.admitted``), never on the driver.
 
-What each pushed hop received and sent is kept a little while (``Outbox``) for the driver's spot checks: it may ask
-(``show``) after the hop, and checks the tensors against the receipts (stage 1 keeps all but its input: the
-driver's own). A stage cannot know which hops will be
-checked, so it cannot compute honestly only for those.
+What each pushed hop received and sent is kept a little while (swarm/pipeline/stage/outbox.py) for the driver's spot
+checks: it may ask (``show``) after the hop, and checks the tensors against the receipts (stage 1 keeps all but its
+input: the driver's own). A stage cannot know which hops will be checked, so it cannot compute honestly only for
+those.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +48,7 @@ from swarm.integrity.receipts import (
     signature_valid,
 )
 from swarm.pipeline.stage.applied import DUPLICATE_CODE
+from swarm.pipeline.stage.outbox import Outbox, outbox_cap
 from swarm.pipeline.transport.keybook import KEY_PATIENCE_S
 from swarm.pipeline.transport.replies import BadReply, Vouch, check_receipt, check_reply
 from swarm.pipeline.stage.stage0_replicas import ids_from_meta
@@ -68,9 +67,6 @@ BROKEN_CODE = "push_broken"  # a push downstream got no answer: its driver asks 
 MAX_STAGES = 64
 MAX_BATCH = 65536  # TrainingConfig.batch_size's bound
 MAX_PUSH_S = 600.0  # the most a push may wait downstream (the route's hop budgets, summed)
-OUTBOX_TTL_S = 30.0
-OUTBOX_PER_DRIVER = 32
-OUTBOX_MAX_BYTES = 64 * 2**20
 SHOWN = ("x", "y", "g", "gx")  # received input, sent output, received output gradient, sent input gradient
 # the receipts of x (received), of our forward (sent with y), of g (received), of our backward (sent with gx)
 RECEIPTS = ("rc_x", "rc_y", "rc_g", "rc_gx")
@@ -120,73 +116,10 @@ def parse_push(meta: dict, stage: int, stages: int) -> PushRequest:
     return PushRequest(mb, ids, rc, chain, list(route), [float(t) for t in hop_s], route_sig, raw_chain)
 
 
-def outbox_bytes(run: Any, index: int, drivers: int = 1) -> int:
-    """What stage ``index``'s outbox may hold for ``drivers`` drivers, by ``Outbox``'s bounds: ``OUTBOX_PER_DRIVER``
-    micro-batches each (a middle stage keeps x, y, g and gx; the last x and gx, as they travelled; stage 1 no x), at
-    most ``OUTBOX_MAX_BYTES`` in all (``volunteer doctor``; 8 drivers' llm-tiny micro-batches of 16 x 64 tokens reach
-    the cap)."""
-    from swarm.pipeline.transport.wire import coded_bytes
-    from swarm.run.models import stage_input_spec, stage_output_spec
-
-    model, training = run.model, run.training
-    batch = training.batch_size
-    shape_in = tuple(stage_input_spec(model, index, batch).shape)
-    per_mb = (2 if index > 1 else 1) * coded_bytes(shape_in, training.codec, training.wire_rank)
-    if index + 1 < model.stages:
-        per_mb += 2 * coded_bytes(tuple(stage_output_spec(model, index, batch).shape), training.codec, training.wire_rank)
-    return min(OUTBOX_MAX_BYTES, max(1, drivers) * OUTBOX_PER_DRIVER * per_mb)
-
-
-class Outbox:
-    """What pushed hops received and sent, per (driver, micro-batch), as the payloads that travelled: bounded by
-    count per driver, by bytes in all, and by age."""
-
-    def __init__(self, ttl_s: float = OUTBOX_TTL_S, per_driver: int = OUTBOX_PER_DRIVER,
-                 max_bytes: int = OUTBOX_MAX_BYTES):
-        self.ttl_s, self.per_driver, self.max_bytes = ttl_s, per_driver, max_bytes
-        self._items: OrderedDict[tuple[str, str], tuple[float, dict[str, Any]]] = OrderedDict()
-        self._bytes = 0
-
-    def put(self, driver: str, mb: str, **items: Any) -> None:
-        """Tensors (payloads: ``SHOWN``) and receipts (wire form: ``RECEIPTS``) or ``loss``, by name."""
-        now = time.monotonic()
-        key = (driver, mb)
-        _, kept = self._items.pop(key, (now, {}))
-        for name, item in items.items():
-            if item is not None:
-                self._bytes -= _size(kept.get(name))
-                kept[name] = item
-                self._bytes += _size(item)
-        self._items[key] = (now, kept)
-        self._evict(now, driver)
-
-    def get(self, driver: str, mb: str) -> dict[str, Any] | None:
-        self._evict(time.monotonic(), driver)
-        entry = self._items.get((driver, mb))
-        return None if entry is None else entry[1]
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def _evict(self, now: float, driver: str) -> None:
-        """Oldest first: past a driver's count, past the age, past the bytes."""
-        mine = [key for key in self._items if key[0] == driver]
-        for key in mine[: max(0, len(mine) - self.per_driver)]:
-            self._drop(key)
-        for key in list(self._items):
-            if now - self._items[key][0] <= self.ttl_s and self._bytes <= self.max_bytes:
-                break
-            self._drop(key)
-
-    def _drop(self, key: tuple[str, str]) -> None:
-        _, kept = self._items.pop(key)
-        self._bytes -= sum(_size(item) for item in kept.values())
-
-
 class PushServer:
     """A stage's pushes: served for the stage before it (or the driver, at stage 1), sent on to the stage after it."""
 
-    def __init__(self, p2p: Any, run: Any, keys: Any, *, traffic: Any = None, call: Any = call_stage):
+    def __init__(self, p2p: Any, run: Any, keys: Any, *, index: int, traffic: Any = None, call: Any = call_stage):
         self.p2p = p2p
         self.run = run
         self.run_id = run.run_id
@@ -194,7 +127,7 @@ class PushServer:
         self.traffic = traffic
         self.call = call
         self.namespaces = {k: stage_namespace(self.run_id, f"layer{k}") for k in range(run.model.stages)}
-        self.outbox = Outbox()
+        self.outbox = Outbox(max_bytes=outbox_cap(run, index))
         self.pushed = 0  # micro-batches this stage pushed on
         self.partial = 0  # ... whose push failed, answered partial
         self.lost = 0  # ... answered push_lost
@@ -373,10 +306,6 @@ class PushServer:
         return [kept[name] for name in names], {"ok": True, "have": names, "loss": kept.get("loss"),
                                                 "running": bool(kept.get("running")),
                                                 **{name: kept[name] for name in RECEIPTS if name in kept}}
-
-
-def _size(item: Any) -> int:
-    return len(item.buffer) if hasattr(item, "buffer") else 0
 
 
 def _carrier(item: Any) -> torch.Tensor:

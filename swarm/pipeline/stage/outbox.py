@@ -1,0 +1,100 @@
+"""What a stage's pushed hops received and sent, kept a little while for their driver's spot checks
+(swarm/pipeline/stage/push.py ``show``): the driver draws which hops to check only after they ran, so a stage keeps
+every recent hop's tensors, as the payloads that travelled (a middle stage x, y, g and gx; the last x and gx; stage 1
+no x: its driver holds it).
+
+Bounded by count per driver (``OUTBOX_PER_DRIVER``), by age (``OUTBOX_TTL_S``) and by bytes in all: at least
+``OUTBOX_MAX_BYTES``, and at least ``OUTBOX_MIN_HOPS`` whole hops of the stage at the run's sizes. Until session 32 the
+bytes were 64 MiB whatever the stage: an llm-small middle stage's hop is 50 MB in float16 (four tensors of 8 x 1,024
+tokens x 768), so with 4 micro-batches in flight the forwards of the later ones evicted the earlier ones' x and y
+before their backwards came, every drawn hop's show came back without them, and after ``UNSHOWN_IN_ROW`` such
+misses its honest peer was relayed (swarm/pipeline/control/push_checks.py): the route fell back to the relay for the
+model whose activations a home link can least carry twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Any
+
+OUTBOX_TTL_S = 30.0
+OUTBOX_PER_DRIVER = 32
+OUTBOX_MAX_BYTES = 64 * 2**20
+# a driver's 4 micro-batches in flight (llm-small's), and as many completed whose checks may still ask
+OUTBOX_MIN_HOPS = 8
+
+
+def hop_bytes(run: Any, index: int) -> int:
+    """What stage ``index`` keeps of one pushed hop, coded as it travels (the run's batch size and wire codec)."""
+    from swarm.pipeline.transport.wire import coded_bytes
+    from swarm.run.models import stage_input_spec, stage_output_spec
+
+    model, training = run.model, run.training
+    batch = training.batch_size
+    shape_in = tuple(stage_input_spec(model, index, batch).shape)
+    per_mb = (2 if index > 1 else 1) * coded_bytes(shape_in, training.codec, training.wire_rank)
+    if index + 1 < model.stages:
+        per_mb += 2 * coded_bytes(tuple(stage_output_spec(model, index, batch).shape), training.codec, training.wire_rank)
+    return per_mb
+
+
+def outbox_cap(run: Any, index: int) -> int:
+    """The bytes stage ``index``'s outbox may hold in all: ``OUTBOX_MAX_BYTES``, or ``OUTBOX_MIN_HOPS`` of its hops."""
+    return max(OUTBOX_MAX_BYTES, OUTBOX_MIN_HOPS * hop_bytes(run, index))
+
+
+def outbox_bytes(run: Any, index: int, drivers: int = 1) -> int:
+    """What stage ``index``'s outbox may hold for ``drivers`` drivers (``volunteer doctor``): ``OUTBOX_PER_DRIVER``
+    hops each, at most ``outbox_cap`` in all (8 drivers' llm-tiny micro-batches of 16 x 64 tokens reach the cap)."""
+    return min(outbox_cap(run, index), max(1, drivers) * OUTBOX_PER_DRIVER * hop_bytes(run, index))
+
+
+class Outbox:
+    """What pushed hops received and sent, per (driver, micro-batch): bounded by count per driver, by bytes in all
+    (``outbox_cap`` for a stage's), and by age."""
+
+    def __init__(self, ttl_s: float = OUTBOX_TTL_S, per_driver: int = OUTBOX_PER_DRIVER,
+                 max_bytes: int = OUTBOX_MAX_BYTES):
+        self.ttl_s, self.per_driver, self.max_bytes = ttl_s, per_driver, max_bytes
+        self._items: OrderedDict[tuple[str, str], tuple[float, dict[str, Any]]] = OrderedDict()
+        self._bytes = 0
+
+    def put(self, driver: str, mb: str, **items: Any) -> None:
+        """Tensors (payloads: ``SHOWN``) and receipts (wire form: ``RECEIPTS``) or ``loss``, by name."""
+        now = time.monotonic()
+        key = (driver, mb)
+        _, kept = self._items.pop(key, (now, {}))
+        for name, item in items.items():
+            if item is not None:
+                self._bytes -= _size(kept.get(name))
+                kept[name] = item
+                self._bytes += _size(item)
+        self._items[key] = (now, kept)
+        self._evict(now, driver)
+
+    def get(self, driver: str, mb: str) -> dict[str, Any] | None:
+        self._evict(time.monotonic(), driver)
+        entry = self._items.get((driver, mb))
+        return None if entry is None else entry[1]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def _evict(self, now: float, driver: str) -> None:
+        """Oldest first: past a driver's count, past the age, past the bytes."""
+        mine = [key for key in self._items if key[0] == driver]
+        for key in mine[: max(0, len(mine) - self.per_driver)]:
+            self._drop(key)
+        for key in list(self._items):
+            if now - self._items[key][0] <= self.ttl_s and self._bytes <= self.max_bytes:
+                break
+            self._drop(key)
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        _, kept = self._items.pop(key)
+        self._bytes -= sum(_size(item) for item in kept.values())
+
+
+def _size(item: Any) -> int:
+    return len(item.buffer) if hasattr(item, "buffer") else 0
