@@ -4,8 +4,8 @@ every recent hop's tensors, as the payloads that travelled (a middle stage x, y,
 no x: its driver holds it).
 
 Bounded by count per driver (``OUTBOX_PER_DRIVER``), by age (``OUTBOX_TTL_S``) and by bytes in all: at least
-``OUTBOX_MAX_BYTES``, and at least ``OUTBOX_MIN_HOPS`` whole hops of the stage at the run's sizes. Until session 32 the
-bytes were 64 MiB whatever the stage: an llm-small middle stage's hop is 50 MB in float16 (four tensors of 8 x 1,024
+``OUTBOX_MAX_BYTES``, and at least two whole hops of the stage at the run's sizes for each micro-batch a driver
+keeps in flight (``outbox_cap``). Until session 32 the bytes were 64 MiB whatever the stage: an llm-small middle stage's hop is 50 MB in float16 (four tensors of 8 x 1,024
 tokens x 768), so with 4 micro-batches in flight the forwards of the later ones evicted the earlier ones' x and y
 before their backwards came, every drawn hop's show came back without them, and after ``UNSHOWN_IN_ROW`` such
 misses its honest peer was relayed (swarm/pipeline/control/push_checks.py): the route fell back to the relay for the
@@ -21,7 +21,8 @@ from typing import Any
 OUTBOX_TTL_S = 30.0
 OUTBOX_PER_DRIVER = 32
 OUTBOX_MAX_BYTES = 64 * 2**20
-# a driver's 4 micro-batches in flight (llm-small's), and as many completed whose checks may still ask
+# hops of a driver's micro-batches in flight, and as many completed whose checks may still ask: twice the run's
+# training.in_flight (with in_flight auto, twice the usual depth of a near driver), at least this many
 OUTBOX_MIN_HOPS = 8
 
 
@@ -40,8 +41,11 @@ def hop_bytes(run: Any, index: int) -> int:
 
 
 def outbox_cap(run: Any, index: int) -> int:
-    """The bytes stage ``index``'s outbox may hold in all: ``OUTBOX_MAX_BYTES``, or ``OUTBOX_MIN_HOPS`` of its hops."""
-    return max(OUTBOX_MAX_BYTES, OUTBOX_MIN_HOPS * hop_bytes(run, index))
+    """The bytes stage ``index``'s outbox may hold in all: ``OUTBOX_MAX_BYTES``, or two micro-batches' hops for each
+    a driver keeps in flight (``OUTBOX_MIN_HOPS`` at least), whichever is more."""
+    in_flight = run.training.in_flight
+    hops = max(OUTBOX_MIN_HOPS, 2 * (in_flight if isinstance(in_flight, int) else OUTBOX_MIN_HOPS // 2))
+    return max(OUTBOX_MAX_BYTES, hops * hop_bytes(run, index))
 
 
 def outbox_bytes(run: Any, index: int, drivers: int = 1) -> int:
