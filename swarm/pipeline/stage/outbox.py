@@ -5,11 +5,12 @@ no x: its driver holds it).
 
 Bounded by count per driver (``OUTBOX_PER_DRIVER``), by age (``OUTBOX_TTL_S``) and by bytes in all: at least
 ``OUTBOX_MAX_BYTES``, and at least two whole hops of the stage at the run's sizes for each micro-batch a driver
-keeps in flight (``outbox_cap``). Until session 32 the bytes were 64 MiB whatever the stage: an llm-small middle stage's hop is 50 MB in float16 (four tensors of 8 x 1,024
-tokens x 768), so with 4 micro-batches in flight the forwards of the later ones evicted the earlier ones' x and y
-before their backwards came, every drawn hop's show came back without them, and after ``UNSHOWN_IN_ROW`` such
-misses its honest peer was relayed (swarm/pipeline/control/push_checks.py): the route fell back to the relay for the
-model whose activations a home link can least carry twice.
+keeps in flight (``outbox_cap``). Until session 32 the bytes were 64 MiB whatever the stage: an llm-small middle
+stage's hop is 50 MB in float16 (four tensors of 8 x 1,024 tokens x 768), so with 4 micro-batches in flight the
+forwards of the later ones evicted the earlier ones' x and y before their backwards came, every drawn hop's show
+came back without them, and after ``UNSHOWN_IN_ROW`` such misses its honest peer was relayed
+(swarm/pipeline/control/push_checks.py): the route fell back to the relay for the model whose activations a home
+link can least carry twice.
 """
 
 from __future__ import annotations
