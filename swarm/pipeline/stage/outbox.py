@@ -34,10 +34,12 @@ def hop_bytes(run: Any, index: int) -> int:
 
     model, training = run.model, run.training
     batch = training.batch_size
-    shape_in = tuple(stage_input_spec(model, index, batch).shape)
-    per_mb = (2 if index > 1 else 1) * coded_bytes(shape_in, training.codec, training.wire_rank)
+    def coded(spec: Any) -> int:
+        return coded_bytes(tuple(spec.shape), training.codec, training.wire_rank)
+
+    per_mb = (2 if index > 1 else 1) * coded(stage_input_spec(model, index, batch))
     if index + 1 < model.stages:
-        per_mb += 2 * coded_bytes(tuple(stage_output_spec(model, index, batch).shape), training.codec, training.wire_rank)
+        per_mb += 2 * coded(stage_output_spec(model, index, batch))
     return per_mb
 
 
