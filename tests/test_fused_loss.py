@@ -87,3 +87,27 @@ def test_a_last_stage_evaluates_the_loss_of_its_logits_without_holding_them():
         expected = loss_fn(run.model, worker.module.eval()(x), y).item() * 5
     assert count == 5 and correct == 0  # a language model's accuracy is not counted
     assert abs(loss_sum - expected) < 1e-4 * expected
+
+
+def test_a_spot_check_and_a_referee_recompute_a_last_stage_as_it_trains():
+    """The second copy's recomputation (StageWorker.input_gradient) and the referee's (swarm/integrity/recompute.py)
+    take the loss the fused way too: the input gradient and loss of the unfused head, no weight gradient left."""
+    from swarm.integrity.recompute import recompute, recompute_loss
+    from swarm.pipeline.stage.worker import StageWorker
+    from volunteer.config import load_run
+
+    run, _ = load_run("llm-tiny")
+    worker = StageWorker(run, 1)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, run.model.seq_len, run.model.d_model, generator=gen)
+    y = torch.randint(0, run.model.vocab_size, (2, run.model.seq_len), generator=gen)
+    inputs = x.clone().requires_grad_(True)
+    expected = loss_fn(run.model, worker.module(inputs), y)
+    (expected_grad,) = torch.autograd.grad(expected, inputs)
+    loss, grad = worker.input_gradient(x, y)
+    assert abs(loss - expected.item()) < 1e-5 and torch.allclose(grad, expected_grad, rtol=1e-4, atol=1e-9)
+    assert all(p.grad is None for p in worker.module.parameters())
+    weights = {name: t.clone() for name, t in worker.module.state_dict().items()}
+    refereed = recompute(run.model, build_stage(run.model, 1), "forward_backward", weights, [x], y)
+    assert torch.allclose(refereed, expected_grad, rtol=1e-4, atol=1e-9)
+    assert abs(recompute_loss(run.model, build_stage(run.model, 1), weights, x, y) - expected.item()) < 1e-5

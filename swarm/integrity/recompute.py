@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from swarm.run.models import backward_root, loss_fn
+from swarm.run.models import backward_root, stage_loss
 from swarm.run.runconfig import ModelConfig
 
 ACTIVATION_OPS = frozenset({"forward", "infer"})
@@ -151,8 +151,7 @@ def _recompute(model: ModelConfig, module: nn.Module, op: str, weights: dict[str
         if targets is None:
             raise ValueError("a last stage's gradient needs its targets")
         x = tensors[0].detach().clone().requires_grad_(True)
-        loss = loss_fn(model, functional_call(module, state, (x,)), targets)
-        (grad_in,) = torch.autograd.grad(loss, x)
+        (grad_in,) = torch.autograd.grad(stage_loss(model, module, state, x, targets), x)
         return grad_in.detach()
     raise ValueError(f"a referee does not recompute {op!r}")
 
@@ -188,7 +187,7 @@ def _param_grads(model: ModelConfig, module: nn.Module, op: str, weights: dict[s
     elif op in LAST_GRADIENT_OPS:
         if targets is None:
             raise ValueError("a last stage's gradient needs its targets")
-        loss = loss_fn(model, functional_call(module, aliases, (tensors[0].detach(),)), targets.to(device))
+        loss = stage_loss(model, module, aliases, tensors[0].detach(), targets.to(device))
         grads = torch.autograd.grad(loss, [aliases[n] for n in names], allow_unused=True)
     else:
         raise ValueError(f"{op!r} applies no update")
@@ -209,7 +208,7 @@ def recompute_loss(model: ModelConfig, module: nn.Module, weights: dict[str, tor
     state = _fitted(module.state_dict(), weights)
     with module_lock(module), torch.no_grad():
         module.train(True)
-        return float(loss_fn(model, functional_call(module, state, (x.to(device),)), targets.to(device)))
+        return float(stage_loss(model, module, state, x.to(device), targets.to(device)))
 
 
 def loss_agrees(claimed: float, recomputed: float) -> bool:

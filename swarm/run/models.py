@@ -113,6 +113,17 @@ def loss_fn(model: ModelConfig, logits: torch.Tensor, targets: torch.Tensor) -> 
     return F.cross_entropy(logits, targets)
 
 
+def stage_loss(model: ModelConfig, module: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor,
+               targets: torch.Tensor) -> torch.Tensor:
+    """The last stage's training loss with ``params``: a llama head fuses it with the loss, holding no whole logits
+    (swarm/run/fused_loss.py), the same up to float rounding as ``loss_fn`` of the logits, which other kinds take."""
+    from torch.func import functional_call
+
+    if getattr(module, "fuses_loss", False) and getattr(module, "is_last", False):
+        return functional_call(module, params, (x, targets))
+    return loss_fn(model, functional_call(module, params, (x,)), targets)
+
+
 def backward_root(outputs: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """A scalar whose gradient with respect to ``outputs`` is ``grad`` bit for bit (the product's backward is 1.0 *
     grad): what ``outputs.backward(grad)`` computes, without a gradient tensor. Given one, torch's autograd imports

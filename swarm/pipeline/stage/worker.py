@@ -39,7 +39,7 @@ from swarm.integrity.requesters import HEAVY_CLIP_SCALE
 from swarm.integrity.weights import WeightsRing
 from swarm.run.local import make_optimizer
 from swarm.run.models import (EVAL_BATCH_MAX, backward_root, build_stage, eval_batch, loss_fn, stage_input_spec,
-                               target_spec)
+                               stage_loss, target_spec)
 from swarm.run.optim_light import step_of
 from swarm.run.runconfig import RunConfig
 from swarm.pipeline.stage.staleness import StalenessWindow, StepSize
@@ -125,10 +125,8 @@ class StageWorker(StageState):
         inputs = x.to(self.device)
         if inputs.is_floating_point() and not self.is_first:
             inputs.requires_grad_(True)  # the previous stage needs this gradient
-        fused = y is not None and getattr(self.module, "fuses_loss", False)
-        outputs = functional_call(self.module, params, (inputs, y.to(self.device)) if fused else (inputs,))
-        if y is not None and not fused:
-            outputs = loss_fn(self.run.model, outputs, y.to(self.device))
+        outputs = functional_call(self.module, params, (inputs,)) if y is None else \
+            stage_loss(self.run.model, self.module, params, inputs, y.to(self.device))
         return Saved(inputs=inputs, outputs=outputs, params=params, created=time.monotonic(),
                      version=self.stats.served, weights=self.committed[1])
 
@@ -234,12 +232,12 @@ class StageWorker(StageState):
             self._refuse_if_sick()
             self._commit()
             inputs = x.to(self.device).requires_grad_(True)
-            outputs = self.module(inputs)
+            params = {name: p.detach() for name, p in self.named_params}  # the input's gradient only
             loss_value: float | None = None
             if self.is_last:
                 if y is None:
                     raise ValueError("the last stage's gradient check needs the targets")
-                loss = loss_fn(self.run.model, outputs, y.to(self.device))
+                loss = stage_loss(self.run.model, self.module, params, inputs, y.to(self.device))
                 loss_value = float(loss.item())
                 (grad_in,) = torch.autograd.grad(loss, inputs)
             else:
@@ -250,6 +248,7 @@ class StageWorker(StageState):
                 scale = clip_scale(rms, self.grad_out_rms.bound(None))
                 if scale == 0.0:
                     raise WireError("output gradient: its norm is not finite")
+                outputs = functional_call(self.module, params, (inputs,))
                 grad_out = grad_out.to(self.device, outputs.dtype) * scale
                 (grad_in,) = torch.autograd.grad(backward_root(outputs, grad_out), inputs)
             peak = self._check_emitted(grad_in, "input gradients")
