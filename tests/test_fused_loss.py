@@ -24,22 +24,30 @@ def test_the_loss_and_both_gradients_are_the_unfused_ones(monkeypatch, rows):
     hidden = torch.randn(rows, 24, generator=gen, requires_grad=True)
     weight = (0.1 * torch.randn(300, 24, generator=gen)).requires_grad_(True)
     targets = torch.randint(0, 300, (rows,), generator=gen)
-    expected = F.cross_entropy(hidden @ weight.t(), targets)
-    expected_h, expected_w = torch.autograd.grad(2.5 * expected, (hidden, weight))
-    loss = linear_cross_entropy(hidden, weight, targets)
-    got_h, got_w = torch.autograd.grad(2.5 * loss, (hidden, weight))  # the incoming gradient scales both
-    assert torch.allclose(loss, expected, rtol=1e-6, atol=1e-6)
-    assert torch.allclose(got_h, expected_h, rtol=1e-5, atol=1e-8)
-    assert torch.allclose(got_w, expected_w, rtol=1e-5, atol=1e-8)
-    with torch.no_grad():
-        assert torch.allclose(linear_cross_entropy(hidden, weight, targets), expected, rtol=1e-6, atol=1e-6)
+    bias = (0.1 * torch.randn(300, generator=gen)).requires_grad_(True)
+    for b in (None, bias):  # llama's head has no bias, the byte-level transformer's has one
+        logits = hidden @ weight.t() if b is None else hidden @ weight.t() + b
+        wrt = (hidden, weight) if b is None else (hidden, weight, b)
+        expected = F.cross_entropy(logits, targets)
+        wanted = torch.autograd.grad(2.5 * expected, wrt)
+        loss = linear_cross_entropy(hidden, weight, targets, b)
+        got = torch.autograd.grad(2.5 * loss, wrt)  # the incoming gradient scales them all
+        assert torch.allclose(loss, expected, rtol=1e-6, atol=1e-6)
+        for g, w in zip(got, wanted):
+            assert torch.allclose(g, w, rtol=1e-5, atol=1e-8)
+        with torch.no_grad():
+            assert torch.allclose(linear_cross_entropy(hidden, weight, targets, b), expected, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16"])
-def test_a_last_stage_given_targets_gives_the_loss_and_gradients_of_its_logits(bf16):
-    model = LLAMA.model_copy(update={"mixed_precision": "bf16" if bf16 else "none"})
+@pytest.mark.parametrize("kind,bf16", [("llama", False), ("llama", True), ("transformer", False)],
+                         ids=["llama-float32", "llama-bf16", "transformer"])
+def test_a_last_stage_given_targets_gives_the_loss_and_gradients_of_its_logits(kind, bf16):
+    model = LLAMA.model_copy(update={"mixed_precision": "bf16" if bf16 else "none"}) if kind == "llama" else \
+        ModelConfig(kind="transformer", stages=2, blocks_per_stage=1, d_model=32, n_heads=4, vocab_size=256,
+                    seq_len=16, seed=3)
     fused, plain = build_stage(model, 1), build_stage(model, 1)
-    fused.force_autocast = plain.force_autocast = bf16
+    if kind == "llama":
+        fused.force_autocast = plain.force_autocast = bf16
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(3, model.seq_len, model.d_model, generator=gen)
     targets = torch.randint(0, model.vocab_size, (3, model.seq_len), generator=gen)

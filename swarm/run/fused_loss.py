@@ -1,5 +1,5 @@
 """A language model's head and cross-entropy in one step, a few thousand rows at a time (issue 42: the last stage's
-memory).
+memory): llama's last stage (swarm/run/llama.py) and the byte-level transformer's (``models.TransformerStage``).
 
 ``F.cross_entropy(lm_head(h))`` holds the whole (tokens x vocabulary) logits, their log-softmax for the backward
 and, in the backward, a gradient of each: four tensors of 8 MiB for an llm-tiny micro-batch (16 x 64 tokens x
@@ -30,37 +30,44 @@ def chunk_rows(vocab_size: int) -> int:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                targets: torch.Tensor) -> torch.Tensor:
         rows = hidden.shape[0]
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        want_b = bias is not None and ctx.needs_input_grad[2]
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = torch.zeros_like(weight) if want_w else None
+        grad_b = torch.zeros_like(bias) if want_b else None
         total = hidden.new_zeros(())
         step = chunk_rows(weight.shape[0])
         for start in range(0, rows, step):
             h, t = hidden[start : start + step], targets[start : start + step]
-            logp = torch.log_softmax(h @ weight.t(), dim=-1)
+            logits = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
+            logp = torch.log_softmax(logits, dim=-1)
             total -= logp.gather(1, t[:, None]).sum()
-            if want_h or want_w:  # d(summed loss) / d(logits): the chunk's softmax minus the targets, in place
+            if want_h or want_w or want_b:  # d(summed loss) / d(logits): the chunk's softmax minus the targets
                 probs = logp.exp_().scatter_add_(1, t[:, None], logp.new_full((t.shape[0], 1), -1.0))
                 if want_h:
                     torch.mm(probs, weight, out=grad_h[start : start + step])
                 if want_w:
                     grad_w.addmm_(probs.t(), h)
+                if want_b:
+                    grad_b += probs.sum(0)
         ctx.rows = rows
-        ctx.save_for_backward(grad_h, grad_w)
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
         return total / rows
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        grad_h, grad_w = ctx.saved_tensors
         scale = grad_out / ctx.rows  # of the mean
-        return (None if grad_h is None else grad_h * scale, None if grad_w is None else grad_w * scale, None)
+        return (*(None if g is None else g * scale for g in ctx.saved_tensors), None)
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy (nats per token) of ``hidden @ weight.T`` against ``targets``: hidden (..., d), weight
-    (vocabulary, d), targets (...) token ids. Float32, outside any autocast."""
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean cross-entropy (nats per token) of ``hidden @ weight.T (+ bias)`` against ``targets``: hidden (..., d),
+    weight (vocabulary, d), targets (...) token ids. Float32, outside any autocast."""
     with torch.autocast(hidden.device.type, enabled=False):
         flat = hidden.reshape(-1, hidden.shape[-1]).float()
-        return _LinearCrossEntropy.apply(flat, weight.float(), targets.reshape(-1))
+        return _LinearCrossEntropy.apply(flat, weight.float(), None if bias is None else bias.float(),
+                                         targets.reshape(-1))

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from swarm.run.fused_loss import linear_cross_entropy
 from swarm.run.runconfig import ModelConfig
 
 ACTIVATIONS: dict[str, type[nn.Module]] = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh}
@@ -216,12 +217,31 @@ class Embedding(nn.Module):
         return self.tokens(ids) + self.positions[: ids.shape[1]]
 
 
+class TransformerStage(nn.Sequential):
+    """A byte-level transformer's stage: its layers in order (a Sequential's parameter names); on the last stage,
+    ``forward(x, targets)`` is the training loss, its head fused with it (swarm/run/fused_loss.py)."""
+
+    fuses_loss = True
+
+    def __init__(self, *layers: nn.Module, is_last: bool):
+        super().__init__(*layers)
+        self.is_last = is_last
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if targets is None or not self.is_last:
+            return super().forward(x)
+        *body, head = self
+        for layer in body:
+            x = layer(x)
+        return linear_cross_entropy(x, head.weight, targets, head.bias)
+
+
 def _transformer_stage(model: ModelConfig, index: int) -> nn.Sequential:
     layers: list[nn.Module] = [Embedding(model)] if index == 0 else []
     layers += [TransformerBlock(model) for _ in range(model.blocks_per_stage)]
     if index == model.stages - 1:
         layers += [nn.LayerNorm(model.d_model), nn.Linear(model.d_model, model.vocab_size)]
-    return nn.Sequential(*layers)
+    return TransformerStage(*layers, is_last=index == model.stages - 1)
 
 
 # ----- building

@@ -120,7 +120,7 @@ class StageWorker(StageState):
 
     # ----- compute
     def _graph(self, x: torch.Tensor, y: torch.Tensor | None = None) -> Saved:
-        """The forward with its graph; with targets, the loss (a llama head fuses it: swarm/run/fused_loss.py)."""
+        """The forward with its graph; with targets, the loss (a language model's head fuses it: models.stage_loss)."""
         params = {name: p.data.requires_grad_(True) for name, p in self.named_params}
         inputs = x.to(self.device)
         if inputs.is_floating_point() and not self.is_first:
