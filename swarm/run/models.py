@@ -116,8 +116,9 @@ def loss_fn(model: ModelConfig, logits: torch.Tensor, targets: torch.Tensor) -> 
 
 def stage_loss(model: ModelConfig, module: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor,
                targets: torch.Tensor) -> torch.Tensor:
-    """The last stage's training loss with ``params``: a llama head fuses it with the loss, holding no whole logits
-    (swarm/run/fused_loss.py), the same up to float rounding as ``loss_fn`` of the logits, which other kinds take."""
+    """The last stage's training loss with ``params``: a language model's head (llama's, the byte-level transformer's)
+    fuses with the loss and holds no whole logits (swarm/run/fused_loss.py), the same up to float rounding as
+    ``loss_fn`` of the logits, which the MLP takes."""
     from torch.func import functional_call
 
     if getattr(module, "fuses_loss", False) and getattr(module, "is_last", False):
