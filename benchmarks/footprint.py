@@ -19,7 +19,9 @@ prints one JSON object (progress on stderr):
   and waits, measured in the same run (``floor_rss_mib``). ``over_floor_mib`` is the goal's left side and
   ``allowance_mib`` its right (100 MiB + 24 bytes per stage parameter). Also each volunteer's CPU seconds from
   spawn to its "online in" event (``cpu_to_online_s``, the python process alone: its p2pd and DHT helpers are
-  separate processes, reported beside it).
+  separate processes, reported beside it); a first start proves its new identity's work (``integrity.identity_bits``,
+  ~1 s of CPU at the default 8 bits, once per identity), so layer1 then starts again in the same data directory
+  (``restart_cpu_to_online_s``: its identity's work and its checkpoint kept, as at a volunteer's later starts).
 """
 
 from __future__ import annotations
@@ -199,7 +201,13 @@ def volunteer_memory(fleet: Fleet, name: str, train_s: float) -> dict[str, Any]:
                    if pid not in {p.pid for p in procs.values()} and pid != bootstrap.pid}
     finally:
         fleet.stop([procs["layer0"]])
-        fleet.stop([p for swarm, p in procs.items() if swarm != "layer0"] + [bootstrap])
+        fleet.stop([p for swarm, p in procs.items() if swarm != "layer0"])
+    try:  # a volunteer's next start: its identity's work and its checkpoint are kept (the first start proves the work)
+        again = fleet.join(f"{name}-layer1-again", run_path, "layer1", maddr)
+        restart_cpu = _online_cpu({"layer1": again})["layer1"]
+        fleet.stop([again])
+    finally:
+        fleet.stop([bootstrap])
     params = host_memory(run, 1).params
     rss = median(samples)
     allowance = ALLOWANCE_FIXED_MIB + ALLOWANCE_PER_PARAM * params / MIB
@@ -217,6 +225,7 @@ def volunteer_memory(fleet: Fleet, name: str, train_s: float) -> dict[str, Any]:
         "within_allowance": rss - floor["rss_mib"] <= allowance,
         "cpu_to_online_s": {k: round(v, 2) for k, v in cpu.items()},
         "cpu_to_online_median_s": round(median(list(cpu.values())), 2),
+        "restart_cpu_to_online_s": round(restart_cpu, 2),  # layer1 again, as a volunteer's later starts are
         "all_online_s": round(all_online_s, 1),
         "helper_processes_rss_mib": round(sum(helpers.values()), 1),
     }
