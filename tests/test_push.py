@@ -422,3 +422,7 @@ def test_an_outbox_keeps_whole_hops_of_a_large_stage_for_every_micro_batch_in_fl
             box.put("d", f"m{m + 4}", x=item(), y=item())  # that lane's next forward
     small, _ = load_run("llm-tiny")
     assert outbox_cap(small, 1) == OUTBOX_MAX_BYTES  # small hops: the cap as before
+    from swarm.pipeline.stage.push import PushServer
+
+    for index in (1, 2, 3):  # what a stage's push server keeps is sized for its own hops
+        assert PushServer(None, run, None, index=index).outbox.max_bytes == outbox_cap(run, index)

@@ -114,14 +114,20 @@ def loss_fn(model: ModelConfig, logits: torch.Tensor, targets: torch.Tensor) -> 
     return F.cross_entropy(logits, targets)
 
 
+def fuses_loss(module: nn.Module) -> bool:
+    """Whether ``module`` is a last stage whose ``forward(x, targets)`` is its loss (a language model's head fused with
+    it: swarm/run/fused_loss.py)."""
+    return getattr(module, "fuses_loss", False) and getattr(module, "is_last", False)
+
+
 def stage_loss(model: ModelConfig, module: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor,
                targets: torch.Tensor) -> torch.Tensor:
     """The last stage's training loss with ``params``: a language model's head (llama's, the byte-level transformer's)
-    fuses with the loss and holds no whole logits (swarm/run/fused_loss.py), the same up to float rounding as
-    ``loss_fn`` of the logits, which the MLP takes."""
+    fuses with the loss and holds no whole logits (``fuses_loss``), the same up to float rounding as ``loss_fn`` of
+    the logits, which the MLP takes."""
     from torch.func import functional_call
 
-    if getattr(module, "fuses_loss", False) and getattr(module, "is_last", False):
+    if fuses_loss(module):
         return functional_call(module, params, (x, targets))
     return loss_fn(model, functional_call(module, params, (x,)), targets)
 

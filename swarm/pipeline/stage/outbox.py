@@ -34,6 +34,7 @@ def hop_bytes(run: Any, index: int) -> int:
 
     model, training = run.model, run.training
     batch = training.batch_size
+
     def coded(spec: Any) -> int:
         return coded_bytes(tuple(spec.shape), training.codec, training.wire_rank)
 

@@ -38,8 +38,8 @@ from swarm.integrity.receipts import NO_WEIGHTS
 from swarm.integrity.requesters import HEAVY_CLIP_SCALE
 from swarm.integrity.weights import WeightsRing
 from swarm.run.local import make_optimizer
-from swarm.run.models import (EVAL_BATCH_MAX, backward_root, build_stage, eval_batch, loss_fn, stage_input_spec,
-                               stage_loss, target_spec)
+from swarm.run.models import (EVAL_BATCH_MAX, backward_root, build_stage, eval_batch, fuses_loss, loss_fn,
+                               stage_input_spec, stage_loss, target_spec)
 from swarm.run.optim_light import step_of
 from swarm.run.runconfig import RunConfig
 from swarm.pipeline.stage.staleness import StalenessWindow, StepSize
@@ -162,7 +162,7 @@ class StageWorker(StageState):
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int, int]:
         """Last stage: (sum of losses, correct predictions, count) over a test chunk (logits: models.EVAL_BYTES_MAX)."""
-        fused = getattr(self.module, "fuses_loss", False)  # its logits are never held whole: no sub-chunks for them
+        fused = fuses_loss(self.module)  # its logits are never held whole: no sub-chunks for them
         loss, correct, step = 0.0, 0, eval_batch(self.run.model, wide=not fused)
         for start in range(0, len(y), step):
             part = y[start : start + step]
