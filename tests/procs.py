@@ -31,6 +31,7 @@ from volunteer.hygiene import session_members, tagged_pids as pids_with_env
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 BASE58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
 TAG_ENV = "VOLUNTEER_TEST_TAG"
+STUCK_LOG = Path("/tmp/volunteer-tests-stuck.log")  # processes that outlived a SIGTERM (Proc.stop)
 
 
 def volunteer_exe() -> str:
@@ -148,6 +149,7 @@ class Proc:
             try:
                 self.popen.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
+                self._record_stuck(timeout_s)
                 try:
                     os.killpg(self.popen.pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -155,6 +157,38 @@ class Proc:
                 self.popen.wait(timeout=5)
         self._stdout.close()
         self._stderr.close()
+
+    def _record_stuck(self, timeout_s: float) -> None:
+        """A process that did not leave within ``timeout_s`` of a SIGTERM: what its threads were doing and which signals
+        they blocked, pending and caught (/proc; py-spy's Python stacks where it is installed), in NAME.stuck.txt beside
+        its output and in STUCK_LOG, before it is killed. A volunteer must leave on SIGTERM; the harness kills it so
+        that the suite goes on, and this says why it did not."""
+        pid = self.popen.pid
+        lines = [f"{time.strftime('%H:%M:%S')} {self.name} (pid {pid}) still running {timeout_s:.0f} s after SIGTERM"]
+        for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+            try:
+                status = (task / "status").read_text().splitlines()
+                wchan = (task / "wchan").read_text()
+            except OSError:
+                continue
+            fields = {k: v.strip() for k, _, v in (line.partition(":") for line in status)}
+            lines.append(f"  task {task.name} {fields.get('Name')} {fields.get('State')} wchan={wchan} "
+                         + " ".join(f"{k}={fields.get(k)}" for k in ("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")))
+        spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+        if Path(spy).exists():
+            try:
+                done = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=20)
+                lines.append(done.stdout + done.stderr)
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                lines.append(f"py-spy: {exc}")
+        text = "\n".join(lines) + "\n"
+        try:
+            self.stdout_path.with_suffix(".stuck.txt").write_text(text)
+            with open(STUCK_LOG, "a") as log:
+                log.write(text)
+        except OSError:
+            pass
+        print(text, file=sys.stderr)
 
 
 class Swarm:
