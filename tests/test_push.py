@@ -207,6 +207,9 @@ def test_a_refused_push_leaves_the_microbatch_to_the_relay_and_an_unreachable_on
     gone = str(gone_dht.peer_id)
     shutdown_dht(gone_dht)
     y1, partial, g0, broken, unreached = asyncio.run(main())
+    me = str(driver.peer_id)
+    assert layer1._servicer.push.outbox.has(me, "r1"), "the hop layer1 ran is kept for its driver's checks"
+    assert not layer2._servicer.push.outbox.has(me, "r1"), "a push refused at the door ran nothing and keeps nothing"
     assert partial["partial"] is True and partial["push_failed"]["peer"] == str(layer2.dht.peer_id)
     assert partial["push_failed"]["code"] == "unknown_driver", "the refusal's code goes up: not the link's fault"
     assert tensor_digest(payload_of(y1)) == Receipt.from_wire(partial["trail"][0]).output
@@ -251,10 +254,12 @@ def test_the_outbox_is_bounded_by_count_bytes_and_age():
     for i in range(3):
         box.put("d", f"m{i}", x=item(100))
     assert box.get("d", "m0") is None and box.get("d", "m2") is not None  # a driver's oldest goes past its count
-    box.put("e", "big", x=item(900))
-    assert box.get("d", "m1") is None and box.get("e", "big") is not None  # past the bytes, the oldest go
-    box.put("e", "big", rc_x=["r"], loss=0.5)  # receipts and figures beside the tensors
-    assert set(box.get("e", "big")) == {"x", "rc_x", "loss"}
+    box.put("e", "big", x=item(700))
+    assert box.get("d", "m1") is not None and box.get("e", "big") is not None  # 900 bytes of 1000
+    box.put("e", "big2", x=item(300))  # past the bytes: the oldest hop of the driver holding the most goes
+    assert box.get("e", "big") is None and box.get("d", "m1") is not None and box.get("d", "m2") is not None
+    box.put("e", "big2", rc_x=["r"], loss=0.5)  # receipts and figures beside the tensors
+    assert set(box.get("e", "big2")) == {"x", "rc_x", "loss"}
     old = Outbox(ttl_s=0.0)
     old.put("d", "m", x=item(10))
     assert old.get("d", "m") is None
@@ -425,4 +430,73 @@ def test_an_outbox_keeps_whole_hops_of_a_large_stage_for_every_micro_batch_in_fl
     from swarm.pipeline.stage.push import PushServer
 
     for index in (1, 2, 3):  # what a stage's push server keeps is sized for its own hops
-        assert PushServer(None, run, None, index=index).outbox.max_bytes == outbox_cap(run, index)
+        assert PushServer(None, run, None, index=index).outbox.limit == outbox_cap(run, index)
+
+
+class _Drivers:
+    """The stage gate's view of the run's drivers (swarm/integrity/labels.py DriverView), as the outbox reads it."""
+
+    def __init__(self, *peers: str):
+        self.peers = set(peers)
+
+    def drivers(self) -> int:
+        return len(self.peers)
+
+    def knows(self, peer: str) -> bool:
+        return peer in self.peers
+
+
+def test_an_outbox_keeps_every_drivers_hops_in_flight_and_a_flood_pushes_out_only_the_flooders():
+    """Two drivers with 4 micro-batches in flight each through an llm-small middle stage: sized for one driver (session
+    32) the outbox let the second's forwards evict the first's x and y before their checks asked (each then relayed
+    its honest peer); sized for the run's drivers every hop is kept whole. Past its bytes what goes first is a hop of a
+    driver no layer0 record names (keys cost nothing: a hundred of them flooding keep nothing of the drivers' out),
+    then the oldest hop of the driver holding the most (a driver that floods evicts its own)."""
+    from swarm.pipeline.stage.outbox import OUTBOX_MAX_DRIVERS, driver_bytes, hop_bytes, outbox_bytes, outbox_cap
+    from swarm.pipeline.stage.push import PushServer
+    from volunteer.config import load_run
+
+    run, _ = load_run("llm-small")
+    tensor = hop_bytes(run, 2) // 4
+
+    def item() -> Payload:
+        return Payload(dtype="float16", size=[tensor // 2], compression=0, buffer=memoryview(bytearray(tensor)))
+
+    def two_drivers(box: Outbox, flood=lambda m: None) -> list[bool]:
+        whole = []
+        for m in range(4):
+            for d in ("d", "e"):
+                box.put(d, f"m{m}", x=item(), y=item())
+            flood(m)
+        for m in range(4):
+            for d in ("d", "e"):
+                box.put(d, f"m{m}", g=item(), gx=item())
+                flood(m)
+                whole.append(set(box.get(d, f"m{m}") or {}) == {"x", "y", "g", "gx"})
+                box.put(d, f"m{m + 4}", x=item(), y=item())
+        return whole
+
+    view = _Drivers("d", "e")
+    assert not all(two_drivers(Outbox(max_bytes=outbox_cap(run, 2))))  # one driver's bytes: the other's hops go
+    assert all(two_drivers(Outbox(driver_bytes=driver_bytes(run, 2), drivers=view.drivers, known=view.knows)))
+    box = Outbox(driver_bytes=driver_bytes(run, 2), drivers=view.drivers, known=view.knows)
+
+    def strangers(m: int) -> None:
+        for k in range(100):
+            box.put(f"stranger{k}", f"s{m}", x=item(), y=item())
+
+    assert all(two_drivers(box, strangers)) and box.bytes <= box.limit
+    box = Outbox(driver_bytes=driver_bytes(run, 2), drivers=view.drivers, known=view.knows)
+
+    def flood_as_d(m: int) -> None:
+        for k in range(12):
+            box.put("d", f"flood{m}-{k}", x=item(), y=item(), g=item(), gx=item())
+
+    kept = two_drivers(box, flood_as_d)
+    assert all(kept[1::2]), "e's hops stay whole while d floods"
+    assert box.held_by("e") <= box.held_by("d") and box.bytes <= box.limit
+    # the bound grows with the run's drivers, up to OUTBOX_MAX_DRIVERS of them (doctor's figure the same)
+    many = _Drivers(*(f"p{k}" for k in range(10)))
+    server = PushServer(None, run, None, index=2, drivers=many)
+    assert server.outbox.limit == outbox_cap(run, 2, 10) == OUTBOX_MAX_DRIVERS * driver_bytes(run, 2)
+    assert outbox_bytes(run, 2, drivers=2) == 2 * driver_bytes(run, 2)

@@ -23,7 +23,8 @@ def attach_checks(peer: Any) -> None:
         from swarm.pipeline.stage.push import PushServer
 
         # micro-batches pushed to us by the stage before (or the driver) and on by us (swarm/pipeline/stage/push.py)
-        peer._servicer.push = PushServer(peer.p2p, peer.run, peer.keys, index=peer.index, traffic=peer.traffic)
+        peer._servicer.push = PushServer(peer.p2p, peer.run, peer.keys, index=peer.index, traffic=peer.traffic,
+                                         drivers=peer.gate.view if peer.gate is not None else None)
     if peer.index == 1:
         from swarm.pipeline.control.stage0_checks import Stage0Checker
 

@@ -365,7 +365,7 @@ def host_memory_checks(run: Any, requested: str, disk_free: int | None = None) -
     import torch
 
     from swarm.pipeline.stage.applied import replies_bytes
-    from swarm.pipeline.stage.outbox import outbox_bytes
+    from swarm.pipeline.stage.outbox import OUTBOX_MAX_DRIVERS, outbox_bytes
     from swarm.run.memory import host_memory
     from volunteer_cli.commands.common import mib_text as _mib
 
@@ -377,15 +377,16 @@ def host_memory_checks(run: Any, requested: str, disk_free: int | None = None) -
     for index in range(run.model.stages):
         need = host_memory(run, index)
         host = need.ring_bytes_gpu if gpu else need.total_bytes
-        # what its pushed hops keep for their drivers' checks, and the replies kept for resent updates
-        outbox = outbox_bytes(run, index) + replies_bytes(run, index) if index > 0 else 0
+        outbox = outbox_bytes(run, index) + replies_bytes(run, index) if index > 0 else 0  # hops for checks, replies
         detail = (f"{_mib(host + outbox)} MiB: {need.params / 1e6:.2f} M parameters, {host / need.params:.0f} "
                   f"bytes each (live copy {_mib(need.live_bytes)}" + ("" if not gpu else " on the GPU") +
                   f", guard {_mib(need.guard_bytes)} (+{_mib(need.guard_peak_bytes - need.guard_bytes)} "
                   f"one step in 50), weight versions {_mib(host if gpu else need.ring_bytes)}; healing's "
                   f"snapshots {_mib(need.disk_bytes)} on disk)")
-        if outbox:
-            detail += f" + pushed hops and replies kept {_mib(outbox)} (one driver)"
+        if outbox:  # it grows with the run's drivers (swarm/pipeline/stage/outbox.py), up to OUTBOX_MAX_DRIVERS
+            most = outbox_bytes(run, index, OUTBOX_MAX_DRIVERS) - outbox_bytes(run, index)
+            detail += f" + pushed hops and replies kept {_mib(outbox)} (one driver; up to {_mib(most)} more " \
+                      f"with {OUTBOX_MAX_DRIVERS} or more)"
         host += outbox
         status = OK if host <= available else WARN
         checks.append(Check(section, f"layer{index}", status, detail + ("" if status == OK else

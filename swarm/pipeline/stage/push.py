@@ -48,7 +48,7 @@ from swarm.integrity.receipts import (
     signature_valid,
 )
 from swarm.pipeline.stage.applied import DUPLICATE_CODE
-from swarm.pipeline.stage.outbox import Outbox, outbox_cap
+from swarm.pipeline.stage.outbox import Outbox, driver_bytes
 from swarm.pipeline.transport.keybook import KEY_PATIENCE_S
 from swarm.pipeline.transport.replies import BadReply, Vouch, check_receipt, check_reply
 from swarm.pipeline.stage.stage0_replicas import ids_from_meta
@@ -119,7 +119,8 @@ def parse_push(meta: dict, stage: int, stages: int) -> PushRequest:
 class PushServer:
     """A stage's pushes: served for the stage before it (or the driver, at stage 1), sent on to the stage after it."""
 
-    def __init__(self, p2p: Any, run: Any, keys: Any, *, index: int, traffic: Any = None, call: Any = call_stage):
+    def __init__(self, p2p: Any, run: Any, keys: Any, *, index: int, traffic: Any = None, call: Any = call_stage,
+                 drivers: Any = None):
         self.p2p = p2p
         self.run = run
         self.run_id = run.run_id
@@ -127,7 +128,11 @@ class PushServer:
         self.traffic = traffic
         self.call = call
         self.namespaces = {k: stage_namespace(self.run_id, f"layer{k}") for k in range(run.model.stages)}
-        self.outbox = Outbox(max_bytes=outbox_cap(run, index))
+        # ``drivers``: the stage gate's view of the run's drivers (DriverView): the outbox grows with their number
+        # and, past its bytes, lets the hops of a driver no layer0 record names go first
+        self.outbox = Outbox(driver_bytes=driver_bytes(run, index),
+                             drivers=drivers.drivers if drivers is not None else None,
+                             known=drivers.knows if drivers is not None else None)
         self.pushed = 0  # micro-batches this stage pushed on
         self.partial = 0  # ... whose push failed, answered partial
         self.lost = 0  # ... answered push_lost
@@ -159,6 +164,7 @@ class PushServer:
         # stage 1 keeps no copy of its input: its driver sent it and holds it (a check asks for it only elsewhere, a
         # recovery resumes from its own stage-0 output): half of a 2-stage run's last stage's outbox
         x = serialized[0] if k > 1 else None
+        fresh = not self.outbox.has(driver, request.mb)
         self.outbox.put(driver, request.mb, x=x, rc_x=meta.get("rc")[0], running=True)
         outcome = None
         gate = servicer.gate
@@ -166,7 +172,10 @@ class PushServer:
             if gate is not None:
                 admitted = await gate.admit(driver, "forward_backward" if last else "backward")
                 if admitted is not None:
-                    gate = None  # no slot taken: nothing to settle
+                    gate = None  # no slot taken: nothing to settle, and nothing ran: nothing to keep
+                    if fresh:
+                        self.outbox.discard(driver, request.mb)
+                        fresh = None
                     return [], refusal_meta(admitted.code, admitted.error, admitted.retry_after_s)
             out, reply, outcome = await servicer.admitted(driver, sender, "forward_backward" if last else "forward",
                                                           {"mb": request.mb, "rc": meta.get("rc"),
@@ -183,7 +192,8 @@ class PushServer:
                 outcome = backward
             return out, reply
         finally:
-            self.outbox.put(driver, request.mb, running=False)
+            if fresh is not None:
+                self.outbox.put(driver, request.mb, running=False)
             if gate is not None and outcome is not None:
                 gate.settle(driver, outcome)
             elif gate is not None:
