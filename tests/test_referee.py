@@ -143,6 +143,36 @@ def test_the_ring_is_bounded_in_bytes_and_time_and_keeps_the_current_version():
     assert ring.get(digests[-2], now=1000.0) is None
 
 
+def test_a_ring_that_dropped_a_version_a_referee_asks_for_keeps_more_and_gives_them_back_later():
+    """With two drivers a large stage updates twice as often, and 3 copies left half of a lone copy's refereed hops
+    without a verdict (session 33): a referee's ask for a version the ring dropped for its bytes within keep_s adds a
+    copy, up to ``max_copies``; one dropped for its age, or never kept, adds nothing; RING_SHRINK_S without such an
+    ask takes a copy back."""
+    from swarm.integrity.weights import RING_SHRINK_S
+
+    module = build_stage(RUN.model, 1)
+    size = committed_bytes(module.state_dict())
+    ring = WeightsRing(max_bytes=2 * size, keep_s=10.0)
+    ring.copy_bytes, ring.max_copies = size, 4.0
+    digests = _commit_versions(ring, module, range(5))  # versions 0-4 at t = 0..4: 0 and 1 dropped for the bytes
+    assert ring.get(digests[0], now=5.0) is None and ring.grown == 1 and ring.max_bytes == 3 * size
+    assert ring.get(b"\7" * 16, now=5.0) is None and ring.grown == 1  # never kept here: nothing to learn from
+    digests += _commit_versions(ring, module, range(5, 7))  # three copies kept now: 2 dropped
+    assert ring.get(digests[2], now=7.0) is None and ring.grown == 2
+    assert ring.get(digests[1], now=7.0) is None and ring.grown == 2  # at max_copies: no more
+    digests += _commit_versions(ring, module, range(7, 10))
+    assert [ring.get(d, now=9.5) is not None for d in digests[5:]] == [True] * 5  # four copies and the live one
+    stale = WeightsRing(max_bytes=8 * size, keep_s=1.0)
+    stale.copy_bytes, stale.max_copies = size, 8.0
+    old = _commit_versions(stale, module, range(3))
+    stale.commit(module, 3, now=50.0)  # versions 0 and 1 went for their age, not for the ring's bytes
+    assert stale.get(old[0], now=50.5) is None and stale.grown == 0
+    later = 7.0 + RING_SHRINK_S + 1.0  # no miss since t = 7: a copy goes back at the next commit
+    _commit_versions(ring, module, range(int(later), int(later) + 1))
+    assert ring.grown == 1 and ring.max_bytes == 3 * size and ring.held_bytes <= 3 * size
+    assert WeightsRing.sized_for(module).max_copies == 8.0  # a stage's ring: up to RING_COPIES_MAX
+
+
 def test_the_live_version_is_copied_before_a_change_and_never_shown_changed():
     """The current version of CPU weights is the live weights: a referee asking for it gets a copy that hashes to
     it; a writer that changes the weights without releasing them first loses that version (answered as gone), it

@@ -50,6 +50,11 @@ RING_COPIES = 3.0  # a large one keeps at most this many (committed) copies of o
 # referee asks for the version of a hop one round trip after it, and a backward's forward version is a pipeline round
 # trip older (a heavy 16 MiB stage at ~3 updates a second; with 2 older versions a referee found its version gone).
 # Beside a GPU the current version is a copy too: one more.
+RING_COPIES_MAX = 8.0  # a referee that asks for a version the ring dropped less than keep_s ago grows it by a copy, up
+# to this many: with two drivers a heavy stage updates twice as often, and a backward's forward version is their
+# micro-batches in flight older; 3 copies left 36-65 % of a lone copy's refereed hops without a verdict (session 33)
+RING_SHRINK_S = 300.0  # a copy so added goes again after this long without such an ask
+GONE_KEPT = 256  # digests of dropped versions remembered (to tell a just-dropped version from one never kept)
 
 
 def weights_digest(tensors: dict[str, torch.Tensor]) -> bytes:
@@ -120,14 +125,22 @@ class WeightsRing:
         self.recycled = 0  # versions copied into an evicted version's buffers
         self.released = 0  # live versions copied before a change or for a referee
         self.lost = 0  # live versions changed without ``release_live`` (or while a referee's copy was taken)
+        self.copy_bytes = 0  # one committed copy (``sized_for``): what a referee's ask for a just-dropped version adds
+        self.max_copies = 0.0  # ... up to this many copies (0: the ring does not grow)
+        self.grown = 0  # copies added so
+        self._base_bytes = max_bytes
+        self._last_miss = 0.0
+        self._gone: OrderedDict[bytes, float] = OrderedDict()  # dropped versions' digests -> when
 
     @staticmethod
     def sized_for(module: nn.Module, keep_s: float = KEEP_S) -> WeightsRing:
         """A ring for ``module``: RING_MIN_BYTES, or RING_COPIES committed copies of its weights where that is more
         (one more beside a GPU, whose current version is a copy)."""
         state = module.state_dict()
-        copies = RING_COPIES + (0.0 if _stays_live(state) else 1.0)
-        return WeightsRing(max(RING_MIN_BYTES, int(copies * committed_bytes(state))), keep_s)
+        extra = 0.0 if _stays_live(state) else 1.0
+        ring = WeightsRing(max(RING_MIN_BYTES, int((RING_COPIES + extra) * committed_bytes(state))), keep_s)
+        ring.copy_bytes, ring.max_copies = committed_bytes(state), RING_COPIES_MAX + extra
+        return ring
 
     def commit(self, module: nn.Module, version: int, now: float | None = None) -> tuple[int, bytes]:
         """(version, digest) of ``module``'s weights now; keeps them (live, or a committed copy) under that digest."""
@@ -186,6 +199,8 @@ class WeightsRing:
             now = time.monotonic() if now is None else now
             self._evict(now)
             entry = self._versions.get(digest)
+            if entry is None:
+                self._missed(digest, now)
             if entry is None or entry.tensors is not None:
                 return entry
             if entry is not self._current or self._key is None or self._key[1] != self._live_key():
@@ -213,7 +228,8 @@ class WeightsRing:
     def counts(self) -> dict[str, int]:
         """What the ring did (a node's log at its stop): versions hashed, copied out of the live weights, lost (changed
         without ``release_live``), kept now."""
-        return {"hashed": self.commits, "released": self.released, "lost": self.lost, "kept": len(self)}
+        return {"hashed": self.commits, "released": self.released, "lost": self.lost, "kept": len(self),
+                "grown": self.grown}
 
     @property
     def held_bytes(self) -> int:
@@ -283,10 +299,15 @@ class WeightsRing:
         del self._versions[digest]
         self._bytes -= oldest.nbytes
         self.evicted += 1
+        self._note_gone(digest, oldest, now)
         return oldest.tensors
 
     def _evict(self, now: float) -> None:
         """Oldest first: past keep_s, or past max_bytes (the version being served now always stays)."""
+        if self.grown and now - self._last_miss > RING_SHRINK_S:  # referees have not missed a version for a while
+            self.grown -= 1
+            self.max_bytes -= self.copy_bytes
+            self._last_miss = now
         while len(self._versions) > 1:
             digest, oldest = next(iter(self._versions.items()))
             if oldest is self._current or (now - oldest.served_at <= self.keep_s and self._bytes <= self.max_bytes):
@@ -294,6 +315,30 @@ class WeightsRing:
             del self._versions[digest]
             self._bytes -= oldest.nbytes
             self.evicted += 1
+            self._note_gone(digest, oldest, now)
+
+    def _note_gone(self, digest: bytes, version: Version, now: float) -> None:
+        """A version dropped for the ring's bytes (one past keep_s would have gone anyway) is remembered a while."""
+        if now - version.served_at > self.keep_s:
+            return
+        self._gone[digest] = now
+        while len(self._gone) > GONE_KEPT:
+            self._gone.popitem(last=False)
+
+    def _missed(self, digest: bytes, now: float) -> None:
+        """A referee asked for ``digest``, not kept: if the ring dropped it for its bytes less than keep_s ago, it
+        holds too few versions for the referees of this run: one copy more, up to ``max_copies`` (RING_SHRINK_S
+        without such an ask takes it back). Under the lock."""
+        dropped = self._gone.get(digest)
+        if dropped is None or now - dropped > self.keep_s:
+            return
+        self._last_miss = now
+        limit = max(self._base_bytes, int(self.max_copies * self.copy_bytes))
+        if self.copy_bytes and self.max_bytes + self.copy_bytes <= limit:
+            self.max_bytes += self.copy_bytes
+            self.grown += 1
+            logger.info("a referee asked for a version of these weights dropped %.1f s before: keeping %.0f MiB of "
+                        "versions now (%d copies more)", now - dropped, self.max_bytes / 2**20, self.grown)
 
 
 def _stays_live(state: dict[str, torch.Tensor]) -> bool:

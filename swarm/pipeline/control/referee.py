@@ -209,6 +209,7 @@ class Referee(UpdateAuditor):
                      peer: str, loss: float | None = None) -> Verdict:
         if receipt is None or op not in REFEREED_OPS or receipt.weights == NO_WEIGHTS or receipt.signer != peer:
             return self._unshown(peer, "its receipt commits to no weights")
+        which = "its weights"
         try:
             weights = await self._fetch(k, peer, receipt.weights)
             forward_weights = None
@@ -217,11 +218,13 @@ class Referee(UpdateAuditor):
                 # approximate one from the weights of now alone: a lane held seconds behind a black hole came back
                 # hundreds of updates stale, and an honest layer1 peer was convicted that way (its only peer: the
                 # run stopped for the hour of the ban)
+                which = "its forward's weights"
                 forward_weights = await self._fetch(k, peer, receipt.forward_weights)
         except _Lied as exc:
             return self._convict(k, peer, receipt, tensors, claim, str(exc))
         except Exception as exc:  # gone, busy, slow, a broken stream: no evidence either way
-            return self._unshown(peer, f"no weights: {str(exc)[:160]}")
+            return self._unshown(peer, f"no weights ({which}, of its {op} at version {receipt.version}): "
+                                       f"{str(exc)[:160]}")
         targets = self.dataset.y_train[tensors[1].long()] if op in LAST_GRADIENT_OPS else None
         started = time.perf_counter()
         try:
