@@ -209,17 +209,18 @@ class Referee(UpdateAuditor):
                      peer: str, loss: float | None = None) -> Verdict:
         if receipt is None or op not in REFEREED_OPS or receipt.weights == NO_WEIGHTS or receipt.signer != peer:
             return self._unshown(peer, "its receipt commits to no weights")
-        which = "its weights"
         try:
-            weights = await self._fetch(k, peer, receipt.weights)
             forward_weights = None
             if op == "backward" and receipt.forward_weights not in (receipt.weights, NO_WEIGHTS):
                 # Its forward's version is a pipeline round trip older and may be gone: then no verdict. Never an
                 # approximate one from the weights of now alone: a lane held seconds behind a black hole came back
                 # hundreds of updates stale, and an honest layer1 peer was convicted that way (its only peer: the
-                # run stopped for the hour of the ban)
+                # run stopped for the hour of the ban). Fetched first: the older version is the one the stage drops
+                # first (and when it is gone, the newer one's transfer is spared)
                 which = "its forward's weights"
                 forward_weights = await self._fetch(k, peer, receipt.forward_weights)
+            which = "its weights"
+            weights = await self._fetch(k, peer, receipt.weights)
         except _Lied as exc:
             return self._convict(k, peer, receipt, tensors, claim, str(exc))
         except Exception as exc:  # gone, busy, slow, a broken stream: no evidence either way
