@@ -97,3 +97,26 @@ def test_q_in_the_dashboard_while_syncing_closes_it_at_once():
 
     app = run_scenario(engine, scenario)
     assert app.return_code == EXIT_CLEAN
+
+
+def test_a_signal_that_comes_while_the_first_is_handled_neither_deadlocks_nor_runs_the_stop_twice():
+    """The handler runs in the main thread between any two bytecodes: inside a critical section of the very Event it
+    would set, or inside itself for a second signal. Until session 33 it set the Event there, and a second SIGTERM
+    that came while the first one's ``Event.set`` held that Event's lock waited on it forever (py-spy's stacks of two
+    volunteers that never left, tests/procs.py). Now it takes no lock: the Event and the callbacks are a relay
+    thread's, once."""
+    from volunteer.hygiene import ShutdownRequested
+
+    shutdown = ShutdownRequested()
+    shutdown.start_relay()
+    calls: list[str] = []
+    shutdown.on_request(lambda: calls.append("stop"))
+    with shutdown.event._cond:  # as if the signal came while the main thread was inside Event.set or Event.wait
+        shutdown._handle(signal.SIGTERM, None)
+        shutdown._handle(signal.SIGTERM, None)
+    assert shutdown.event.wait(5) and shutdown.signum == signal.SIGTERM
+    time.sleep(0.1)
+    assert calls == ["stop"], "once, whatever the number of signals"
+    late: list[int] = []
+    shutdown.on_request(lambda: late.append(1))  # registered after the signal: called at once
+    assert late == [1]

@@ -14,6 +14,7 @@ loops wait on, so Ctrl+C shuts the DHT down in order instead of raising in rando
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import sys
 import threading
@@ -209,32 +210,71 @@ def _unix_sockets(pid: int) -> list[Path]:
 
 
 class ShutdownRequested:
-    """Turns SIGINT/SIGTERM into an Event; a second Ctrl+C while shutting down exits at once."""
+    """Turns SIGINT/SIGTERM into an Event; a second Ctrl+C while shutting down exits at once.
+
+    The handler takes no lock: it runs in the main thread between any two bytecodes, also inside a critical section
+    of the very Event it would set, or inside itself for a second signal. Until session 33 it set the Event and ran
+    the callbacks there, and a second SIGTERM that came while the first one's ``Event.set`` held that Event's lock
+    (the tests' harness signals a process twice; so does a user's ``kill`` twice) waited on the lock forever: the
+    volunteer never left (tests/procs.py caught two such, stacks in hand). Now the handler only notes the signal and
+    puts it on a ``SimpleQueue`` (whose ``put`` is safe in a signal handler), and a relay thread sets the Event and
+    runs the callbacks, once. A process forked after ``install`` that sets no handler of its own has no relay
+    thread: there the signal does what it does by default."""
 
     def __init__(self) -> None:
         self.event = threading.Event()
         self.signum: int | None = None  # the first signal received
         self._callbacks: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+        self._fired = False
+        self._queue: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._pid: int | None = None  # the process whose relay thread reads the queue
 
     def install(self) -> "ShutdownRequested":
+        self.start_relay()
         signal.signal(signal.SIGINT, self._handle)
         signal.signal(signal.SIGTERM, self._handle)
         return self
 
+    def start_relay(self) -> None:
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            threading.Thread(target=self._relay, name="signal-relay", daemon=True).start()
+
     def on_request(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` on the first signal; at once if one already came (while the command set up)."""
-        self._callbacks.append(callback)
-        if self.event.is_set():
+        with self._lock:
+            self._callbacks.append(callback)
+            fired = self._fired
+        if fired:
             callback()
 
     def _handle(self, signum: int, frame: object) -> None:
-        if self.event.is_set() and signum == signal.SIGINT:
-            print("\nforced exit", file=sys.stderr)
+        if self.signum is not None and signum == signal.SIGINT:
+            os.write(2, b"\nforced exit\n")  # not print: the main thread may be inside a write to stderr
             os._exit(130)
         if self.signum is None:
             self.signum = signum
+        if self._pid == os.getpid():
+            self._queue.put(signum)
+        else:  # forked after ``install``, without a handler of its own: the signal's default (it ends), no lock
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    def _relay(self) -> None:
+        while True:
+            self._queue.get()
+            self._fire()
+
+    def _fire(self) -> None:
+        """Set the Event and run the callbacks, on the first signal only."""
+        with self._lock:
+            if self._fired:
+                return
+            self._fired = True
+            callbacks = list(self._callbacks)
         self.event.set()
-        for callback in self._callbacks:
+        for callback in callbacks:
             callback()
 
 
