@@ -232,6 +232,11 @@ class WeightsRing:
                 "grown": self.grown}
 
     @property
+    def largest_bytes(self) -> int:
+        """The bound the ring may grow to (``max_copies`` copies, or its first bound where that is more)."""
+        return max(self._base_bytes, int(self.max_copies * self.copy_bytes))
+
+    @property
     def held_bytes(self) -> int:
         with self._lock:
             return self._bytes
@@ -333,8 +338,7 @@ class WeightsRing:
         if dropped is None or now - dropped > self.keep_s:
             return
         self._last_miss = now
-        limit = max(self._base_bytes, int(self.max_copies * self.copy_bytes))
-        if self.copy_bytes and self.max_bytes + self.copy_bytes <= limit:
+        if self.copy_bytes and self.max_bytes + self.copy_bytes <= self.largest_bytes:
             self.max_bytes += self.copy_bytes
             self.grown += 1
             logger.info("a referee asked for a version of these weights dropped %.1f s before: keeping %.0f MiB of "

@@ -132,10 +132,14 @@ class HostMemory:
     ring_bytes_gpu: int  # the same beside a GPU, whose current version is a host copy too (one more)
     disk_bytes: int = 0  # healing's two snapshot files on a node (swarm/integrity/snapshots.py), each with its moments
     ring_max_bytes: int = 0  # the ring grown as far as referees asking for dropped versions take it (RING_COPIES_MAX)
+    ring_max_bytes_gpu: int = 0  # the same beside a GPU (one copy more)
 
     @property
     def total_bytes(self) -> int:
         return self.live_bytes + self.guard_bytes + self.snapshot_bytes + self.ring_bytes
+
+    def ring_max(self, gpu: bool) -> int:
+        return self.ring_max_bytes_gpu if gpu else self.ring_max_bytes
 
     @property
     def fixed_bytes(self) -> int:
@@ -181,6 +185,7 @@ def host_memory(run: RunConfig, index: int, snapshots_on_disk: bool = True) -> H
         ring_bytes_gpu=max(RING_MIN_BYTES, int((RING_COPIES + 1) * weights * _commit_share())),
         disk_bytes=(weights + optimizer) if snapshots_on_disk else 0,
         ring_max_bytes=max(RING_MIN_BYTES, int(RING_COPIES_MAX * weights * _commit_share())),
+        ring_max_bytes_gpu=max(RING_MIN_BYTES, int((RING_COPIES_MAX + 1) * weights * _commit_share())),
     )
 
 

@@ -382,7 +382,7 @@ def host_memory_checks(run: Any, requested: str, disk_free: int | None = None) -
                   f"bytes each (live copy {_mib(need.live_bytes)}" + ("" if not gpu else " on the GPU") +
                   f", guard {_mib(need.guard_bytes)} (+{_mib(need.guard_peak_bytes - need.guard_bytes)} "
                   f"one step in 50), weight versions {_mib(host if gpu else need.ring_bytes)} (up to "
-                  f"{_mib(need.ring_max_bytes)} as referees ask); healing's snapshots {_mib(need.disk_bytes)} on disk)")
+                  f"{_mib(need.ring_max(gpu))} as referees ask); healing's snapshots {_mib(need.disk_bytes)} on disk)")
         if outbox:  # it grows with the run's drivers (swarm/pipeline/stage/outbox.py), up to OUTBOX_MAX_DRIVERS
             most = outbox_bytes(run, index, OUTBOX_MAX_DRIVERS) - outbox_bytes(run, index)
             detail += f" + pushed hops and replies kept {_mib(outbox)} (one driver; up to {_mib(most)} more " \
