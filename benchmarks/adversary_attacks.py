@@ -104,6 +104,9 @@ def _attacks() -> dict[str, Attack]:
         # with; the referee's audits of its updates (swarm/integrity/audit.py) find them climbing the loss
         Attack("lone_last_harm", "signed_server", "trained_to_harm", swarm="layer2", lone=True),
         Attack("lone_middle_harm", "signed_server", "trained_to_harm", swarm="layer1", lone=True),
+        # ... and one that shows a referee every other version only: no audit of an update gets its next version
+        Attack("lone_last_withholding_harm", "signed_server", "withholding_harm", swarm="layer2", lone=True),
+        Attack("lone_middle_withholding_harm", "signed_server", "withholding_harm", swarm="layer1", lone=True),
         *(Attack(f"poison_{p}", "poison", p, per_swarm=2) for p in ("nan", "x1000", "same_norm")),
         # a registered driver that signs made-up stage-0 outputs as its own (tests/hostile.py made_up_activations):
         # two honest drivers are there to recompute them (stage-0 spot checks, swarm/pipeline/control/stage0_checks.py)

@@ -14,6 +14,9 @@ with its own key, so drivers and the next stages accept its tensors as its own, 
 - ``hidden_harm``: ``trained_to_harm``, and a last stage that hides it: every loss it reports (and signs) is a
   quarter of the one it computed, so the losses of the routes through it look better than through an honest copy
   (only a referee that recomputes the loss from its committed weights sees the lie: swarm/pipeline/recompute.py);
+- ``withholding_harm``: ``trained_to_harm``, and it shows a referee the weights of every other version only (the
+  odd ones are "gone"): a judgement of an even version holds, and the audit of the update after it never gets its
+  next version;
 - ``capped_harm``: a last stage trained to harm that keeps its own loss under ``CAPPED_SHARE`` of the chance loss
   (ascent below it, descent above), under the floor at which route losses hold a last stage off.
 """
@@ -28,7 +31,8 @@ from typing import Any
 
 import torch
 
-TWISTS = ("huge_gradient", "lying_eval", "ascent_gradient", "trained_to_harm", "hidden_harm", "capped_harm")
+TWISTS = ("huge_gradient", "lying_eval", "ascent_gradient", "trained_to_harm", "hidden_harm", "capped_harm",
+          "withholding_harm")
 CAPPED_SHARE = 0.8  # capped_harm: a last stage trained to harm that keeps its loss under this share of the chance loss
 HUGE_VALUE = 9.9e5
 
@@ -118,7 +122,7 @@ def _twist(worker: Any, twist: str) -> None:
             return loss, -grad
 
         worker.forward_backward, worker.backward, worker.input_gradient = ascent_fb, ascent_bw, ascent_check
-    elif twist in ("trained_to_harm", "hidden_harm", "capped_harm"):
+    elif twist in ("trained_to_harm", "hidden_harm", "capped_harm", "withholding_harm"):
         optimizer = worker.optimizer
         # an attacker does not let its own health checks take it out of the run: a last stage trained to harm saw
         # its loss explode, refused as "healing" and restored its good snapshot (benchmarks.adversary, session 15)
@@ -157,5 +161,9 @@ def _twist(worker: Any, twist: str) -> None:
             optimizer.step()
 
         worker.set_update_rule(ascent_update)
+        if twist == "withholding_harm":  # shows a referee every other version only: no audit (v -> v+1) ever completes
+            ring_get = worker.ring.get
+            worker.ring.get = lambda digest, now=None: (None if (entry := ring_get(digest, now)) is not None
+                                                        and entry.version % 2 else entry)
     elif twist == "lying_eval":
         worker.evaluate = lambda x, y: (0.0, len(y), len(y))

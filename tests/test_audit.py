@@ -135,3 +135,86 @@ def test_the_referee_upholds_every_hop_of_a_lone_copy_and_convicts_it_by_its_upd
     else:
         assert not climbing and len(outcomes) == MIN_AUDITS + 8
         assert referee.audits.mean("QmSigner")[0] > 0.1
+
+
+@pytest.mark.parametrize("alone", [True, False])
+def test_a_copy_that_hides_the_versions_its_harmful_updates_made_is_convicted_at_its_first_audit(alone):
+    """A copy trained to harm that shows a referee every other version only (tests/hostile_stage.py
+    ``withholding_harm``): a judgement of an even version holds, and before pins the audit of the update after it never
+    got its next version (``lone_last_withholding_harm`` went to chance unconvicted). A judged update's version is now
+    shown with the next one pinned, so calling it gone is a lie whoever else trains the copy."""
+    worker, key = StageWorker(RUN, 2), ReceiptKey("QmSigner")
+    _ascent(worker)
+    ring_get = worker.ring.get
+    worker.ring.get = lambda digest, now=None, pin_next=False: (
+        None if (entry := ring_get(digest, now, pin_next)) is not None and entry.version % 2 else entry)
+    from swarm.run.data import load_dataset
+
+    dataset = load_dataset(RUN.data, RUN.model)
+    gen = torch.Generator().manual_seed(5)
+    referee, executor = _referee(_Door(worker))
+    convicted = []
+    referee.on_climbing = lambda k, verdict: convicted.append(verdict)
+    referee.alone = lambda: alone
+    outcomes = []
+
+    async def judged(tensors, grad_in, receipt):
+        verdict = await referee.judge(2, "forward_backward", tensors, grad_in, receipt, "QmSigner")
+        await referee.audits_done()
+        return verdict.outcome
+
+    try:
+        for i in range(6):
+            ids = torch.randint(0, len(dataset.y_train), (16,), generator=gen)
+            x = torch.randn(16, 32, generator=gen).relu()
+            worker._commit()
+            version, digest = worker.committed
+            _, grad_in = worker.forward_backward(f"mb{i}", x, dataset.y_train[ids])
+            receipt = key.sign(RUN.run_id, f"mb{i}", "forward_backward", 2, version, b"i" * 16, b"o" * 16, b"d" * 16,
+                               digest)
+            worker._commit()
+            referee.versions.note("QmSigner", 2, *worker.committed)
+            outcomes.append(asyncio.run(judged([x, ids], grad_in, receipt)))
+            if convicted:
+                break
+    finally:
+        executor.shutdown()
+    assert len(convicted) == 1 and convicted[0].outcome == CONVICTED and "withheld its version" in convicted[0].why
+    assert referee.withheld == 1 and referee.audited == 0 and outcomes[-1] == HOLDS
+    assert len(outcomes) <= 2, f"convicted at the first judged even version: {outcomes}"
+
+
+def test_a_pinned_version_outlives_the_rings_bounds_and_pins_are_bounded():
+    """The honest side: a ring asked to keep the version after a shown one keeps it past its bytes and keep_s (the
+    next oldest goes instead) for PIN_S; at most PIN_MAX pins; a referee's door says whether it pinned."""
+    from swarm.integrity.weights import PIN_MAX, PIN_S, WeightsRing, committed_bytes
+    from swarm.pipeline.stage.weights_rpc import WeightsDoor
+    from swarm.run.models import build_stage
+    from test_referee import _commit_versions
+
+    module = build_stage(RUN.model, 1)
+    size = committed_bytes(module.state_dict())
+    ring = WeightsRing(max_bytes=2 * size, keep_s=5.0)
+    digests = _commit_versions(ring, module, range(3))
+    shown = ring.get(digests[1], now=2.5, pin_next=True)
+    assert shown is not None and shown.pinned_next and shown.version == 1
+    digests += _commit_versions(ring, module, range(3, 8))  # version 2 is pinned: older than every kept one
+    kept = [ring.get(d, now=7.5) is not None for d in digests]
+    assert kept == [False, False, True, False, False, True, True, True], kept
+    assert ring.get(digests[2], now=2.5 + PIN_S - 1).version == 2  # past keep_s and the bytes, within PIN_S
+    digests += _commit_versions(ring, module, range(int(3 + PIN_S), int(4 + PIN_S)))
+    assert ring.get(digests[2], now=4 + PIN_S) is None  # the pin is over: it goes as any other
+    roomy = WeightsRing(max_bytes=100 * size, keep_s=1000.0)
+    many = _commit_versions(roomy, module, range(PIN_MAX + 2))
+    grants = [roomy.get(d, now=10.0, pin_next=True).pinned_next for d in many[:PIN_MAX + 1]]
+    assert grants == [True] * PIN_MAX + [False], grants
+    assert roomy.get(many[0], now=10.0, pin_next=True).pinned_next, "a version pinned already: asked again, kept"
+    assert roomy.get(many[PIN_MAX], now=11.0 + PIN_S, pin_next=True).pinned_next, "the pins are over: room again"
+    worker = StageWorker(RUN, 1)
+    door = WeightsDoor()
+    worker.forward("mb", torch.randn(4, 32).relu())
+    digest = worker.committed[1]
+    _, reply = asyncio.run(door.serve(worker, "referee", {"digest": digest, "pin": True}))
+    assert reply["ok"] and reply["pinned"] is True
+    _, plain = asyncio.run(door.serve(worker, "other", {"digest": digest}))
+    assert plain["ok"] and "pinned" not in plain

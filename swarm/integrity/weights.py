@@ -4,15 +4,11 @@ recent versions its signer can be made to show.
 Every receipt a stage signs names the digest of the tensors it ran with (swarm/integrity/receipts.py ``weights``),
 so every hop is a checkable claim: *these* weights, on this input, give this output. The tensors committed to are
 the weights exactly as the stage computed with them (``COMMIT_DTYPE`` None: a version kept costs 4 bytes a float32
-parameter). Session 13 committed them rounded to bfloat16 (2 bytes), on the reasoning that the rounding is what bf16
-autocast does to an accelerator's matmuls and that honest hops reproduced at cosine > 0.9999: the median, not the
-tail. A ReLU whose pre-activation lies within the rounding of zero flips its mask, and with it that sample's whole
-gradient: a trained digits last stage reproduced below the referee's 0.99 in 9 of 1,500 honest hops (worst 0.986),
-and in a full test run the referee convicted the only honest layer2 peer on such a hop (cosine 0.989); every
-micro-batch after it was lost. No cosine bound is safe against that (a flip on an influential sample can move the
-gradient anywhere), so the commitment is what was computed with, and an honest hop reproduces to float rounding.
-A referee that doubts the
-claim asks the signer for the weights of that digest and recomputes the hop (swarm/pipeline/control/referee.py; Verde's
+parameter). Session 13 committed them rounded to bfloat16 (2 bytes): a ReLU whose pre-activation lies within the
+rounding of zero flips its mask, and with it that sample's whole gradient (a trained digits last stage reproduced
+below the referee's 0.99 in 9 of 1,500 honest hops, and the referee convicted the only honest layer2 peer of a test
+run on such a hop), so the commitment is what was computed with, and an honest hop reproduces to float rounding.
+A referee that doubts the claim asks the signer for the weights of that digest and recomputes the hop (swarm/pipeline/control/referee.py; Verde's
 refereed delegation). The digest is computed once per version, when the first hop of that version is served, not
 per hop and not per update (an update nobody computes with is never hashed), and the tensors of that version are
 kept beside it: a copy per served version, within ``max_bytes`` and ``keep_s``.
@@ -55,6 +51,11 @@ RING_COPIES_MAX = 8.0  # a referee that asks for a version the ring dropped less
 # micro-batches in flight older; 3 copies left 36-65 % of a lone copy's refereed hops without a verdict (session 33)
 RING_SHRINK_S = 300.0  # a copy so added goes again after this long without such an ask
 GONE_KEPT = 256  # digests of dropped versions remembered (to tell a just-dropped version from one never kept)
+# A referee shown an update's version asks the stage to keep the next one (the update's result) for its audit (``get(...,
+# pin_next=True)``). An honest ring drops its oldest first, so while it shows a version it holds every later one: a
+# pinned version called gone was withheld (referee_audits.Withheld: a copy trained to harm that showed only what its
+# harmless updates made went to chance unconvicted). PIN_MAX pins at once, for PIN_S each, over the ring's bound.
+PIN_S, PIN_MAX = 60.0, 4
 
 
 def weights_digest(tensors: dict[str, torch.Tensor]) -> bytes:
@@ -101,6 +102,7 @@ class Version:
     tensors: dict[str, torch.Tensor] | None  # None: the live weights (the current version on the CPU, not copied)
     nbytes: int
     served_at: float  # when a hop last ran on it (monotonic)
+    pinned_next: bool = False  # a referee's ask to keep the next version was granted (``WeightsRing.get``'s answer)
 
 
 class WeightsRing:
@@ -131,6 +133,8 @@ class WeightsRing:
         self._base_bytes = max_bytes
         self._last_miss = 0.0
         self._gone: OrderedDict[bytes, float] = OrderedDict()  # dropped versions' digests -> when
+        self._pins: dict[int, float] = {}  # version numbers a referee asked to keep -> until when (monotonic)
+        self.pinned = 0  # pins granted
 
     @staticmethod
     def sized_for(module: nn.Module, keep_s: float = KEEP_S) -> WeightsRing:
@@ -192,25 +196,48 @@ class WeightsRing:
             if current is not None and current.tensors is None:
                 self._copy_live(current, time.monotonic() if now is None else now)
 
-    def get(self, digest: bytes, now: float | None = None) -> Version | None:
+    def get(self, digest: bytes, now: float | None = None, pin_next: bool = False) -> Version | None:
         """The version with this digest, if it is still kept. The current one is copied out of the live weights first
-        (from any thread) and hashed again: None if they no longer hash to it."""
+        (from any thread) and hashed again: None if they no longer hash to it. ``pin_next``: keep the version after
+        it too, for PIN_S (``Version.pinned_next`` says whether it was granted: PIN_MAX)."""
         with self._lock:
             now = time.monotonic() if now is None else now
             self._evict(now)
             entry = self._versions.get(digest)
             if entry is None:
                 self._missed(digest, now)
-            if entry is None or entry.tensors is not None:
-                return entry
-            if entry is not self._current or self._key is None or self._key[1] != self._live_key():
-                self._lose(digest)  # changed since its commit
                 return None
-            self._copy_live(entry, now)
-            if weights_digest(entry.tensors) != digest:  # changed while copied, by a writer that did not release it
-                self._lose(digest)
-                return None
+            if entry.tensors is None:
+                if entry is not self._current or self._key is None or self._key[1] != self._live_key():
+                    self._lose(digest)  # changed since its commit
+                    return None
+                self._copy_live(entry, now)
+                if weights_digest(entry.tensors) != digest:  # changed while copied, by a writer that did not release
+                    self._lose(digest)
+                    return None
+            if pin_next:
+                return Version(entry.version, entry.digest, entry.tensors, entry.nbytes, entry.served_at,
+                               pinned_next=self._pin(entry.version + 1, now))
             return entry
+
+    def _pin(self, version: int, now: float) -> bool:
+        """Keep ``version`` (committed or not yet) for PIN_S; False past PIN_MAX pins. Under the lock."""
+        for pinned, until in list(self._pins.items()):
+            if until < now:
+                del self._pins[pinned]
+        if version not in self._pins and len(self._pins) >= PIN_MAX:
+            return False
+        self._pins[version] = now + PIN_S
+        self.pinned += 1
+        return True
+
+    def _pinned(self, entry: Version, now: float) -> bool:
+        return self._pins.get(entry.version, 0.0) >= now
+
+    def _bound_bytes(self, now: float) -> int:
+        """The bytes ``max_bytes`` bounds: pinned copies are over it (PIN_MAX of them at most)."""
+        return self._bytes - sum(v.nbytes for v in self._versions.values() if self._pinned(v, now)) if self._pins \
+            else self._bytes
 
     def unchanged(self, module: nn.Module) -> dict[str, torch.Tensor] | None:
         """The latest version's tensors if ``module`` has not changed since it was committed (nothing stepped it or
@@ -294,8 +321,8 @@ class WeightsRing:
         if len(self._versions) < 2:
             return None
         digest, oldest = next(iter(self._versions.items()))
-        if oldest is self._current or oldest.tensors is None or (now - oldest.served_at <= self.keep_s and
-                                                                 self._bytes + incoming <= self.max_bytes):
+        if oldest is self._current or oldest.tensors is None or self._pinned(oldest, now) or (
+                now - oldest.served_at <= self.keep_s and self._bound_bytes(now) + incoming <= self.max_bytes):
             return None
         # references: the Version's attribute and getrefcount's argument; for each tensor, the dict's value, the
         # loop's name and getrefcount's argument. More means someone outside the ring holds them.
@@ -308,14 +335,20 @@ class WeightsRing:
         return oldest.tensors
 
     def _evict(self, now: float) -> None:
-        """Oldest first: past keep_s, or past max_bytes (the version being served now always stays)."""
+        """Oldest first: past keep_s, or past max_bytes (the version being served now always stays, and a pinned one
+        while its pin lasts: the next oldest goes in its place)."""
         if self.grown and now - self._last_miss > RING_SHRINK_S:  # referees have not missed a version for a while
             self.grown -= 1
             self.max_bytes -= self.copy_bytes
             self._last_miss = now
         while len(self._versions) > 1:
-            digest, oldest = next(iter(self._versions.items()))
-            if oldest is self._current or (now - oldest.served_at <= self.keep_s and self._bytes <= self.max_bytes):
+            found = next(((d, v) for d, v in self._versions.items() if v is self._current or not self._pinned(v, now)),
+                         None) if self._pins else next(iter(self._versions.items()))
+            if found is None:
+                break
+            digest, oldest = found
+            if oldest is self._current or (now - oldest.served_at <= self.keep_s and
+                                           self._bound_bytes(now) <= self.max_bytes):
                 break
             del self._versions[digest]
             self._bytes -= oldest.nbytes

@@ -128,6 +128,7 @@ class Referee(UpdateAuditor):
         self.held = 0
         self.false_losses = 0  # last stages whose signed loss did not follow from their committed weights
         self.climbing = 0  # peers convicted by their audited updates (swarm/integrity/audit.py)
+        self.withheld = 0  # ... or by a version they had pinned for an audit and then called gone
         self.unaudited = 0  # upheld updates not audited: the weights they produced were not named to us (in time)
         self._auditing: set[asyncio.Task] = set()
         # a copy convicted by its audits (k, verdict): the spot checker routes around it (set by it)
@@ -182,7 +183,7 @@ class Referee(UpdateAuditor):
         return {"refereed": self.refereed, "held": self.held, "convicted": len(self.convictions),
                 "unshown": self.unshown, "recompute_s": round(self.recompute_s, 3), "fetches": self.fetches,
                 "fetch_s": round(self.fetch_s, 3), "false_losses": self.false_losses, "audited": self.audited,
-                "climbing": self.climbing, "unaudited": self.unaudited,
+                "climbing": self.climbing, "withheld": self.withheld, "unaudited": self.unaudited,
                 "climbing_not_alone": self.climbing_not_alone}
 
     def can_judge(self, op: str) -> bool:
@@ -220,7 +221,10 @@ class Referee(UpdateAuditor):
                 which = "its forward's weights"
                 forward_weights = await self._fetch(k, peer, receipt.forward_weights)
             which = "its weights"
-            weights = await self._fetch(k, peer, receipt.weights)
+            # an update's version is shown with the version after it kept for its audit (weights.py PIN_S)
+            pinned = [] if op in UPDATE_OPS and self.run.averaging.mode not in EDGE_MODES else None
+            pinned_at = time.monotonic()
+            weights = await self._fetch(k, peer, receipt.weights, pinned)
         except _Lied as exc:
             return self._convict(k, peer, receipt, tensors, claim, str(exc))
         except Exception as exc:  # gone, busy, slow, a broken stream: no evidence either way
@@ -249,8 +253,9 @@ class Referee(UpdateAuditor):
                 self.false_losses += 1
                 return self._convict(k, peer, receipt, tensors, claim, f"reported loss {loss:.4g} where its committed "
                                      f"weights give {recomputed_loss:.4g}", finding, weights, loss=loss)
-        if op in UPDATE_OPS and self.run.averaging.mode not in EDGE_MODES:  # an edge mode's step includes its pull
-            self._start_audit(k, op, peer, receipt, weights, forward_weights, tensors, targets)
+        if pinned is not None:  # an update (not of an edge mode, whose step includes its pull): audited
+            self._start_audit(k, op, peer, receipt, weights, forward_weights, tensors, targets,
+                              pinned_at=pinned_at if any(pinned) else None)
         self.held += 1
         logger.debug("referee at layer%d: %s of %s holds (%s)", k, op, peer[-8:], finding.describe())
         return Verdict(HOLDS, peer, finding)
@@ -263,14 +268,24 @@ class Referee(UpdateAuditor):
                        climbing.describe(), receipt.mb, receipt.version)
         return Verdict(CONVICTED, peer, None, climbing.describe())
 
+    def _withheld(self, k: int, peer: str, withheld: Any) -> Verdict:
+        """A signer that hid a version it had pinned for our audit (referee_audits.Withheld): convicted as a climbing
+        copy is, by us alone."""
+        self.withheld += 1
+        logger.warning("referee: layer%d peer %s convicted: %s", k, peer[-8:], withheld.describe())
+        return Verdict(CONVICTED, peer, None, withheld.describe())
+
     def _cost_cap_s(self, k: int) -> float:
         """What a judgement (or an audit) of stage ``k`` costs the budget at most: what it would take on a home link."""
         return FETCH_BASE_S + self._bytes(k) / FETCH_BYTES_PER_S + RECOMPUTE_ALLOWANCE_S
 
     # ----- parts
-    async def _fetch(self, k: int, peer: str, digest: bytes) -> dict[str, torch.Tensor]:
+    async def _fetch(self, k: int, peer: str, digest: bytes, pinned: list | None = None) -> dict[str, torch.Tensor]:
         """The weights of ``digest`` from ``peer``, hashed and checked; lanes that want the same version at once share
-        one fetch (a digest names its tensors whoever shows them)."""
+        one fetch (a digest names its tensors whoever shows them). ``pinned``: asked of the peer itself whatever we
+        hold, with the version after it kept for an audit (whether it was: appended)."""
+        if pinned is not None:
+            return await self._fetch_once(k, peer, digest, pinned)
         kept = self._weights.get(digest)
         if kept is not None:
             self._weights.move_to_end(digest)
@@ -282,13 +297,13 @@ class Referee(UpdateAuditor):
             pending.add_done_callback(lambda _: self._fetching.pop(digest, None))
         return await asyncio.shield(pending)
 
-    async def _fetch_once(self, k: int, peer: str, digest: bytes) -> dict[str, torch.Tensor]:
+    async def _fetch_once(self, k: int, peer: str, digest: bytes, pinned: list | None = None) -> dict[str, torch.Tensor]:
         size = self._bytes(k)
         timeout_s = FETCH_BASE_S + size / FETCH_BYTES_PER_S
         started = time.perf_counter()
         try:
             weights = await fetch_weights(self.p2p, peer, self.namespaces[f"layer{k}"], digest, expect_bytes=size,
-                                          timeout_s=timeout_s, call=self.call, traffic=self.traffic)
+                                          timeout_s=timeout_s, call=self.call, traffic=self.traffic, pinned=pinned)
         finally:
             self.fetches += 1
             self.fetch_s += time.perf_counter() - started

@@ -6,6 +6,8 @@ bfloat16, sent as their bits in one float16 tensor), and
 ``{"ok": true, "names": [...]}``; or ``weights_gone`` (that version was dropped from the ring: it is older than
 ``weights.KEEP_S`` or the ring's memory bound) or ``busy`` (the door's rate). Unsigned: the digest the receipt signed
 is the proof, the referee hashes what it received (a mismatch is the signer's lie, swarm/pipeline/control/referee.py).
+With ``"pin": true`` the stage also keeps the version after this one for ``weights.PIN_S`` (an audit of the update
+that made it follows) and says so in the reply's ``"pinned"``: a pinned version called gone later was withheld.
 
 Anyone of the run may ask (a referee is a driver or any third peer), so the door bounds what asking costs the
 stage: ``MAX_SHOWING`` answers at once in all, ``PER_REQUESTER`` per requester, and one per ``MIN_INTERVAL_S`` per
@@ -52,7 +54,9 @@ class WeightsDoor:
         if since_s < MIN_INTERVAL_S:  # ask again when the interval is over, not a quarter second later: an audit
             # fetches the version after the one its judgement just fetched (0.25 s lost per audit, 3 of a test's 4 s)
             return [], refusal_meta("busy", "one version at a time: ask again", max(0.001, MIN_INTERVAL_S - since_s))
-        tensors = await asyncio.to_thread(worker.weights_for, digest)  # the current version is copied out then
+        pin = meta.get("pin") is True  # keep the next version for this referee's audit (weights.py PIN_S)
+        kept = await asyncio.to_thread(worker.ring.get, digest, None, pin)  # the current version is copied out then
+        tensors = None if kept is None else kept.tensors
         if tensors is None:
             self.gone += 1
             return [], refusal_meta("weights_gone", "that version of the weights is no longer kept here")
@@ -68,7 +72,7 @@ class WeightsDoor:
                 flats, layout = pack(tensors)
             serialized = await encode_off_loop(flats, "float32")
             self.shown += 1
-            return serialized, {"ok": True, **layout}
+            return serialized, {"ok": True, **layout, **({"pinned": kept.pinned_next} if pin else {})}
         finally:
             self.showing -= 1
             if self._busy[requester] <= 1:
@@ -78,12 +82,14 @@ class WeightsDoor:
 
 
 async def fetch_weights(p2p: Any, peer: str, namespace: str, digest: bytes, *, expect_bytes: int, timeout_s: float,
-                        call: Any = None, tries: int = FETCH_TRIES, traffic: Any = None) -> dict[str, torch.Tensor]:
+                        call: Any = None, tries: int = FETCH_TRIES, traffic: Any = None,
+                        pinned: list | None = None) -> dict[str, torch.Tensor]:
     """The tensors ``peer`` committed to under ``digest`` (not yet checked against it: the caller hashes them). A
     ``busy`` door is asked again after its retry_after_s (busy is no reason to give a verdict up), within
     ``timeout_s`` in all. Raises StageError (``weights_gone``, ``busy``...), WireError for a malformed reply, or a
     transport error or timeout. ``traffic``: where the bytes received are counted against ``peer`` (a referee's
-    fetches are on its link as much as a hop's tensors: the dashboard's Mb/s and benchmarks.pipeline's data-plane)."""
+    fetches are on its link as much as a hop's tensors: the dashboard's Mb/s and benchmarks.pipeline's data-plane).
+    ``pinned``: ask the stage to keep the version after this one for an audit; whether it did is appended to it."""
     from swarm.pipeline.transport.stage_client import call_stage
 
     call = call or call_stage
@@ -91,7 +97,8 @@ async def fetch_weights(p2p: Any, peer: str, namespace: str, digest: bytes, *, e
     deadline = time.monotonic() + timeout_s
     for attempt in range(tries):
         try:
-            tensors, reply, _ = await call(p2p, peer, namespace, WEIGHTS_OP, [], {"digest": digest},
+            ask = {"digest": digest, **({"pin": True} if pinned is not None else {})}
+            tensors, reply, _ = await call(p2p, peer, namespace, WEIGHTS_OP, [], ask,
                                            timeout_s=max(0.01, deadline - time.monotonic()), codec="float32",
                                            max_bytes=max_bytes, expect_bytes=expect_bytes)
             break
@@ -102,6 +109,8 @@ async def fetch_weights(p2p: Any, peer: str, namespace: str, digest: bytes, *, e
             await asyncio.sleep(wait_s)
     if traffic is not None:
         traffic.count(peer, inbound=sum(t.numel() * t.element_size() for t in tensors), op="referee weights")
+    if pinned is not None:
+        pinned.append(reply.get("pinned") is True)
     return unpack(tensors, reply)
 
 
