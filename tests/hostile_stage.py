@@ -163,7 +163,7 @@ def _twist(worker: Any, twist: str) -> None:
         worker.set_update_rule(ascent_update)
         if twist == "withholding_harm":  # shows a referee every other version only: no audit (v -> v+1) ever completes
             ring_get = worker.ring.get
-            worker.ring.get = lambda digest, now=None: (None if (entry := ring_get(digest, now)) is not None
-                                                        and entry.version % 2 else entry)
+            worker.ring.get = lambda digest, now=None, pin_next=False: (
+                None if (entry := ring_get(digest, now, pin_next)) is not None and entry.version % 2 else entry)
     elif twist == "lying_eval":
         worker.evaluate = lambda x, y: (0.0, len(y), len(y))
