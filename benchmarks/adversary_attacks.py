@@ -107,6 +107,10 @@ def _attacks() -> dict[str, Attack]:
         # ... and one that shows a referee every other version only: no audit of an update gets its next version
         Attack("lone_last_withholding_harm", "signed_server", "withholding_harm", swarm="layer2", lone=True),
         Attack("lone_middle_withholding_harm", "signed_server", "withholding_harm", swarm="layer1", lone=True),
+        # ... that keeps no version for an audit, or shows none at all: held off as a copy nothing can audit
+        Attack("lone_last_unpinned_harm", "signed_server", "unpinned_harm", swarm="layer2", lone=True),
+        Attack("lone_last_hiding_harm", "signed_server", "hiding_harm", swarm="layer2", lone=True),
+        Attack("lone_middle_hiding_harm", "signed_server", "hiding_harm", swarm="layer1", lone=True),
         *(Attack(f"poison_{p}", "poison", p, per_swarm=2) for p in ("nan", "x1000", "same_norm")),
         # a registered driver that signs made-up stage-0 outputs as its own (tests/hostile.py made_up_activations):
         # two honest drivers are there to recompute them (stage-0 spot checks, swarm/pipeline/control/stage0_checks.py)

@@ -17,6 +17,8 @@ with its own key, so drivers and the next stages accept its tensors as its own, 
 - ``withholding_harm``: ``trained_to_harm``, and it shows a referee the weights of every other version only (the
   odd ones are "gone"): a judgement of an even version holds, and the audit of the update after it never gets its
   next version;
+- ``unpinned_harm``: ``withholding_harm`` that never keeps a version for an audit (its answer to a pin: not kept);
+- ``hiding_harm``: ``trained_to_harm`` that shows a referee no version at all;
 - ``capped_harm``: a last stage trained to harm that keeps its own loss under ``CAPPED_SHARE`` of the chance loss
   (ascent below it, descent above), under the floor at which route losses hold a last stage off.
 """
@@ -32,7 +34,7 @@ from typing import Any
 import torch
 
 TWISTS = ("huge_gradient", "lying_eval", "ascent_gradient", "trained_to_harm", "hidden_harm", "capped_harm",
-          "withholding_harm")
+          "withholding_harm", "unpinned_harm", "hiding_harm")
 CAPPED_SHARE = 0.8  # capped_harm: a last stage trained to harm that keeps its loss under this share of the chance loss
 HUGE_VALUE = 9.9e5
 
@@ -122,7 +124,7 @@ def _twist(worker: Any, twist: str) -> None:
             return loss, -grad
 
         worker.forward_backward, worker.backward, worker.input_gradient = ascent_fb, ascent_bw, ascent_check
-    elif twist in ("trained_to_harm", "hidden_harm", "capped_harm", "withholding_harm"):
+    elif twist in ("trained_to_harm", "hidden_harm", "capped_harm", "withholding_harm", "unpinned_harm", "hiding_harm"):
         optimizer = worker.optimizer
         # an attacker does not let its own health checks take it out of the run: a last stage trained to harm saw
         # its loss explode, refused as "healing" and restored its good snapshot (benchmarks.adversary, session 15)
@@ -161,9 +163,14 @@ def _twist(worker: Any, twist: str) -> None:
             optimizer.step()
 
         worker.set_update_rule(ascent_update)
+        ring_get = worker.ring.get
         if twist == "withholding_harm":  # shows a referee every other version only: no audit (v -> v+1) ever completes
-            ring_get = worker.ring.get
-            worker.ring.get = lambda digest, now=None, pin_next=False: (
-                None if (entry := ring_get(digest, now, pin_next)) is not None and entry.version % 2 else entry)
+            worker.ring.get = lambda digest, now=None, pin_next=False, pinner="": (
+                None if (entry := ring_get(digest, now, pin_next, pinner)) is not None and entry.version % 2 else entry)
+        elif twist == "unpinned_harm":  # ... and keeps no version for an audit (its answer: not pinned)
+            worker.ring.get = lambda digest, now=None, pin_next=False, pinner="": (
+                None if (entry := ring_get(digest, now)) is not None and entry.version % 2 else entry)
+        elif twist == "hiding_harm":  # shows no version at all
+            worker.ring.get = lambda digest, now=None, pin_next=False, pinner="": None
     elif twist == "lying_eval":
         worker.evaluate = lambda x, y: (0.0, len(y), len(y))

@@ -5,6 +5,7 @@ were computed from, and the referee's audits of them convict it. An honest copy'
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -146,8 +147,8 @@ def test_a_copy_that_hides_the_versions_its_harmful_updates_made_is_convicted_at
     worker, key = StageWorker(RUN, 2), ReceiptKey("QmSigner")
     _ascent(worker)
     ring_get = worker.ring.get
-    worker.ring.get = lambda digest, now=None, pin_next=False: (
-        None if (entry := ring_get(digest, now, pin_next)) is not None and entry.version % 2 else entry)
+    worker.ring.get = lambda digest, now=None, pin_next=False, pinner="": (
+        None if (entry := ring_get(digest, now, pin_next, pinner)) is not None and entry.version % 2 else entry)
     from swarm.run.data import load_dataset
 
     dataset = load_dataset(RUN.data, RUN.model)
@@ -186,7 +187,8 @@ def test_a_copy_that_hides_the_versions_its_harmful_updates_made_is_convicted_at
 
 def test_a_pinned_version_outlives_the_rings_bounds_and_pins_are_bounded():
     """The honest side: a ring asked to keep the version after a shown one keeps it past its bytes and keep_s (the
-    next oldest goes instead) for PIN_S; at most PIN_MAX pins; a referee's door says whether it pinned."""
+    next oldest goes instead) for PIN_S or until its pinner fetches it; PIN_MAX pins in all, PIN_PER_PINNER of one
+    pinner's; a door pins for the run's drivers only, and says whether it did."""
     from swarm.integrity.weights import PIN_MAX, PIN_S, WeightsRing, committed_bytes
     from swarm.pipeline.stage.weights_rpc import WeightsDoor
     from swarm.run.models import build_stage
@@ -196,7 +198,7 @@ def test_a_pinned_version_outlives_the_rings_bounds_and_pins_are_bounded():
     size = committed_bytes(module.state_dict())
     ring = WeightsRing(max_bytes=2 * size, keep_s=5.0)
     digests = _commit_versions(ring, module, range(3))
-    shown = ring.get(digests[1], now=2.5, pin_next=True)
+    shown = ring.get(digests[1], now=2.5, pin_next=True, pinner="QmReferee")
     assert shown is not None and shown.pinned_next and shown.version == 1
     digests += _commit_versions(ring, module, range(3, 8))  # version 2 is pinned: older than every kept one
     kept = [ring.get(d, now=7.5) is not None for d in digests]
@@ -204,12 +206,19 @@ def test_a_pinned_version_outlives_the_rings_bounds_and_pins_are_bounded():
     assert ring.get(digests[2], now=2.5 + PIN_S - 1).version == 2  # past keep_s and the bytes, within PIN_S
     digests += _commit_versions(ring, module, range(int(3 + PIN_S), int(4 + PIN_S)))
     assert ring.get(digests[2], now=4 + PIN_S) is None  # the pin is over: it goes as any other
+    again = _commit_versions(ring, module, range(40, 43))
+    assert ring.get(again[0], now=42.5, pin_next=True, pinner="QmReferee").pinned_next
+    again += _commit_versions(ring, module, range(43, 46))
+    assert ring.get(again[1], now=45.5, pinner="QmReferee") is not None  # its pinner fetched it: let go
+    assert ring.get(again[1], now=45.6) is None and ring.get(again[2], now=45.6) is None
     roomy = WeightsRing(max_bytes=100 * size, keep_s=1000.0)
-    many = _commit_versions(roomy, module, range(PIN_MAX + 2))
-    grants = [roomy.get(d, now=10.0, pin_next=True).pinned_next for d in many[:PIN_MAX + 1]]
-    assert grants == [True] * PIN_MAX + [False], grants
-    assert roomy.get(many[0], now=10.0, pin_next=True).pinned_next, "a version pinned already: asked again, kept"
-    assert roomy.get(many[PIN_MAX], now=11.0 + PIN_S, pin_next=True).pinned_next, "the pins are over: room again"
+    many = _commit_versions(roomy, module, range(2 * PIN_MAX + 4))  # pins of versions 1, 3, 5...: none fetched
+    grants = [roomy.get(many[2 * i], now=10.0, pin_next=True, pinner=f"Qm{i // 2}").pinned_next
+              for i in range(PIN_MAX + 1)]
+    assert grants == [True] * PIN_MAX + [False], grants  # PIN_MAX in all
+    assert not roomy.get(many[2 * PIN_MAX + 2], now=10.0, pin_next=True, pinner="Qm0").pinned_next  # 2 a pinner
+    assert roomy.get(many[0], now=10.0, pin_next=True, pinner="Qm0").pinned_next, "pinned already: asked again"
+    assert roomy.get(many[-2], now=11.0 + PIN_S, pin_next=True).pinned_next, "the pins are over: room again"
     worker = StageWorker(RUN, 1)
     door = WeightsDoor()
     worker.forward("mb", torch.randn(4, 32).relu())
@@ -218,3 +227,6 @@ def test_a_pinned_version_outlives_the_rings_bounds_and_pins_are_bounded():
     assert reply["ok"] and reply["pinned"] is True
     _, plain = asyncio.run(door.serve(worker, "other", {"digest": digest}))
     assert plain["ok"] and "pinned" not in plain
+    time.sleep(0.01)  # the door's interval per requester
+    _, stranger = asyncio.run(door.serve(worker, "QmStranger", {"digest": digest, "pin": True}, may_pin=False))
+    assert stranger["ok"] and stranger["pinned"] is False

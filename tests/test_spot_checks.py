@@ -93,8 +93,10 @@ class _Router:
 
         return SwarmRouter.may_ask(self, peer, now)  # the real rule over these stats
 
-    def failure(self, peer: str, now: float, min_ban_s: float, convicted: bool = False) -> float:
+    def failure(self, peer: str, now: float, min_ban_s: float = 0.0, convicted: bool = False,
+                proven: bool = False) -> float:
         self.held.append(peer)
+        self.proven = [*getattr(self, "proven", []), (peer, min_ban_s)] if proven else getattr(self, "proven", [])
         return min_ban_s
 
 
@@ -427,3 +429,54 @@ def test_a_lane_waiting_for_a_newcomers_verdict_says_so():
     assert hops.blockage.reasons and all(r.startswith("referee: recomputing a hop of layer1 peer") for r in
                                           hops.blockage.reasons)
     assert checker.credit.get("newcomer-peer") == 1  # upheld all the same
+
+
+@pytest.mark.parametrize("case", ["hides", "unpinned", "not_alone", "pair", "shows_now_and_then"])
+def test_a_lone_copy_that_hides_its_weights_from_the_runs_only_driver_is_held_off(case):
+    """A lone copy trained to harm that shows no version (or keeps none for an audit) could never be audited, and took
+    a run to chance (benchmarks.adversary lone_last_hiding_harm): with us the run's only driver, HIDDEN_IN_ROW such
+    sampled hops in a row hold it off (the lane waits: proven), HIDDEN_HOLD_S doubling. Where another driver trains it
+    (its versions turn over faster), or a second copy can be compared with, only the backoff of UNSHOWN_IN_ROW; a hop
+    it shows with its next version kept starts the count again."""
+    import asyncio
+
+    from swarm.pipeline.control.hops import Refused
+    from swarm.pipeline.control.referee import HOLDS, UNSHOWN, Verdict
+    from swarm.pipeline.control.spot_checks import SpotChecker
+    from swarm.pipeline.control.spot_referee import HIDDEN_HOLD_S, HIDDEN_IN_ROW, Claim
+
+    class Referee(_BudgetReferee):
+        def __init__(self):
+            super().__init__(True)
+            self.alone = lambda: case != "not_alone"
+
+        async def judge(self, k, op, tensors, claim, receipt, peer, loss=None):
+            self.judged += 1
+            if case == "unpinned":
+                return Verdict(HOLDS, peer, pin_refused=True)
+            if case == "shows_now_and_then" and self.judged % HIDDEN_IN_ROW == 0:
+                return Verdict(HOLDS, peer)
+            return Verdict(UNSHOWN, peer, why="weights_gone")
+
+    out = torch.randn(8, 4)
+    peers = {"solo": out, "other": out} if case == "pair" else {"solo": out}
+    checker = SpotChecker(_Hops(peers), share=1.0, referee=Referee())
+    checker.credit.update({p: 1 for p in peers})
+    router = checker.hops.routers["layer1"]
+    refused = []
+
+    async def hops(n: int):
+        for _ in range(n):
+            try:
+                await checker._referee_alone(1, [torch.zeros(8, 4)], Claim("solo", out, None, "backward"))
+            except Refused as exc:
+                refused.append(str(exc))
+            await asyncio.gather(*checker._background)
+
+    asyncio.run(hops(2 * HIDDEN_IN_ROW))
+    proven = getattr(router, "proven", [])
+    if case in ("hides", "unpinned"):
+        assert proven == [("solo", HIDDEN_HOLD_S), ("solo", 2 * HIDDEN_HOLD_S)], proven
+        assert checker.hidden_holds == 2
+    else:
+        assert proven == [] and checker.hidden_holds == 0

@@ -54,8 +54,8 @@ GONE_KEPT = 256  # digests of dropped versions remembered (to tell a just-droppe
 # A referee shown an update's version asks the stage to keep the next one (the update's result) for its audit (``get(...,
 # pin_next=True)``). An honest ring drops its oldest first, so while it shows a version it holds every later one: a
 # pinned version called gone was withheld (referee_audits.Withheld: a copy trained to harm that showed only what its
-# harmless updates made went to chance unconvicted). PIN_MAX pins at once, for PIN_S each, over the ring's bound.
-PIN_S, PIN_MAX = 60.0, 4
+# harmless updates made went to chance unconvicted). PIN_MAX pins at once, for PIN_S at most, over the ring's bound.
+PIN_S, PIN_MAX, PIN_PER_PINNER = 20.0, 4, 2
 
 
 def weights_digest(tensors: dict[str, torch.Tensor]) -> bytes:
@@ -133,8 +133,7 @@ class WeightsRing:
         self._base_bytes = max_bytes
         self._last_miss = 0.0
         self._gone: OrderedDict[bytes, float] = OrderedDict()  # dropped versions' digests -> when
-        self._pins: dict[int, float] = {}  # version numbers a referee asked to keep -> until when (monotonic)
-        self.pinned = 0  # pins granted
+        self._pins: dict[tuple[str, int], float] = {}  # (referee, version number) kept for it -> until (monotonic)
 
     @staticmethod
     def sized_for(module: nn.Module, keep_s: float = KEEP_S) -> WeightsRing:
@@ -196,10 +195,10 @@ class WeightsRing:
             if current is not None and current.tensors is None:
                 self._copy_live(current, time.monotonic() if now is None else now)
 
-    def get(self, digest: bytes, now: float | None = None, pin_next: bool = False) -> Version | None:
-        """The version with this digest, if it is still kept. The current one is copied out of the live weights first
-        (from any thread) and hashed again: None if they no longer hash to it. ``pin_next``: keep the version after
-        it too, for PIN_S (``Version.pinned_next`` says whether it was granted: PIN_MAX)."""
+    def get(self, digest: bytes, now: float | None = None, pin_next: bool = False, pinner: str = "") -> Version | None:
+        """The version with this digest, if still kept (the current one copied out of the live weights and hashed
+        again: None if they no longer hash to it). ``pin_next``: keep the one after it for ``pinner`` until it asks
+        for it, PIN_S at most (``Version.pinned_next``: granted, within PIN_MAX pins and PIN_PER_PINNER its own)."""
         with self._lock:
             now = time.monotonic() if now is None else now
             self._evict(now)
@@ -215,29 +214,30 @@ class WeightsRing:
                 if weights_digest(entry.tensors) != digest:  # changed while copied, by a writer that did not release
                     self._lose(digest)
                     return None
+            self._pins.pop((pinner, entry.version), None)  # its pinner has it now
             if pin_next:
                 return Version(entry.version, entry.digest, entry.tensors, entry.nbytes, entry.served_at,
-                               pinned_next=self._pin(entry.version + 1, now))
+                               pinned_next=self._pin(pinner, entry.version + 1, now))
             return entry
 
-    def _pin(self, version: int, now: float) -> bool:
-        """Keep ``version`` (committed or not yet) for PIN_S; False past PIN_MAX pins. Under the lock."""
-        for pinned, until in list(self._pins.items()):
+    def _pin(self, pinner: str, version: int, now: float) -> bool:
+        """Keep ``version`` (committed or not) for ``pinner``, PIN_S at most; False past the pins' bounds. Locked."""
+        for key, until in list(self._pins.items()):
             if until < now:
-                del self._pins[pinned]
-        if version not in self._pins and len(self._pins) >= PIN_MAX:
+                del self._pins[key]
+        if (pinner, version) not in self._pins and (len(self._pins) >= PIN_MAX or sum(
+                who == pinner for who, _ in self._pins) >= PIN_PER_PINNER):
             return False
-        self._pins[version] = now + PIN_S
-        self.pinned += 1
+        self._pins[(pinner, version)] = now + PIN_S
         return True
 
     def _pinned(self, entry: Version, now: float) -> bool:
-        return self._pins.get(entry.version, 0.0) >= now
+        return any(version == entry.version and until >= now for (_, version), until in self._pins.items())
 
     def _bound_bytes(self, now: float) -> int:
-        """The bytes ``max_bytes`` bounds: pinned copies are over it (PIN_MAX of them at most)."""
-        return self._bytes - sum(v.nbytes for v in self._versions.values() if self._pinned(v, now)) if self._pins \
-            else self._bytes
+        """The bytes ``max_bytes`` bounds: pinned copies are over it (PIN_MAX at most)."""
+        pinned = sum(v.nbytes for v in self._versions.values() if self._pinned(v, now)) if self._pins else 0
+        return self._bytes - pinned
 
     def unchanged(self, module: nn.Module) -> dict[str, torch.Tensor] | None:
         """The latest version's tensors if ``module`` has not changed since it was committed (nothing stepped it or

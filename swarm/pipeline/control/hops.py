@@ -374,7 +374,7 @@ class HopCaller:
         now = time.monotonic()
         if router.proven_only(now):  # nothing it computes can be used: no update applied for nothing
             self.blockage.set(f"every {swarm} peer was convicted by recomputation (a wrong tensor, or updates that "
-                              "climb the loss): waiting for another peer to join it")
+                              "climb the loss) or hides the weights it computes with: waiting for another peer")
             await asyncio.sleep(HOLD_POLL_MAX_S)
             return
         free_at = router.free_at()

@@ -40,7 +40,7 @@ from swarm.integrity.recompute import (
     recompute_loss,
     tolerance_for,
 )
-from swarm.integrity.weights import tensors_bytes, weights_digest
+from swarm.integrity.weights import PIN_PER_PINNER, PIN_S, tensors_bytes, weights_digest
 from swarm.pipeline.control.referee_audits import UpdateAuditor
 from swarm.pipeline.stage.weights_rpc import fetch_weights
 from swarm.run.models import build_stage
@@ -52,6 +52,8 @@ HOLDS, CONVICTED, UNSHOWN = "holds", "convicted", "unshown"
 UPDATE_OPS = frozenset({"backward", "forward_backward"})  # a claim of these also applied an update (audited)
 # a run with dropout draws a random mask in every training op: only eval-mode ops (infer) can be recomputed exactly
 NOT_REPRODUCIBLE = "not_reproducible"
+PIN_MARGIN_S = 5.0  # a pin we asked for is counted this much longer than the peer keeps it (its clock starts later)
+MAX_PINNED_PEERS = 1024
 CONVICTED_BAN_S = 3600.0  # a signer whose claim does not follow from its own weights: proven, not suspected
 FETCH_BASE_S = 3.0
 FETCH_BYTES_PER_S = 5e6  # a home uplink's worth: the fetch timeout grows with the stage's size
@@ -79,6 +81,7 @@ class Verdict:
     peer: str
     finding: Finding | None = None
     why: str = ""
+    pin_refused: bool = False  # HOLDS, but the peer would not keep the version its update made: no audit of it
 
     def describe(self) -> str:
         return self.why or (self.finding.describe() if self.finding is not None else self.outcome)
@@ -131,6 +134,7 @@ class Referee(UpdateAuditor):
         self.withheld = 0  # ... or by a version they had pinned for an audit and then called gone
         self.unaudited = 0  # upheld updates not audited: the weights they produced were not named to us (in time)
         self._auditing: set[asyncio.Task] = set()
+        self._pins: dict[str, list[float]] = {}  # peer -> until when each pin we asked of it may still be held there
         # a copy convicted by its audits (k, verdict): the spot checker routes around it (set by it)
         self.on_climbing: Any = None
         self.alone: Any = lambda: True  # no other driver seen lately (the driver sets it: referee_audits.py)
@@ -222,7 +226,8 @@ class Referee(UpdateAuditor):
                 forward_weights = await self._fetch(k, peer, receipt.forward_weights)
             which = "its weights"
             # an update's version is shown with the version after it kept for its audit (weights.py PIN_S)
-            pinned = [] if op in UPDATE_OPS and self.run.averaging.mode not in EDGE_MODES else None
+            audited = op in UPDATE_OPS and self.run.averaging.mode not in EDGE_MODES
+            pinned = [] if audited and self._may_pin(peer) else None
             pinned_at = time.monotonic()
             weights = await self._fetch(k, peer, receipt.weights, pinned)
         except _Lied as exc:
@@ -253,12 +258,14 @@ class Referee(UpdateAuditor):
                 self.false_losses += 1
                 return self._convict(k, peer, receipt, tensors, claim, f"reported loss {loss:.4g} where its committed "
                                      f"weights give {recomputed_loss:.4g}", finding, weights, loss=loss)
-        if pinned is not None:  # an update (not of an edge mode, whose step includes its pull): audited
+        if pinned == [False]:
+            self._unpin(peer)
+        if audited:  # an update (not of an edge mode, whose step includes its pull)
             self._start_audit(k, op, peer, receipt, weights, forward_weights, tensors, targets,
-                              pinned_at=pinned_at if any(pinned) else None)
+                              pinned_at=pinned_at if pinned and pinned[0] else None)
         self.held += 1
         logger.debug("referee at layer%d: %s of %s holds (%s)", k, op, peer[-8:], finding.describe())
-        return Verdict(HOLDS, peer, finding)
+        return Verdict(HOLDS, peer, finding, pin_refused=pinned == [False])
 
     def _climbing(self, k: int, peer: str, receipt: Receipt, climbing: Climbing) -> Verdict:
         """A copy whose audited updates climb the loss: convicted by our own recomputations (routed around even as its
@@ -275,16 +282,35 @@ class Referee(UpdateAuditor):
         logger.warning("referee: layer%d peer %s convicted: %s", k, peer[-8:], withheld.describe())
         return Verdict(CONVICTED, peer, None, withheld.describe())
 
+    def _may_pin(self, peer: str) -> bool:
+        """Ask ``peer`` for a pin: it keeps PIN_PER_PINNER of ours at once (weights.py), each until we fetch its version
+        or for PIN_S (counted here from the ask, with a margin), so an honest peer never refuses one for our own."""
+        now = time.monotonic()
+        held = [until for until in self._pins.get(peer, ()) if until > now]
+        if len(held) >= PIN_PER_PINNER:
+            return False
+        if len(self._pins) >= MAX_PINNED_PEERS:
+            self._pins.clear()
+        self._pins[peer] = [*held, now + PIN_S + PIN_MARGIN_S]
+        return True
+
+    def _unpin(self, peer: str) -> None:
+        """A pin we asked of ``peer`` ended: not granted, or its version fetched (the peer lets it go then)."""
+        held = self._pins.get(peer)
+        if held:
+            held.pop(0)
+
     def _cost_cap_s(self, k: int) -> float:
         """What a judgement (or an audit) of stage ``k`` costs the budget at most: what it would take on a home link."""
         return FETCH_BASE_S + self._bytes(k) / FETCH_BYTES_PER_S + RECOMPUTE_ALLOWANCE_S
 
     # ----- parts
-    async def _fetch(self, k: int, peer: str, digest: bytes, pinned: list | None = None) -> dict[str, torch.Tensor]:
+    async def _fetch(self, k: int, peer: str, digest: bytes, pinned: list | None = None,
+                     fresh: bool = False) -> dict[str, torch.Tensor]:
         """The weights of ``digest`` from ``peer``, hashed and checked; lanes that want the same version at once share
         one fetch (a digest names its tensors whoever shows them). ``pinned``: asked of the peer itself whatever we
-        hold, with the version after it kept for an audit (whether it was: appended)."""
-        if pinned is not None:
+        hold, with the version after it kept for an audit (whether it was: appended); ``fresh``: of the peer too."""
+        if pinned is not None or fresh:
             return await self._fetch_once(k, peer, digest, pinned)
         kept = self._weights.get(digest)
         if kept is not None:

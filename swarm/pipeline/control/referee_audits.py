@@ -40,7 +40,7 @@ class Withheld:
 
 class UpdateAuditor:
     """Needs: ``versions``, ``audits``, ``_auditing``, ``on_climbing``, ``alone``, ``_fetch``, ``_module``,
-    ``_spent``, ``_cost_cap_s``, ``_climbing``, ``_withheld``, ``executor``, ``run`` and the counters ``audited``, ``unaudited``,
+    ``_spent``, ``_cost_cap_s``, ``_climbing``, ``_withheld``, ``_unpin``, ``executor``, ``run`` and the counters ``audited``, ``unaudited``,
     ``climbing_not_alone``. ``alone()``: no other driver has been seen in the run lately (a verdict convicts only
     then)."""
 
@@ -118,13 +118,18 @@ class UpdateAuditor:
         # asked well within the pin's life (a large stage's fetch over a home link takes tens of seconds)
         promised = pinned_at is not None and time.monotonic() - pinned_at < PIN_TRUSTED_S
         try:
-            after = await self._fetch(k, peer, after_digest)
+            # from the peer itself where it pinned it for us (a fetch lets its pin go there)
+            after = await self._fetch(k, peer, after_digest, fresh=pinned_at is not None)
         except Exception as exc:  # gone, busy, slow, or weights that are not the ones named: no audit either way
-            if promised and getattr(exc, "code", "") == "weights_gone":  # ... but for a version it promised to keep
-                return Withheld(receipt.version + 1, receipt.mb)
+            if pinned_at is not None and getattr(exc, "code", "") == "weights_gone":
+                self._unpin(peer)
+                if promised:  # ... but for a version it promised to keep
+                    return Withheld(receipt.version + 1, receipt.mb)
             logger.info("referee: layer%d peer %s did not show its version %d for an audit (%s)", k, peer[-8:],
                         receipt.version + 1, str(exc)[:160])
             return None
+        if pinned_at is not None:
+            self._unpin(peer)
         loop = asyncio.get_running_loop()
         try:
             grads = await loop.run_in_executor(

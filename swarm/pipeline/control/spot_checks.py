@@ -63,6 +63,9 @@ class SpotChecker(SpotReferee):
         self.referee_skipped = 0  # sampled hops of upheld peers left unchecked: the referee was over its time budget
         self._background: set[asyncio.Task] = set()
         self._unshown_in_row: dict[str, int] = {}  # peer -> sampled hops in a row it showed no weights for
+        self._hidden_in_row: dict[str, int] = {}  # ... or whose update's result it would not keep (SpotReferee._hidden)
+        self._hidden_holds: dict[str, int] = {}  # peer -> times a lone copy was held off so, in a row
+        self.hidden_holds = 0
         self.share = share
         self.rng = random.Random(seed)
         self.checked = 0  # forward hops replicated
@@ -287,5 +290,5 @@ class SpotChecker(SpotReferee):
         return {"checked": self.checked, "gradients_checked": self.gradients_checked, "agreed": self.agreed,
                 "near": self.near, "caught": self.caught, "outweighed": self.outweighed, "convicted": self.convicted,
                 "unshown": self.unshown, "refereed_alone": self.refereed_alone,
-                "referee_skipped": self.referee_skipped,
+                "referee_skipped": self.referee_skipped, "hidden_holds": self.hidden_holds,
                 **({"referee": self.referee.stats()} if self.referee is not None else {})}

@@ -28,6 +28,8 @@ MAX_BACKGROUND_REFEREES = 4  # sampled hops of established peers refereed off th
 # both claims follow from their weights (copies that differ: weights trained to harm, or skewed ones), or neither
 DISPUTE_SETTLED, DISPUTE_BOTH_HOLD, DISPUTE_OPEN = "settled", "both hold", ""
 UNSHOWN_IN_ROW = 3  # sampled hops in a row whose weights a peer did not show before it is backed off
+HIDDEN_IN_ROW = 6  # ... before a lone copy, with us the run's only driver, is held off (SpotReferee._hidden)
+HIDDEN_HOLD_S = 60.0  # ... for this long, doubling each time, up to CONVICTED_BAN_S
 
 
 @dataclass(slots=True, frozen=True)
@@ -42,8 +44,9 @@ class Claim:
 
 
 class SpotReferee:
-    """Needs: ``referee``, ``book``, ``hops``, ``_background``, ``_unshown_in_row`` and the counters
-    ``refereed_alone``, ``referee_skipped``, ``unshown``, ``convicted``."""
+    """Needs: ``referee``, ``book``, ``hops``, ``_background``, ``_unshown_in_row``, ``_hidden_in_row``,
+    ``_hidden_holds`` and the counters ``refereed_alone``, ``referee_skipped``, ``unshown``, ``convicted``,
+    ``hidden_holds``."""
 
     referee: Any
     book: Any
@@ -107,6 +110,11 @@ class SpotReferee:
         if verdict.outcome == HOLDS:
             self.book.add(claim.peer)  # validated work: its claim followed from the weights it committed to
             self._unshown_in_row.pop(claim.peer, None)
+            if verdict.pin_refused:  # ... but it would not keep what its update made: that update goes unaudited
+                self._hidden(k, claim.peer, verdict)
+            else:
+                self._hidden_in_row.pop(claim.peer, None)
+                self._hidden_holds.pop(claim.peer, None)
             return
         if verdict.outcome == CONVICTED:
             self._convict(k, verdict)
@@ -118,6 +126,7 @@ class SpotReferee:
             # is nothing; a peer that shows nothing UNSHOWN_IN_ROW times running is backed off like a failing one
             # (what a liar that never shows gets), and its sampled micro-batch is refused
             self.unshown += 1
+            self._hidden(k, claim.peer, verdict)
             misses = self._unshown_in_row.get(claim.peer, 0) + 1
             if len(self._unshown_in_row) >= MAX_CREDITED:
                 self._unshown_in_row.clear()
@@ -127,6 +136,33 @@ class SpotReferee:
                 self.hops.routers[f"layer{k}"].failure(claim.peer, time.monotonic())
                 raise Refused("spot_check", f"layer{k} peer {claim.peer[-8:]} showed the weights of none of its last "
                                             f"{UNSHOWN_IN_ROW} sampled hops ({verdict.describe()}): not passed on")
+
+    def _hidden(self, k: int, peer: str, verdict: Verdict) -> None:
+        """A sampled hop whose weights ``peer`` did not show, or whose update's result it would not keep for an audit.
+        Where it is its swarm's only copy and we the run's only driver, nothing else checks it and an honest one shows
+        what nearly every one asks (a lone copy with one driver: 0 of 16 unshown, benchmarks.lone_referee): after
+        HIDDEN_IN_ROW such hops in a row it is not trained through for HIDDEN_HOLD_S, doubling each time (a copy that
+        hides its weights cannot be audited: one trained to harm took a run to chance so), and the driver says why.
+        Elsewhere the backoff of UNSHOWN_IN_ROW stays what it gets."""
+        hidden = self._hidden_in_row.get(peer, 0) + 1
+        if len(self._hidden_in_row) >= MAX_CREDITED:
+            self._hidden_in_row.clear()
+        self._hidden_in_row[peer] = hidden
+        if hidden < HIDDEN_IN_ROW or len(self.hops.routers[f"layer{k}"].peers) >= 2 or not self.referee.alone():
+            return
+        self._hidden_in_row.pop(peer, None)
+        holds = self._hidden_holds.get(peer, 0)
+        if len(self._hidden_holds) >= MAX_CREDITED:
+            self._hidden_holds.clear()
+        self._hidden_holds[peer] = holds + 1
+        hold_s = min(CONVICTED_BAN_S, HIDDEN_HOLD_S * 2 ** holds)
+        self.hops.routers[f"layer{k}"].failure(peer, time.monotonic(), min_ban_s=hold_s, proven=True)
+        self.hidden_holds += 1
+        logger.warning("layer%d peer %s, the only copy of its swarm, showed the weights of none of its last %d sampled "
+                       "hops (the last: %s): not trained through for %.0f s", k, peer[-8:], hidden, verdict.describe(),
+                       hold_s)
+        raise Refused("spot_check", f"layer{k} peer {peer[-8:]} hides the weights it computes with: not trained "
+                                    f"through for {hold_s:.0f} s")
 
     async def _referee_later(self, k: int, tensors: list[torch.Tensor], claim: Claim) -> None:
         try:

@@ -217,7 +217,8 @@ class StageServicer(SessionHandlers, Stage0Ops, StageRPC):
         requester = str(context.remote_id)
         op = meta.get("op")
         if op == WEIGHTS_OP:  # a referee's request: anyone may ask, within the door's rate (weights_rpc.py)
-            return await self.shown.serve(self.worker, requester, meta)
+            return await self.shown.serve(self.worker, requester, meta,
+                                          may_pin=self.gate is None or self.gate.view.knows(requester))
         if op == CONVICTION_OP and self.convictions is not None:  # evidence against a signer, re-checked here
             try:
                 return await self.convictions.receive(requester, decode_tensors(serialized, self.max_bytes, coded=True),

@@ -43,7 +43,8 @@ class WeightsDoor:
         self._last: dict[str, float] = {}
         self._busy: dict[str, int] = {}
 
-    async def serve(self, worker: Any, requester: str, meta: dict) -> tuple[list[Any], dict]:
+    async def serve(self, worker: Any, requester: str, meta: dict, may_pin: bool = True) -> tuple[list[Any], dict]:
+        """``may_pin``: the requester is a driver of the run in this stage's view (pins are for their referees)."""
         digest = meta.get("digest")
         if worker is None or not isinstance(digest, bytes) or len(digest) != DIGEST_BYTES:
             return [], refusal_meta("rejected", "weights: a 16-byte 'digest' of a version this stage signed, please")
@@ -55,7 +56,8 @@ class WeightsDoor:
             # fetches the version after the one its judgement just fetched (0.25 s lost per audit, 3 of a test's 4 s)
             return [], refusal_meta("busy", "one version at a time: ask again", max(0.001, MIN_INTERVAL_S - since_s))
         pin = meta.get("pin") is True  # keep the next version for this referee's audit (weights.py PIN_S)
-        kept = await asyncio.to_thread(worker.ring.get, digest, None, pin)  # the current version is copied out then
+        # the current version is copied out then
+        kept = await asyncio.to_thread(worker.ring.get, digest, None, pin and may_pin, requester)
         tensors = None if kept is None else kept.tensors
         if tensors is None:
             self.gone += 1
