@@ -11,7 +11,10 @@ trains. Read from the volunteers' logs at their stop: each driver's referee coun
 weights" of a forward, backward or forward_backward), each stage's weight ring (versions kept, copies grown on a
 referee's ask: swarm/integrity/weights.py ``RING_COPIES_MAX``), and the drivers' checks of pushed hops that found the
 hop gone from the stage's outbox. ``unshown_share`` per driver count is the figure: with 3 copies and two drivers it
-was 0.36-0.65 (one driver: 0.11), with a ring that grows 0.13-0.41 (benchmarks/README.md, session 33).
+was 0.36-0.65 (one driver: 0.11), with a ring that grows 0.13-0.41 (benchmarks/README.md, session 33). Beside it
+(session 34): ``hidden_holds``, how often a driver held these honest lone copies off as copies that hide their
+weights (SpotReferee._hidden: with one driver it must be 0), ``withheld`` (convictions for a pinned version called
+gone: must be 0) and ``pins_refused`` (judged updates whose next version the stage would not keep).
 """
 
 from __future__ import annotations
@@ -101,6 +104,7 @@ def one_run(fleet: Fleet, drivers: int, args: argparse.Namespace) -> dict[str, A
 def read_logs(folder: Path) -> dict[str, Any]:
     """What the volunteers' logs under ``folder`` say at their stop (module docstring)."""
     referees: list[dict[str, Any]] = []
+    holds = 0  # lone copies held off for hiding their weights (spot_referee.SpotReferee._hidden): honest ones, here
     rings: dict[str, dict[str, int]] = {}
     failed: Counter[str] = Counter()
     push_misses = 0
@@ -108,7 +112,9 @@ def read_logs(folder: Path) -> dict[str, Any]:
         swarm = None
         for line in log.read_text(errors="replace").splitlines():
             if (stop := STOP_LINE.search(line)) is not None:
-                referees.append(ast.literal_eval(stop.group(1)).get("referee", {}))
+                stats = ast.literal_eval(stop.group(1))
+                referees.append(stats.get("referee", {}))
+                holds += stats.get("hidden_holds", 0)
             for name, counts in RING_LINE.findall(line):
                 swarm = name or swarm
                 if counts and swarm is not None:
@@ -120,7 +126,9 @@ def read_logs(folder: Path) -> dict[str, Any]:
     unshown = sum(r.get("unshown", 0) for r in referees)
     return {
         "refereed": refereed, "held": sum(r.get("held", 0) for r in referees), "unshown": unshown,
-        "convicted": sum(r.get("convicted", 0) for r in referees),
+        "convicted": sum(r.get("convicted", 0) for r in referees), "hidden_holds": holds,
+        "withheld": sum(r.get("withheld", 0) for r in referees),
+        "pins_refused": sum(r.get("pins_refused", 0) for r in referees),
         "unshown_share": round(unshown / refereed, 3) if refereed else None,
         "unshown_by_fetch": dict(failed),
         "rings": {swarm: {"kept": c.get("kept"), "grown": c.get("grown", 0)} for swarm, c in sorted(rings.items())},

@@ -132,6 +132,7 @@ class Referee(UpdateAuditor):
         self.false_losses = 0  # last stages whose signed loss did not follow from their committed weights
         self.climbing = 0  # peers convicted by their audited updates (swarm/integrity/audit.py)
         self.withheld = 0  # ... or by a version they had pinned for an audit and then called gone
+        self.pins_refused = 0  # judged updates whose signer would not keep the version they made (weights.py pins)
         self.unaudited = 0  # upheld updates not audited: the weights they produced were not named to us (in time)
         self._auditing: set[asyncio.Task] = set()
         self._pins: dict[str, list[float]] = {}  # peer -> until when each pin we asked of it may still be held there
@@ -187,7 +188,8 @@ class Referee(UpdateAuditor):
         return {"refereed": self.refereed, "held": self.held, "convicted": len(self.convictions),
                 "unshown": self.unshown, "recompute_s": round(self.recompute_s, 3), "fetches": self.fetches,
                 "fetch_s": round(self.fetch_s, 3), "false_losses": self.false_losses, "audited": self.audited,
-                "climbing": self.climbing, "withheld": self.withheld, "unaudited": self.unaudited,
+                "climbing": self.climbing, "withheld": self.withheld, "pins_refused": self.pins_refused,
+                "unaudited": self.unaudited,
                 "climbing_not_alone": self.climbing_not_alone}
 
     def can_judge(self, op: str) -> bool:
@@ -260,6 +262,7 @@ class Referee(UpdateAuditor):
                                      f"weights give {recomputed_loss:.4g}", finding, weights, loss=loss)
         if pinned == [False]:
             self._unpin(peer)
+            self.pins_refused += 1
         if audited:  # an update (not of an edge mode, whose step includes its pull)
             self._start_audit(k, op, peer, receipt, weights, forward_weights, tensors, targets,
                               pinned_at=pinned_at if pinned and pinned[0] else None)

@@ -66,10 +66,10 @@ class SpotReferee:
 
     def _over_budget(self, peer: str, lone: bool) -> bool:
         """A hop of ``peer`` passes unchecked: the referee has upheld it and its budget is spent (referee.
-        SAMPLED_BUSY_SHARE, LONE_BUSY_SHARE); never a peer that did not show its weights last time (stalling must not
-        buy it unchecked hops)."""
-        return self.book.get(peer) > 0 and not self._unshown_in_row.get(peer) and \
-            not self.referee.has_time(lone, peer)
+        SAMPLED_BUSY_SHARE, LONE_BUSY_SHARE); never a peer that did not show its weights last time, or would not keep
+        its update's result (stalling must not buy it unchecked hops)."""
+        return self.book.get(peer) > 0 and not self._unshown_in_row.get(peer) and not self._hidden_in_row.get(peer) \
+            and not self.referee.has_time(lone, peer)
 
     async def _referee_alone(self, k: int, tensors: list[torch.Tensor], claim: Claim) -> None:
         """A sampled hop of a swarm with no second copy, or of a newcomer: recomputed from the weights its signer
