@@ -165,12 +165,12 @@ def _twist(worker: Any, twist: str) -> None:
         worker.set_update_rule(ascent_update)
         ring_get = worker.ring.get
         if twist == "withholding_harm":  # shows a referee every other version only: no audit (v -> v+1) ever completes
-            worker.ring.get = lambda digest, now=None, pin_next=False, pinner="": (
-                None if (entry := ring_get(digest, now, pin_next, pinner)) is not None and entry.version % 2 else entry)
+            worker.ring.get = lambda digest, *args: (
+                None if (entry := ring_get(digest, *args)) is not None and entry.version % 2 else entry)
         elif twist == "unpinned_harm":  # ... and keeps no version for an audit (its answer: not pinned)
-            worker.ring.get = lambda digest, now=None, pin_next=False, pinner="": (
+            worker.ring.get = lambda digest, now=None, *args: (
                 None if (entry := ring_get(digest, now)) is not None and entry.version % 2 else entry)
         elif twist == "hiding_harm":  # shows no version at all
-            worker.ring.get = lambda digest, now=None, pin_next=False, pinner="": None
+            worker.ring.get = lambda digest, *args: None
     elif twist == "lying_eval":
         worker.evaluate = lambda x, y: (0.0, len(y), len(y))

@@ -147,8 +147,8 @@ def test_a_copy_that_hides_the_versions_its_harmful_updates_made_is_convicted_at
     worker, key = StageWorker(RUN, 2), ReceiptKey("QmSigner")
     _ascent(worker)
     ring_get = worker.ring.get
-    worker.ring.get = lambda digest, now=None, pin_next=False, pinner="": (
-        None if (entry := ring_get(digest, now, pin_next, pinner)) is not None and entry.version % 2 else entry)
+    worker.ring.get = lambda digest, *args: (
+        None if (entry := ring_get(digest, *args)) is not None and entry.version % 2 else entry)
     from swarm.run.data import load_dataset
 
     dataset = load_dataset(RUN.data, RUN.model)
@@ -209,7 +209,9 @@ def test_a_pinned_version_outlives_the_rings_bounds_and_pins_are_bounded():
     again = _commit_versions(ring, module, range(40, 43))
     assert ring.get(again[0], now=42.5, pin_next=True, pinner="QmReferee").pinned_next
     again += _commit_versions(ring, module, range(43, 46))
-    assert ring.get(again[1], now=45.5, pinner="QmReferee") is not None  # its pinner fetched it: let go
+    assert ring.get(again[1], now=45.4, pinner="QmReferee") is not None  # a judgement's fetch: kept on
+    assert ring.get(again[1], now=45.45) is not None
+    assert ring.get(again[1], now=45.5, pinner="QmReferee", release=True) is not None  # its audit's: let go
     assert ring.get(again[1], now=45.6) is None and ring.get(again[2], now=45.6) is None
     roomy = WeightsRing(max_bytes=100 * size, keep_s=1000.0)
     many = _commit_versions(roomy, module, range(2 * PIN_MAX + 4))  # pins of versions 1, 3, 5...: none fetched

@@ -195,10 +195,11 @@ class WeightsRing:
             if current is not None and current.tensors is None:
                 self._copy_live(current, time.monotonic() if now is None else now)
 
-    def get(self, digest: bytes, now: float | None = None, pin_next: bool = False, pinner: str = "") -> Version | None:
+    def get(self, digest: bytes, now: float | None = None, pin_next: bool = False, pinner: str = "",
+            release: bool = False) -> Version | None:
         """The version with this digest, if still kept (the current one copied out of the live weights and hashed
         again: None if they no longer hash to it). ``pin_next``: keep the one after it for ``pinner`` until it asks
-        for it, PIN_S at most (``Version.pinned_next``: granted, within PIN_MAX pins and PIN_PER_PINNER its own)."""
+        for it with ``release``, PIN_S at most (``Version.pinned_next``: granted, within PIN_MAX and PIN_PER_PINNER)."""
         with self._lock:
             now = time.monotonic() if now is None else now
             self._evict(now)
@@ -214,7 +215,8 @@ class WeightsRing:
                 if weights_digest(entry.tensors) != digest:  # changed while copied, by a writer that did not release
                     self._lose(digest)
                     return None
-            self._pins.pop((pinner, entry.version), None)  # its pinner has it now
+            if release:  # its pinner's audit has it now (not any fetch of it: its next judgement may come first)
+                self._pins.pop((pinner, entry.version), None)
             if pin_next:
                 return Version(entry.version, entry.digest, entry.tensors, entry.nbytes, entry.served_at,
                                pinned_next=self._pin(pinner, entry.version + 1, now))
@@ -235,7 +237,6 @@ class WeightsRing:
         return any(version == entry.version and until >= now for (_, version), until in self._pins.items())
 
     def _bound_bytes(self, now: float) -> int:
-        """The bytes ``max_bytes`` bounds: pinned copies are over it (PIN_MAX at most)."""
         pinned = sum(v.nbytes for v in self._versions.values() if self._pinned(v, now)) if self._pins else 0
         return self._bytes - pinned
 

@@ -309,12 +309,13 @@ class Referee(UpdateAuditor):
 
     # ----- parts
     async def _fetch(self, k: int, peer: str, digest: bytes, pinned: list | None = None,
-                     fresh: bool = False) -> dict[str, torch.Tensor]:
+                     release: bool = False) -> dict[str, torch.Tensor]:
         """The weights of ``digest`` from ``peer``, hashed and checked; lanes that want the same version at once share
         one fetch (a digest names its tensors whoever shows them). ``pinned``: asked of the peer itself whatever we
-        hold, with the version after it kept for an audit (whether it was: appended); ``fresh``: of the peer too."""
-        if pinned is not None or fresh:
-            return await self._fetch_once(k, peer, digest, pinned)
+        hold, with the version after it kept for an audit (whether it was: appended); ``release``: of the peer too,
+        the audit's fetch of a version it pinned for us."""
+        if pinned is not None or release:
+            return await self._fetch_once(k, peer, digest, pinned, release)
         kept = self._weights.get(digest)
         if kept is not None:
             self._weights.move_to_end(digest)
@@ -326,13 +327,15 @@ class Referee(UpdateAuditor):
             pending.add_done_callback(lambda _: self._fetching.pop(digest, None))
         return await asyncio.shield(pending)
 
-    async def _fetch_once(self, k: int, peer: str, digest: bytes, pinned: list | None = None) -> dict[str, torch.Tensor]:
+    async def _fetch_once(self, k: int, peer: str, digest: bytes, pinned: list | None = None,
+                          release: bool = False) -> dict[str, torch.Tensor]:
         size = self._bytes(k)
         timeout_s = FETCH_BASE_S + size / FETCH_BYTES_PER_S
         started = time.perf_counter()
         try:
             weights = await fetch_weights(self.p2p, peer, self.namespaces[f"layer{k}"], digest, expect_bytes=size,
-                                          timeout_s=timeout_s, call=self.call, traffic=self.traffic, pinned=pinned)
+                                          timeout_s=timeout_s, call=self.call, traffic=self.traffic, pinned=pinned,
+                                          release=release)
         finally:
             self.fetches += 1
             self.fetch_s += time.perf_counter() - started

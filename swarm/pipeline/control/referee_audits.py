@@ -118,8 +118,8 @@ class UpdateAuditor:
         # asked well within the pin's life (a large stage's fetch over a home link takes tens of seconds)
         promised = pinned_at is not None and time.monotonic() - pinned_at < PIN_TRUSTED_S
         try:
-            # from the peer itself where it pinned it for us (a fetch lets its pin go there)
-            after = await self._fetch(k, peer, after_digest, fresh=pinned_at is not None)
+            # from the peer itself where it pinned it for us (this fetch lets its pin go there)
+            after = await self._fetch(k, peer, after_digest, release=pinned_at is not None)
         except Exception as exc:  # gone, busy, slow, or weights that are not the ones named: no audit either way
             if pinned_at is not None and getattr(exc, "code", "") == "weights_gone":
                 self._unpin(peer)

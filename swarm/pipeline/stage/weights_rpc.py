@@ -7,7 +7,8 @@ bfloat16, sent as their bits in one float16 tensor), and
 ``weights.KEEP_S`` or the ring's memory bound) or ``busy`` (the door's rate). Unsigned: the digest the receipt signed
 is the proof, the referee hashes what it received (a mismatch is the signer's lie, swarm/pipeline/control/referee.py).
 With ``"pin": true`` the stage also keeps the version after this one for ``weights.PIN_S`` (an audit of the update
-that made it follows) and says so in the reply's ``"pinned"``: a pinned version called gone later was withheld.
+that made it follows) and says so in the reply's ``"pinned"``: a pinned version called gone later was withheld; the
+audit's fetch of it says ``"release": true``, and the stage lets it go.
 
 Anyone of the run may ask (a referee is a driver or any third peer), so the door bounds what asking costs the
 stage: ``MAX_SHOWING`` answers at once in all, ``PER_REQUESTER`` per requester, and one per ``MIN_INTERVAL_S`` per
@@ -57,7 +58,8 @@ class WeightsDoor:
             return [], refusal_meta("busy", "one version at a time: ask again", max(0.001, MIN_INTERVAL_S - since_s))
         pin = meta.get("pin") is True  # keep the next version for this referee's audit (weights.py PIN_S)
         # the current version is copied out then
-        kept = await asyncio.to_thread(worker.ring.get, digest, None, pin and may_pin, requester)
+        kept = await asyncio.to_thread(worker.ring.get, digest, None, pin and may_pin, requester,
+                                       meta.get("release") is True)
         tensors = None if kept is None else kept.tensors
         if tensors is None:
             self.gone += 1
@@ -85,13 +87,14 @@ class WeightsDoor:
 
 async def fetch_weights(p2p: Any, peer: str, namespace: str, digest: bytes, *, expect_bytes: int, timeout_s: float,
                         call: Any = None, tries: int = FETCH_TRIES, traffic: Any = None,
-                        pinned: list | None = None) -> dict[str, torch.Tensor]:
+                        pinned: list | None = None, release: bool = False) -> dict[str, torch.Tensor]:
     """The tensors ``peer`` committed to under ``digest`` (not yet checked against it: the caller hashes them). A
     ``busy`` door is asked again after its retry_after_s (busy is no reason to give a verdict up), within
     ``timeout_s`` in all. Raises StageError (``weights_gone``, ``busy``...), WireError for a malformed reply, or a
     transport error or timeout. ``traffic``: where the bytes received are counted against ``peer`` (a referee's
     fetches are on its link as much as a hop's tensors: the dashboard's Mb/s and benchmarks.pipeline's data-plane).
-    ``pinned``: ask the stage to keep the version after this one for an audit; whether it did is appended to it."""
+    ``pinned``: ask the stage to keep the version after this one for an audit; whether it did is appended to it.
+    ``release``: this is the audit's fetch of a version pinned for us: the stage may let it go."""
     from swarm.pipeline.transport.stage_client import call_stage
 
     call = call or call_stage
@@ -99,7 +102,8 @@ async def fetch_weights(p2p: Any, peer: str, namespace: str, digest: bytes, *, e
     deadline = time.monotonic() + timeout_s
     for attempt in range(tries):
         try:
-            ask = {"digest": digest, **({"pin": True} if pinned is not None else {})}
+            ask = {"digest": digest, **({"pin": True} if pinned is not None else {}),
+                   **({"release": True} if release else {})}
             tensors, reply, _ = await call(p2p, peer, namespace, WEIGHTS_OP, [], ask,
                                            timeout_s=max(0.01, deadline - time.monotonic()), codec="float32",
                                            max_bytes=max_bytes, expect_bytes=expect_bytes)
