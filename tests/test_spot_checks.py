@@ -435,9 +435,10 @@ def test_a_lane_waiting_for_a_newcomers_verdict_says_so():
 def test_a_lone_copy_that_hides_its_weights_from_the_runs_only_driver_is_held_off(case):
     """A lone copy trained to harm that shows no version (or keeps none for an audit) could never be audited, and took
     a run to chance (benchmarks.adversary lone_last_hiding_harm): with us the run's only driver, HIDDEN_IN_ROW such
-    sampled hops in a row hold it off (the lane waits: proven), HIDDEN_HOLD_S doubling. Where another driver trains it
-    (its versions turn over faster), or a second copy can be compared with, only the backoff of UNSHOWN_IN_ROW; a hop
-    it shows with its next version kept starts the count again."""
+    sampled hops in a row hold it off (the lane waits: proven), HIDDEN_HOLD_S doubling; the forwards it shows between
+    them prove nothing of its updates. Where another driver trains it (its versions turn over faster), or a second
+    copy can be compared with, only the backoff of UNSHOWN_IN_ROW; an update it shows with its result kept for the
+    audit starts the count again."""
     import asyncio
 
     from swarm.pipeline.control.hops import Refused
@@ -453,9 +454,9 @@ def test_a_lone_copy_that_hides_its_weights_from_the_runs_only_driver_is_held_of
         async def judge(self, k, op, tensors, claim, receipt, peer, loss=None):
             self.judged += 1
             if case == "unpinned":
-                return Verdict(HOLDS, peer, pin_refused=True)
+                return Verdict(HOLDS, peer, pinned=False) if self.judged % 2 else Verdict(HOLDS, peer)  # a forward
             if case == "shows_now_and_then" and self.judged % HIDDEN_IN_ROW == 0:
-                return Verdict(HOLDS, peer)
+                return Verdict(HOLDS, peer, pinned=True)
             return Verdict(UNSHOWN, peer, why="weights_gone")
 
     out = torch.randn(8, 4)
@@ -473,10 +474,11 @@ def test_a_lone_copy_that_hides_its_weights_from_the_runs_only_driver_is_held_of
                 refused.append(str(exc))
             await asyncio.gather(*checker._background)
 
-    asyncio.run(hops(2 * HIDDEN_IN_ROW))
+    asyncio.run(hops(4 * HIDDEN_IN_ROW))
     proven = getattr(router, "proven", [])
     if case in ("hides", "unpinned"):
-        assert proven == [("solo", HIDDEN_HOLD_S), ("solo", 2 * HIDDEN_HOLD_S)], proven
-        assert checker.hidden_holds == 2
+        holds = 4 if case == "hides" else 2  # every hop counts, or every update (the forwards between count nothing)
+        assert proven == [("solo", HIDDEN_HOLD_S * 2**i) for i in range(holds)], proven
+        assert checker.hidden_holds == holds
     else:
         assert proven == [] and checker.hidden_holds == 0

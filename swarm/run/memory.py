@@ -131,7 +131,8 @@ class HostMemory:
     ring_bytes: int  # committed (exact) versions a referee may ask for (swarm/integrity/weights.py), at their bound
     ring_bytes_gpu: int  # the same beside a GPU, whose current version is a host copy too (one more)
     disk_bytes: int = 0  # healing's two snapshot files on a node (swarm/integrity/snapshots.py), each with its moments
-    ring_max_bytes: int = 0  # the ring grown as far as referees asking for dropped versions take it (RING_COPIES_MAX)
+    ring_max_bytes: int = 0  # the ring grown as far as referees asking for dropped versions take it (RING_COPIES_MAX),
+    # with the versions referees pinned for their audits over it (PIN_MAX, for 20 s at most)
     ring_max_bytes_gpu: int = 0  # the same beside a GPU (one copy more)
 
     @property
@@ -165,7 +166,7 @@ def host_memory(run: RunConfig, index: int, snapshots_on_disk: bool = True) -> H
     the guard's in float32, committed versions as computed with (float32), and healing's snapshots in bfloat16, in
     files where a node keeps them (``snapshots_on_disk``: a volunteer; False: in memory, a stage built in-process
     without a folder for them)."""
-    from swarm.integrity.weights import RING_COPIES, RING_COPIES_MAX, RING_MIN_BYTES
+    from swarm.integrity.weights import PIN_MAX, RING_COPIES, RING_COPIES_MAX, RING_MIN_BYTES
 
     params, largest = _param_counts(run.model, index)
     floats = OPTIMIZER_STATE_FLOATS[run.optimizer.name]
@@ -184,8 +185,9 @@ def host_memory(run: RunConfig, index: int, snapshots_on_disk: bool = True) -> H
         ring_bytes=max(RING_MIN_BYTES, int(RING_COPIES * weights * _commit_share())),
         ring_bytes_gpu=max(RING_MIN_BYTES, int((RING_COPIES + 1) * weights * _commit_share())),
         disk_bytes=(weights + optimizer) if snapshots_on_disk else 0,
-        ring_max_bytes=max(RING_MIN_BYTES, int(RING_COPIES_MAX * weights * _commit_share())),
-        ring_max_bytes_gpu=max(RING_MIN_BYTES, int((RING_COPIES_MAX + 1) * weights * _commit_share())),
+        ring_max_bytes=max(RING_MIN_BYTES, int(RING_COPIES_MAX * weights * _commit_share())) + PIN_MAX * weights,
+        ring_max_bytes_gpu=max(RING_MIN_BYTES, int((RING_COPIES_MAX + 1) * weights * _commit_share())) +
+        PIN_MAX * weights,
     )
 
 

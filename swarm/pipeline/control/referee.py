@@ -81,7 +81,8 @@ class Verdict:
     peer: str
     finding: Finding | None = None
     why: str = ""
-    pin_refused: bool = False  # HOLDS, but the peer would not keep the version its update made: no audit of it
+    # an update's HOLDS: whether the peer keeps the version the update made for its audit (None: not asked)
+    pinned: bool | None = None
 
     def describe(self) -> str:
         return self.why or (self.finding.describe() if self.finding is not None else self.outcome)
@@ -235,6 +236,8 @@ class Referee(UpdateAuditor):
         except _Lied as exc:
             return self._convict(k, peer, receipt, tensors, claim, str(exc))
         except Exception as exc:  # gone, busy, slow, a broken stream: no evidence either way
+            if pinned == [] and getattr(exc, "code", ""):  # it answered without showing: it pinned nothing either
+                self._unpin(peer)
             return self._unshown(peer, f"no weights ({which}, of its {op} at version {receipt.version}): "
                                        f"{str(exc)[:160]}")
         targets = self.dataset.y_train[tensors[1].long()] if op in LAST_GRADIENT_OPS else None
@@ -268,7 +271,7 @@ class Referee(UpdateAuditor):
                               pinned_at=pinned_at if pinned and pinned[0] else None)
         self.held += 1
         logger.debug("referee at layer%d: %s of %s holds (%s)", k, op, peer[-8:], finding.describe())
-        return Verdict(HOLDS, peer, finding, pin_refused=pinned == [False])
+        return Verdict(HOLDS, peer, finding, pinned=pinned[0] if pinned else None)
 
     def _climbing(self, k: int, peer: str, receipt: Receipt, climbing: Climbing) -> Verdict:
         """A copy whose audited updates climb the loss: convicted by our own recomputations (routed around even as its

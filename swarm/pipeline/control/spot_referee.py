@@ -110,9 +110,10 @@ class SpotReferee:
         if verdict.outcome == HOLDS:
             self.book.add(claim.peer)  # validated work: its claim followed from the weights it committed to
             self._unshown_in_row.pop(claim.peer, None)
-            if verdict.pin_refused:  # ... but it would not keep what its update made: that update goes unaudited
+            if verdict.pinned is False:  # ... but it would not keep what its update made: that update goes unaudited
                 self._hidden(k, claim.peer, verdict)
-            else:
+            elif verdict.pinned:  # an update shown, and its result kept for the audit: auditable (a forward's hold
+                # proves nothing of its updates: a copy can show the versions of its harmless ones only)
                 self._hidden_in_row.pop(claim.peer, None)
                 self._hidden_holds.pop(claim.peer, None)
             return
