@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     report: dict[str, Any] = {"runs": {}}
     for drivers in args.drivers:
-        with Fleet(prefix="volunteer-bench-lone-referee-", fork=True, keep_workdir=True) as fleet:
+        with Fleet(prefix="volunteer-bench-lone-referee-", fork=True) as fleet:
             report["runs"][str(drivers)] = one_run(fleet, drivers, args)
     for drivers, run in report["runs"].items():
         report[f"unshown_share_{drivers}_drivers"] = run["unshown_share"]
