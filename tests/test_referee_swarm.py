@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 import torch
 
 from swarm.dht.dht import DHTSettings, shutdown_dht, start_dht
@@ -111,11 +112,15 @@ def test_two_liars_beside_one_honest_peer_cannot_make_it_the_odd_one_out():
     _run_case(liars=2)
 
 
-def test_a_lone_copy_trained_to_harm_is_convicted_by_its_audited_updates():
+@pytest.mark.parametrize("shows", ["all", "harmless", "nothing"])
+def test_a_lone_copy_trained_to_harm_is_convicted_by_its_audited_updates(shows):
     """The only layer2 peer steps up its loss (ascent) and computes every hop honestly from its weights: each
     recomputation holds, and there is no other copy to compare it with. The audits of its updates (the step between the
     versions its receipts name, against the descent of the micro-batch it came from) convict it within seconds; the
-    driver then waits and says why, rather than train through it. The honest layer1 copy, audited as often, never is."""
+    driver then waits and says why, rather than train through it. The honest layer1 copy, audited as often, never is.
+    A copy that shows only every other version (no audit of its updates could complete, session 34) is convicted for
+    withholding the one it had pinned for an audit (or held off first for the versions it did not show); one that shows
+    none is held off as a copy nothing can audit."""
     from test_audit import _ascent
 
     dhts, peers = [], []
@@ -133,6 +138,12 @@ def test_a_lone_copy_trained_to_harm_is_convicted_by_its_audited_updates():
         _ascent(liar)
         liar.health.observe_local_loss = lambda *args, **kwargs: None  # it keeps its own health checks out of the way
         liar._refuse_if_sick = lambda: None
+        ring_get = liar.ring.get
+        if shows == "harmless":  # tests/hostile_stage.py withholding_harm
+            liar.ring.get = lambda digest, *args: (
+                None if (entry := ring_get(digest, *args)) is not None and entry.version % 2 else entry)
+        elif shows == "nothing":
+            liar.ring.get = lambda digest, *args: None
         record = MemberRecord(str(first.peer_id), "online", "test", 0.0, 0.0, shard=0)
         for peer in peers:
             asyncio.run_coroutine_threadsafe(_allow(peer, record), peer._loop).result(5)
@@ -146,19 +157,26 @@ def test_a_lone_copy_trained_to_harm_is_convicted_by_its_audited_updates():
             try:
                 while time.monotonic() - started < DRIVE_LIMIT_S and convicted_at is None:
                     await asyncio.sleep(0.2)
-                    if driver.referee.climbing:
+                    if driver.referee.climbing or driver.referee.withheld or driver.spot.hidden_holds:
                         convicted_at = time.monotonic() - started
                     assert not task.done(), f"the driver ended: {task.exception()!r}"
                 await asyncio.sleep(1.0)
                 return {"convicted_at": convicted_at, "stats": driver.referee.stats(), "audits": driver.referee.audits,
+                        "holds": driver.spot.hidden_holds,
                         "reason": driver.stats.blocked_reason, "layer1": str(peers[0].dht.peer_id)}
             finally:
                 await _stop(driver, task, executor, p2p)
 
         result = asyncio.run(drive())
         assert result["convicted_at"] is not None and result["convicted_at"] < CONVICTED_WITHIN_S + 5.0, result
-        assert result["stats"]["climbing"] == 1 and result["stats"]["convicted"] == 0, result  # every hop held
-        assert "climb the loss" in result["reason"], result
+        stats = result["stats"]
+        assert stats["convicted"] == 0, result  # every hop it showed held
+        if shows == "harmless":  # a pinned version withheld, or six sampled hops unshown first (its odd versions)
+            assert stats["climbing"] == 0 and stats["withheld"] + result["holds"] >= 1, result
+        else:
+            assert (stats["climbing"], stats["withheld"], result["holds"]) == \
+                {"all": (1, 0, 0), "nothing": (0, 0, 1)}[shows], result
+        assert "climb the loss" in result["reason"] and "hides the weights" in result["reason"], result
         honest = result["audits"].mean(result["layer1"])
         assert honest is None or honest[0] > 0.1, f"the honest layer1 copy's audits: {honest}"
     finally:
