@@ -8,10 +8,10 @@ parameter). Session 13 committed them rounded to bfloat16 (2 bytes): a ReLU whos
 rounding of zero flips its mask, and with it that sample's whole gradient (a trained digits last stage reproduced
 below the referee's 0.99 in 9 of 1,500 honest hops, and the referee convicted the only honest layer2 peer of a test
 run on such a hop), so the commitment is what was computed with, and an honest hop reproduces to float rounding.
-A referee that doubts the claim asks the signer for the weights of that digest and recomputes the hop (swarm/pipeline/control/referee.py; Verde's
-refereed delegation). The digest is computed once per version, when the first hop of that version is served, not
-per hop and not per update (an update nobody computes with is never hashed), and the tensors of that version are
-kept beside it: a copy per served version, within ``max_bytes`` and ``keep_s``.
+A referee that doubts the claim asks the signer for the weights of that digest and recomputes the hop
+(swarm/pipeline/control/referee.py; Verde's refereed delegation). The digest is computed once per version, when the
+first hop of that version is served, not per hop and not per update (an update nobody computes with is never hashed),
+and the tensors of that version are kept beside it: a copy per served version, within ``max_bytes`` and ``keep_s``.
 
 On the CPU the version the stage computes with now is not copied: it is the live weights (``Version.tensors`` None),
 hashed in place. It is copied when the weights are about to change (``release_live``: the step guard's pre-step copy,
@@ -51,8 +51,8 @@ RING_COPIES_MAX = 8.0  # a referee that asks for a version the ring dropped less
 # micro-batches in flight older; 3 copies left 36-65 % of a lone copy's refereed hops without a verdict (session 33)
 RING_SHRINK_S = 300.0  # a copy so added goes again after this long without such an ask
 GONE_KEPT = 256  # digests of dropped versions remembered (to tell a just-dropped version from one never kept)
-# A referee shown an update's version asks the stage to keep the next one (the update's result) for its audit (``get(...,
-# pin_next=True)``). An honest ring drops its oldest first, so while it shows a version it holds every later one: a
+# A referee shown an update's version asks the stage to keep the next one (the update's result) for its audit (``get``
+# with ``pin_next``). An honest ring drops its oldest first, so while it shows a version it holds every later one: a
 # pinned version called gone was withheld (referee_audits.Withheld: a copy trained to harm that showed only what its
 # harmless updates made went to chance unconvicted). PIN_MAX pins at once, for PIN_S at most, over the ring's bound.
 PIN_S, PIN_MAX, PIN_PER_PINNER = 20.0, 4, 2

@@ -217,6 +217,7 @@ class Referee(UpdateAuditor):
                      peer: str, loss: float | None = None) -> Verdict:
         if receipt is None or op not in REFEREED_OPS or receipt.weights == NO_WEIGHTS or receipt.signer != peer:
             return self._unshown(peer, "its receipt commits to no weights")
+        pinned: list | None = None
         try:
             forward_weights = None
             if op == "backward" and receipt.forward_weights not in (receipt.weights, NO_WEIGHTS):

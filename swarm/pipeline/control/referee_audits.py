@@ -40,9 +40,9 @@ class Withheld:
 
 class UpdateAuditor:
     """Needs: ``versions``, ``audits``, ``_auditing``, ``on_climbing``, ``alone``, ``_fetch``, ``_module``,
-    ``_spent``, ``_cost_cap_s``, ``_climbing``, ``_withheld``, ``_unpin``, ``executor``, ``run`` and the counters ``audited``, ``unaudited``,
-    ``climbing_not_alone``. ``alone()``: no other driver has been seen in the run lately (a verdict convicts only
-    then)."""
+    ``_spent``, ``_cost_cap_s``, ``_climbing``, ``_withheld``, ``_unpin``, ``executor``, ``run`` and the counters
+    ``audited``, ``unaudited``, ``climbing_not_alone``. ``alone()``: no other driver has been seen in the run lately
+    (a verdict convicts only then)."""
 
     versions: Any
     audits: Any
