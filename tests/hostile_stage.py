@@ -163,14 +163,14 @@ def _twist(worker: Any, twist: str) -> None:
             optimizer.step()
 
         worker.set_update_rule(ascent_update)
-        ring_get = worker.ring.get
+        show = worker.ring.show  # what a referee's fetch gets (swarm/pipeline/stage/weights_rpc.py)
         if twist == "withholding_harm":  # shows a referee every other version only: no audit (v -> v+1) ever completes
-            worker.ring.get = lambda digest, *args: (
-                None if (entry := ring_get(digest, *args)) is not None and entry.version % 2 else entry)
+            worker.ring.show = lambda digest, *args: (
+                (None, False) if (kept := show(digest, *args))[0] is not None and kept[0].version % 2 else kept)
         elif twist == "unpinned_harm":  # ... and keeps no version for an audit (its answer: not pinned)
-            worker.ring.get = lambda digest, now=None, *args: (
-                None if (entry := ring_get(digest, now)) is not None and entry.version % 2 else entry)
+            worker.ring.show = lambda digest, now=None, *args: (
+                (None, False) if (kept := show(digest, now))[0] is not None and kept[0].version % 2 else kept)
         elif twist == "hiding_harm":  # shows no version at all
-            worker.ring.get = lambda digest, *args: None
+            worker.ring.show = lambda digest, *args: (None, False)
     elif twist == "lying_eval":
         worker.evaluate = lambda x, y: (0.0, len(y), len(y))

@@ -146,9 +146,9 @@ def test_a_copy_that_hides_the_versions_its_harmful_updates_made_is_convicted_at
     shown with the next one pinned, so calling it gone is a lie whoever else trains the copy."""
     worker, key = StageWorker(RUN, 2), ReceiptKey("QmSigner")
     _ascent(worker)
-    ring_get = worker.ring.get
-    worker.ring.get = lambda digest, *args: (
-        None if (entry := ring_get(digest, *args)) is not None and entry.version % 2 else entry)
+    show = worker.ring.show
+    worker.ring.show = lambda digest, *args: (
+        (None, False) if (kept := show(digest, *args))[0] is not None and kept[0].version % 2 else kept)
     from swarm.run.data import load_dataset
 
     dataset = load_dataset(RUN.data, RUN.model)
@@ -198,8 +198,8 @@ def test_a_pinned_version_outlives_the_rings_bounds_and_pins_are_bounded():
     size = committed_bytes(module.state_dict())
     ring = WeightsRing(max_bytes=2 * size, keep_s=5.0)
     digests = _commit_versions(ring, module, range(3))
-    shown = ring.get(digests[1], now=2.5, pin_next=True, pinner="QmReferee")
-    assert shown is not None and shown.pinned_next and shown.version == 1
+    shown, pinned = ring.show(digests[1], now=2.5, pinner="QmReferee", pin_next=True)
+    assert shown is not None and pinned and shown.version == 1
     digests += _commit_versions(ring, module, range(3, 8))  # version 2 is pinned: older than every kept one
     kept = [ring.get(d, now=7.5) is not None for d in digests]
     assert kept == [False, False, True, False, False, True, True, True], kept
@@ -207,20 +207,20 @@ def test_a_pinned_version_outlives_the_rings_bounds_and_pins_are_bounded():
     digests += _commit_versions(ring, module, range(int(3 + PIN_S), int(4 + PIN_S)))
     assert ring.get(digests[2], now=4 + PIN_S) is None  # the pin is over: it goes as any other
     again = _commit_versions(ring, module, range(40, 43))
-    assert ring.get(again[0], now=42.5, pin_next=True, pinner="QmReferee").pinned_next
+    assert ring.show(again[0], now=42.5, pinner="QmReferee", pin_next=True)[1]
     again += _commit_versions(ring, module, range(43, 46))
-    assert ring.get(again[1], now=45.4, pinner="QmReferee") is not None  # a judgement's fetch: kept on
+    assert ring.show(again[1], now=45.4, pinner="QmReferee")[0] is not None  # a judgement's fetch: kept on
     assert ring.get(again[1], now=45.45) is not None
-    assert ring.get(again[1], now=45.5, pinner="QmReferee", release=True) is not None  # its audit's: let go
+    assert ring.show(again[1], now=45.5, pinner="QmReferee", release=True)[0] is not None  # its audit's: let go
     assert ring.get(again[1], now=45.6) is None and ring.get(again[2], now=45.6) is None
     roomy = WeightsRing(max_bytes=100 * size, keep_s=1000.0)
     many = _commit_versions(roomy, module, range(2 * PIN_MAX + 4))  # pins of versions 1, 3, 5...: none fetched
-    grants = [roomy.get(many[2 * i], now=10.0, pin_next=True, pinner=f"Qm{i // 2}").pinned_next
+    grants = [roomy.show(many[2 * i], now=10.0, pinner=f"Qm{i // 2}", pin_next=True)[1]
               for i in range(PIN_MAX + 1)]
     assert grants == [True] * PIN_MAX + [False], grants  # PIN_MAX in all
-    assert not roomy.get(many[2 * PIN_MAX + 2], now=10.0, pin_next=True, pinner="Qm0").pinned_next  # 2 a pinner
-    assert roomy.get(many[0], now=10.0, pin_next=True, pinner="Qm0").pinned_next, "pinned already: asked again"
-    assert roomy.get(many[-2], now=11.0 + PIN_S, pin_next=True).pinned_next, "the pins are over: room again"
+    assert not roomy.show(many[2 * PIN_MAX + 2], now=10.0, pinner="Qm0", pin_next=True)[1]  # 2 a pinner
+    assert roomy.show(many[0], now=10.0, pinner="Qm0", pin_next=True)[1], "pinned already: asked again"
+    assert roomy.show(many[-2], now=11.0 + PIN_S, pin_next=True)[1], "the pins are over: room again"
     worker = StageWorker(RUN, 1)
     door = WeightsDoor()
     worker.forward("mb", torch.randn(4, 32).relu())

@@ -138,12 +138,12 @@ def test_a_lone_copy_trained_to_harm_is_convicted_by_its_audited_updates(shows):
         _ascent(liar)
         liar.health.observe_local_loss = lambda *args, **kwargs: None  # it keeps its own health checks out of the way
         liar._refuse_if_sick = lambda: None
-        ring_get = liar.ring.get
+        show = liar.ring.show  # what a referee's fetch gets
         if shows == "harmless":  # tests/hostile_stage.py withholding_harm
-            liar.ring.get = lambda digest, *args: (
-                None if (entry := ring_get(digest, *args)) is not None and entry.version % 2 else entry)
+            liar.ring.show = lambda digest, *args: (
+                (None, False) if (kept := show(digest, *args))[0] is not None and kept[0].version % 2 else kept)
         elif shows == "nothing":
-            liar.ring.get = lambda digest, *args: None
+            liar.ring.show = lambda digest, *args: (None, False)
         record = MemberRecord(str(first.peer_id), "online", "test", 0.0, 0.0, shard=0)
         for peer in peers:
             asyncio.run_coroutine_threadsafe(_allow(peer, record), peer._loop).result(5)

@@ -51,7 +51,7 @@ RING_COPIES_MAX = 8.0  # a referee that asks for a version the ring dropped less
 # micro-batches in flight older; 3 copies left 36-65 % of a lone copy's refereed hops without a verdict (session 33)
 RING_SHRINK_S = 300.0  # a copy so added goes again after this long without such an ask
 GONE_KEPT = 256  # digests of dropped versions remembered (to tell a just-dropped version from one never kept)
-# A referee shown an update's version asks the stage to keep the next one (the update's result) for its audit (``get``
+# A referee shown an update's version asks the stage to keep the next one (the update's result) for its audit (``show``
 # with ``pin_next``). An honest ring drops its oldest first, so while it shows a version it holds every later one: a
 # pinned version called gone was withheld (referee_audits.Withheld: a copy trained to harm that showed only what its
 # harmless updates made went to chance unconvicted). PIN_MAX pins at once, for PIN_S at most, over the ring's bound.
@@ -102,7 +102,6 @@ class Version:
     tensors: dict[str, torch.Tensor] | None  # None: the live weights (the current version on the CPU, not copied)
     nbytes: int
     served_at: float  # when a hop last ran on it (monotonic)
-    pinned_next: bool = False  # a referee's ask to keep the next version was granted (``WeightsRing.get``'s answer)
 
 
 class WeightsRing:
@@ -195,32 +194,32 @@ class WeightsRing:
             if current is not None and current.tensors is None:
                 self._copy_live(current, time.monotonic() if now is None else now)
 
-    def get(self, digest: bytes, now: float | None = None, pin_next: bool = False, pinner: str = "",
-            release: bool = False) -> Version | None:
-        """The version with this digest, if still kept (the current one copied out of the live weights and hashed
-        again: None if they no longer hash to it). ``pin_next``: keep the one after it for ``pinner`` until it asks
-        for it with ``release``, PIN_S at most (``Version.pinned_next``: granted, within PIN_MAX and PIN_PER_PINNER)."""
+    def get(self, digest: bytes, now: float | None = None) -> Version | None:
+        return self.show(digest, now)[0]
+
+    def show(self, digest: bytes, now: float | None = None, pinner: str = "", pin_next: bool = False,
+             release: bool = False) -> tuple[Version | None, bool]:
+        """(the version with this digest if still kept, the current one copied out of the live weights and hashed
+        again: None if they no longer hash to it; whether the one after it is now kept for ``pinner``: ``pin_next``
+        asks so, until it asks for it with ``release``, PIN_S at most, within PIN_MAX and PIN_PER_PINNER)."""
         with self._lock:
             now = time.monotonic() if now is None else now
             self._evict(now)
             entry = self._versions.get(digest)
             if entry is None:
                 self._missed(digest, now)
-                return None
+                return None, False
             if entry.tensors is None:
                 if entry is not self._current or self._key is None or self._key[1] != self._live_key():
                     self._lose(digest)  # changed since its commit
-                    return None
+                    return None, False
                 self._copy_live(entry, now)
                 if weights_digest(entry.tensors) != digest:  # changed while copied, by a writer that did not release
                     self._lose(digest)
-                    return None
+                    return None, False
             if release:  # its pinner's audit has it now (not any fetch of it: its next judgement may come first)
                 self._pins.pop((pinner, entry.version), None)
-            if pin_next:
-                return Version(entry.version, entry.digest, entry.tensors, entry.nbytes, entry.served_at,
-                               pinned_next=self._pin(pinner, entry.version + 1, now))
-            return entry
+            return entry, pin_next and self._pin(pinner, entry.version + 1, now)
 
     def _pin(self, pinner: str, version: int, now: float) -> bool:
         """Keep ``version`` (committed or not) for ``pinner``, PIN_S at most; False past the pins' bounds. Locked."""

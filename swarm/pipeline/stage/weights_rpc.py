@@ -58,8 +58,8 @@ class WeightsDoor:
             return [], refusal_meta("busy", "one version at a time: ask again", max(0.001, MIN_INTERVAL_S - since_s))
         pin = meta.get("pin") is True  # keep the next version for this referee's audit (weights.py PIN_S)
         # the current version is copied out then
-        kept = await asyncio.to_thread(worker.ring.get, digest, None, pin and may_pin, requester,
-                                       meta.get("release") is True)
+        kept, pinned = await asyncio.to_thread(worker.ring.show, digest, None, requester, pin and may_pin,
+                                               meta.get("release") is True)
         tensors = None if kept is None else kept.tensors
         if tensors is None:
             self.gone += 1
@@ -76,7 +76,7 @@ class WeightsDoor:
                 flats, layout = pack(tensors)
             serialized = await encode_off_loop(flats, "float32")
             self.shown += 1
-            return serialized, {"ok": True, **layout, **({"pinned": kept.pinned_next} if pin else {})}
+            return serialized, {"ok": True, **layout, **({"pinned": pinned} if pin else {})}
         finally:
             self.showing -= 1
             if self._busy[requester] <= 1:
