@@ -431,14 +431,15 @@ def test_a_lane_waiting_for_a_newcomers_verdict_says_so():
     assert checker.credit.get("newcomer-peer") == 1  # upheld all the same
 
 
-@pytest.mark.parametrize("case", ["hides", "unpinned", "not_alone", "pair", "shows_now_and_then"])
+@pytest.mark.parametrize("case", ["hides", "unpinned", "not_alone", "pair", "shows_now_and_then", "busy"])
 def test_a_lone_copy_that_hides_its_weights_from_the_runs_only_driver_is_held_off(case):
     """A lone copy trained to harm that shows no version (or keeps none for an audit) could never be audited, and took
     a run to chance (benchmarks.adversary lone_last_hiding_harm): with us the run's only driver, HIDDEN_IN_ROW such
     sampled hops in a row hold it off (the lane waits: proven), HIDDEN_HOLD_S doubling; the forwards it shows between
     them prove nothing of its updates. Where another driver trains it (its versions turn over faster), or a second
     copy can be compared with, only the backoff of UNSHOWN_IN_ROW; an update it shows with its result kept for the
-    audit starts the count again."""
+    audit starts the count again; weights that did not come because its door was busy or its link slow count
+    nothing (a stranger with a few keys can keep a door busy)."""
     import asyncio
 
     from swarm.pipeline.control.hops import Refused
@@ -457,7 +458,9 @@ def test_a_lone_copy_that_hides_its_weights_from_the_runs_only_driver_is_held_of
                 return Verdict(HOLDS, peer, pinned=False) if self.judged % 2 else Verdict(HOLDS, peer)  # a forward
             if case == "shows_now_and_then" and self.judged % HIDDEN_IN_ROW == 0:
                 return Verdict(HOLDS, peer, pinned=True)
-            return Verdict(UNSHOWN, peer, why="weights_gone")
+            if case == "busy":  # its door kept busy (by a stranger's keys, say) or its link slow: not its word
+                return Verdict(UNSHOWN, peer, why="busy")
+            return Verdict(UNSHOWN, peer, why="weights_gone", absent=True)
 
     out = torch.randn(8, 4)
     peers = {"solo": out, "other": out} if case == "pair" else {"solo": out}

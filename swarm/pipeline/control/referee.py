@@ -83,6 +83,7 @@ class Verdict:
     why: str = ""
     # an update's HOLDS: whether the peer keeps the version the update made for its audit (None: not asked)
     pinned: bool | None = None
+    absent: bool = False  # UNSHOWN on the peer's own word: it said the weights are gone, or committed to none
 
     def describe(self) -> str:
         return self.why or (self.finding.describe() if self.finding is not None else self.outcome)
@@ -216,7 +217,7 @@ class Referee(UpdateAuditor):
     async def _judge(self, k: int, op: str, tensors: list[torch.Tensor], claim: torch.Tensor, receipt: Receipt | None,
                      peer: str, loss: float | None = None) -> Verdict:
         if receipt is None or op not in REFEREED_OPS or receipt.weights == NO_WEIGHTS or receipt.signer != peer:
-            return self._unshown(peer, "its receipt commits to no weights")
+            return self._unshown(peer, "its receipt commits to no weights", absent=True)
         pinned: list | None = None
         try:
             forward_weights = None
@@ -239,8 +240,9 @@ class Referee(UpdateAuditor):
         except Exception as exc:  # gone, busy, slow, a broken stream: no evidence either way
             if pinned == [] and getattr(exc, "code", ""):  # it answered without showing: it pinned nothing either
                 self._unpin(peer)
+            # "gone" is the peer's own word; busy, slow or cut is not (a stranger can keep a door busy)
             return self._unshown(peer, f"no weights ({which}, of its {op} at version {receipt.version}): "
-                                       f"{str(exc)[:160]}")
+                                       f"{str(exc)[:160]}", absent=getattr(exc, "code", "") == "weights_gone")
         targets = self.dataset.y_train[tensors[1].long()] if op in LAST_GRADIENT_OPS else None
         started = time.perf_counter()
         try:
@@ -363,10 +365,10 @@ class Referee(UpdateAuditor):
             self._stage_bytes[k] = tensors_bytes(self._module(k).state_dict())  # float32 wherever it lives
         return self._stage_bytes[k]
 
-    def _unshown(self, peer: str, why: str) -> Verdict:
+    def _unshown(self, peer: str, why: str, absent: bool = False) -> Verdict:
         self.unshown += 1
         logger.info("referee: peer %s: %s (no verdict)", peer[-8:], why)
-        return Verdict(UNSHOWN, peer, why=why)
+        return Verdict(UNSHOWN, peer, why=why, absent=absent)
 
     def _convict(self, k: int, peer: str, receipt: Receipt, tensors: list[torch.Tensor], claim: torch.Tensor,
                  why: str, finding: Finding | None = None, weights: dict[str, torch.Tensor] | None = None,

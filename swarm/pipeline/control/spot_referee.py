@@ -127,7 +127,8 @@ class SpotReferee:
             # is nothing; a peer that shows nothing UNSHOWN_IN_ROW times running is backed off like a failing one
             # (what a liar that never shows gets), and its sampled micro-batch is refused
             self.unshown += 1
-            self._hidden(k, claim.peer, verdict)
+            if verdict.absent:  # "gone" on its own word; a busy door or a slow link counts nothing towards a hold
+                self._hidden(k, claim.peer, verdict)
             misses = self._unshown_in_row.get(claim.peer, 0) + 1
             if len(self._unshown_in_row) >= MAX_CREDITED:
                 self._unshown_in_row.clear()
@@ -139,7 +140,7 @@ class SpotReferee:
                                             f"{UNSHOWN_IN_ROW} sampled hops ({verdict.describe()}): not passed on")
 
     def _hidden(self, k: int, peer: str, verdict: Verdict) -> None:
-        """A sampled hop whose weights ``peer`` did not show, or whose update's result it would not keep for an audit.
+        """A sampled hop whose weights ``peer`` said are gone, or whose update's result it would not keep for an audit.
         Where it is its swarm's only copy and we the run's only driver, nothing else checks it and an honest one shows
         what nearly every one asks (a lone copy with one driver: 0 of 16 unshown, benchmarks.lone_referee): after
         HIDDEN_IN_ROW such hops in a row it is not trained through for HIDDEN_HOLD_S, doubling each time (a copy that
