@@ -258,11 +258,13 @@ def test_a_full_ring_reuses_the_oldest_versions_buffers_but_never_ones_a_door_is
 # ----- recomputation
 
 
-def test_honest_hops_reproduce_exactly_a_backward_through_an_older_forward_too():
+@pytest.mark.parametrize("stashing", [True, False])
+def test_honest_hops_reproduce_exactly_a_backward_through_an_older_forward_too(stashing: bool):
     # seeded: the last check needs the 8 updates to move some ReLU mask, which an unseeded draw once did not (seen
     # once in ~30 runs: the approximate recomputation was then exact too)
     torch.manual_seed(7)
-    worker, module = StageWorker(RUN, 1), build_stage(RUN.model, 1)
+    run = RUN.model_copy(update={"training": RUN.training.model_copy(update={"weight_stashing": stashing})})
+    worker, module = StageWorker(run, 1), build_stage(RUN.model, 1)
     x = torch.randn(8, HIDDEN).relu()
     y = worker.forward("mb", x)
     forward_digest = worker.committed[1]
@@ -273,12 +275,18 @@ def test_honest_hops_reproduce_exactly_a_backward_through_an_older_forward_too()
     grad_in = worker.backward("mb", g, None, None)
     now = worker.weights_for(worker.committed[1])
     assert worker.forward_weights == forward_digest != worker.committed[1]
-    exact = recompute(RUN.model, module, "backward", now, [g, x], forward_weights=weights)
+    assert weights_digest(weights) == forward_digest  # what the graph computed with was never written since
+    exact = recompute(RUN.model, module, "backward", now, [g, x], forward_weights=weights, stashed=stashing)
     finding = compare(grad_in, exact, tolerance_for("backward", "float32"))
     assert finding.holds and finding.cosine > 0.9999 and abs(finding.ratio - 1) < 1e-4, finding
-    # what a referee that ignored the forward's version would see: close, not exact
-    assert compare(grad_in, recompute(RUN.model, module, "backward", now, [g, x]),
-                   tolerance_for("backward", "float32")).cosine < 0.99999
+    # what a referee that recomputed it the other way would see: close, not exact
+    other = recompute(RUN.model, module, "backward", now, [g, x], forward_weights=weights, stashed=not stashing)
+    assert compare(grad_in, other, tolerance_for("backward", "float32")).cosine < 0.99999
+    if stashing:  # the gradient of the forward's weights: as if no update had come in between
+        assert torch.allclose(grad_in, recompute(RUN.model, module, "backward", weights, [g, x]), atol=1e-6)
+    else:  # ... a referee that ignored the forward's version
+        assert compare(grad_in, recompute(RUN.model, module, "backward", now, [g, x]),
+                       tolerance_for("backward", "float32")).cosine < 0.99999
 
 
 def test_the_last_stage_gradient_and_check_ops_reproduce_and_lies_do_not():

@@ -80,13 +80,13 @@ class StepGuard:
         ``grad_norm`` (the norm of the gradient ``update`` applies, ``optimizer.step`` only) lets an Adam step
         skip copying and checking the optimizer state when the moments provably stay finite
         (``moments_stay_finite``); ``param_norms`` (each parameter tensor's norm now) saves a pass."""
-        params = self._params()
+        old = self._kept() if self._kept is not None else None  # first: with weight stashing it moves the live
+        params = self._params()  # weights to new storage (swarm/integrity/weights.py live_view)
         state = self._state()
         fast = (grad_norm is not None and param_norms is not None and self._state_is_verified(state)
                 and self.steps % FULL_CHECK_EVERY_STEPS != FULL_CHECK_EVERY_STEPS - 1
                 and moments_stay_finite(self.optimizer, grad_norm, math.sqrt(sum(n * n for n in param_norms))))
         had_state = {id(p): bool(self.optimizer.state.get(p)) for p in self._plist}
-        old = self._kept() if self._kept is not None else None
         if old is not None and _same_layout(old, params):
             self._param_buffers = []  # the copy lives in the ring: ours would be a second one
             self.shared_steps += 1

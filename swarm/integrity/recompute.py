@@ -105,18 +105,21 @@ def module_lock(module: nn.Module) -> threading.Lock:
 
 def recompute(model: ModelConfig, module: nn.Module, op: str, weights: dict[str, torch.Tensor],
               tensors: list[torch.Tensor], targets: torch.Tensor | None = None,
-              forward_weights: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+              forward_weights: dict[str, torch.Tensor] | None = None, stashed: bool = False) -> torch.Tensor:
     """The output (activations) or input gradient that ``op`` computes on ``tensors`` with ``weights`` (a state dict of
     ``module``'s shape): forward/infer [x] -> y; backward/backward_check [g, x] -> grad x (unclipped), through the
     activations of ``forward_weights`` where a backward's forward ran on another version (as the stage does);
-    forward_backward/_check [x, ids] with ``targets`` -> grad x of the loss. Raises ValueError on weights that do not
-    fit the module (names, shapes): the signer showed something else than a copy of this stage.
+    forward_backward/_check [x, ids] with ``targets`` -> grad x of the loss; ``stashed`` (the run's
+    ``training.weight_stashing``): a backward computed with ``forward_weights`` alone. Raises ValueError on weights that
+    do not fit the module (names, shapes): the signer showed something else than a copy of this stage.
 
     Computed where ``module`` lives (a referee on a GPU recomputes a GPU-sized stage there, under the stage's own
     autocast: swarm/run/llama.py); the result comes back on the CPU, where the claim is."""
     device = _device_of(module)
     tensors = [t.to(device) for t in tensors]
     targets = None if targets is None else targets.to(device)
+    if stashed and forward_weights is not None:
+        weights, forward_weights = forward_weights, None
     with module_lock(module):
         return _recompute(model, module, op, weights, tensors, targets, forward_weights).cpu()
 
@@ -158,10 +161,14 @@ def _recompute(model: ModelConfig, module: nn.Module, op: str, weights: dict[str
 
 def recompute_param_grads(model: ModelConfig, module: nn.Module, op: str, weights: dict[str, torch.Tensor],
                           tensors: list[torch.Tensor], targets: torch.Tensor | None = None,
-                          forward_weights: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                          forward_weights: dict[str, torch.Tensor] | None = None,
+                          stashed: bool = False) -> dict[str, torch.Tensor]:
     """The parameter gradient an update op computes at ``weights`` (what its update steps along, before clipping):
     backward [g, x] through the activations of ``forward_weights`` where its forward ran on another version, as the
-    stage does; forward_backward [x] with ``targets``. On the CPU, by parameter name (swarm/integrity/audit.py)."""
+    stage does (``stashed``: through ``forward_weights`` alone); forward_backward [x] with ``targets``. On the CPU, by
+    parameter name (swarm/integrity/audit.py)."""
+    if stashed and forward_weights is not None:
+        weights, forward_weights = forward_weights, None
     with module_lock(module):
         return _param_grads(model, module, op, weights, tensors, targets, forward_weights)
 

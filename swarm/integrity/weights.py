@@ -35,11 +35,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from swarm.integrity.receipts import DIGEST_BYTES, hash_threads
+from swarm.integrity.weights_copies import (  # noqa: F401  (re-exported: callers import them from here)
+    COMMIT_DTYPE, committed_bytes, committed_copy, committed_dtype, copy_to_host as _copy_to_host, fits as _fits,
+    stays_live as _stays_live, tensors_bytes, weights_digest,
+)
 
 logger = logging.getLogger(__name__)
 
-COMMIT_DTYPE: torch.dtype | None = None  # exact (module docstring: why not bfloat16)
 KEEP_S = 30.0  # a version is shown for at least this long after it was last served (memory permitting)
 RING_MIN_BYTES = 8 * 2**20  # a small stage keeps many versions (digits: ~120): a referee asks within a round trip or two
 RING_COPIES = 3.0  # a large one keeps at most this many (committed) copies of older versions beside the live one: a
@@ -57,42 +59,6 @@ GONE_KEPT = 256  # digests of dropped versions remembered (to tell a just-droppe
 # harmless updates made went to chance unconvicted). PIN_MAX pins at once, for PIN_S at most, over the ring's bound.
 PIN_S, PIN_MAX, PIN_PER_PINNER = 20.0, 4, 2
 
-
-def weights_digest(tensors: dict[str, torch.Tensor]) -> bytes:
-    """BLAKE3 over every tensor's name, dtype, shape and bytes, in name order: the same weights give the same digest on
-    any machine and any device (the bytes are taken on the CPU). Weights of PARALLEL_HASH_BYTES or more are hashed on
-    every core (BLAKE3's tree makes the digest the same): a version is hashed under the stage's lock, with the compute
-    thread waiting on it."""
-    import blake3
-
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    h = blake3.blake3(max_threads=hash_threads(total))
-    for name in sorted(tensors):
-        tensor = tensors[name].detach()
-        h.update(f"{name}|{tensor.dtype}|{list(tensor.shape)}|".encode())
-        flat = tensor.to("cpu").contiguous().reshape(-1)
-        if flat.numel():
-            h.update(flat.view(torch.uint8).numpy())
-    return h.digest(DIGEST_BYTES)
-
-
-def committed_dtype(tensor: torch.Tensor) -> torch.dtype:
-    """The dtype a tensor is committed (hashed, kept, shown) in: its own, unless COMMIT_DTYPE rounds floating ones."""
-    return COMMIT_DTYPE if COMMIT_DTYPE is not None and tensor.is_floating_point() else tensor.dtype
-
-
-def committed_bytes(tensors: dict[str, torch.Tensor]) -> int:
-    """Bytes of one committed copy of ``tensors`` (a version in the ring)."""
-    return sum(t.numel() * committed_dtype(t).itemsize for t in tensors.values())
-
-
-def committed_copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``tensors`` as a commit holds them (a copy on the CPU, in ``committed_dtype``)."""
-    return {name: t.detach().to("cpu", committed_dtype(t), copy=True) for name, t in tensors.items()}
-
-
-def tensors_bytes(tensors: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 @dataclass(slots=True)
@@ -133,15 +99,18 @@ class WeightsRing:
         self._last_miss = 0.0
         self._gone: OrderedDict[bytes, float] = OrderedDict()  # dropped versions' digests -> when
         self._pins: dict[tuple[str, int], float] = {}  # (referee, version number) kept for it -> until (monotonic)
+        self.stash = False  # weight stashing (``live_view``): a forward's graph keeps the version it ran with
+        self._view: dict[str, torch.Tensor] | None = None  # the live weights as graphs of this version hold them
+        self.moved = 0  # live versions whose storage became their copy (graphs held it) instead of being copied
 
     @staticmethod
-    def sized_for(module: nn.Module, keep_s: float = KEEP_S) -> WeightsRing:
+    def sized_for(module: nn.Module, keep_s: float = KEEP_S, stash: bool = False) -> WeightsRing:
         """A ring for ``module``: RING_MIN_BYTES, or RING_COPIES committed copies of its weights where that is more
         (one more beside a GPU, whose current version is a copy)."""
         state = module.state_dict()
         extra = 0.0 if _stays_live(state) else 1.0
         ring = WeightsRing(max(RING_MIN_BYTES, int((RING_COPIES + extra) * committed_bytes(state))), keep_s)
-        ring.copy_bytes, ring.max_copies = committed_bytes(state), RING_COPIES_MAX + extra
+        ring.copy_bytes, ring.max_copies, ring.stash = committed_bytes(state), RING_COPIES_MAX + extra, stash
         return ring
 
     def commit(self, module: nn.Module, version: int, now: float | None = None) -> tuple[int, bytes]:
@@ -156,6 +125,7 @@ class WeightsRing:
                 return self._current.version, self._current.digest
             live = self.lazy and _stays_live(state)
             current = self._current
+            self._view = None  # graphs of the version before keep theirs
             if current is not None and current.tensors is None and self._key is not None and self._key[1] != key[1]:
                 self._lose(current.digest)  # changed in place, never released
             # (a live version whose tensors did not change, only its number, stays current: a referee may still
@@ -188,11 +158,37 @@ class WeightsRing:
 
     def release_live(self, now: float | None = None) -> None:
         """Copy the current version out of the live weights, which the caller (holding the stage's lock) is about to
-        change: a referee may still ask for it."""
+        change: a referee may still ask for it (and with ``stash``, forwards' graphs still compute with it)."""
         with self._lock:
-            current = self._current
-            if current is not None and current.tensors is None:
-                self._copy_live(current, time.monotonic() if now is None else now)
+            self._release(time.monotonic() if now is None else now)
+
+    def live_view(self) -> dict[str, torch.Tensor] | None:
+        """Weight stashing (``training.weight_stashing``): the current version's tensors as the live weights hold them
+        (aliases, no copy), for a forward's graph to keep until its backward. While a graph holds this dict, the
+        weights are given new storage before anything writes them (``_release``), so the backward computes with the
+        weights its forward ran with (PipeDream's weight stashing) and a referee recomputes the hop from that one
+        version. The caller holds the stage's lock and has just committed; None where stashing is off."""
+        with self._lock:
+            if not self.stash or self._current is None or self._key is None or self._key[1] != self._live_key():
+                return None
+            if self._view is None:
+                self._view = {name: t.data for name, t in self._tensors}
+            return self._view
+
+    def _release(self, now: float) -> None:
+        """The live weights are about to be written (the caller holds the stage's lock). Locked."""
+        current, view = self._current, self._view
+        self._view = None
+        held = view is not None and sys.getrefcount(view) > 2  # our name and getrefcount's: more are graphs
+        if current is not None and current.tensors is None:
+            if held:  # the graphs' storage becomes the version's copy; the live weights get the new one
+                self._copy_live(current, now, view)
+            else:
+                self._copy_live(current, now)
+        elif held:  # a copy exists already (a referee's, or the host's beside a GPU): the live weights move off it
+            for _, t in self._tensors:
+                t.data = t.data.clone()
+            self.moved += 1
 
     def get(self, digest: bytes, now: float | None = None) -> Version | None:
         return self.show(digest, now)[0]
@@ -248,15 +244,14 @@ class WeightsRing:
         with self._lock:
             if self._key is None or self._current is None or self._key[1] != parts:
                 return None
-            if self._current.tensors is None:
-                self._copy_live(self._current, time.monotonic())
+            self._release(time.monotonic())
             return self._current.tensors
 
     def counts(self) -> dict[str, int]:
         """What the ring did (a node's log at its stop): versions hashed, copied out of the live weights, lost (changed
         without ``release_live``), kept now."""
         return {"hashed": self.commits, "released": self.released, "lost": self.lost, "kept": len(self),
-                "grown": self.grown}
+                "grown": self.grown, "moved": self.moved}
 
     @property
     def largest_bytes(self) -> int:
@@ -280,9 +275,10 @@ class WeightsRing:
     def _live_key(self) -> tuple:
         return tuple((t.data_ptr(), t._version) for _, t in self._tensors)
 
-    def _copy_live(self, entry: Version, now: float) -> None:
+    def _copy_live(self, entry: Version, now: float, view: dict[str, torch.Tensor] | None = None) -> None:
         """``entry`` (the current version, live) copied into an evicted version's buffers or new ones (under the
-        lock)."""
+        lock). With ``view`` (the live storage forwards' graphs hold: ``live_view``) the copy becomes the live
+        weights and the storage the graphs hold becomes the version's: the same one copy."""
         state = {name: t.detach() for name, t in self._tensors}
         spare = self._take_spare(now, committed_bytes(state))
         if spare is not None and _fits(spare, state):
@@ -291,6 +287,11 @@ class WeightsRing:
             self.recycled += 1
         else:
             spare = {name: t.clone() for name, t in state.items()}
+        if view is not None:
+            for name, t in self._tensors:
+                t.data = spare[name]
+            spare = view
+            self.moved += 1
         entry.tensors = spare
         entry.nbytes = tensors_bytes(spare)
         self._bytes += entry.nbytes
@@ -376,24 +377,3 @@ class WeightsRing:
             self.grown += 1
             logger.info("a referee asked for a version of these weights dropped %.1f s before: keeping %.0f MiB of "
                         "versions now (%d copies more)", now - dropped, self.max_bytes / 2**20, self.grown)
-
-
-def _stays_live(state: dict[str, torch.Tensor]) -> bool:
-    """Whether a ring keeps this module's current version as its live weights (on the CPU, committed as they are)."""
-    return all(t.device.type == "cpu" and committed_dtype(t) == t.dtype for t in state.values())
-
-
-def _copy_to_host(out: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state`` copied into ``out``; from a GPU every copy is queued first and waited for once (one wait per version,
-    not one per tensor: llm-small's stage has 36)."""
-    devices = {t.device for t in state.values() if t.is_cuda}
-    for name, t in state.items():
-        out[name].copy_(t.detach(), non_blocking=t.is_cuda and out[name].is_pinned())
-    for device in devices:
-        torch.cuda.current_stream(device).synchronize()  # the host's bytes are whole before anything hashes them
-    return out
-
-
-def _fits(spare: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> bool:
-    return spare.keys() == state.keys() and all(
-        spare[n].shape == t.shape and spare[n].dtype == committed_dtype(t) for n, t in state.items())

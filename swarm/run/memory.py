@@ -37,11 +37,12 @@ class StageMemory:
     activation_bytes: int  # of one micro-batch
     micro_batches: int  # held at once
     overhead_bytes: int  # CUDA context and allocator slack (0 on a CPU)
+    stash_bytes: int = 0  # weight stashing: the float32 weights the older micro-batches' forwards ran with
 
     @property
     def total_bytes(self) -> int:
         return (self.weights_bytes + self.optimizer_bytes + self.guard_bytes
-                + self.activation_bytes * self.micro_batches + self.overhead_bytes)
+                + self.activation_bytes * self.micro_batches + self.overhead_bytes + self.stash_bytes)
 
 
 def layer_params(model: ModelConfig) -> int:
@@ -102,12 +103,16 @@ def stage_memory(run: RunConfig, index: int, cuda: bool = True) -> StageMemory:
     optimizer = FLOAT32_BYTES * floats * params
     in_flight = run.training.in_flight if isinstance(run.training.in_flight, int) else run.training.in_flight_max
     bf16 = cuda and model.mixed_precision == "bf16"
+    from swarm.pipeline.stage.activations import STASHED_VERSIONS_MAX
+
+    last = index == model.stages - 1
+    stashed = 0 if last or not run.training.weight_stashing else min(in_flight, STASHED_VERSIONS_MAX) - 1
     return StageMemory(
         index=index, params=params, weights_bytes=2 * FLOAT32_BYTES * params, optimizer_bytes=optimizer,
         guard_bytes=FLOAT32_BYTES * params + optimizer,
         activation_bytes=activation_bytes(model, index, run.training.batch_size, bf16),
-        micro_batches=1 if index == model.stages - 1 else in_flight,
-        overhead_bytes=CUDA_OVERHEAD_BYTES if cuda else 0,
+        micro_batches=1 if last else in_flight,
+        overhead_bytes=CUDA_OVERHEAD_BYTES if cuda else 0, stash_bytes=FLOAT32_BYTES * params * stashed,
     )
 
 

@@ -42,7 +42,10 @@ HASH_WHEN_SET = {("training", "end_at_target"): False, ("training", "sample_budg
                  ("integrity", "spot_share"): 0.03,
                  # runs before identity work had none; the default asks for it, so every run's id changed with it
                  # (clients before it would be invisible to clients after it: a new id says so instead)
-                 ("integrity", "identity_bits"): 0}
+                 ("integrity", "identity_bits"): 0,
+                 # a backward's computation changed with it (a referee recomputes it so): clients before it, whose
+                 # referees would recompute a stashed backward their way, are another run
+                 ("training", "weight_stashing"): False}
 # Fields removed after runs existed still enter the run id at the value every run had (the direction check's,
 # removed with it: no shipped config set them), so clients before and after the removal still train together.
 HASH_REMOVED = {("integrity", "ascent_cosine"): -0.25, ("integrity", "ascent_min_updates"): 64}
@@ -136,6 +139,9 @@ class TrainingConfig(Strict):
                                 "volunteer pauses, takes no more work and says so (swarm/dht/completion.py)")
     sample_budget: int = Field(0, ge=0, description="the run is complete once a layer0 copy has trained this many "
                                "samples; 0: no budget")
+    weight_stashing: bool = Field(True, description="a stage's backward computes with the weights its forward ran "
+                                  "with (PipeDream's weight stashing): the gradient of the weights that made the "
+                                  "activations; false: the input gradient with the weights of the backward's time")
 
     @field_validator("in_flight", mode="before")
     @classmethod

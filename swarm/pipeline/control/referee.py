@@ -248,7 +248,8 @@ class Referee(UpdateAuditor):
         try:
             recomputed = await asyncio.get_running_loop().run_in_executor(
                 self.executor, recompute, self.run.model, self._module(k), op, weights,
-                tensors[:1] if op in LAST_GRADIENT_OPS else tensors, targets, forward_weights)
+                tensors[:1] if op in LAST_GRADIENT_OPS else tensors, targets, forward_weights,
+                self.run.training.weight_stashing)
         except ValueError as exc:  # weights that hash right but are no copy of this stage
             return self._convict(k, peer, receipt, tensors, claim, f"showed weights that are not this stage's: {exc}")
         finally:

@@ -134,7 +134,8 @@ class UpdateAuditor:
         try:
             grads = await loop.run_in_executor(
                 self.executor, recompute_param_grads, self.run.model, self._module(k), op, weights,
-                tensors[:1] if op in LAST_GRADIENT_OPS else tensors, targets, forward_weights)
+                tensors[:1] if op in LAST_GRADIENT_OPS else tensors, targets, forward_weights,
+                self.run.training.weight_stashing)
             cosine = await loop.run_in_executor(self.executor, update_cosine, weights, after, grads)
         except ValueError:
             return None

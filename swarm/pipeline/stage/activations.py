@@ -17,6 +17,9 @@ import torch
 CACHE_ENTRIES = 64
 CACHE_TTL_S = 120.0
 MIN_OWNER_ENTRIES = 8
+STASHED_VERSIONS_MAX = 8  # weight versions the cached graphs hold at most (weight stashing: a copy of the stage's
+# weights each, kept past the referee's ring while held); past it the oldest graphs of the oldest versions go (their
+# backward recomputes the forward, as after any eviction). One driver at in_flight 4 holds ~4, two ~8.
 
 
 @dataclass(slots=True)
@@ -27,6 +30,8 @@ class Saved:
     created: float
     version: int = 0  # updates the stage had applied when this forward ran (its staleness is counted from it)
     weights: bytes = b"\0" * 16  # the digest of the weights it ran with (its backward's receipt names them too)
+    stash: dict[str, torch.Tensor] | None = None  # the ring's view of those weights, held for the backward (weight
+    # stashing: swarm/integrity/weights.py live_view): while held, nothing writes them
 
 
 Key = tuple[str, str]  # (owner: the requesting driver, "" for local calls; micro-batch id)
@@ -59,6 +64,17 @@ class ActivationCache:
         while len(self._items) > self.max_entries:
             largest = self._owners.most_common(1)[0][0]
             self._drop(next(k for k in self._items if k[0] == largest))
+        if saved.stash is not None:
+            self._bound_stashed()
+
+    def _bound_stashed(self) -> None:
+        """At most STASHED_VERSIONS_MAX weight versions held by graphs: the oldest version's graphs go first."""
+        held = {id(s.stash): s.stash for s in self._items.values() if s.stash is not None}
+        while len(held) > STASHED_VERSIONS_MAX:
+            oldest = next(iter(held))
+            for key in [k for k, s in self._items.items() if s.stash is not None and id(s.stash) == oldest]:
+                self._drop(key)
+            del held[oldest]
 
     def pop(self, key: Key, now: float) -> Saved | None:
         self._expire(now)

@@ -4,13 +4,13 @@ No networking here: the RPC servicer (stage_rpc.py) and the local driver call th
 single compute thread. Design choices:
 
 - Asynchronous SGD (DistBelief): every backward applies its gradient to this copy at once.
-- A forward keeps its autograd graph in a bounded, time-limited cache keyed by micro-batch id, so
-  a backward that comes back to the same peer reuses the saved activations instead of recomputing.
-  The graph is built over *aliases* of the parameters (``p.data``: same storage, own version
-  counter), so updates applied in between do not invalidate it: the backward then uses the current
-  weights for the input gradient, as a recompute would, while the parameter gradient uses the
-  activations of the forward. A backward at another peer (or after the cache dropped the entry)
-  recomputes the forward from the input the driver re-sends.
+- A forward keeps its autograd graph in a bounded, time-limited cache keyed by micro-batch id, so a backward that
+  comes back to the same peer reuses the saved activations. With weight stashing (``training.weight_stashing``, on
+  by default) the graph holds the weights its forward ran with: the ring's view of that version, which nothing
+  writes while held (the update gives the live weights new storage): the backward is the gradient at those weights
+  (PipeDream). Without it the graph aliases the live parameters (``p.data``: own version counter), and the input
+  gradient is taken with the weights of now through the forward's activations. A backward at another peer (or
+  after the cache dropped the entry) recomputes the forward from the input the driver re-sends.
 - The update is ``optimizer.step()`` unless averaging replaces it (``set_update_rule``: the edge
   modes DSGD, PDMM-ISVR and ADMM-ISVR are optimizers of their own).
 - Averaging (swarm/averaging) changes the copy only between two steps: it runs its changes on the
@@ -93,7 +93,7 @@ class StageWorker(StageState):
         self.on_probation: Callable[[str], bool] = lambda owner: False
         # the weights each op computes with, committed: (version, digest) of the latest op's, signed into its receipt,
         # and the recent versions kept for a referee to recompute a hop from (swarm/integrity/weights.py)
-        self.ring = WeightsRing.sized_for(self.module)
+        self.ring = WeightsRing.sized_for(self.module, stash=run.training.weight_stashing)
         self.committed: tuple[int, bytes] = (0, NO_WEIGHTS)
         self.forward_weights = NO_WEIGHTS  # a backward's: the digest its saved forward ran with (else = committed's)
 
@@ -120,15 +120,17 @@ class StageWorker(StageState):
 
     # ----- compute
     def _graph(self, x: torch.Tensor, y: torch.Tensor | None = None) -> Saved:
-        """The forward with its graph; with targets, the loss (a language model's head fuses it: models.stage_loss)."""
-        params = {name: p.data.requires_grad_(True) for name, p in self.named_params}
+        """The forward with its graph; with targets, the loss (a language model's head fuses it: models.stage_loss).
+        With weight stashing the graph holds the ring's view of this version, which nothing writes while held."""
+        stash = self.ring.live_view()
+        params = {name: (p if stash is None else stash[name]).data.requires_grad_(True) for name, p in self.named_params}
         inputs = x.to(self.device)
         if inputs.is_floating_point() and not self.is_first:
             inputs.requires_grad_(True)  # the previous stage needs this gradient
         outputs = functional_call(self.module, params, (inputs,)) if y is None else \
             stage_loss(self.run.model, self.module, params, inputs, y.to(self.device))
         return Saved(inputs=inputs, outputs=outputs, params=params, created=time.monotonic(),
-                     version=self.stats.served, weights=self.committed[1])
+                     version=self.stats.served, weights=self.committed[1], stash=stash)
 
     def forward(self, mb_id: str, x: torch.Tensor, owner: str = "") -> torch.Tensor:
         """Training forward; keeps the graph for a backward of ``owner`` (the requesting driver) that comes back here."""
@@ -187,8 +189,8 @@ class StageWorker(StageState):
                     raise NeedInput(mb_id)
                 self._commit()
                 saved = self._graph(x)
-            self._commit()  # the input gradient is taken with the weights of now (the graph aliases them) ...
-            self.forward_weights = saved.weights  # ... through the activations of the forward's weights
+            self._commit()  # the update's base: the weights of now; with weight stashing the graph computes with the
+            self.forward_weights = saved.weights  # forward's weights only, otherwise its input gradient with now's
             backward_root(saved.outputs, grad_out.to(self.device, saved.outputs.dtype)).backward()
             peak = self._check_emitted(saved.inputs.grad, "input gradients")
             self._apply(saved, batch_size=grad_out.shape[0], loss=loss, owner=owner, scale=out_scale, out_rms=out_rms,
@@ -389,11 +391,10 @@ class StageWorker(StageState):
         self._step_hooks.append(hook)
 
     def set_update_rule(self, rule: Callable[[], None] | None) -> None:
-        """Replace ``optimizer.step()`` by ``rule`` (None restores it). The rule runs on the compute
-        thread under the lock, with every parameter's ``.grad`` set, and must update the parameters in
-        place (cached forward graphs alias them). The edge modes of averaging use this: their update
-        *is* the optimizer (swarm/averaging/edges.py). The gradients it sees are clipped, and a step that
-        would leave anything non-finite is undone (swarm/integrity/guard.py), as for the optimizer."""
+        """Replace ``optimizer.step()`` by ``rule`` (None restores it). The rule runs on the compute thread under the
+        lock, with every parameter's ``.grad`` set, and updates the parameters in place. The edge modes of averaging
+        use this: their update *is* the optimizer (swarm/averaging/edges.py). The gradients it sees are clipped, and a
+        step that would leave anything non-finite is undone (swarm/integrity/guard.py), as for the optimizer."""
         with self.lock:
             self._update = rule if rule is not None else step_of(self.optimizer)
             self._custom_rule = rule is not None
