@@ -145,9 +145,13 @@ def test_the_run_id_is_computed_once_per_object_and_a_changed_copy_computes_its_
 def test_a_removed_field_keeps_the_run_id_earlier_clients_compute():
     """The direction check's fields (integrity.ascent_*) left with it; a run keeps the id it had, and a config
     that still sets one is refused instead of silently ignored."""
-    before_work = RunConfig(name="x", integrity={"identity_bits": 0})  # the id predates identity work, too
+    # the id predates identity work and weight stashing, too
+    before_work = RunConfig(name="x", integrity={"identity_bits": 0}, training={"weight_stashing": False})
     assert before_work.run_id == "x-a3bb3a9e", "the id clients before the removal computed"
-    assert RunConfig(name="x").run_id != before_work.run_id, "asking for identity work is a new run id"
+    assert RunConfig(name="x", training={"weight_stashing": False}).run_id != before_work.run_id, \
+        "asking for identity work is a new run id"
+    assert RunConfig(name="x").run_id not in (before_work.run_id, RunConfig(name="x", training={
+        "weight_stashing": False}).run_id), "weight stashing (a backward's computation) is a new run id"
     with pytest.raises(ValueError, match="ascent_cosine"):
         RunConfig.model_validate({"name": "x", "integrity": {"ascent_cosine": -1.0}})
 
