@@ -139,6 +139,8 @@ class HostMemory:
     ring_max_bytes: int = 0  # the ring grown as far as referees asking for dropped versions take it (RING_COPIES_MAX),
     # with the versions referees pinned for their audits over it (PIN_MAX, for 20 s at most)
     ring_max_bytes_gpu: int = 0  # the same beside a GPU (one copy more)
+    stash_max_bytes: int = 0  # weight stashing: versions forwards' graphs hold past the ring's bound, at most
+    # (STASHED_VERSIONS_MAX: the ring's copies are those versions while it keeps them)
 
     @property
     def total_bytes(self) -> int:
@@ -172,6 +174,7 @@ def host_memory(run: RunConfig, index: int, snapshots_on_disk: bool = True) -> H
     files where a node keeps them (``snapshots_on_disk``: a volunteer; False: in memory, a stage built in-process
     without a folder for them)."""
     from swarm.integrity.weights import PIN_MAX, RING_COPIES, RING_COPIES_MAX, RING_MIN_BYTES
+    from swarm.pipeline.stage.activations import STASHED_VERSIONS_MAX
 
     params, largest = _param_counts(run.model, index)
     floats = OPTIMIZER_STATE_FLOATS[run.optimizer.name]
@@ -193,6 +196,8 @@ def host_memory(run: RunConfig, index: int, snapshots_on_disk: bool = True) -> H
         ring_max_bytes=max(RING_MIN_BYTES, int(RING_COPIES_MAX * weights * _commit_share())) + PIN_MAX * weights,
         ring_max_bytes_gpu=max(RING_MIN_BYTES, int((RING_COPIES_MAX + 1) * weights * _commit_share())) +
         PIN_MAX * weights,
+        stash_max_bytes=STASHED_VERSIONS_MAX * weights if run.training.weight_stashing and index < run.model.stages - 1
+        else 0,
     )
 
 

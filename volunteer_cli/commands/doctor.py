@@ -363,12 +363,10 @@ def host_memory_checks(run: Any, requested: str, disk_free: int | None = None) -
     whether the data dir's ``disk_free`` holds healing's snapshot files (swarm/integrity/snapshots.py)."""
     import psutil
     import torch
-
     from swarm.pipeline.stage.applied import replies_bytes
     from swarm.pipeline.stage.outbox import OUTBOX_MAX_DRIVERS, outbox_bytes
     from swarm.run.memory import host_memory
     from volunteer_cli.commands.common import mib_text as _mib
-
     gpu = requested != "cpu" and torch.cuda.is_available()
     available = psutil.virtual_memory().available
     section = "Host memory a stage keeps (" + ("on the GPU's host: weight versions" if gpu else
@@ -382,7 +380,9 @@ def host_memory_checks(run: Any, requested: str, disk_free: int | None = None) -
                   f"bytes each (live copy {_mib(need.live_bytes)}" + ("" if not gpu else " on the GPU") +
                   f", guard {_mib(need.guard_bytes)} (+{_mib(need.guard_peak_bytes - need.guard_bytes)} "
                   f"one step in 50), weight versions {_mib(host if gpu else need.ring_bytes)} (up to "
-                  f"{_mib(need.ring_max(gpu))} as referees ask); healing's snapshots {_mib(need.disk_bytes)} on disk)")
+                  f"{_mib(need.ring_max(gpu))} as referees ask" + ("" if gpu or not need.stash_max_bytes else
+                  f", {_mib(need.stash_max_bytes)} more held for backwards at most") +
+                  f"); healing's snapshots {_mib(need.disk_bytes)} on disk)")
         if outbox:  # it grows with the run's drivers (swarm/pipeline/stage/outbox.py), up to OUTBOX_MAX_DRIVERS
             most = outbox_bytes(run, index, OUTBOX_MAX_DRIVERS) - outbox_bytes(run, index)
             detail += f" + pushed hops and replies kept {_mib(outbox)} (one driver; up to {_mib(most)} more " \
