@@ -20,6 +20,12 @@ weights without releasing them first, the version is answered as gone, never sho
 copies thus covers as many versions as ``RING_COPIES + 1`` eager ones (4 bytes a parameter saved). Beside a GPU the
 commit copies to the host anyway (the digest is taken there), so that copy is kept as before.
 
+Weight stashing (``stash``, the run's ``training.weight_stashing``): a forward's graph holds ``live_view``, the live
+storage of the version it computes with, until its backward. Where a graph holds it when the weights are about to
+change, the release keeps that storage as the version's copy and gives the live weights the new one (``moved``), so
+nothing writes a version a graph computes with, at the same one copy a version; a buffer is reused for a copy only
+when no graph holds it.
+
 Pure except for the copies it keeps; thread-safe (the compute thread commits, the RPC loop reads).
 """
 
