@@ -333,7 +333,6 @@ def memory_checks(run: Any, requested: str, disk_free: int | None = None) -> lis
     import torch
 
     from swarm.run.memory import stage_memory
-
     free = None
     if requested != "cpu" and torch.cuda.is_available():
         index = torch.device(requested).index if requested.startswith("cuda") else None
@@ -345,7 +344,8 @@ def memory_checks(run: Any, requested: str, disk_free: int | None = None) -> lis
         detail = (f"{need.total_bytes / GIB:.2f} GiB: {need.params / 1e6:.1f} M parameters, weights + gradients "
                   f"{need.weights_bytes / GIB:.2f}, optimizer {need.optimizer_bytes / GIB:.2f}, guard copy "
                   f"{need.guard_bytes / GIB:.2f}, activations {need.activation_bytes / GIB:.2f} x "
-                  f"{need.micro_batches} in flight, CUDA {need.overhead_bytes / GIB:.1f}")
+                  f"{need.micro_batches} in flight, stashed weights {need.stash_bytes / GIB:.2f}, CUDA "
+                  f"{need.overhead_bytes / GIB:.1f}")
         if free is None:
             checks.append(Check(section, f"layer{index}", INFO, f"{detail} (no GPU here: on the CPU, in float32, "
                                                                 f"{on_cpu.total_bytes / GIB:.2f} GiB of RAM)"))
