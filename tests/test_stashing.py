@@ -90,7 +90,7 @@ def test_a_ring_never_reuses_storage_a_graph_still_holds():
 
 
 def test_the_cached_graphs_hold_a_bounded_number_of_versions():
-    from swarm.pipeline.stage.activations import STASHED_VERSIONS_MAX
+    from swarm.integrity.weights import STASHED_VERSIONS_MAX
 
     gen = torch.Generator().manual_seed(6)
     worker = StageWorker(_run(True), 1)
@@ -100,3 +100,25 @@ def test_the_cached_graphs_hold_a_bounded_number_of_versions():
     held = [worker.cache.pop(("", f"held{i}"), 0.0) for i in range(STASHED_VERSIONS_MAX + 4)]
     assert [s is not None for s in held] == [False] * 4 + [True] * STASHED_VERSIONS_MAX  # the oldest went
     assert len({id(s.stash) for s in held if s is not None}) == STASHED_VERSIONS_MAX
+
+
+def test_forwards_that_never_come_back_lose_their_own_graphs_not_a_returning_drivers():
+    """A driver floods forwards at every version and never sends their backwards; an honest one keeps two micro-batches
+    in flight and its backwards return. Past the bound the flood's old graphs go; the honest one's stay, so its
+    backwards use their stashed versions (no input re-sent, nothing recomputed)."""
+    from swarm.integrity.weights import STASHED_VERSIONS_MAX
+
+    gen = torch.Generator().manual_seed(7)
+    worker = StageWorker(_run(True), 1)
+    batch = lambda: torch.randn(8, HIDDEN, generator=gen).relu()  # noqa: E731
+    worker.forward("h0", batch(), owner="honest")
+    for i in range(1, 3 * STASHED_VERSIONS_MAX):
+        worker.forward(f"f{i}", batch(), owner="flood")  # never comes back
+        worker.forward(f"h{i}", batch(), owner="honest")
+        # the honest micro-batch before this one comes back: its graph is there, its version as its forward saw it
+        assert worker.backward(f"h{i - 1}", 0.1 * torch.randn(8, HIDDEN, generator=gen), None, None,
+                               owner="honest") is not None
+    held = {id(s.stash) for s in worker.cache._items.values()}
+    assert len(held) <= STASHED_VERSIONS_MAX
+    assert worker.cache.held_by("flood") < 3 * STASHED_VERSIONS_MAX - 1  # the flood lost its old graphs
+    assert worker.cache.held_by("honest") == 1  # the one in flight

@@ -58,6 +58,9 @@ RING_COPIES_MAX = 8.0  # a referee that asks for a version the ring dropped less
 # to this many: with two drivers a heavy stage updates twice as often, and a backward's forward version is their
 # micro-batches in flight older; 3 copies left 36-65 % of a lone copy's refereed hops without a verdict (session 33)
 RING_SHRINK_S = 300.0  # a copy so added goes again after this long without such an ask
+STASHED_VERSIONS_MAX = 8  # versions forwards' graphs hold at most (weight stashing: ``live_view``; a copy of the
+# weights each, past the ring's bound while held: swarm/pipeline/stage/activations.py drops the oldest past it; their
+# backward recomputes the forward, as after any eviction). One driver at in_flight 4 holds ~4, two ~8.
 GONE_KEPT = 256  # digests of dropped versions remembered (to tell a just-dropped version from one never kept)
 # A referee shown an update's version asks the stage to keep the next one (the update's result) for its audit (``show``
 # with ``pin_next``). An honest ring drops its oldest first, so while it shows a version it holds every later one: a

@@ -103,7 +103,7 @@ def stage_memory(run: RunConfig, index: int, cuda: bool = True) -> StageMemory:
     optimizer = FLOAT32_BYTES * floats * params
     in_flight = run.training.in_flight if isinstance(run.training.in_flight, int) else run.training.in_flight_max
     bf16 = cuda and model.mixed_precision == "bf16"
-    from swarm.pipeline.stage.activations import STASHED_VERSIONS_MAX
+    from swarm.integrity.weights import STASHED_VERSIONS_MAX
 
     last = index == model.stages - 1
     stashed = 0 if last or not run.training.weight_stashing else min(in_flight, STASHED_VERSIONS_MAX) - 1
@@ -173,8 +173,7 @@ def host_memory(run: RunConfig, index: int, snapshots_on_disk: bool = True) -> H
     the guard's in float32, committed versions as computed with (float32), and healing's snapshots in bfloat16, in
     files where a node keeps them (``snapshots_on_disk``: a volunteer; False: in memory, a stage built in-process
     without a folder for them)."""
-    from swarm.integrity.weights import PIN_MAX, RING_COPIES, RING_COPIES_MAX, RING_MIN_BYTES
-    from swarm.pipeline.stage.activations import STASHED_VERSIONS_MAX
+    from swarm.integrity.weights import PIN_MAX, RING_COPIES, RING_COPIES_MAX, RING_MIN_BYTES, STASHED_VERSIONS_MAX
 
     params, largest = _param_counts(run.model, index)
     floats = OPTIMIZER_STATE_FLOATS[run.optimizer.name]

@@ -14,12 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
+from swarm.integrity.weights import STASHED_VERSIONS_MAX
+
 CACHE_ENTRIES = 64
 CACHE_TTL_S = 120.0
 MIN_OWNER_ENTRIES = 8
-STASHED_VERSIONS_MAX = 8  # weight versions the cached graphs hold at most (weight stashing: a copy of the stage's
-# weights each, kept past the referee's ring while held); past it the oldest graphs of the oldest versions go (their
-# backward recomputes the forward, as after any eviction). One driver at in_flight 4 holds ~4, two ~8.
 
 
 @dataclass(slots=True)
@@ -68,7 +67,9 @@ class ActivationCache:
             self._bound_stashed()
 
     def _bound_stashed(self) -> None:
-        """At most STASHED_VERSIONS_MAX weight versions held by graphs: the oldest version's graphs go first."""
+        """At most STASHED_VERSIONS_MAX weight versions held by graphs: the oldest version's graphs go first. A forward
+        whose backward never comes back ages, so a driver that floods forwards loses its own graphs before the young
+        ones of drivers whose backwards return; what goes is recomputed from the re-sent input, never a penalty."""
         held = {id(s.stash): s.stash for s in self._items.values() if s.stash is not None}
         while len(held) > STASHED_VERSIONS_MAX:
             oldest = next(iter(held))
