@@ -1,4 +1,4 @@
-"""Weight stashing (``training.weight_stashing``; swarm/integrity/weights.py ``live_view``, swarm/pipeline/stage/worker.py):
+"""Weight stashing (``training.weight_stashing``; swarm/integrity/weights.py ``live_view``, stage/worker.py):
 a stage's backward computes with the weights its forward ran with, though updates land in between, at no copy more
 than the referee's ring made before: the storage a forward's graph holds becomes that version's copy, and the live
 weights move to the new one. Real stage workers and rings, no network."""

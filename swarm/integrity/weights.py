@@ -49,7 +49,7 @@ from swarm.integrity.weights_copies import (  # noqa: F401  (re-exported: caller
 logger = logging.getLogger(__name__)
 
 KEEP_S = 30.0  # a version is shown for at least this long after it was last served (memory permitting)
-RING_MIN_BYTES = 8 * 2**20  # a small stage keeps many versions (digits: ~120): a referee asks within a round trip or two
+RING_MIN_BYTES = 8 * 2**20  # a small stage keeps many versions (digits: ~120): a referee asks within a round trip
 RING_COPIES = 3.0  # a large one keeps at most this many (committed) copies of older versions beside the live one: a
 # referee asks for the version of a hop one round trip after it, and a backward's forward version is a pipeline round
 # trip older (a heavy 16 MiB stage at ~3 updates a second; with 2 older versions a referee found its version gone).
