@@ -8,10 +8,12 @@ takes the oldest op waiting for it, one op a stage a tick, every stage in the sa
 next stage, the last stage runs its forward and backward at once and sends the gradient back; stage 0's backward ends
 the micro-batch and the driver starts the next one, so ``--in-flight`` micro-batches are always on their way. Each
 stage's staleness (updates between a micro-batch's forward and its backward there) is what the real pipeline sees
-with one driver (3, 2, 1, 0 at 4 stages and 4 in flight), with none of its timing noise. Three ways, each from the
+with one driver (3, 2, 1, 0 at 4 stages and 4 in flight), with none of its timing noise. Four ways, each from the
 same seed: one micro-batch in flight (one process's learning per sample: no staleness), ``--in-flight`` with weight
-stashing (``training.weight_stashing``), and without it. Reported per seed and way: the test loss (and bits per
-byte for a language model, accuracy for a classifier) after ``--samples`` samples; ``*_vs_one`` is a way's test loss
+stashing (``training.weight_stashing``), without it, and stashed with weight prediction (``training.weight_prediction``:
+forwards at the weights extrapolated along the last update by the stage's staleness, swarm/integrity/prediction.py).
+Reported per seed and way: the test loss (and bits per byte for a language model, accuracy for a classifier) after
+``--samples`` samples; ``*_vs_one`` is a way's test loss
 over the one-in-flight way's of the same seed, its mean over seeds the headline (1.0: nothing lost to pipelining).
 """
 
@@ -26,7 +28,8 @@ from typing import Any
 from benchmarks.common import finish, machine_notes, parser, ratio, say
 
 
-def train(run_name: str, in_flight: int, stashing: bool, samples: int, seed: int) -> dict[str, Any]:
+def train(run_name: str, in_flight: int, stashing: bool, samples: int, seed: int,
+          predicting: bool = False) -> dict[str, Any]:
     import torch
 
     from swarm.pipeline.stage.worker import StageWorker
@@ -35,7 +38,8 @@ def train(run_name: str, in_flight: int, stashing: bool, samples: int, seed: int
     from volunteer.config import load_run
 
     run, _ = load_run(run_name)
-    run = run.model_copy(update={"training": run.training.model_copy(update={"weight_stashing": stashing})})
+    run = run.model_copy(update={"training": run.training.model_copy(
+        update={"weight_stashing": stashing, "weight_prediction": predicting})})
     torch.manual_seed(seed)
     data = load_dataset(run.data, run.model)
     stages = run.model.stages
@@ -75,6 +79,7 @@ def train(run_name: str, in_flight: int, stashing: bool, samples: int, seed: int
             queues[index].append(item)
     accuracy, loss = evaluate([worker.module for worker in workers], data, run.model)
     out = {"test_loss": loss, "samples": seen, "train_s": time.perf_counter() - started,
+           "predicted_forwards": sum(worker.predicted for worker in workers),
            "staleness_mean": [round(sum(v) / len(v), 2) if v else 0.0 for v in staleness]}
     if data.kind == "language_model":
         out["bits_per_byte"] = loss / math.log(2) / data.bytes_per_token
@@ -98,12 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     report: dict[str, Any] = {"run": args.run, "samples": args.samples, "in_flight": args.in_flight, "seeds": {},
                               "machine": machine_notes()}
-    ratios: dict[str, list[float]] = {"stashed": [], "unstashed": []}
+    ratios: dict[str, list[float]] = {"stashed": [], "unstashed": [], "predicted": []}
     for seed in (int(s) for s in args.seeds.split(",")):
-        ways = {"one_in_flight": (1, True), "stashed": (args.in_flight, True), "unstashed": (args.in_flight, False)}
+        ways = {"one_in_flight": (1, True, False), "stashed": (args.in_flight, True, False),
+                "unstashed": (args.in_flight, False, False), "predicted": (args.in_flight, True, True)}
         results = {}
-        for name, (in_flight, stashing) in ways.items():
-            results[name] = train(args.run, in_flight, stashing, args.samples, seed)
+        for name, (in_flight, stashing, predicting) in ways.items():
+            results[name] = train(args.run, in_flight, stashing, args.samples, seed, predicting)
             say(f"seed {seed} {name}: {results[name]}")
         for name in ratios:
             value = ratio(results[name]["test_loss"], results["one_in_flight"]["test_loss"])

@@ -188,9 +188,11 @@ def test_p2pd_start_benchmark_quick_prices_a_daemon_against_the_import_floor(swa
 def test_stashing_benchmark_quick_trains_every_way_in_the_pipelines_schedule():
     report = _quick("benchmarks.stashing")
     seed = report["seeds"]["0"]
-    for way in ("one_in_flight", "stashed", "unstashed"):
+    for way in ("one_in_flight", "stashed", "unstashed", "predicted"):
         assert seed[way]["samples"] >= 640 and seed[way]["test_loss"] > 0
     assert seed["one_in_flight"]["staleness_mean"] == [0.0, 0.0, 0.0, 0.0]
     assert seed["stashed"]["staleness_mean"][0] > seed["stashed"]["staleness_mean"][2] > 0 == \
         seed["stashed"]["staleness_mean"][3]  # the pipeline's: the first stage waits longest, the last not at all
-    _positive(report, ("stashed_loss_vs_one_in_flight", "unstashed_loss_vs_one_in_flight"))
+    assert seed["predicted"]["predicted_forwards"] > 0 == seed["stashed"]["predicted_forwards"]
+    _positive(report, ("stashed_loss_vs_one_in_flight", "unstashed_loss_vs_one_in_flight",
+                       "predicted_loss_vs_one_in_flight"))

@@ -42,6 +42,7 @@ from swarm.integrity.recompute import (
 )
 from swarm.integrity.weights import PIN_PER_PINNER, PIN_S, tensors_bytes, weights_digest
 from swarm.pipeline.control.referee_audits import UpdateAuditor
+from swarm.integrity.prediction import Derivation, Derivations, PredictionLie, rebuild
 from swarm.pipeline.stage.weights_rpc import fetch_weights
 from swarm.run.models import build_stage
 from swarm.run.runconfig import EDGE_MODES
@@ -128,6 +129,7 @@ class Referee(UpdateAuditor):
         self._weights: OrderedDict[bytes, dict[str, torch.Tensor]] = OrderedDict()
         self._stage_bytes: dict[int, int] = {}
         self._fetching: dict[bytes, asyncio.Future] = {}
+        self._derived = Derivations()  # predicted weights shown: what they were made from (integrity/prediction.py)
         self.convictions: OrderedDict[str, Conviction] = OrderedDict()
         self.refereed = 0
         self.held = 0
@@ -221,21 +223,22 @@ class Referee(UpdateAuditor):
         pinned: list | None = None
         try:
             forward_weights = None
-            if op == "backward" and receipt.forward_weights not in (receipt.weights, NO_WEIGHTS):
-                # Its forward's version is a pipeline round trip older and may be gone: then no verdict. Never an
-                # approximate one from the weights of now alone: a lane held seconds behind a black hole came back
-                # hundreds of updates stale, and an honest layer1 peer was convicted that way (its only peer: the
-                # run stopped for the hour of the ban). Fetched first: the older version is the one the stage drops
-                # first (and when it is gone, the newer one's transfer is spared)
+            if op in ("backward", "forward") and receipt.forward_weights not in (receipt.weights, NO_WEIGHTS):
+                # A backward's forward version is older and may be gone: then no verdict, never one from the weights
+                # of now (an honest layer1 peer hundreds of updates stale was convicted so); fetched first, as the
+                # stage drops it first. A forward's other weights are predicted from its version (prediction.py)
                 which = "its forward's weights"
                 forward_weights = await self._fetch(k, peer, receipt.forward_weights)
+                made = self._derived.get(receipt.forward_weights)
+                if op == "forward" and (made is None or made.base != receipt.weights):
+                    raise _Lied("its forward computed with weights it did not predict from the version it signed")
             which = "its weights"
             # an update's version is shown with the version after it kept for its audit (weights.py PIN_S)
             audited = op in UPDATE_OPS and self.run.averaging.mode not in EDGE_MODES
             pinned = [] if audited and self._may_pin(peer) else None
             pinned_at = time.monotonic()
             weights = await self._fetch(k, peer, receipt.weights, pinned)
-        except _Lied as exc:
+        except (_Lied, PredictionLie) as exc:
             return self._convict(k, peer, receipt, tensors, claim, str(exc))
         except Exception as exc:  # gone, busy, slow, a broken stream: no evidence either way
             if pinned == [] and getattr(exc, "code", ""):  # it answered without showing: it pinned nothing either
@@ -247,9 +250,10 @@ class Referee(UpdateAuditor):
         started = time.perf_counter()
         try:
             recomputed = await asyncio.get_running_loop().run_in_executor(
-                self.executor, recompute, self.run.model, self._module(k), op, weights,
-                tensors[:1] if op in LAST_GRADIENT_OPS else tensors, targets, forward_weights,
-                self.run.training.weight_stashing)
+                self.executor, recompute, self.run.model, self._module(k), op,
+                forward_weights if op == "forward" and forward_weights is not None else weights,
+                tensors[:1] if op in LAST_GRADIENT_OPS else tensors, targets,
+                forward_weights if op == "backward" else None, self.run.training.weight_stashing)
         except ValueError as exc:  # weights that hash right but are no copy of this stage
             return self._convict(k, peer, receipt, tensors, claim, f"showed weights that are not this stage's: {exc}")
         finally:
@@ -346,6 +350,10 @@ class Referee(UpdateAuditor):
         finally:
             self.fetches += 1
             self.fetch_s += time.perf_counter() - started
+        if isinstance(weights, Derivation):  # predicted weights: rebuilt from the two versions they name
+            self._derived.note(digest, weights)  # PredictionLie where they cannot be made so
+            weights = await rebuild(lambda d: self._fetch(k, peer, d), weights, self.run.integrity.max_step_ratio,
+                                    [name for name, _ in self._module(k).named_parameters()])
         if weights_digest(weights) != digest:
             raise _Lied("showed weights whose digest is not the one it signed")
         if tensors_bytes(weights) > 2 * size + 2**20:

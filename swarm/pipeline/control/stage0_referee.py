@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from swarm.integrity.receipts import NO_WEIGHTS
+from swarm.integrity.prediction import Derivation, PredictionLie, rebuild
 from swarm.integrity.recompute import compare, recompute, tolerance_for
 from swarm.integrity.weights import tensors_bytes, weights_digest
 from swarm.pipeline.control.referee import CONVICTED, HOLDS, UNSHOWN
@@ -55,11 +56,19 @@ class Stage0Referee:
         started = time.monotonic()
         try:
             module, x_train = await self._ready()
-            left_s = max(0.05, timeout_s - (time.monotonic() - started))
-            weights = await fetch_weights(self.p2p, author, self.namespace, digest, call=self.call, timeout_s=left_s,
-                                          expect_bytes=tensors_bytes(module.state_dict()), traffic=self.traffic)
+            def fetch(wanted: bytes) -> Any:
+                return fetch_weights(self.p2p, author, self.namespace, wanted, call=self.call, traffic=self.traffic,
+                                     timeout_s=max(0.05, timeout_s - (time.monotonic() - started)),
+                                     expect_bytes=tensors_bytes(module.state_dict()))
+
+            weights = await fetch(digest)
+            if isinstance(weights, Derivation):  # predicted weights, rebuilt from the two versions they name
+                weights = await rebuild(fetch, weights, self.run.integrity.max_step_ratio,
+                                        [name for name, _ in module.named_parameters()])
         except asyncio.CancelledError:
             raise
+        except PredictionLie as exc:
+            return self._count(CONVICTED, f"its stage-0 weights: {exc}")
         except Exception as exc:  # busy, slow, gone: no evidence either way
             return self._count(UNSHOWN, f"no weights: {str(exc)[:120]}")
         if weights_digest(weights) != digest:

@@ -88,7 +88,8 @@ class Vouched:
     input: bytes = b""  # digest of the activations this op is about (our input)
     ids: bytes = b""
     authors: dict[int, str] = field(default_factory=dict)  # tensor index -> the peer that computed it
-    input_weights: bytes = b""  # the weights digest the input's receipt commits to (stage 1: the driver's stage 0)
+    input_weights: bytes = b""  # the weights digest the input's receipt says it computed with (stage 1: the driver's
+    # stage 0; its forward_weights, which differ from its version's only where it predicted: integrity/prediction.py)
 
     @property
     def applied_author(self) -> str:
@@ -133,7 +134,7 @@ class ReceiptDesk:
         await self._verify(requester, receipt, self.stage - 1, Expect(
             self.run_id, self.stage - 1, INPUT_OPS[op], _digest(tensors[0]), mb=mb, ids=ids))
         return Vouched(mb=mb, input=receipt.output, ids=receipt.ids, authors={0: receipt.signer, 1: requester},
-                       input_weights=receipt.weights)
+                       input_weights=receipt.forward_weights)  # what it computed with (predicted or its version)
 
     async def _check_backward(self, requester: str, mb: str, raw: Any, tensors: list[Any]) -> Vouched:
         if len(tensors) not in (1, 2):

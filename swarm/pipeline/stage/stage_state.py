@@ -13,8 +13,8 @@ from swarm.run.optim_state import load_optimizer_tensors, optimizer_tensors
 
 
 class StageState:
-    """Mixed into StageWorker: needs ``lock``, ``module``, ``optimizer``, ``stats`` and ``ring`` (whatever writes
-    into the weights releases the ring's live version first: swarm/integrity/weights.py)."""
+    """Mixed into StageWorker: needs ``lock``, ``module``, ``named_params``, ``optimizer``, ``stats`` and ``ring``
+    (whatever writes into the weights releases the ring's live version first: swarm/integrity/weights.py)."""
 
     def state_snapshot(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """A consistent copy of the parameters (never half-updated); ``dtype``: floating tensors in it."""
@@ -66,3 +66,19 @@ class StageState:
             self.stats.clock = state.clock
             self.stats.loss_ema = state.loss_ema
             self.stats.param_version += 1
+
+    def _kept_params(self) -> list[torch.Tensor] | None:
+        """The parameters as they are now, from the ring's latest version if nothing changed them since it was
+        committed (an update op commits the weights it computes with, then steps): the guard's pre-step copy."""
+        kept = self.ring.unchanged(self.module)
+        if kept is None:
+            return None
+        try:
+            return [kept[name] for name, _ in self.named_params]
+        except KeyError:
+            return None
+
+    def weights_for(self, digest: bytes) -> dict[str, torch.Tensor] | None:
+        """The weights of a version this stage computed with, by the digest its receipts signed; None once dropped."""
+        kept = self.ring.get(digest)
+        return None if kept is None else kept.tensors

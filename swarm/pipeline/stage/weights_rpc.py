@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from swarm.integrity.prediction import Derivation
 from swarm.integrity.receipts import DIGEST_BYTES
 from swarm.pipeline.transport.wire import WireError, encode_off_loop, refusal_meta
 
@@ -56,6 +57,10 @@ class WeightsDoor:
         if since_s < MIN_INTERVAL_S:  # ask again when the interval is over, not a quarter second later: an audit
             # fetches the version after the one its judgement just fetched (0.25 s lost per audit, 3 of a test's 4 s)
             return [], refusal_meta("busy", "one version at a time: ask again", max(0.001, MIN_INTERVAL_S - since_s))
+        derivation = getattr(worker, "derivations", None) and worker.derivations.get(digest)
+        if derivation:  # predicted weights: what they were made from (swarm/integrity/prediction.py), no tensors
+            self._last[requester] = now
+            return [], {"ok": True, "derived": [derivation.base, derivation.prev, derivation.tau]}
         pin = meta.get("pin") is True  # keep the next version for this referee's audit (weights.py PIN_S)
         # the current version is copied out then
         kept, pinned = await asyncio.to_thread(worker.ring.show, digest, None, requester, pin and may_pin,
@@ -87,8 +92,9 @@ class WeightsDoor:
 
 async def fetch_weights(p2p: Any, peer: str, namespace: str, digest: bytes, *, expect_bytes: int, timeout_s: float,
                         call: Any = None, tries: int = FETCH_TRIES, traffic: Any = None,
-                        pinned: list | None = None, release: bool = False) -> dict[str, torch.Tensor]:
-    """The tensors ``peer`` committed to under ``digest`` (not yet checked against it: the caller hashes them). A
+                        pinned: list | None = None, release: bool = False) -> dict[str, torch.Tensor] | Derivation:
+    """The tensors ``peer`` committed to under ``digest`` (not yet checked against it: the caller hashes them), or the
+    ``Derivation`` of predicted weights (``rebuild`` makes them from the two versions it names). A
     ``busy`` door is asked again after its retry_after_s (busy is no reason to give a verdict up), within
     ``timeout_s`` in all. Raises StageError (``weights_gone``, ``busy``...), WireError for a malformed reply, or a
     transport error or timeout. ``traffic``: where the bytes received are counted against ``peer`` (a referee's
@@ -117,7 +123,18 @@ async def fetch_weights(p2p: Any, peer: str, namespace: str, digest: bytes, *, e
         traffic.count(peer, inbound=sum(t.numel() * t.element_size() for t in tensors), op="referee weights")
     if pinned is not None:
         pinned.append(reply.get("pinned") is True)
+    if "derived" in reply:
+        return derivation_of(reply["derived"])
     return unpack(tensors, reply)
+
+
+def derivation_of(raw: Any) -> Derivation:
+    """A reply's ``derived``: [base digest, prev digest, tau]; WireError when malformed."""
+    if not (isinstance(raw, (list, tuple)) and len(raw) == 3 and all(isinstance(d, bytes) and len(d) == DIGEST_BYTES
+                                                                      for d in raw[:2])
+            and isinstance(raw[2], int) and not isinstance(raw[2], bool)):
+        raise WireError("weights: 'derived' is [base digest, previous digest, updates ahead]")
+    return Derivation(bytes(raw[0]), bytes(raw[1]), int(raw[2]))
 
 
 # ----- a stage's tensors as one flat tensor per dtype (a message carries at most wire.MAX_TENSORS tensors, and a

@@ -42,6 +42,7 @@ from swarm.run.models import (EVAL_BATCH_MAX, backward_root, build_stage, eval_b
                                stage_input_spec, stage_loss, target_spec)
 from swarm.run.optim_light import step_of
 from swarm.run.runconfig import RunConfig
+from swarm.pipeline.stage.predicting import Predicting
 from swarm.pipeline.stage.staleness import StalenessWindow, StepSize
 from swarm.pipeline.stage.stage_state import StageState
 from swarm.pipeline.stage.stage_stats import (  # noqa: F401  (the errors and SIMULATED_STEP_ENV re-exported for callers)
@@ -56,7 +57,7 @@ EVAL_BATCH = EVAL_BATCH_MAX  # the most a chunk may hold (a language model's is 
 EMIT_FRACTION = 0.5  # of timeouts.reply_max_abs: the largest value a stage's reply carries
 
 
-class StageWorker(StageState):
+class StageWorker(StageState, Predicting):
     def __init__(self, run: RunConfig, index: int, device: str = "cpu"):
         self.run = run
         self.index = index
@@ -96,6 +97,7 @@ class StageWorker(StageState):
         self.ring = WeightsRing.sized_for(self.module, stash=run.training.weight_stashing)
         self.committed: tuple[int, bytes] = (0, NO_WEIGHTS)
         self.forward_weights = NO_WEIGHTS  # a backward's: the digest its saved forward ran with (else = committed's)
+        self._init_prediction()  # training.weight_prediction (swarm/pipeline/stage/predicting.py)
 
     # ----- checks
     def check_input(self, x: torch.Tensor) -> torch.Tensor:
@@ -119,25 +121,28 @@ class StageWorker(StageState):
         return model.num_classes if model.kind == "mlp" else model.vocab_size
 
     # ----- compute
-    def _graph(self, x: torch.Tensor, y: torch.Tensor | None = None) -> Saved:
+    def _graph(self, x: torch.Tensor, y: torch.Tensor | None = None,
+               predicted: tuple[bytes, dict[str, torch.Tensor], int] | None = None) -> Saved:
         """The forward with its graph; with targets, the loss (a language model's head fuses it: models.stage_loss).
-        With weight stashing the graph holds the ring's view of this version, which nothing writes while held."""
-        stash = self.ring.live_view()
+        With weight stashing the graph holds the ring's view of this version, which nothing writes while held; with
+        ``predicted`` (digest, tensors, updates ahead: weight prediction) it computes with and holds those."""
+        stash = self.ring.live_view() if predicted is None else predicted[1]
         params = {name: (p if stash is None else stash[name]).data.requires_grad_(True) for name, p in self.named_params}
         inputs = x.to(self.device)
         if inputs.is_floating_point() and not self.is_first:
             inputs.requires_grad_(True)  # the previous stage needs this gradient
         outputs = functional_call(self.module, params, (inputs,)) if y is None else \
             stage_loss(self.run.model, self.module, params, inputs, y.to(self.device))
-        return Saved(inputs=inputs, outputs=outputs, params=params, created=time.monotonic(),
-                     version=self.stats.served, weights=self.committed[1], stash=stash)
+        return Saved(inputs=inputs, outputs=outputs, params=params, created=time.monotonic(), version=self.stats.served,
+                     weights=self.committed[1] if predicted is None else predicted[0], stash=stash)
 
     def forward(self, mb_id: str, x: torch.Tensor, owner: str = "") -> torch.Tensor:
         """Training forward; keeps the graph for a backward of ``owner`` (the requesting driver) that comes back here."""
         with self.lock, self.stats.busy():
             self._refuse_if_sick()
             self._commit()
-            saved = self._graph(x)
+            saved = self._graph(x, predicted=self._predicted())
+            self.forward_weights = saved.weights  # its receipt names the version and what it computed with
             self._refuse_out_of_bound(self._check_emitted(saved.outputs, "outputs"))
             if self.is_first and not owner:  # our own driver's data: a collapsed copy shows here
                 self.health.observe_own_forward(saved.inputs, saved.outputs)
@@ -310,6 +315,8 @@ class StageWorker(StageState):
         self.last_update = UpdateReport(clip_scale=min(scale, grad_scale), tensors_scaled=result.tensors_scaled,
                                         staleness=staleness, step_factor=factor)
         self.stats.record_update(batch_size, loss, time.monotonic())
+        if not self._custom_rule:
+            self._note_step(self.committed[1])  # the update's base: a forward may predict from it (predicting.py)
         info = StepInfo(batch_size=batch_size, loss=loss, forward_at=saved.created, staleness=staleness)
         for hook in self._step_hooks:
             try:
@@ -361,22 +368,6 @@ class StageWorker(StageState):
         """The weights this op computes with, committed (hashed and kept once per version): its receipt signs them."""
         self.committed = self.ring.commit(self.module, self.stats.param_version)
         self.forward_weights = self.committed[1]
-
-    def _kept_params(self) -> list[torch.Tensor] | None:
-        """The parameters as they are now, from the ring's latest version if nothing changed them since it was
-        committed (an update op commits the weights it computes with, then steps): the guard's pre-step copy."""
-        kept = self.ring.unchanged(self.module)
-        if kept is None:
-            return None
-        try:
-            return [kept[name] for name, _ in self.named_params]
-        except KeyError:
-            return None
-
-    def weights_for(self, digest: bytes) -> dict[str, torch.Tensor] | None:
-        """The weights of a version this stage computed with, by the digest its receipts signed; None once dropped."""
-        kept = self.ring.get(digest)
-        return None if kept is None else kept.tensors
 
     def _refuse_if_sick(self) -> None:
         reason = self.health.sick_reason
