@@ -33,7 +33,7 @@ from typing import Any
 
 from benchmarks.adversary_attacks import ATTACKS, Attack, start_attack
 from benchmarks.adversary_metrics import Sample, summarize_run, summary
-from benchmarks.common import finish, machine_notes, parser, rounded, say, wait_until, write_run
+from benchmarks.common import apply_overrides, finish, machine_notes, parser, rounded, say, wait_until, write_run
 from benchmarks.fleet import Fleet
 from benchmarks.procstats import process_rss_mib
 
@@ -54,6 +54,7 @@ class Settings:
     after_s: float = PHASE_S
     sample_s: float = 2.0
     labels: str = "targets"  # "ids" once stage RPCs take sample ids (PROTOCOL.md)
+    overrides: tuple[str, ...] = ()  # --set: run-config fields for every run, attacked and clean
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in ATTACKS]
     if unknown:
         raise SystemExit(f"unknown attack(s) {unknown}; choose from {', '.join(ATTACKS)}")
-    settings = Settings(labels=_labels(args.labels), warm_s=args.phase_s, attack_s=args.phase_s, after_s=args.phase_s)
+    settings = Settings(labels=_labels(args.labels), warm_s=args.phase_s, attack_s=args.phase_s, after_s=args.phase_s,
+                        overrides=tuple(args.set))
     if args.quick:
         settings = replace(settings, warm_s=12.0, attack_s=8.0, after_s=8.0)
     started = time.monotonic()
@@ -79,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     out = parser("adversary", __doc__, quick_help="one attack (huge_3e38), short windows: a smoke test, not a measurement")
     out.add_argument("--keep-logs", action="store_true", help="keep the volunteers' logs (printed path)")
+    out.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                     help="a run-config field for every run, e.g. training.weight_prediction=2 (the value is YAML)")
     out.add_argument("--attacks", default="", help=f"comma-separated subset of: {', '.join(ATTACKS)}")
     out.add_argument("--phase-s", type=float, default=PHASE_S,
                      help="seconds of each phase: training before, attack, after (default %(default)s)")
@@ -119,7 +123,7 @@ def _benchmark(fleet: Fleet, attacks: list[Attack], s: Settings) -> dict[str, An
     report = summary(results, clean, {a.name: a.baseline for a in attacks})
     report["errors"] = errors
     report["settings"] = {"warm_s": s.warm_s, "attack_s": s.attack_s, "after_s": s.after_s,
-                          "sample_s": s.sample_s, "labels": s.labels, "stages": STAGES}
+                          "sample_s": s.sample_s, "labels": s.labels, "stages": STAGES, "set": list(s.overrides)}
     return report
 
 
@@ -144,6 +148,7 @@ def _run(fleet: Fleet, maddr: str, attack: Attack | None, shape: tuple, s: Setti
     per_swarm, optimizer, busy = shape
     label = attack.name if attack else "clean-" + "-".join(map(str, shape))
     config = _run_config(f"adv-{label}-{int(time.time())}", optimizer)
+    apply_overrides(config, list(s.overrides))
     run = RunConfig.model_validate(config)
     path = write_run(fleet.workdir / f"{label}.yaml", config)
     procs = {f"layer{k}": [fleet.join(f"{label}-layer{k}-{m}", path, f"layer{k}", maddr) for m in range(per_swarm)]

@@ -193,3 +193,18 @@ async def p2p_pair() -> AsyncIterator[tuple[Any, Any]]:
             await client.shutdown()
     finally:
         await server.shutdown()
+
+
+def apply_overrides(config: dict[str, Any], assignments: list[str]) -> None:
+    """``section.field=value`` (YAML value) into a cell's run config: an experiment on one knob, same cells."""
+    import yaml
+
+    for assignment in assignments:
+        field, sep, value = assignment.partition("=")
+        if not sep or not field:
+            raise SystemExit(f"--set {assignment!r}: write FIELD=VALUE, e.g. integrity.fair_share_slack=1.2")
+        *parents, leaf = field.split(".")
+        node = config
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = yaml.safe_load(value)

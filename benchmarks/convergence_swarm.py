@@ -50,7 +50,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import count_penalties, finish, machine_notes, parser, rounded, say, wait_until, write_run
+from benchmarks.common import (apply_overrides, count_penalties, finish, machine_notes, parser, rounded, say, wait_until,
+                               write_run)
 from benchmarks.convergence_compare import (  # noqa: F401  (re-exported: tests/test_convergence_matrix.py)
     DIVERGED_ACCURACY,
     DIVERGED_BPB,
@@ -205,21 +206,6 @@ def _parser() -> Any:
 
 def _in_flight(text: str) -> int | str:
     return text if text == "auto" else int(text)
-
-
-def apply_overrides(config: dict[str, Any], assignments: list[str]) -> None:
-    """``section.field=value`` (YAML value) into a cell's run config: an experiment on one knob, same cells."""
-    import yaml
-
-    for assignment in assignments:
-        field, sep, value = assignment.partition("=")
-        if not sep or not field:
-            raise SystemExit(f"--set {assignment!r}: write FIELD=VALUE, e.g. integrity.fair_share_slack=1.2")
-        *parents, leaf = field.split(".")
-        node = config
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = yaml.safe_load(value)
 
 
 def cell_config(label: str, optimizer: str, mode: str, partition: str, peers: int, stages: int,

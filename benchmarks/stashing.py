@@ -1,6 +1,7 @@
 """What micro-batches in flight cost learning, with and without weight stashing, at equal samples (issue 41's charlm goal).
 
-    python -m benchmarks.stashing --json [--run charlm] [--samples 8000] [--seeds 0,1] [--in-flight 4] [--quick]
+    python -m benchmarks.stashing --json [--run charlm] [--samples 8000] [--seeds 0,1] [--in-flight 4] [--predict 2]
+    [--quick]
 
 Real stage workers (``swarm.pipeline.stage.worker.StageWorker``: the guard, clipping, the staleness rule, the
 referee's ring) of every stage of the run in one process, no network, driven in the pipeline's schedule: each stage
@@ -10,8 +11,9 @@ the micro-batch and the driver starts the next one, so ``--in-flight`` micro-bat
 stage's staleness (updates between a micro-batch's forward and its backward there) is what the real pipeline sees
 with one driver (3, 2, 1, 0 at 4 stages and 4 in flight), with none of its timing noise. Four ways, each from the
 same seed: one micro-batch in flight (one process's learning per sample: no staleness), ``--in-flight`` with weight
-stashing (``training.weight_stashing``), without it, and stashed with weight prediction (``training.weight_prediction``:
-forwards at the weights extrapolated along the last update by the stage's staleness, swarm/integrity/prediction.py).
+stashing (``training.weight_stashing``), without it, and stashed with weight prediction (``training.weight_prediction``
+``--predict``: forwards at the weights extrapolated along the last update by that many times the stage's staleness,
+swarm/integrity/prediction.py).
 Reported per seed and way: the test loss (and bits per byte for a language model, accuracy for a classifier) after
 ``--samples`` samples; ``*_vs_one`` is a way's test loss
 over the one-in-flight way's of the same seed, its mean over seeds the headline (1.0: nothing lost to pipelining).
@@ -29,7 +31,7 @@ from benchmarks.common import finish, machine_notes, parser, ratio, say
 
 
 def train(run_name: str, in_flight: int, stashing: bool, samples: int, seed: int,
-          predicting: bool = False) -> dict[str, Any]:
+          predicting: float = 0.0) -> dict[str, Any]:
     import torch
 
     from swarm.pipeline.stage.worker import StageWorker
@@ -94,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     args_parser.add_argument("--samples", type=int, default=8000, help="samples each way trains (default 8000)")
     args_parser.add_argument("--seeds", default="0,1", help="comma-separated seeds (default 0,1)")
     args_parser.add_argument("--in-flight", type=int, default=4, help="micro-batches in flight (default 4)")
+    args_parser.add_argument("--predict", type=float, default=2.0, help="training.weight_prediction of the predicted "
+                             "way: how many times its staleness a stage looks ahead (default 2, charlm's)")
     args = args_parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.quick:
         args.run, args.samples, args.seeds = "digits-mlp", 640, "0"
@@ -101,12 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    report: dict[str, Any] = {"run": args.run, "samples": args.samples, "in_flight": args.in_flight, "seeds": {},
+    report: dict[str, Any] = {"run": args.run, "samples": args.samples, "in_flight": args.in_flight,
+                              "predict": args.predict, "seeds": {},
                               "machine": machine_notes()}
     ratios: dict[str, list[float]] = {"stashed": [], "unstashed": [], "predicted": []}
     for seed in (int(s) for s in args.seeds.split(",")):
-        ways = {"one_in_flight": (1, True, False), "stashed": (args.in_flight, True, False),
-                "unstashed": (args.in_flight, False, False), "predicted": (args.in_flight, True, True)}
+        ways = {"one_in_flight": (1, True, 0.0), "stashed": (args.in_flight, True, 0.0),
+                "unstashed": (args.in_flight, False, 0.0), "predicted": (args.in_flight, True, args.predict)}
         results = {}
         for name, (in_flight, stashing, predicting) in ways.items():
             results[name] = train(args.run, in_flight, stashing, args.samples, seed, predicting)

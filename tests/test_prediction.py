@@ -26,7 +26,7 @@ from swarm.run.data import load_dataset
 from swarm.run.runconfig import RunConfig
 
 RUN = RunConfig.model_validate({"name": "prediction", "model": {"stages": 3, "hidden_dim": 32},
-                                "training": {"batch_size": 8, "weight_prediction": True}})
+                                "training": {"batch_size": 8, "weight_prediction": 1.0}})
 HIDDEN = 32
 
 
@@ -103,7 +103,7 @@ def test_a_forward_computes_with_its_weights_predicted_along_the_last_update():
 
 
 def test_nothing_is_predicted_without_staleness_the_flag_or_at_the_last_stage():
-    plain = RUN.model_copy(update={"training": RUN.training.model_copy(update={"weight_prediction": False})})
+    plain = RUN.model_copy(update={"training": RUN.training.model_copy(update={"weight_prediction": 0.0})})
     worker = StageWorker(plain, 1)
     worker.forward("a", torch.randn(8, HIDDEN).relu())
     assert worker.forward_weights == worker.committed[1]
@@ -215,8 +215,10 @@ def test_stage_one_upholds_a_predicting_drivers_stage0_output():
 
 def test_prediction_needs_stashing_and_enters_the_run_id_only_when_set():
     with pytest.raises(ValueError, match="weight_stashing"):
-        RunConfig.model_validate({"name": "p", "training": {"weight_prediction": True, "weight_stashing": False}})
+        RunConfig.model_validate({"name": "p", "training": {"weight_prediction": 2.0, "weight_stashing": False}})
+    with pytest.raises(ValueError, match="weight_prediction"):
+        RunConfig.model_validate({"name": "p", "training": {"weight_prediction": 9}})
     plain = RunConfig.model_validate({"name": "p"})
-    off = RunConfig.model_validate({"name": "p", "training": {"weight_prediction": False}})
-    on = RunConfig.model_validate({"name": "p", "training": {"weight_prediction": True}})
+    off = RunConfig.model_validate({"name": "p", "training": {"weight_prediction": 0}})
+    on = RunConfig.model_validate({"name": "p", "training": {"weight_prediction": 2.0}})
     assert plain.run_id == off.run_id != on.run_id

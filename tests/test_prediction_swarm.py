@@ -7,16 +7,17 @@ from __future__ import annotations
 import asyncio
 import time
 
-from swarm.dht.dht import DHTSettings, shutdown_dht, start_dht
+from swarm.dht.dht import shutdown_dht
 from swarm.dht.records import MemberRecord
-from swarm.pipeline.peer import SwarmPeer
+from swarm.pipeline.stage.stage_rpc import StageServicer, stage_namespace
 from swarm.run.runconfig import RunConfig
 from test_blame_swarm import _allow, _driver, _stop
+from test_referee_swarm import start_lone_copies
 
 RUN = RunConfig.model_validate({
     "name": "prediction-swarm",
     "model": {"stages": 3, "hidden_dim": 32},
-    "training": {"batch_size": 8, "in_flight": 4, "weight_prediction": True},
+    "training": {"batch_size": 8, "in_flight": 4, "weight_prediction": 2.0},
     "integrity": {"spot_share": 0.3},  # many of the hops refereed, so a wrong rebuild would show at once
     "timeouts": {"rpc_s": 10},
 })
@@ -26,22 +27,16 @@ DRIVE_LIMIT_S = 60.0
 
 def test_honest_lone_copies_that_predict_their_weights_are_upheld_and_never_punished():
     dhts, peers = [], []
-    first = start_dht(DHTSettings(), [])
-    dhts.append(first)
-    maddrs = [str(m) for m in first.get_visible_maddrs()]
     try:
-        for swarm in ("layer1", "layer2"):
-            dht = start_dht(DHTSettings(initial_peers=maddrs), [])
-            dhts.append(dht)
-            peer = SwarmPeer(RUN, dht, swarm, evaluate=False)
-            peer.start()
-            peers.append(peer)
+        first = start_lone_copies(RUN, dhts, peers)
         record = MemberRecord(str(first.peer_id), "online", "test", 0.0, 0.0, shard=0)
         for peer in peers:
             asyncio.run_coroutine_threadsafe(_allow(peer, record), peer._loop).result(5)
 
         async def drive() -> dict:
             p2p, executor, driver = await _driver(first, RUN, "predict")
+            door = StageServicer(driver.worker, executor)  # its stage 0's weights door, as a layer0 peer serves it
+            await door.add_p2p_handlers(p2p, namespace=stage_namespace(RUN.run_id, "layer0"))
             driver.set_peers("layer1", [str(peers[0].dht.peer_id)])
             driver.set_peers("layer2", [str(peers[1].dht.peer_id)])
             task = asyncio.create_task(driver.run_forever())
@@ -53,7 +48,8 @@ def test_honest_lone_copies_that_predict_their_weights_are_upheld_and_never_puni
                 await asyncio.sleep(1.0)  # the last judgements and audits
                 return {"microbatches": driver.stats.microbatches, "referee": driver.referee.stats(),
                         "holds": driver.spot.hidden_holds, "reason": driver.stats.blocked_reason,
-                        "stage0_predicted": driver.worker.predicted}
+                        "stage0_predicted": driver.worker.predicted, "stage0": peers[0]._servicer.spot0.stats(),
+                        "stage0_reason": peers[0]._servicer.spot0.referee.last_reason}
             finally:
                 await _stop(driver, task, executor, p2p)
 
@@ -66,6 +62,8 @@ def test_honest_lone_copies_that_predict_their_weights_are_upheld_and_never_puni
         assert referee["climbing"] == 0 and referee["withheld"] == 0 and result["holds"] == 0, result
         assert referee["unshown"] <= max(2, referee["refereed"] // 5), result
         assert not result["reason"], result
+        stage0 = result["stage0"]  # layer1 referees the driver's predicted stage-0 outputs against its receipts
+        assert stage0["upheld"] >= 5 and stage0["convicted"] == 0, result
     finally:
         for peer in peers:
             peer.stop()

@@ -51,6 +51,21 @@ def _swarm(liars: int):
     return dhts, peers, {str(peer.dht.peer_id) for peer in peers[2:]}
 
 
+def start_lone_copies(run: RunConfig, dhts: list, peers: list):
+    """A bootstrap DHT and one peer each of layer1 and layer2 of a 3-stage ``run``, appended to ``dhts`` and ``peers``
+    as they start (the caller stops them, whatever failed): the bootstrap DHT, for the driver."""
+    first = start_dht(DHTSettings(), [])
+    dhts.append(first)
+    maddrs = [str(m) for m in first.get_visible_maddrs()]
+    for swarm in ("layer1", "layer2"):
+        dht = start_dht(DHTSettings(initial_peers=maddrs), [])
+        dhts.append(dht)
+        peer = SwarmPeer(run, dht, swarm, evaluate=False)
+        peer.start()
+        peers.append(peer)
+    return first
+
+
 async def _drive(dht0, peers) -> dict:
     p2p, executor, driver = await _driver(dht0, RUN, "ref")
     driver.set_peers("layer1", [str(peers[0].dht.peer_id)])
@@ -124,16 +139,8 @@ def test_a_lone_copy_trained_to_harm_is_convicted_by_its_audited_updates(shows):
     from test_audit import _ascent
 
     dhts, peers = [], []
-    first = start_dht(DHTSettings(), [])
-    dhts.append(first)
-    maddrs = [str(m) for m in first.get_visible_maddrs()]
     try:
-        for swarm in ("layer1", "layer2"):
-            dht = start_dht(DHTSettings(initial_peers=maddrs), [])
-            dhts.append(dht)
-            peer = SwarmPeer(RUN, dht, swarm, evaluate=False)
-            peer.start()
-            peers.append(peer)
+        first = start_lone_copies(RUN, dhts, peers)
         liar = peers[1].worker
         _ascent(liar)
         liar.health.observe_local_loss = lambda *args, **kwargs: None  # it keeps its own health checks out of the way

@@ -36,7 +36,7 @@ import torch
 from swarm.integrity.clip import step_bound
 from swarm.integrity.guard import typical_tensor_norm
 
-PREDICT_MAX = 4  # updates ahead a forward may predict (a stage's staleness past it is predicted as this many)
+PREDICT_MAX = 8  # updates ahead a forward may predict (training.weight_prediction x the stage's staleness, capped)
 STEP_SLACK = 1.001  # the guard pulls a move back onto its bound: float rounding may leave it a hair past
 DERIVATIONS_KEPT = 4096  # predictions remembered for referees: one a forward, and a referee may ask for a
 # backward's up to weights.KEEP_S later (digits serves ~75 forwards a second at a stage)

@@ -45,7 +45,7 @@ HASH_WHEN_SET = {("training", "end_at_target"): False, ("training", "sample_budg
                  ("integrity", "identity_bits"): 0,
                  # a backward's computation changed with it (a referee recomputes it so): clients before it, whose
                  # referees would recompute a stashed backward their way, are another run
-                 ("training", "weight_stashing"): False, ("training", "weight_prediction"): False}
+                 ("training", "weight_stashing"): False, ("training", "weight_prediction"): 0.0}
 # Fields removed after runs existed still enter the run id at the value every run had (the direction check's,
 # removed with it: no shipped config set them), so clients before and after the removal still train together.
 HASH_REMOVED = {("integrity", "ascent_cosine"): -0.25, ("integrity", "ascent_min_updates"): 64}
@@ -142,16 +142,15 @@ class TrainingConfig(Strict):
     weight_stashing: bool = Field(True, description="a stage's backward computes with the weights its forward ran "
                                   "with (PipeDream's weight stashing): the gradient of the weights that made the "
                                   "activations; false: the input gradient with the weights of the backward's time")
-    weight_prediction: bool = Field(False, description="a forward computes with its stage's weights extrapolated "
-                                    "along the last update by the stage's staleness, where the gradient will land "
-                                    "(swarm/integrity/prediction.py); needs weight_stashing")
-
+    weight_prediction: float = Field(0.0, ge=0.0, le=4.0, description="a forward computes with its stage's weights "
+                                     "extrapolated along the last update by this many times the stage's staleness "
+                                     "(swarm/integrity/prediction.py); 0: off; needs weight_stashing")
     @model_validator(mode="after")
     def _prediction_stashes(self) -> TrainingConfig:
         if self.weight_prediction and not self.weight_stashing:
             raise CrossFieldError(("weight_prediction", "weight_stashing"), "training.weight_prediction needs "
                                   "training.weight_stashing (the backward computes with the predicted weights): "
-                                  "set weight_stashing: true or weight_prediction: false")
+                                  "set weight_stashing: true or weight_prediction: 0")
         return self
 
     @field_validator("in_flight", mode="before")

@@ -335,17 +335,22 @@ class PipelineDriver(LaneFailures):
                                            reply["receipt"])
         return grad_in, reply["receipt"]
 
-    def _forward_committed(self, mb: str, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, bytes]]:
-        """Our stage 0's forward and the weights it ran with (version, digest), read on the compute thread."""
-        return self.worker.forward(mb, x), self.worker.committed
+    def _forward_committed(self, mb: str, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, bytes, bytes]]:
+        """Our stage 0's forward and the weights it ran with (version, its digest, the digest of what it computed with:
+        another where it predicted, swarm/pipeline/stage/predicting.py), read on the compute thread."""
+        with self.worker.lock:  # re-entrant: what this forward ran with, not what a later one did
+            h = self.worker.forward(mb, x)
+            return h, (*self.worker.committed, self.worker.forward_weights)
 
-    def _sign_own(self, mb: str, op: str, h: torch.Tensor, ids_d: bytes, committed: tuple[int, bytes]) -> Receipt:
+    def _sign_own(self, mb: str, op: str, h: torch.Tensor, ids_d: bytes, committed: tuple) -> Receipt:
         """The receipt of our own stage 0's output, committed to the weights that computed it (a referee can recompute
-        it exactly): serialized once, so what travels is what we signed."""
+        it exactly): serialized once, so what travels is what we signed. ``committed``: (version, digest) or, for a
+        training forward, (version, digest, the digest of the predicted weights it computed with)."""
         training = self.run.training
         item = serialize_once(h, training.codec, training.wire_rank)
-        version, weights = committed
-        return self.receipt_key.sign(self.run_id, mb, op, 0, version, ids_d, tensor_digest(item), ids_d, weights)
+        version, weights, *computed = committed
+        return self.receipt_key.sign(self.run_id, mb, op, 0, version, ids_d, tensor_digest(item), ids_d, weights,
+                                     computed[0] if computed else None)
 
     def _meta(self, mb: str, *receipts: Receipt) -> dict:
         return {"mb": mb, "rc": [r.to_wire() for r in receipts], "rk": self.receipt_key.public}

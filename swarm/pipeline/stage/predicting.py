@@ -27,12 +27,13 @@ class Predicting:
     def _predicted(self) -> tuple[bytes, dict[str, torch.Tensor], int] | None:
         """(digest, tensors, updates ahead) of the weights this training forward computes with where they are
         predicted: the run asks for it, this is no last stage (its staleness is 0), no edge mode's rule makes the
-        steps (their update includes a pull), the stage's recent staleness rounds to 1 or more, and the weights changed
-        last by an optimizer step whose base the ring still keeps. None otherwise: the version now, as without."""
+        steps (their update includes a pull), the run's factor times the stage's recent staleness rounds to 1 or more,
+        and the weights changed last by an optimizer step whose base the ring still keeps. None otherwise: the
+        version now, as without."""
         if not self.run.training.weight_prediction or self.is_last or self._custom_rule:
             return None
         stepped = self._stepped
-        tau = min(PREDICT_MAX, int(round(self.staleness.mean())))
+        tau = min(PREDICT_MAX, int(round(self.run.training.weight_prediction * self.staleness.mean())))
         if stepped is None or stepped[0] != self.stats.param_version or tau < 1:
             return None
         version, digest = self.committed
