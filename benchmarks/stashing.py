@@ -1,7 +1,7 @@
 """What micro-batches in flight cost learning, with and without weight stashing, at equal samples (issue 41's charlm goal).
 
     python -m benchmarks.stashing --json [--run charlm] [--samples 8000] [--seeds 0,1] [--in-flight 4] [--predict 2]
-    [--quick]
+    [--ways stashed,unstashed,predicted] [--quick]
 
 Real stage workers (``swarm.pipeline.stage.worker.StageWorker``: the guard, clipping, the staleness rule, the
 referee's ring) of every stage of the run in one process, no network, driven in the pipeline's schedule: each stage
@@ -98,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     args_parser.add_argument("--in-flight", type=int, default=4, help="micro-batches in flight (default 4)")
     args_parser.add_argument("--predict", type=float, default=2.0, help="training.weight_prediction of the predicted "
                              "way: how many times its staleness a stage looks ahead (default 2, charlm's)")
+    args_parser.add_argument("--ways", default="stashed,unstashed,predicted",
+                             help="comma-separated ways to train beside one micro-batch in flight (the baseline, "
+                             "always trained): stashed, unstashed, predicted (default all three)")
     args = args_parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.quick:
         args.run, args.samples, args.seeds = "digits-mlp", 640, "0"
@@ -108,10 +111,16 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"run": args.run, "samples": args.samples, "in_flight": args.in_flight,
                               "predict": args.predict, "seeds": {},
                               "machine": machine_notes()}
-    ratios: dict[str, list[float]] = {"stashed": [], "unstashed": [], "predicted": []}
+    every_way = {"stashed": (args.in_flight, True, 0.0), "unstashed": (args.in_flight, False, 0.0),
+                 "predicted": (args.in_flight, True, args.predict)}
+    chosen = [name.strip() for name in args.ways.split(",") if name.strip()]
+    unknown = [name for name in chosen if name not in every_way]
+    if unknown or not chosen:
+        args_parser.error(f"--ways: {', '.join(unknown) or 'none given'}: choose from {', '.join(every_way)}")
+    report["ways"] = chosen
+    ratios: dict[str, list[float]] = {name: [] for name in chosen}
     for seed in (int(s) for s in args.seeds.split(",")):
-        ways = {"one_in_flight": (1, True, 0.0), "stashed": (args.in_flight, True, 0.0),
-                "unstashed": (args.in_flight, False, 0.0), "predicted": (args.in_flight, True, args.predict)}
+        ways = {"one_in_flight": (1, True, 0.0), **{name: every_way[name] for name in chosen}}
         results = {}
         for name, (in_flight, stashing, predicting) in ways.items():
             results[name] = train(args.run, in_flight, stashing, args.samples, seed, predicting)
