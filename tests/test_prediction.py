@@ -81,6 +81,7 @@ def test_a_forward_computes_with_its_weights_predicted_along_the_last_update():
     made = worker.derivations.get(worker.forward_weights)
     assert worker.forward_weights != digest and made is not None  # its receipt names both
     assert made.base == digest and made.tau == 1 and made.prev != digest
+    assert worker.predicted_ahead == 1  # what the dashboard's staleness row says ("weights predicted 1 ahead")
     prev = worker.ring.get(made.prev).tensors
     live = {name: t.detach() for name, t in worker.module.state_dict().items()}
     expected = predict(live, prev, 1)
@@ -112,6 +113,7 @@ def test_nothing_is_predicted_without_staleness_the_flag_or_at_the_last_stage():
     fresh.backward("a", torch.randn(8, HIDDEN), None, None)
     fresh.forward("b", torch.randn(8, HIDDEN).relu())
     assert fresh.forward_weights == fresh.committed[1] and fresh.predicted == 0
+    assert fresh.predicted_ahead == 0 and worker.predicted_ahead == 0
 
 
 def test_the_referee_rebuilds_predicted_weights_and_upholds_the_honest_forward():

@@ -58,6 +58,9 @@ def test_honest_lone_copies_that_predict_their_weights_are_upheld_and_never_puni
         assert result["microbatches"] >= MICROBATCHES, result
         assert peers[0].worker.predicted > 0 and result["stage0_predicted"] > 0, result  # layer2 (the last): none
         assert peers[1].worker.predicted == 0, result
+        shown = peers[0].metrics()  # what its node's dashboard and `volunteer ctl status` read
+        assert shown.predicted_forwards == peers[0].worker.predicted and 0 <= shown.predicted_ahead <= 8, result
+        assert peers[1].metrics().predicted_ahead == 0, result
         assert referee["held"] >= 5 and referee["convicted"] == 0, result
         assert referee["climbing"] == 0 and referee["withheld"] == 0 and result["holds"] == 0, result
         assert referee["unshown"] <= max(2, referee["refereed"] // 5), result

@@ -6,6 +6,7 @@ stage worker counting updates between a forward and its backward, and the record
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -202,3 +203,10 @@ def test_status_and_dashboard_show_each_copys_staleness():
     from volunteer_cli.commands.ctl import render_status
 
     assert "staleness 3.2 mean, 7 p95, 9 max (updates)" in render_status(snap.to_json())
+    assert "predicted" not in shown and "predicted" not in render_status(snap.to_json())
+    # weight prediction at work (training.weight_prediction): the row says how far ahead the forwards look
+    predicting = dataclasses.replace(snap, predicted_forwards=120, predicted_ahead=4)
+    console = Console(width=120, record=True)
+    console.print(figures_table(predicting))
+    assert "staleness avg 3.2 · p95 7 · max 9 updates · predicted 4 ahead" in console.export_text()
+    assert "9 max (updates), weights predicted 4 ahead" in render_status(predicting.to_json())

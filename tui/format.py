@@ -119,6 +119,13 @@ def format_staleness(mean: float | None, p95: float | None, maximum: int | None)
     return f"avg {mean:.1f} · p95 {p95:.0f} · max {maximum}"
 
 
+def format_prediction(ahead: int) -> str:
+    """Weight prediction's part of the staleness row: ' · predicted 4 ahead' (training forwards compute with the
+    weights extrapolated 4 updates along the last one; short, so that the row fits the panel at 120 columns), ''
+    where the latest was not predicted."""
+    return f" · predicted {ahead} ahead" if ahead > 0 else ""
+
+
 def format_checks(checked: int, caught: int, outweighed: int) -> str:
     """Spot checks this node ran: '212 · 1 caught', '212 · 0 caught · 2 not penalised' (accusers with less
     validated work than the accused)."""

@@ -18,6 +18,7 @@ from tui.format import (
     format_count,
     format_duration,
     format_loss,
+    format_prediction,
     format_rate,
     format_staleness,
 )
@@ -95,7 +96,8 @@ def figures_table(snapshot: NodeSnapshot) -> Table:
     grid.add_row("reachable", reachability_text(snapshot))
     if snapshot.staleness_max is not None:  # updates between a micro-batch's forward and its backward here
         grid.add_row("staleness", Text.assemble(format_staleness(snapshot.staleness_mean, snapshot.staleness_p95,
-                                                                 snapshot.staleness_max), " updates"))
+                                                                 snapshot.staleness_max), " updates",
+                                                format_prediction(snapshot.predicted_ahead)))
     if snapshot.spot_checked:  # outputs of other peers this node had recomputed and compared
         grid.add_row("checks", format_checks(snapshot.spot_checked, snapshot.spot_caught, snapshot.spot_outweighed))
     if snapshot.data_plane:  # layer0: stage to stage, or relayed by this driver (and why)

@@ -183,6 +183,9 @@ class NodeSnapshot:
     staleness_mean: float | None = None
     staleness_p95: float | None = None
     staleness_max: int | None = None
+    # weight prediction: training forwards computed with weights predicted this many updates ahead (0: none)
+    predicted_forwards: int = 0
+    predicted_ahead: int = 0
     # resources
     cpu_percent: float = 0.0
     memory_bytes: int = 0

@@ -50,6 +50,10 @@ class PeerMetrics:
     staleness_mean: float | None = None
     staleness_p95: float | None = None
     staleness_max: int | None = None
+    # weight prediction (training.weight_prediction): training forwards that computed with predicted weights, and how
+    # many updates ahead the latest looked (0: none predicted)
+    predicted_forwards: int = 0
+    predicted_ahead: int = 0
     capacity: float | None = None  # samples/s at full use (StageStats.capacity); None until measured
     # the run's online drivers our stage refuses right now (banned), of those it knows; the last ban's reason
     # (StageGate.refusals); -1 before the gate is up
@@ -74,6 +78,7 @@ def collect_metrics(worker: StageWorker, traffic: Traffic, in_flight: int, heal:
         samples_per_s=stats.samples_per_s(time.monotonic()), loss=stats.loss_ema, clock=int(round(stats.clock)),
         param_version=stats.param_version, served=stats.served, samples=stats.samples, bytes_in=traffic.bytes_in,
         bytes_out=traffic.bytes_out, in_flight=in_flight, capacity=stats.capacity(time.monotonic()),
+        predicted_forwards=worker.predicted, predicted_ahead=worker.predicted_ahead,
     )
     stale = worker.staleness.summary()
     if stale is not None:

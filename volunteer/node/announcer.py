@@ -54,6 +54,7 @@ class Announcer:
         self.reads = ReadSchedule()  # which swarms each heartbeat reads (swarm/dht/membership.py read_period)
         self.fresh: set[str] = set()  # the swarms the last heartbeat read
         self.stall = StallClock()  # seconds online without a completed micro-batch (status, dashboard, record)
+        self._said_predicting = False  # the event that weight prediction is at work here (once a process)
 
     def tick(self, now_s: float) -> None:
         if now_s >= self.next_beat_s:
@@ -221,6 +222,10 @@ class Announcer:
 
         m = node.peer.metrics()
         self.metrics = m
+        if m.predicted_ahead and not self._said_predicting:
+            self._said_predicting = True
+            node.board.emit(f"forwards compute with the weights predicted {m.predicted_ahead} updates ahead, where "
+                            "they will be when their gradients land (training.weight_prediction)", kind="predicting")
         state = node.board.snapshot().state
         fields: dict[str, Any] = dict(
             samples_per_s=round(shown_samples_per_s(m.samples_per_s, state), 2), loss=m.loss, clock=m.clock, microbatches_served=m.served,
@@ -230,6 +235,7 @@ class Announcer:
             data_plane=m.data_plane,
             staleness_mean=None if m.staleness_mean is None else round(m.staleness_mean, 2),
             staleness_p95=m.staleness_p95, staleness_max=m.staleness_max,
+            predicted_forwards=m.predicted_forwards, predicted_ahead=m.predicted_ahead,
         )
         if m.test_accuracy is not None or m.test_loss is not None:
             fields.update(test_accuracy=m.test_accuracy, test_loss=m.test_loss,

@@ -123,7 +123,8 @@ def render_status(snap: dict) -> str:
         work.append(f"loss {snap['loss']:.3f}")
     if snap.get("staleness_max") is not None:  # updates applied here between a micro-batch's forward and backward
         work.append(f"staleness {snap.get('staleness_mean') or 0.0:.1f} mean, {snap.get('staleness_p95') or 0.0:.0f} "
-                    f"p95, {snap['staleness_max']} max (updates)")
+                    f"p95, {snap['staleness_max']} max (updates)"
+                    + (f", weights predicted {snap['predicted_ahead']} ahead" if snap.get("predicted_ahead") else ""))
     if snap.get("spot_checked"):  # other peers' outputs this node had recomputed and compared
         work.append(f"spot checks {snap['spot_checked']} ({snap.get('spot_caught', 0)} caught"
                     + (f", {snap['spot_outweighed']} not penalised: their accusers had less validated work"

@@ -19,6 +19,7 @@ class Predicting:
         self._stepped: tuple[int, bytes] | None = None  # (the version an optimizer step made, the digest before it)
         self._prediction: tuple[tuple, bytes, dict[str, torch.Tensor]] | None = None  # the latest, reused per version
         self.predicted = 0  # forwards that computed with predicted weights
+        self.predicted_ahead = 0  # updates ahead the latest training forward looked (0: it was not predicted)
 
     def _note_step(self, base_digest: bytes) -> None:
         """An optimizer step took the weights from ``base_digest`` to the version now (called right after it)."""
@@ -30,6 +31,7 @@ class Predicting:
         steps (their update includes a pull), the run's factor times the stage's recent staleness rounds to 1 or more,
         and the weights changed last by an optimizer step whose base the ring still keeps. None otherwise: the
         version now, as without."""
+        self.predicted_ahead = 0
         if not self.run.training.weight_prediction or self.is_last or self._custom_rule:
             return None
         stepped = self._stepped
@@ -40,6 +42,7 @@ class Predicting:
         key = (version, digest, tau)
         if self._prediction is not None and self._prediction[0] == key:
             self.predicted += 1
+            self.predicted_ahead = tau
             return self._prediction[1], self._prediction[2], tau
         prev = self.ring.get(stepped[1])
         if prev is None or prev.tensors is None:
@@ -50,4 +53,5 @@ class Predicting:
         self.derivations.note(predicted, Derivation(digest, stepped[1], tau))
         self._prediction = (key, predicted, tensors)
         self.predicted += 1
+        self.predicted_ahead = tau
         return predicted, tensors, tau
