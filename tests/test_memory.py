@@ -80,7 +80,7 @@ def test_llm_small_is_a_100m_model_whose_stages_fit_a_12_gib_gpu_and_one_takes_a
 
 
 def test_doctor_shows_each_stages_gpu_memory_for_llama_runs_only():
-    from volunteer_cli.commands.doctor import memory_checks
+    from volunteer_cli.commands.doctor_memory import memory_checks
 
     run, _ = load_run("llm-small")
     checks = [c for c in memory_checks(run, "cpu") if c.section.startswith("GPU")]
@@ -93,6 +93,10 @@ def test_doctor_shows_each_stages_gpu_memory_for_llama_runs_only():
     host = [c for c in memory_checks(run, "cpu") if c.section.startswith("Host memory")]
     assert [c.name for c in host] == ["layer0", "layer1", "layer2", "layer3"]
     assert all("bytes each" in c.detail and "snapshots" in c.detail and "weight versions" in c.detail for c in host)
+    # weight prediction (charlm's): the predicted copies its forwards in flight hold, never at the last stage
+    charlm_host = [c.detail for c in charlm if c.section.startswith("Host memory")]
+    assert ["predicted weights while forwards are in flight" in d for d in charlm_host] == [True, True, True, False]
+    assert not any("predicted" in c.detail for c in host)  # llm-small does not predict
     # a small stage's parts read in tenths of a MiB, not "0" each (digits: 0.02 M parameters)
     from volunteer_cli.commands.common import mib_text
 

@@ -116,6 +116,41 @@ def test_nothing_is_predicted_without_staleness_the_flag_or_at_the_last_stage():
     assert fresh.predicted_ahead == 0 and worker.predicted_ahead == 0
 
 
+def test_the_predicted_copies_forwards_in_flight_hold_are_what_doctor_says():
+    """Four micro-batches in flight at stage 0 (staleness 3): each forward awaiting its backward holds its own
+    predicted copy, which `volunteer doctor` counts (swarm/run/memory.py: predict_bytes typically, stash_max_bytes
+    at most), and none of it is the referee's ring's."""
+    from swarm.run.memory import host_memory
+
+    run = RUN.model_copy(update={"training": RUN.training.model_copy(update={"in_flight": 4})})
+    gen = torch.Generator().manual_seed(3)
+    worker = StageWorker(run, 0)
+    need = host_memory(run, 0)
+    weights = 4 * sum(p.numel() for p in worker.module.parameters())
+    assert need.predict_bytes == 4 * weights and need.stash_max_bytes == 9 * weights
+    plain = RUN.model_copy(update={"training": RUN.training.model_copy(update={"weight_prediction": 0.0})})
+    assert host_memory(run, 2).predict_bytes == 0 and host_memory(plain, 0).predict_bytes == 0
+
+    def held() -> int:  # distinct storages the predicted forwards' graphs and the predictor hold
+        stashes = [s.stash for s in worker.cache._items.values() if worker.derivations.get(s.weights) is not None]
+        if worker._prediction is not None:
+            stashes.append(worker._prediction[2])
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for s in stashes for t in s.values()}
+        ring = {t.untyped_storage().data_ptr() for v in worker.ring._versions.values()
+                for t in (v.tensors or {}).values()}
+        assert not set(storages) & ring  # predicted copies are never the ring's
+        return sum(storages.values())
+
+    most = 0
+    for i in range(24):
+        worker.forward(f"m{i}", torch.randn(8, 64, generator=gen))
+        if i >= 3:
+            most = max(most, held())
+            worker.backward(f"m{i - 3}", 0.1 * torch.randn(8, HIDDEN, generator=gen), None, None)
+    assert worker.predicted >= 12 and worker.predicted_ahead >= 1
+    assert most == need.predict_bytes <= need.stash_max_bytes, (most / weights, need)  # measured: the estimate
+
+
 def test_the_referee_rebuilds_predicted_weights_and_upholds_the_honest_forward():
     worker, gen = _stale_worker()
     key = ReceiptKey("QmSigner")

@@ -106,7 +106,10 @@ def stage_memory(run: RunConfig, index: int, cuda: bool = True) -> StageMemory:
     from swarm.integrity.weights import STASHED_VERSIONS_MAX
 
     last = index == model.stages - 1
-    stashed = 0 if last or not run.training.weight_stashing else min(in_flight, STASHED_VERSIONS_MAX) - 1
+    # stashing: every forward awaiting its backward but the newest holds an older version; weight prediction: every
+    # one holds its own predicted copy (swarm/pipeline/stage/predicting.py), the newest too
+    stashed = 0 if last or not run.training.weight_stashing else \
+        min(in_flight, STASHED_VERSIONS_MAX) - (0 if run.training.weight_prediction else 1)
     return StageMemory(
         index=index, params=params, weights_bytes=2 * FLOAT32_BYTES * params, optimizer_bytes=optimizer,
         guard_bytes=FLOAT32_BYTES * params + optimizer,
@@ -140,7 +143,10 @@ class HostMemory:
     # with the versions referees pinned for their audits over it (PIN_MAX, for 20 s at most)
     ring_max_bytes_gpu: int = 0  # the same beside a GPU (one copy more)
     stash_max_bytes: int = 0  # weight stashing: versions forwards' graphs hold past the ring's bound, at most
-    # (STASHED_VERSIONS_MAX: the ring's copies are those versions while it keeps them)
+    # (STASHED_VERSIONS_MAX: the ring's copies are those versions while it keeps them); with weight prediction the
+    # graphs' predicted copies (never the ring's) and the predictor's latest
+    predict_bytes: int = 0  # weight prediction: the predicted copies forwards in flight hold whenever they are (one
+    # each, up to in_flight; part of stash_max_bytes)
 
     @property
     def total_bytes(self) -> int:
@@ -185,6 +191,9 @@ def host_memory(run: RunConfig, index: int, snapshots_on_disk: bool = True) -> H
     # the guard's pre-step copy of the weights is the ring's latest version (the weights the update op committed
     # and computed with: swarm/integrity/guard.py ``kept``), so it keeps its scratch (and SGD's momentum) only
     guard = FLOAT32_BYTES * largest + (0 if adam else optimizer)
+    stashing = run.training.weight_stashing and index < run.model.stages - 1
+    predicting = stashing and bool(run.training.weight_prediction)
+    in_flight = run.training.in_flight if isinstance(run.training.in_flight, int) else run.training.in_flight_max
     return HostMemory(
         index=index, params=params, live_bytes=2 * weights + optimizer, guard_bytes=guard,
         guard_peak_bytes=guard + (optimizer if adam else 0),
@@ -195,8 +204,8 @@ def host_memory(run: RunConfig, index: int, snapshots_on_disk: bool = True) -> H
         ring_max_bytes=max(RING_MIN_BYTES, int(RING_COPIES_MAX * weights * _commit_share())) + PIN_MAX * weights,
         ring_max_bytes_gpu=max(RING_MIN_BYTES, int((RING_COPIES_MAX + 1) * weights * _commit_share())) +
         PIN_MAX * weights,
-        stash_max_bytes=STASHED_VERSIONS_MAX * weights if run.training.weight_stashing and index < run.model.stages - 1
-        else 0,
+        stash_max_bytes=(STASHED_VERSIONS_MAX + predicting) * weights if stashing else 0,
+        predict_bytes=min(in_flight, STASHED_VERSIONS_MAX) * weights if predicting else 0,
     )
 
 
