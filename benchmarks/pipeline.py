@@ -144,6 +144,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--runs", default=None,
                         help="the shipped runs the configs part measures, comma-separated (default: digits-mlp,charlm; "
                              "e.g. llm-tiny)")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="a run-config field of the configs part's runs, e.g. training.weight_prediction=0 "
+                             "(the value is YAML; repeatable)")
     return parser
 
 
@@ -165,6 +168,8 @@ def _benchmark(fleet: Fleet, settings: Settings, args: argparse.Namespace) -> di
         chosen = QUICK_CONFIGS if args.quick else ConfigSettings()
         if args.runs:
             chosen = replace(chosen, runs=tuple(name.strip() for name in args.runs.split(",") if name.strip()))
+        chosen = replace(chosen, overrides=tuple(args.set))
+        report["settings_set"] = list(args.set)
         report.update(configs(fleet, maddr, reader, chosen))
     if "data-plane" in parts:
         chosen_plane = QUICK_DATA_PLANE if args.quick else DataPlaneSettings()

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from benchmarks.common import load_run_config, median, ratio, say, write_run
+from benchmarks.common import apply_overrides, load_run_config, median, ratio, say, write_run
 from benchmarks.fleet import Fleet
 from benchmarks.pipeline_swarm import START_TIMEOUT_S, LocalLoop, join_all, measure, stop_in_order, wait_training
 
@@ -35,15 +35,18 @@ class ConfigSettings:
     local_slices: int = 3  # before and after the pipeline
     local_slice_s: float = 3.0
     local_warmup_batches: int = 5
+    overrides: tuple[str, ...] = ()  # --set: run-config fields of every run measured (e.g. weight prediction off)
 
 
 QUICK = ConfigSettings(runs=("digits-mlp",), warmup_s=1.0, window_s=2.0, heartbeat_s=0.5, local_slices=1,
                        local_slice_s=0.3, local_warmup_batches=1)
 
 
-def training_only(name: str, heartbeat_s: float) -> dict[str, Any]:
-    """The shipped run ``name`` with evaluation off and a short heartbeat (what is timed is training)."""
+def training_only(name: str, heartbeat_s: float, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The shipped run ``name`` with evaluation off and a short heartbeat (what is timed is training), and
+    ``overrides`` (``section.field=value``) set."""
     config = yaml.safe_load((RUNS_DIR / f"{name}.yaml").read_text())
+    apply_overrides(config, list(overrides))
     config["training"]["eval_every_s"] = NO_EVALUATION_S
     config.setdefault("timeouts", {})["heartbeat_s"] = heartbeat_s
     config["name"] = f"bench-{name}"
@@ -62,7 +65,7 @@ def configs(fleet: Fleet, maddr: str, reader: Any, s: ConfigSettings) -> dict[st
 
     report: dict[str, Any] = {}
     for name in s.runs:
-        run_path = write_run(fleet.workdir / f"{name}.yaml", training_only(name, s.heartbeat_s))
+        run_path = write_run(fleet.workdir / f"{name}.yaml", training_only(name, s.heartbeat_s, s.overrides))
         run = load_run_config(run_path)
         stages = run.model.stages
         say(f"configs: {name}: one process, 1 thread, then {stages} stages")
