@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 from volunteer.config import load_preferences, load_run
-
 from volunteer_cli.commands.doctor_check import FAIL, GIB, INFO, MARKS, MIB, NOT_HERE, OK, WARN, Check
 from volunteer_cli.commands.doctor_memory import memory_checks
 
