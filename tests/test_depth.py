@@ -12,7 +12,7 @@ import math
 import pytest
 
 from swarm.pipeline.control.depth import PROBE_EVERY_S, DepthController, target_depth
-from swarm.pipeline.control.driver import lanes_cap
+from swarm.run.memory import lanes_cap
 from swarm.run.runconfig import RunConfig
 
 

@@ -45,6 +45,15 @@ class StageMemory:
                 + self.activation_bytes * self.micro_batches + self.overhead_bytes + self.stash_bytes)
 
 
+def lanes_cap(run: RunConfig) -> int:
+    """Lanes a driver runs, so the micro-batches it keeps in flight: ``in_flight``, or with ``auto`` the most it may
+    use (``in_flight_max``, and no more than a stage serves one driver at once). The driver's (control/driver.py)
+    and what a stage's memory is sized for."""
+    training = run.training
+    return int(training.in_flight) if training.in_flight != "auto" else \
+        max(1, min(training.in_flight_max, run.integrity.max_in_flight_per_requester))
+
+
 def layer_params(model: ModelConfig) -> int:
     head_dim = model.d_model // model.n_heads
     attention = 2 * model.d_model * model.n_heads * head_dim + 2 * model.d_model * model.kv_heads * head_dim
@@ -101,7 +110,7 @@ def stage_memory(run: RunConfig, index: int, cuda: bool = True) -> StageMemory:
     if run.optimizer.name == "sgd" and run.optimizer.momentum == 0:
         floats = 0
     optimizer = FLOAT32_BYTES * floats * params
-    in_flight = run.training.in_flight if isinstance(run.training.in_flight, int) else run.training.in_flight_max
+    in_flight = lanes_cap(run)
     bf16 = cuda and model.mixed_precision == "bf16"
     from swarm.integrity.weights import STASHED_VERSIONS_MAX
 
@@ -193,7 +202,6 @@ def host_memory(run: RunConfig, index: int, snapshots_on_disk: bool = True) -> H
     guard = FLOAT32_BYTES * largest + (0 if adam else optimizer)
     stashing = run.training.weight_stashing and index < run.model.stages - 1
     predicting = stashing and bool(run.training.weight_prediction)
-    in_flight = run.training.in_flight if isinstance(run.training.in_flight, int) else run.training.in_flight_max
     return HostMemory(
         index=index, params=params, live_bytes=2 * weights + optimizer, guard_bytes=guard,
         guard_peak_bytes=guard + (optimizer if adam else 0),
@@ -205,7 +213,7 @@ def host_memory(run: RunConfig, index: int, snapshots_on_disk: bool = True) -> H
         ring_max_bytes_gpu=max(RING_MIN_BYTES, int((RING_COPIES_MAX + 1) * weights * _commit_share())) +
         PIN_MAX * weights,
         stash_max_bytes=(STASHED_VERSIONS_MAX + predicting) * weights if stashing else 0,
-        predict_bytes=min(in_flight, STASHED_VERSIONS_MAX) * weights if predicting else 0,
+        predict_bytes=min(lanes_cap(run), STASHED_VERSIONS_MAX) * weights if predicting else 0,
     )
 
 

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from swarm.run.data import Dataset, MicroBatches
+from swarm.run.memory import lanes_cap
 from swarm.pipeline.control.depth import DepthController
 from swarm.pipeline.control.driver_failures import COVER_HOLD_S, LaneFailures  # noqa: F401  (COVER_HOLD_S re-exported)
 from swarm.pipeline.control.hops import (  # noqa: F401  (DriverStats, DriverStopped, HopGivenUp: re-exported for callers)
@@ -58,14 +59,6 @@ from swarm.pipeline.stage.worker import StageWorker
 from swarm.pipeline.stage.stage_rpc import Traffic, call_stage
 
 logger = logging.getLogger(__name__)
-
-
-def lanes_cap(run: RunConfig) -> int:
-    """Lanes a driver runs: ``in_flight``, or with ``auto`` the most it may use (``in_flight_max``, and no
-    more than a stage serves one driver at once)."""
-    training = run.training
-    return int(training.in_flight) if training.in_flight != "auto" else \
-        max(1, min(training.in_flight_max, run.integrity.max_in_flight_per_requester))
 
 
 SICK_POLL_S = 0.5
