@@ -210,3 +210,37 @@ def test_status_and_dashboard_show_each_copys_staleness():
     console.print(figures_table(predicting))
     assert "staleness avg 3.2 · p95 7 · max 9 updates · predicted 4 ahead" in console.export_text()
     assert "9 max (updates), weights predicted 4 ahead" in render_status(predicting.to_json())
+
+
+def test_a_predicting_nodes_figures_reach_its_snapshot_and_it_says_so_once():
+    """The node's announcer carries the stage's prediction figures into the snapshot the dashboard and `volunteer
+    ctl status` render, and says in the event log, once, that its forwards compute with predicted weights."""
+    from types import SimpleNamespace
+
+    from swarm.pipeline.peer_metrics import PeerMetrics
+    from volunteer.config import load_run
+    from volunteer.node.announcer import Announcer
+    from volunteer.snapshot import NodeSnapshot, NodeState
+
+    said: list[tuple[str, str]] = []
+    metrics = PeerMetrics(samples_per_s=10.0, loss=1.0, clock=0, param_version=5, served=40, bytes_in=0, bytes_out=0,
+                          in_flight=4, staleness_mean=1.5, staleness_p95=2.0, staleness_max=3, predicted_forwards=0,
+                          predicted_ahead=0)
+    node = SimpleNamespace(run=load_run("charlm")[0], swarm="layer1",
+                           peer=SimpleNamespace(metrics=lambda: metrics, device="cpu"),
+                           board=SimpleNamespace(emit=lambda text, kind="info", **kw: said.append((kind, text)),
+                                                 snapshot=lambda: SimpleNamespace(state=NodeState.ONLINE)),
+                           governors=SimpleNamespace(throttle_reason=lambda: None),
+                           reachability=SimpleNamespace(cut_off_reason=lambda: ""))
+    announcer = Announcer(node)
+    fields = announcer.work_fields()
+    assert fields["predicted_ahead"] == 0 and not said  # nothing predicted yet: nothing said
+    metrics = dataclasses.replace(metrics, predicted_forwards=37, predicted_ahead=3)
+    fields = announcer.work_fields()
+    snap = dataclasses.replace(NodeSnapshot(run_name="charlm", run_id="c-1", swarm="layer1", peer_id="p1",
+                                            state=NodeState.ONLINE),
+                               **{k: v for k, v in fields.items() if k in NodeSnapshot.__dataclass_fields__})
+    assert (snap.predicted_forwards, snap.predicted_ahead) == (37, 3)
+    assert [kind for kind, _ in said] == ["predicting"] and "predicted 3 updates ahead" in said[0][1]
+    announcer.work_fields()
+    assert len(said) == 1  # once a process, not every heartbeat
