@@ -285,10 +285,10 @@ def test_strikes_decay_and_bans_double():
 def test_a_flooding_driver_is_answered_busy_while_the_other_is_served():
     cfg = IntegrityConfig(fair_share_burst=4, fair_share_slack=2.0, max_in_flight_per_requester=3)
     book = RequesterBook(cfg)
-    for t in range(3):
-        assert book.admit("honest", True, now=float(t)) is None
+    for t in range(5):  # past its free burst here: it wants its share of this copy
+        assert book.admit("honest", True, now=t * 0.5) is None
         book.finished("honest")
-        book.on_update("honest", 1.0, now=float(t))
+        book.on_update("honest", 1.0, now=t * 0.5)
     codes = []
     for t in range(20):
         refusal = book.admit("flood", True, now=3.0 + t * 0.01)
@@ -296,7 +296,7 @@ def test_a_flooding_driver_is_answered_busy_while_the_other_is_served():
         if refusal is None:
             book.finished("flood")
             book.on_update("flood", 1.0, now=3.0 + t * 0.01)
-    assert codes.count(None) == 6 and codes[-1] == "busy"  # 2 x the honest driver's 3
+    assert codes.count(None) == 10 and codes[-1] == "busy"  # 2 x the honest driver's 5
     assert book.admit("honest", True, now=3.5) is None
     # in flight: a fourth concurrent request of one driver waits
     assert [book.admit("many", False, now=4.0) for _ in range(3)] == [None] * 3
@@ -458,3 +458,22 @@ def test_a_driver_that_sends_almost_nothing_does_not_throttle_the_others():
         assert book.admit("honest", True, now=t * 0.05) is None
         book.finished("honest")
         book.on_update("honest", 1.0, now=t * 0.05)
+
+
+def test_newcomers_at_a_fresh_copy_hold_each_other_only_past_their_burst():
+    """Session 38: two honest drivers starting together (nobody established at either copy of a swarm) whose
+    micro-batches mostly went to different copies held each other near the burst at both: at each copy the other
+    driver's few updates bounded the one that used it (`volunteer demo --per-swarm 2`: 60-230 samples/s for 6-10 s,
+    then 1,000-1,900). A newcomer within its free burst here does not want more of this copy; one past it does."""
+    cfg = IntegrityConfig(fair_share_burst=32, fair_share_slack=2.0, probation_updates=64)
+    book = RequesterBook(cfg)
+    apply = _applier(book)
+    assert [apply("elsewhere", t * 0.1) for t in range(3)] == [None] * 3  # its micro-batches go to the other copy
+    assert [apply("here", 0.5 + t * 0.01) for t in range(60)] == [None] * 60, "not held to 2 x the other's 3"
+    assert book.on_probation("here", now=1.2) is False  # nobody established: no probation either
+    # once the other wants more than its burst here, the two share this copy as before (both still newcomers)
+    book2 = RequesterBook(IntegrityConfig(fair_share_burst=32, fair_share_slack=2.0, probation_updates=200))
+    apply2 = _applier(book2)
+    assert [apply2("a", t * 0.01) for t in range(40)] == [None] * 40
+    codes = [apply2("b", 0.5 + t * 0.001) for t in range(100)]
+    assert codes.count(None) == 80 and codes[-1] == "busy"  # 2 x a's 40

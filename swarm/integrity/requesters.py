@@ -8,7 +8,8 @@ servicer (swarm/pipeline/stage/stage_rpc.py) asks ``admit`` before a request run
 - Fair share: in a sliding window of ``fair_share_window_s``, a driver may apply ``fair_share_burst``
   updates, and beyond that at most ``fair_share_slack`` x the mean count of the established drivers
   active here that were here before it (a later stranger sending a few updates is no lever on the
-  senior drivers' share). One driver alone has the whole stage; a flood is answered ``busy``.
+  senior drivers' share); while nobody here is established, of the other newcomers past their burst.
+  One driver alone has the whole stage; a flood beside a driver that wants its share is answered ``busy``.
 - Probation: a driver with fewer than ``probation_updates`` updates applied here, while a driver past
   probation is active, may apply at most ``probation_share`` x the established drivers' mean count per
   window (and ``PROBATION_BURST`` at least): measured, 64 ascent updates accepted at the full fair share
@@ -164,7 +165,10 @@ class RequesterBook:
 
         Only drivers that were here first bound an established driver's share, and drivers on probation
         never do: a stranger that sends a few updates would otherwise hold the honest driver to twice
-        its own few (on probation both spiral down to the burst, tests/test_integrity_bounds.py)."""
+        its own few (on probation both spiral down to the burst, tests/test_integrity_bounds.py). Where nobody
+        is established yet (a run's or this copy's first updates), drivers on probation bound each other only
+        once they use more than the free burst here: two honest drivers starting together whose micro-batches
+        mostly went to different copies held each other near the burst at both for 6-10 s (session 38)."""
         cfg = self.cfg
         seniors, juniors, elders, pool = [], [], [], own
         for r, e in self._book.items():
@@ -174,9 +178,12 @@ class RequesterBook:
             if not self._established(e):
                 pool += n  # every newcomer's updates count against the newcomers' pool, a burst's too
             if n >= MIN_COMPETING_UPDATES:
-                (seniors if self._established(e) else juniors).append(n)
-                if self._established(e) and e.first_seen <= entry.first_seen:
-                    elders.append(n)
+                if self._established(e):
+                    seniors.append(n)
+                    if e.first_seen <= entry.first_seen:
+                        elders.append(n)
+                elif n >= cfg.fair_share_burst:  # a newcomer within its free burst here does not want more of it
+                    juniors.append(n)
         retry = max(0.1, cfg.fair_share_window_s - (now - entry.updates[0]) if entry.updates else 1.0)
         on_probation = entry.applied < cfg.probation_updates
         if on_probation and seniors:
