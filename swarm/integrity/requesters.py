@@ -168,7 +168,10 @@ class RequesterBook:
         its own few (on probation both spiral down to the burst, tests/test_integrity_bounds.py). Where nobody
         is established yet (a run's or this copy's first updates), drivers on probation bound each other only
         once they use more than the free burst here: two honest drivers starting together whose micro-batches
-        mostly went to different copies held each other near the burst at both for 6-10 s (session 38)."""
+        mostly went to different copies held each other near the burst at both for 6-10 s (session 38). An
+        established elder still counts from its second update: there the bound on a driver a busy machine slows is
+        what keeps a skewed run's classes balanced (issue 30), for as long as the run lasts, where a newcomer's
+        phase ends at ``probation_updates``."""
         cfg = self.cfg
         seniors, juniors, elders, pool = [], [], [], own
         for r, e in self._book.items():
