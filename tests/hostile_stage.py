@@ -73,7 +73,8 @@ def serve_signed_stage(hostile: Any, swarm: str, params: dict[str, torch.Tensor]
         reply = await stub.rpc_receipt_key(runtime_pb2.ExpertRequest())
         return unpack_metadata(reply.metadata).get("key", b"")
 
-    gate = StageGate(run.integrity, labels=labels, refresh=read_drivers, swarm=swarm)
+    gate = StageGate(run.integrity, labels=labels, refresh=read_drivers, swarm=swarm,
+                     balance=run.data.partition == "label_skewed")
     desk = ReceiptDesk(run.run_id, k, hostile.receipt_key, KeyBook(fetch_key))
     servicer = stage_rpc.make_servicer(worker, ThreadPoolExecutor(max_workers=1), codec=run.training.codec,
                                        max_bytes=int(run.training.max_payload_mb * 2**20), is_accepting=lambda: True,

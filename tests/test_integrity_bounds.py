@@ -477,3 +477,11 @@ def test_newcomers_at_a_fresh_copy_hold_each_other_only_past_their_burst():
     assert [apply2("a", t * 0.01) for t in range(40)] == [None] * 40
     codes = [apply2("b", 0.5 + t * 0.001) for t in range(100)]
     assert codes.count(None) == 80 and codes[-1] == "busy"  # 2 x a's 40
+    # a label-skewed run (balance): the share is also the classes' balance, so the other's few updates bound it
+    # (issue 30: counting newcomers only past their burst took a busy skewed run's worst chain from 0.90 to 0.57)
+    skewed = RequesterBook(IntegrityConfig(fair_share_burst=8, fair_share_slack=1.1, fair_share_window_s=5.0,
+                                           probation_updates=64), balance=True)
+    apply3 = _applier(skewed)
+    assert [apply3("slow", t * 0.1) for t in range(3)] == [None] * 3
+    codes = [apply3("fast", 0.5 + t * 0.01) for t in range(60)]
+    assert codes.count(None) == 8 and codes[-1] == "busy"  # its free burst, then 1.1 x the slow driver's 3

@@ -144,8 +144,8 @@ class SwarmPeer:
             return await loop.run_in_executor(None, reader.read, "layer0")
 
         # a shard claim reaches the other drivers at their next read: a read each heartbeat, plus one missed
-        gate = StageGate(self.run.integrity, labels=labels, refresh=read_drivers,
-                         notify=self.notify, cache=self.worker.cache, swarm=self.swarm,
+        gate = StageGate(self.run.integrity, labels=labels, refresh=read_drivers, notify=self.notify,
+                         cache=self.worker.cache, swarm=self.swarm, balance=self.run.data.partition == "label_skewed",
                          claim_grace_s=CLAIM_GRACE_HEARTBEATS * self.run.timeouts.heartbeat_s)
         self.worker.on_probation = lambda owner: gate.book.on_probation(owner, time.monotonic())
         return gate

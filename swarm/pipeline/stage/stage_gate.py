@@ -49,13 +49,13 @@ class Outcome:
 class StageGate:
     def __init__(self, cfg: IntegrityConfig, *, labels: LabelSource | None = None, refresh: Refresh | None = None,
                  notify: Notify | None = None, cache: ActivationCache | None = None, swarm: str = "",
-                 claim_grace_s: float = 0.0):
+                 claim_grace_s: float = 0.0, balance: bool = False):
         self.cfg = cfg
         self.labels = labels
         self.view = DriverView(claim_grace_s)  # a new shard claim stays open to the others this long
         # who was told wrong_shard when: a strike only for going on past what it had in flight (pushed, then relayed)
         self.shard_refusals = ShardRefusals(allowance=2 * cfg.max_in_flight_per_requester)
-        self.book = RequesterBook(cfg)
+        self.book = RequesterBook(cfg, balance)  # balance: a label-skewed run (swarm/integrity/requesters.py)
         self._refresh_records = refresh
         self._notify = notify or (lambda level, kind, text: None)
         self._cache = cache
